@@ -1,0 +1,203 @@
+"""The communication facade: the only way plait code issues a collective or point-to-point op.
+
+Every method builds a `CommRequest` and hands it to the `plait_communicate` hook, so algorithm
+plugins (compression, ring/tree all-reduce, a parameter server) can take an op over and telemetry
+(a `wrapper=True` implementation) sees every op without any strategy knowing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from plait.core.records import CommOp, CommRequest
+
+if TYPE_CHECKING:
+    from plait.core.plugins import Plugins
+
+
+class Work(Protocol):
+    """The handle an op returns; `wait()` blocks until the op's result is usable."""
+
+    def wait(self) -> Any: ...
+
+
+class CompletedWork:
+    """A `Work` for an op that finished synchronously."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@dataclass(slots=True)
+class ChainedWork:
+    """A `Work` that runs `then` once after the wrapped handle completes (e.g. unpacking)."""
+
+    inner: Any
+    then: Callable[[], None] | None = None
+    _done: bool = field(default=False, init=False)
+
+    def wait(self) -> bool:
+        if not self._done:
+            self.inner.wait()
+            if self.then is not None:
+                self.then()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A process group with the name and global ranks telemetry reports for it."""
+
+    name: str
+    ranks: tuple[int, ...]
+    process_group: Any = None  # None means the default (world) group
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+
+def world_group() -> Group:
+    return Group(name="world", ranks=tuple(range(dist.get_world_size())), process_group=None)
+
+
+class Comm:
+    """Issues collectives through `plait_communicate`; numbers ops per group for hang detection."""
+
+    def __init__(self, plugins: Plugins) -> None:
+        self.plugins = plugins
+        self._seq: defaultdict[str, int] = defaultdict(int)
+
+    def _issue(
+        self,
+        op: CommOp,
+        tensors: tuple[torch.Tensor, ...],
+        group: Group,
+        *,
+        async_op: bool,
+        purpose: str,
+        reduce_op: str = "sum",
+        peer: int | None = None,
+        attributes: dict[str, Any] | None = None,
+    ) -> Work:
+        seq = self._seq[group.name]
+        self._seq[group.name] = seq + 1
+        request = CommRequest(
+            op=op,
+            tensors=tensors,
+            group=group.process_group,
+            group_name=group.name,
+            group_ranks=group.ranks,
+            seq=seq,
+            reduce_op=reduce_op,  # type: ignore[arg-type]
+            peer=peer,
+            async_op=async_op,
+            purpose=purpose,
+            attributes=attributes or {},
+        )
+        return self.plugins.communicate(request)
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        group: Group,
+        op: str = "sum",
+        async_op: bool = False,
+        purpose: str = "generic",
+    ) -> Work:
+        return self._issue(
+            "all_reduce", (tensor,), group, async_op=async_op, purpose=purpose, reduce_op=op
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        group: Group,
+        op: str = "sum",
+        async_op: bool = False,
+        purpose: str = "generic",
+    ) -> Work:
+        """`output` receives this rank's 1/size chunk of the reduction of `input` (dim 0)."""
+        return self._issue(
+            "reduce_scatter",
+            (output, input),
+            group,
+            async_op=async_op,
+            purpose=purpose,
+            reduce_op=op,
+        )
+
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        group: Group,
+        async_op: bool = False,
+        purpose: str = "generic",
+    ) -> Work:
+        """`output` (size × input along dim 0) receives every rank's `input`, in group order."""
+        return self._issue("all_gather", (output, input), group, async_op=async_op, purpose=purpose)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        group: Group,
+        async_op: bool = False,
+        purpose: str = "generic",
+    ) -> Work:
+        return self._issue("all_to_all", (output, input), group, async_op=async_op, purpose=purpose)
+
+    def broadcast(
+        self, tensor: torch.Tensor, *, src: int, group: Group, purpose: str = "generic"
+    ) -> Work:
+        """`src` is a global rank."""
+        return self._issue("broadcast", (tensor,), group, async_op=False, purpose=purpose, peer=src)
+
+    def send(
+        self,
+        tensor: torch.Tensor,
+        *,
+        dst: int,
+        group: Group,
+        async_op: bool = True,
+        purpose: str = "generic",
+    ) -> Work:
+        """`dst` is a global rank."""
+        return self._issue("send", (tensor,), group, async_op=async_op, purpose=purpose, peer=dst)
+
+    def recv(
+        self,
+        tensor: torch.Tensor,
+        *,
+        src: int,
+        group: Group,
+        async_op: bool = True,
+        purpose: str = "generic",
+    ) -> Work:
+        """`src` is a global rank."""
+        return self._issue("recv", (tensor,), group, async_op=async_op, purpose=purpose, peer=src)
+
+    def barrier(self, *, group: Group) -> Work:
+        return self._issue("barrier", (), group, async_op=False, purpose="barrier")

@@ -1,0 +1,258 @@
+"""Configuration: TOML files validated into pydantic models, with `a.b=c` overrides.
+
+Core sections are typed here. A plugin's own section (`[ddp]`, `[zero]`, `[tp]`, …) is validated
+by the `config_cls` of the record it registered, so an unknown section or field is an error that
+names what is allowed. Errors always name the field, the bad value and the allowed values.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from plait.core.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base for config sections: unknown fields are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    """Which model to build; `size` is a preset of the family, other fields override it."""
+
+    name: str = Field("llama", description="model family, e.g. 'llama' or 'gpt2'")
+    size: str = Field("tiny", description="preset: tiny, small, 1b, 7b, 70b, …")
+    overrides: dict[str, int | float | bool | str] = Field(
+        default_factory=dict, description="fields of the model's own config to override"
+    )
+
+
+class DataSection(Section):
+    path: str = Field("", description="directory of prepared token files; '' = bundled corpus")
+    seq_len: int = Field(128, gt=1, description="tokens per training sequence")
+
+
+class OptimizerSection(Section):
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of lr")
+    warmup_steps: int = Field(10, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+
+
+class TrainSection(Section):
+    steps: int = Field(50, gt=0)
+    global_batch_size: int = Field(8, gt=0, description="sequences per optimizer step, all ranks")
+    micro_batch_size: int = Field(2, gt=0, description="sequences per forward pass on one rank")
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    seed: int = 1234
+    log_every: int = Field(1, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class ParallelSection(Section):
+    """Degrees per mesh axis and the strategy that implements each axis (by plugin name)."""
+
+    dp: int = Field(-1, description="data-parallel degree; -1 = world size / (pp·cp·tp)")
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+    cp: int = Field(1, gt=0)
+    dp_strategy: str = Field("ddp", description="strategy for the dp axis: ddp, zero1, …")
+    tp_strategy: str = "megatron"
+    pp_strategy: str = "pipeline"
+    cp_strategy: str = "ring_attention"
+    transforms: dict[str, str] = Field(
+        default_factory=dict,
+        description="model transforms by axis, e.g. {ac = 'checkpoint', precision = 'amp'}",
+    )
+
+    @model_validator(mode="after")
+    def _dp_positive_or_auto(self) -> ParallelSection:
+        if self.dp == 0 or self.dp < -1:
+            raise ValueError(f"dp must be -1 (auto) or a positive degree, got {self.dp}")
+        return self
+
+
+class ScheduleSection(Section):
+    name: str = Field("accumulate", description="step schedule plugin: accumulate, 1f1b, …")
+    virtual_stages: int = Field(1, gt=0, description="model chunks per pipeline rank")
+
+
+class KernelsSection(Section):
+    prefer: list[str] = Field(default_factory=lambda: ["torch"])
+    overrides: dict[str, str] = Field(default_factory=dict)
+
+
+class TelemetrySection(Section):
+    enabled: bool = True
+    daemon: str = Field("", description="host:port of the node daemon; '' = $PLAIT_DAEMON")
+    job_id: str = ""
+
+
+class PluginsSection(Section):
+    disable: list[str] = Field(default_factory=list, description="plugin names to block")
+
+
+class PlaitConfig(BaseModel):
+    """The whole job. Plugin sections land in `extensions`, validated by their plugins."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    kernels: KernelsSection = Field(default_factory=KernelsSection)
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    plugins: PluginsSection = Field(default_factory=PluginsSection)
+
+    @property
+    def extensions(self) -> dict[str, dict[str, Any]]:
+        """Plugin sections (anything not a core section), as raw dicts."""
+        return dict(self.model_extra or {})
+
+    def section(self, name: str, cls: type[BaseModel]) -> Any:
+        """Validate and return a plugin's section (defaults if the file has none)."""
+        raw = self.extensions.get(name, {})
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(_format_validation_error(exc, prefix=name)) from None
+
+
+CORE_SECTIONS = tuple(PlaitConfig.model_fields)
+
+
+def _format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        value = err.get("input")
+        allowed = _allowed_values(err)
+        msg = f"{loc or '<root>'}: {err['msg']} (got {value!r})"
+        if allowed:
+            msg += f"; allowed: {allowed}"
+        lines.append(msg)
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _allowed_values(err: Any) -> str:
+    ctx = err.get("ctx") or {}
+    if "expected" in ctx:
+        return str(ctx["expected"])
+    if err["type"] == "extra_forbidden":
+        return "(this field does not exist; see `plait config show`)"
+    for key in ("gt", "ge", "lt", "le"):
+        if key in ctx:
+            sym = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[key]
+            return f"a value {sym} {ctx[key]}"
+    return ""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `a.b=c` into (['a', 'b'], value); the value is a TOML/Python literal or a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.field=value")
+    key, raw = text.split("=", 1)
+    path = [p.strip() for p in key.strip().split(".")]
+    if not all(path):
+        raise ConfigError(f"override {text!r} has an empty key part")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            existing = node.setdefault(part, {})
+            if not isinstance(existing, dict):
+                raise ConfigError(
+                    f"override {text!r}: {part!r} is a value ({existing!r}), not a section"
+                )
+            node = existing
+        node[path[-1]] = value
+    return data
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | PlaitConfig | None = None,
+    overrides: Sequence[str] = (),
+) -> PlaitConfig:
+    """Load a config from a TOML path, a dict, or an existing config, then apply overrides."""
+    if isinstance(source, PlaitConfig):
+        data = source.model_dump()
+    elif source is None:
+        data = {}
+    elif isinstance(source, Mapping):
+        data = _deep_copy(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = apply_overrides(data, overrides)
+    try:
+        return PlaitConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def dump_toml(data: Mapping[str, Any]) -> str:
+    """A small TOML writer for `plait config show` (tomllib reads only)."""
+    scalars = {k: v for k, v in data.items() if not isinstance(v, Mapping)}
+    tables = {k: v for k, v in data.items() if isinstance(v, Mapping)}
+    out = [f"{k} = {_toml_value(v)}" for k, v in scalars.items() if v is not None]
+    for name, table in tables.items():
+        out.extend(_dump_table(name, table))
+    return "\n".join(out) + "\n"
+
+
+def _dump_table(name: str, table: Mapping[str, Any]) -> list[str]:
+    lines = ["", f"[{name}]"]
+    nested = []
+    for k, v in table.items():
+        if isinstance(v, Mapping) and v and any(isinstance(x, Mapping) for x in v.values()):
+            nested.append((k, v))
+        elif v is not None:
+            lines.append(f"{k} = {_toml_value(v)}")
+    for k, v in nested:
+        lines.extend(_dump_table(f"{name}.{k}", v))
+    return lines
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

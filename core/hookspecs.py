@@ -1,0 +1,286 @@
+"""The plait hook specifications: the whole surface a plugin can implement.
+
+Hooks are grouped in lifecycle order, the way pytest's `hookspec.py` is:
+
+1. configuration (`plait_configure`, historic),
+2. registration: plain records of what a plugin provides,
+3. the four decision hooks of the microkernel: shard, communicate, schedule, kernel,
+4. step lifecycle: `plait_step_start` / `plait_step_end`, checkpoint state.
+
+Every hook takes keyword arguments only. Decision hooks are `firstresult`: the first plugin that
+returns something other than `None` answers, and built-in defaults are `trylast`, so a
+third-party plugin that answers the same request wins over them. Plugins select themselves by the
+*name* the config gives, never by load order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from plait.core.comm import Work
+    from plait.core.config import PlaitConfig
+    from plait.core.records import (
+        CommAlgorithmRecord,
+        CommRequest,
+        KernelRecord,
+        ModelRecord,
+        ScheduleRecord,
+        StrategyRecord,
+    )
+    from plait.core.schedule import Action, ScheduleRequest
+    from plait.core.sharding import ShardContext, Sharded
+    from plait.core.step import JobInfo, StepReport
+
+PROJECT = "plait"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def plait_configure(*, config: PlaitConfig) -> None:
+    """Called once with the validated config; plugins registered later are called on register.
+
+    Example::
+
+        @hookimpl
+        def plait_configure(*, config):
+            if config.telemetry.enabled:
+                start_exporter(config.telemetry.daemon)
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# registration: what a plugin provides, as frozen records
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def plait_register_models() -> Sequence[ModelRecord]:
+    """Return the model families this plugin builds.
+
+    Example::
+
+        @hookimpl
+        def plait_register_models():
+            return [ModelRecord(name="mlp", config_cls=MLPConfig, build=MLP,
+                                flops_per_token=lambda cfg, seq_len: 6 * cfg.num_params)]
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def plait_register_strategies() -> Sequence[StrategyRecord]:
+    """Return the strategies (one per shard axis each) this plugin implements in `plait_shard`.
+
+    Example::
+
+        @hookimpl
+        def plait_register_strategies():
+            return [StrategyRecord(name="my_dp", axis="dp", config_cls=MyDPConfig)]
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def plait_register_schedules() -> Sequence[ScheduleRecord]:
+    """Return the step schedules this plugin builds in `plait_schedule`.
+
+    Example::
+
+        @hookimpl
+        def plait_register_schedules():
+            return [ScheduleRecord(name="gpipe", pipelined=True)]
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def plait_register_kernels() -> Sequence[KernelRecord]:
+    """Return the ops (and device types) this plugin answers in `plait_kernel`.
+
+    Example::
+
+        @hookimpl
+        def plait_register_kernels():
+            return [KernelRecord(op="rms_norm", provider="mykernels", device_types=("cuda",))]
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def plait_register_comm_algorithms() -> Sequence[CommAlgorithmRecord]:
+    """Return the communication algorithms this plugin implements in `plait_communicate`.
+
+    Example::
+
+        @hookimpl
+        def plait_register_comm_algorithms():
+            return [CommAlgorithmRecord(name="ring", ops=("all_reduce",))]
+    """
+    raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# the four decision hooks
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def plait_shard(*, axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
+    """Turn `model` into its parallel form for one shard axis, if `name` is yours.
+
+    The core calls this once per configured axis, in the order of `records.SHARD_ORDER`
+    (pp, tp, cp, ep, precision, ac, compile, dp). Return `None` for names you do not own.
+    The returned `Sharded.runtime` receives the step callbacks (gradient sync, optimizer
+    construction, clipping) the executor makes.
+
+    Example::
+
+        @hookimpl
+        def plait_shard(*, axis, name, model, context):
+            if axis != "dp" or name != "my_dp":
+                return None
+            return Sharded(module=model, runtime=MyDataParallel(model, context))
+    """
+
+
+@hookspec(firstresult=True)
+def plait_communicate(*, request: CommRequest) -> Work | None:
+    """Carry out one collective or point-to-point op and return its `Work` handle.
+
+    `plait.core.comm.Comm` is the only caller. The torch.distributed implementation is `trylast`;
+    an algorithm plugin returns a `Work` for the requests it takes over and `None` otherwise.
+    Telemetry is a `wrapper=True` implementation that sees every op.
+
+    Example::
+
+        @hookimpl
+        def plait_communicate(*, request):
+            if request.op != "all_reduce" or request.purpose != "grad_bucket":
+                return None
+            return ring_all_reduce(request)
+    """
+
+
+@hookspec(firstresult=True)
+def plait_schedule(*, request: ScheduleRequest) -> list[Action] | None:
+    """Return the action list one rank runs in one optimizer step, if `request.name` is yours.
+
+    Example::
+
+        @hookimpl
+        def plait_schedule(*, request):
+            if request.name != "accumulate":
+                return None
+            actions = []
+            for mb in range(request.num_microbatches):
+                actions += [Forward(microbatch=mb), Backward(microbatch=mb)]
+            return [*actions, SyncGradients(), OptimizerStep()]
+    """
+
+
+@hookspec(firstresult=True)
+def plait_kernel(*, name: str, device: str, dtype: str, provider: str | None) -> Any | None:
+    """Return a callable implementing op `name` on a device type and dtype, or `None`.
+
+    `device` is a device type ("cpu", "cuda"); `dtype` a torch dtype name ("float32").
+    `provider`, when not `None`, asks one provider by name (the `KernelRecord.provider` you
+    registered): answer only if it is yours. Callers go through `plait.core.kernels.Kernels`,
+    which walks `kernels.prefer` and caches the answer.
+
+    Example::
+
+        @hookimpl
+        def plait_kernel(*, name, device, dtype, provider):
+            if provider in (None, "mykernels") and name == "rms_norm" and device == "cuda":
+                return my_fused_rms_norm
+            return None
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# step lifecycle
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def plait_job_start(*, info: JobInfo) -> None:
+    """Called on every rank once the mesh, model and optimizer are built, before the first step.
+
+    Example::
+
+        @hookimpl
+        def plait_job_start(*, info):
+            tracer.set_resource(rank=info.rank, host=info.host)
+    """
+
+
+@hookspec
+def plait_job_end() -> None:
+    """Called on every rank when the engine is closed (flush exporters, stop threads).
+
+    Example::
+
+        @hookimpl
+        def plait_job_end():
+            exporter.shutdown()
+    """
+
+
+@hookspec
+def plait_step_start(*, step: int) -> None:
+    """Called on every rank before an optimizer step's action list runs.
+
+    Example::
+
+        @hookimpl
+        def plait_step_start(*, step):
+            profiler.step()
+    """
+
+
+@hookspec
+def plait_step_end(*, report: StepReport) -> None:
+    """Called on every rank after an optimizer step, with its loss, timings and token count.
+
+    Example::
+
+        @hookimpl
+        def plait_step_end(*, report):
+            print(report.step, report.loss)
+    """
+
+
+@hookspec
+def plait_checkpoint_state(*, rank: int) -> dict[str, Any] | None:
+    """Return extra plugin state to save in a checkpoint (keyed by plugin), or `None`.
+
+    Example::
+
+        @hookimpl
+        def plait_checkpoint_state(*, rank):
+            return {"loss_scale": scaler.scale}
+    """
+
+
+@hookspec
+def plait_load_checkpoint_state(*, state: dict[str, Any]) -> None:
+    """Receive the state saved by `plait_checkpoint_state` when a checkpoint is loaded.
+
+    Example::
+
+        @hookimpl
+        def plait_load_checkpoint_state(*, state):
+            scaler.scale = state.get("loss_scale", scaler.scale)
+    """

@@ -1,0 +1,112 @@
+"""The kernel facade: models and strategies fetch ops by name, never a hard-wired implementation.
+
+`Kernels.get(name, device, dtype)` asks `plait_kernel` once per (op, device type, dtype) and
+caches the callable. Preference (`kernels.prefer = ["triton", "torch"]`) and per-op overrides
+(`kernels.overrides = {attention = "torch"}`) choose between providers; the torch reference
+plugin answers `trylast` for everything.
+
+Op signatures every provider implements (all autograd-correct):
+
+- `rms_norm(x, weight, eps) -> y`
+- `layer_norm(x, weight, bias, eps) -> y`
+- `swiglu(gate, up) -> silu(gate) * up`
+- `bias_gelu(x, bias) -> gelu_tanh(x + bias)`
+- `rope(x, cos, sin) -> y`: x is (batch, seq, heads, head_dim); cos/sin are (seq, head_dim // 2);
+  rotation of the two halves of head_dim (the "rotate_half" convention)
+- `softmax_cross_entropy(logits, targets, ignore_index=-100) -> mean loss` (logits (N, V))
+- `attention(q, k, v, causal=True) -> out`: q is (batch, heads, seq, head_dim); k, v are
+  (batch, kv_heads, seq, head_dim) with heads % kv_heads == 0 (grouped-query attention)
+- `adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+  weight_decay) -> None`, updating the lists of tensors in place
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from plait.core.errors import PluginError
+
+if TYPE_CHECKING:
+    from plait.core.plugins import Plugins
+
+KERNEL_OPS: tuple[str, ...] = (
+    "rms_norm",
+    "layer_norm",
+    "swiglu",
+    "bias_gelu",
+    "rope",
+    "softmax_cross_entropy",
+    "attention",
+    "adamw_step",
+)
+
+
+def _device_type(device: torch.device | str) -> str:
+    return torch.device(device).type
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+class Kernels:
+    """Resolves and caches kernel implementations through `plait_kernel`."""
+
+    def __init__(
+        self,
+        plugins: Plugins,
+        *,
+        prefer: Sequence[str] = (),
+        overrides: Mapping[str, str] | None = None,
+    ) -> None:
+        self.plugins = plugins
+        self.prefer = tuple(prefer)
+        self.overrides = dict(overrides or {})
+        self._cache: dict[tuple[str, str, str], Callable[..., Any]] = {}
+        self._chosen: dict[tuple[str, str, str], str] = {}
+
+    def get(
+        self, name: str, device: torch.device | str, dtype: torch.dtype | str
+    ) -> Callable[..., Any]:
+        key = (name, _device_type(device), _dtype_name(dtype))
+        if key not in self._cache:
+            self._cache[key], self._chosen[key] = self._resolve(*key)
+        return self._cache[key]
+
+    def provider_of(self, name: str, device: torch.device | str, dtype: torch.dtype | str) -> str:
+        """Which provider answered (after `get`), for `plait kernels` and logs."""
+        key = (name, _device_type(device), _dtype_name(dtype))
+        self.get(name, device, dtype)
+        return self._chosen[key]
+
+    def _resolve(self, name: str, device: str, dtype: str) -> tuple[Callable[..., Any], str]:
+        if name in self.overrides:
+            forced = self.overrides[name]
+            impl = self.plugins.kernel(name=name, device=device, dtype=dtype, provider=forced)
+            if impl is None:
+                raise PluginError(
+                    f"kernels.overrides asks provider {forced!r} for op {name!r} on {device}/"
+                    f"{dtype}, but it does not answer; providers of {name!r}: "
+                    f"{self.providers_for(name)}"
+                )
+            return impl, forced
+        for provider in self.prefer:
+            impl = self.plugins.kernel(name=name, device=device, dtype=dtype, provider=provider)
+            if impl is not None:
+                return impl, provider
+        impl = self.plugins.kernel(name=name, device=device, dtype=dtype, provider=None)
+        if impl is None:
+            raise PluginError(
+                f"no installed plugin provides kernel {name!r} for {device}/{dtype}; "
+                f"providers of {name!r}: {self.providers_for(name)}"
+            )
+        return impl, getattr(impl, "plait_provider", "unknown")
+
+    def providers_for(self, name: str) -> list[str]:
+        return sorted(
+            {f"{r.provider} ({', '.join(r.device_types)})"
+             for _, r in self.plugins.kernel_records() if r.op == name}
+        )

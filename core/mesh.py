@@ -1,0 +1,137 @@
+"""The device mesh: named axes `pp, dp, cp, tp` over the ranks torchrun started.
+
+One explicit object, passed around, never a global (torchtitan's `ParallelDims`). TP is the
+innermost axis, so a TP group is made of consecutive ranks and stays inside a node; DP and PP
+span nodes. Vocabulary: an *axis* is a mesh axis, a *dim* is a tensor dimension.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from plait.core.comm import Group
+from plait.core.errors import MeshError
+
+MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+
+
+def resolve_device(choice: str = "auto") -> torch.device:
+    """cuda:LOCAL_RANK when asked for (or available under "auto"), else cpu."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise MeshError("train.device = 'cuda' but no CUDA device is available")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, *, timeout_seconds: float = 600.0) -> None:
+    """Join the process group torchrun set up (or a one-rank group when run directly)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_seconds)
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:
+        # A single process outside torchrun: a one-rank group over an in-memory store, so the
+        # same code path (collectives included) runs everywhere.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+
+
+def resolve_degrees(world_size: int, *, dp: int, tp: int, pp: int, cp: int) -> dict[str, int]:
+    """Fill in dp = -1 and check that the degrees multiply to the world size."""
+    others = tp * pp * cp
+    if dp == -1:
+        if world_size % others:
+            raise MeshError(
+                f"parallel degrees pp={pp} × cp={cp} × tp={tp} = {others} do not divide the "
+                f"world size {world_size}; set parallel.* so that pp·dp·cp·tp = {world_size}"
+            )
+        dp = world_size // others
+    degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    product = pp * dp * cp * tp
+    if product != world_size:
+        raise MeshError(
+            f"parallel degrees pp={pp} × dp={dp} × cp={cp} × tp={tp} = {product} but the world "
+            f"size is {world_size}; the product must equal the number of ranks"
+        )
+    return degrees
+
+
+@dataclass
+class Mesh:
+    """Degrees, this rank's coordinates and a process group per axis."""
+
+    degrees: dict[str, int]
+    device: torch.device
+    device_mesh: DeviceMesh
+    rank: int
+    world_size: int
+    _groups: dict[tuple[str, ...], Group] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(
+        cls, *, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto"
+    ) -> Mesh:
+        torch_device = resolve_device(device)
+        init_distributed(torch_device)
+        world_size = dist.get_world_size()
+        degrees = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
+        device_mesh = init_device_mesh(
+            torch_device.type,
+            tuple(degrees[a] for a in MESH_AXES),
+            mesh_dim_names=MESH_AXES,
+        )
+        return cls(
+            degrees=degrees,
+            device=torch_device,
+            device_mesh=device_mesh,
+            rank=dist.get_rank(),
+            world_size=world_size,
+        )
+
+    def size(self, axis: str) -> int:
+        return self.degrees[axis]
+
+    def coordinate(self, axis: str) -> int:
+        """This rank's index along `axis`."""
+        return self.device_mesh.get_local_rank(axis)
+
+    def coordinates(self) -> dict[str, int]:
+        return {axis: self.coordinate(axis) for axis in MESH_AXES}
+
+    def group(self, *axes: str) -> Group:
+        """The group of ranks that differ from this one only along `axes`.
+
+        Several axes give one flattened group. Creating a flattened group is collective: every
+        rank must ask for the same axes in the same order.
+        """
+        key = tuple(a for a in MESH_AXES if a in axes)
+        if len(key) != len(axes):
+            raise MeshError(f"unknown or repeated mesh axes {axes}; axes are {MESH_AXES}")
+        if key not in self._groups:
+            self._groups[key] = self._make_group(key)
+        return self._groups[key]
+
+    def _make_group(self, axes: tuple[str, ...]) -> Group:
+        name = "_".join(axes)
+        if len(axes) == 1:
+            pg = self.device_mesh.get_group(axes[0])
+        else:
+            pg = self.device_mesh[axes]._flatten(name).get_group()
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        return Group(name=name, ranks=ranks, process_group=pg)
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage `stage` with this rank's other coordinates."""
+        return self.group("pp").ranks[stage]

@@ -1,0 +1,87 @@
+"""What `plait_shard` receives and returns, and the step callbacks a strategy leaves behind.
+
+A strategy turns a module into its parallel form and returns `Sharded(module, runtime)`. The
+`ParallelRuntime` is how the executor talks to the strategy during a step, without knowing which
+strategy it is: before each backward, to sync gradients, to build the optimizer, to clip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from plait.core.comm import Comm
+    from plait.core.config import PlaitConfig
+    from plait.core.kernels import Kernels
+    from plait.core.mesh import Mesh
+    from plait.core.plugins import Plugins
+    from plait.core.records import ModelRecord
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(kw_only=True)
+class ShardContext:
+    """Everything a strategy may need; built once per engine."""
+
+    mesh: Mesh
+    config: PlaitConfig
+    comm: Comm
+    kernels: Kernels
+    plugins: Plugins
+    device: torch.device
+    model_record: ModelRecord | None = None
+    model_config: Any = None
+    # Set by earlier transforms for later ones (e.g. the pipeline stage's layer range).
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class ParallelRuntime:
+    """Step callbacks of one applied strategy. Every method has a do-nothing default."""
+
+    name: str = "runtime"
+
+    def before_forward(self, *, microbatch: int, num_microbatches: int) -> None:
+        """Called before each micro-batch's forward."""
+
+    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
+        """Called before each micro-batch's backward (e.g. to skip gradient sync until the last)."""
+
+    def sync_gradients(self) -> None:
+        """Make gradients final: wait for (or start) reductions."""
+
+    def build_optimizer(
+        self, module: nn.Module, factory: OptimizerFactory
+    ) -> torch.optim.Optimizer | None:
+        """Return a (sharded) optimizer, or `None` to let the next runtime or the core build it."""
+        return None
+
+    def grad_norm_squared(self) -> torch.Tensor | None:
+        """Global sum of squared gradient entries this runtime owns, or `None` for the default."""
+        return None
+
+    def after_optimizer_step(self) -> None:
+        """Called after the optimizer stepped (e.g. to all-gather updated shards)."""
+
+    def memory_report(self) -> dict[str, int] | None:
+        """Bytes held in parameters / gradients / optimizer state on this rank, if known."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+@dataclass(frozen=True, slots=True)
+class Sharded:
+    """The result of `plait_shard`: the transformed module and its step callbacks."""
+
+    module: nn.Module
+    runtime: ParallelRuntime | None = None

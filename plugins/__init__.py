@@ -1,0 +1,1 @@
+"""Built-in plait plugins: one subpackage per strategy, schedule, kernel set or model family."""

@@ -1,0 +1,1 @@
+"""DDP (placeholder until filled)."""

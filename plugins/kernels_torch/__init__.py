@@ -1,0 +1,1 @@
+"""Torch reference kernels (placeholder until filled)."""

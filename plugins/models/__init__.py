@@ -1,0 +1,1 @@
+"""Built-in model families (placeholder until filled)."""

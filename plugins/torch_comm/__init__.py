@@ -1,0 +1,62 @@
+"""The default `plait_communicate` implementation: torch.distributed (NCCL on GPU, Gloo on CPU).
+
+It answers `trylast`, so an algorithm plugin that takes an op over is asked first.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from plait.core.comm import CompletedWork, Work
+from plait.core.hookspecs import hookimpl
+from plait.core.records import CommRequest
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def run_torch_distributed(request: CommRequest) -> Work:
+    """Issue `request` with torch.distributed and return its work handle."""
+    group, async_op = request.group, request.async_op
+    match request.op:
+        case "all_reduce":
+            (tensor,) = request.tensors
+            work = dist.all_reduce(
+                tensor, op=REDUCE_OPS[request.reduce_op], group=group, async_op=async_op
+            )
+        case "reduce_scatter":
+            output, input = request.tensors
+            work = dist.reduce_scatter_tensor(
+                output, input, op=REDUCE_OPS[request.reduce_op], group=group, async_op=async_op
+            )
+        case "all_gather":
+            output, input = request.tensors
+            work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        case "all_to_all":
+            output, input = request.tensors
+            work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
+        case "broadcast":
+            (tensor,) = request.tensors
+            work = dist.broadcast(tensor, src=request.peer, group=group, async_op=async_op)
+        case "send":
+            (tensor,) = request.tensors
+            work = (dist.isend if async_op else dist.send)(tensor, dst=request.peer, group=group)
+        case "recv":
+            (tensor,) = request.tensors
+            work = (dist.irecv if async_op else dist.recv)(tensor, src=request.peer, group=group)
+        case "barrier":
+            work = dist.barrier(group=group, async_op=async_op)
+        case _:
+            raise ValueError(f"unknown communication op {request.op!r}")
+    if async_op and work is not None and not isinstance(work, int):
+        return work
+    return CompletedWork()
+
+
+@hookimpl(trylast=True)
+def plait_communicate(*, request: CommRequest) -> Work:
+    return run_torch_distributed(request)

@@ -1,0 +1,1 @@
+"""plait.proto"""
