@@ -6,8 +6,26 @@ The public API for users with their own model and loop::
     loss = engine.train_step(batch)
 """
 
-from plait.core.engine import Engine, initialize
-from plait.core.hookspecs import hookimpl
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plait.core.engine import Engine, initialize
+    from plait.core.hookspecs import hookimpl
 
 __all__ = ["Engine", "hookimpl", "initialize"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so `plait --help` and plugin imports do not pay for the engine.
+    if name in ("Engine", "initialize"):
+        from plait.core import engine
+
+        return getattr(engine, name)
+    if name == "hookimpl":
+        from plait.core.hookspecs import hookimpl
+
+        return hookimpl
+    raise AttributeError(f"module 'plait' has no attribute {name!r}")
