@@ -1,1 +1,48 @@
-"""Torch reference kernels (placeholder until filled)."""
+"""The torch reference kernel provider: every op in `KERNEL_OPS`, answering `trylast`.
+
+Faster providers (Triton on CUDA, a vendor library, …) answer first when they can; these plain
+PyTorch implementations answer whatever is left, so every op always resolves. They are registered
+for CPU and CUDA but answer any device type, since plain torch also runs on the meta device
+(shape inference while a model is still unmaterialised) and other accelerators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from plait.core.hookspecs import hookimpl
+from plait.core.kernels import KERNEL_OPS
+from plait.core.records import KernelRecord
+from plait.plugins.kernels_torch.ops import OPS, PROVIDER
+
+__all__ = ["OPS", "PROVIDER", "plait_kernel", "plait_register_kernels"]
+
+_missing = set(KERNEL_OPS) - set(OPS)
+if _missing:  # pragma: no cover - guards against adding an op to the core without a reference
+    raise ImportError(f"kernels_torch has no reference implementation for {sorted(_missing)}")
+
+
+@hookimpl
+def plait_register_kernels() -> Sequence[KernelRecord]:
+    return [
+        KernelRecord(
+            op=op,
+            provider=PROVIDER,
+            device_types=("cpu", "cuda"),
+            description=f"plain PyTorch reference {op}",
+        )
+        for op in KERNEL_OPS
+    ]
+
+
+# NOTE: not keyword-only: pluggy passes hook arguments without defaults positionally, so a
+# `*` in an implementation's signature makes every call fail with a TypeError.
+@hookimpl(trylast=True)
+def plait_kernel(
+    name: str, device: str, dtype: str, provider: str | None
+) -> Callable[..., Any] | None:
+    del device, dtype  # plain torch ops are device- and dtype-generic
+    if provider not in (None, PROVIDER):
+        return None
+    return OPS.get(name)
