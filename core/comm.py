@@ -121,9 +121,16 @@ class Comm:
         op: str = "sum",
         async_op: bool = False,
         purpose: str = "generic",
+        attributes: dict[str, Any] | None = None,
     ) -> Work:
         return self._issue(
-            "all_reduce", (tensor,), group, async_op=async_op, purpose=purpose, reduce_op=op
+            "all_reduce",
+            (tensor,),
+            group,
+            async_op=async_op,
+            purpose=purpose,
+            reduce_op=op,
+            attributes=attributes,
         )
 
     def reduce_scatter(

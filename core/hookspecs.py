@@ -7,7 +7,9 @@ Hooks are grouped in lifecycle order, the way pytest's `hookspec.py` is:
 3. the four decision hooks of the microkernel: shard, communicate, schedule, kernel,
 4. step lifecycle: `plait_step_start` / `plait_step_end`, checkpoint state.
 
-Every hook takes keyword arguments only. Decision hooks are `firstresult`: the first plugin that
+Hooks are always *called* with keyword arguments (pluggy enforces it) and implementations take
+only the arguments they need, by name. Implementations must not mark them keyword-only with `*`:
+pluggy matches arguments to ordinary parameters, and the manager rejects a `*`. Decision hooks are `firstresult`: the first plugin that
 returns something other than `None` answers, and built-in defaults are `trylast`, so a
 third-party plugin that answers the same request wins over them. Plugins select themselves by the
 *name* the config gives, never by load order.
@@ -48,13 +50,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec(historic=True)
-def plait_configure(*, config: PlaitConfig) -> None:
+def plait_configure(config: PlaitConfig) -> None:
     """Called once with the validated config; plugins registered later are called on register.
 
     Example::
 
         @hookimpl
-        def plait_configure(*, config):
+        def plait_configure(config):
             if config.telemetry.enabled:
                 start_exporter(config.telemetry.daemon)
     """
@@ -137,7 +139,7 @@ def plait_register_comm_algorithms() -> Sequence[CommAlgorithmRecord]:
 
 
 @hookspec(firstresult=True)
-def plait_shard(*, axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
+def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
     """Turn `model` into its parallel form for one shard axis, if `name` is yours.
 
     The core calls this once per configured axis, in the order of `records.SHARD_ORDER`
@@ -148,7 +150,7 @@ def plait_shard(*, axis: str, name: str, model: nn.Module, context: ShardContext
     Example::
 
         @hookimpl
-        def plait_shard(*, axis, name, model, context):
+        def plait_shard(axis, name, model, context):
             if axis != "dp" or name != "my_dp":
                 return None
             return Sharded(module=model, runtime=MyDataParallel(model, context))
@@ -156,7 +158,7 @@ def plait_shard(*, axis: str, name: str, model: nn.Module, context: ShardContext
 
 
 @hookspec(firstresult=True)
-def plait_communicate(*, request: CommRequest) -> Work | None:
+def plait_communicate(request: CommRequest) -> Work | None:
     """Carry out one collective or point-to-point op and return its `Work` handle.
 
     `plait.core.comm.Comm` is the only caller. The torch.distributed implementation is `trylast`;
@@ -166,7 +168,7 @@ def plait_communicate(*, request: CommRequest) -> Work | None:
     Example::
 
         @hookimpl
-        def plait_communicate(*, request):
+        def plait_communicate(request):
             if request.op != "all_reduce" or request.purpose != "grad_bucket":
                 return None
             return ring_all_reduce(request)
@@ -174,13 +176,13 @@ def plait_communicate(*, request: CommRequest) -> Work | None:
 
 
 @hookspec(firstresult=True)
-def plait_schedule(*, request: ScheduleRequest) -> list[Action] | None:
+def plait_schedule(request: ScheduleRequest) -> list[Action] | None:
     """Return the action list one rank runs in one optimizer step, if `request.name` is yours.
 
     Example::
 
         @hookimpl
-        def plait_schedule(*, request):
+        def plait_schedule(request):
             if request.name != "accumulate":
                 return None
             actions = []
@@ -191,7 +193,7 @@ def plait_schedule(*, request: ScheduleRequest) -> list[Action] | None:
 
 
 @hookspec(firstresult=True)
-def plait_kernel(*, name: str, device: str, dtype: str, provider: str | None) -> Any | None:
+def plait_kernel(name: str, device: str, dtype: str, provider: str | None) -> Any | None:
     """Return a callable implementing op `name` on a device type and dtype, or `None`.
 
     `device` is a device type ("cpu", "cuda"); `dtype` a torch dtype name ("float32").
@@ -202,7 +204,7 @@ def plait_kernel(*, name: str, device: str, dtype: str, provider: str | None) ->
     Example::
 
         @hookimpl
-        def plait_kernel(*, name, device, dtype, provider):
+        def plait_kernel(name, device, dtype, provider):
             if provider in (None, "mykernels") and name == "rms_norm" and device == "cuda":
                 return my_fused_rms_norm
             return None
@@ -215,13 +217,13 @@ def plait_kernel(*, name: str, device: str, dtype: str, provider: str | None) ->
 
 
 @hookspec
-def plait_job_start(*, info: JobInfo) -> None:
+def plait_job_start(info: JobInfo) -> None:
     """Called on every rank once the mesh, model and optimizer are built, before the first step.
 
     Example::
 
         @hookimpl
-        def plait_job_start(*, info):
+        def plait_job_start(info):
             tracer.set_resource(rank=info.rank, host=info.host)
     """
 
@@ -239,48 +241,48 @@ def plait_job_end() -> None:
 
 
 @hookspec
-def plait_step_start(*, step: int) -> None:
+def plait_step_start(step: int) -> None:
     """Called on every rank before an optimizer step's action list runs.
 
     Example::
 
         @hookimpl
-        def plait_step_start(*, step):
+        def plait_step_start(step):
             profiler.step()
     """
 
 
 @hookspec
-def plait_step_end(*, report: StepReport) -> None:
+def plait_step_end(report: StepReport) -> None:
     """Called on every rank after an optimizer step, with its loss, timings and token count.
 
     Example::
 
         @hookimpl
-        def plait_step_end(*, report):
+        def plait_step_end(report):
             print(report.step, report.loss)
     """
 
 
 @hookspec
-def plait_checkpoint_state(*, rank: int) -> dict[str, Any] | None:
+def plait_checkpoint_state(rank: int) -> dict[str, Any] | None:
     """Return extra plugin state to save in a checkpoint (keyed by plugin), or `None`.
 
     Example::
 
         @hookimpl
-        def plait_checkpoint_state(*, rank):
+        def plait_checkpoint_state(rank):
             return {"loss_scale": scaler.scale}
     """
 
 
 @hookspec
-def plait_load_checkpoint_state(*, state: dict[str, Any]) -> None:
+def plait_load_checkpoint_state(state: dict[str, Any]) -> None:
     """Receive the state saved by `plait_checkpoint_state` when a checkpoint is loaded.
 
     Example::
 
         @hookimpl
-        def plait_load_checkpoint_state(*, state):
+        def plait_load_checkpoint_state(state):
             scaler.scale = state.get("loss_scale", scaler.scale)
     """

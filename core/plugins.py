@@ -12,6 +12,7 @@ distribution.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -119,6 +120,7 @@ class Plugins:
         return plugins
 
     def _register(self, plugin: object, name: str, distribution: str) -> None:
+        _reject_keyword_only_hookimpls(plugin, name, distribution)
         try:
             self.manager.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
@@ -147,7 +149,16 @@ class Plugins:
         self._register(plugin, name or getattr(plugin, "__name__", repr(plugin)), "<code>")
 
     def configure(self, config: PlaitConfig) -> None:
-        self._call("plait_configure", config=config)
+        try:
+            self.manager.hook.plait_configure.call_historic(kwargs={"config": config})
+        except PluginError:
+            raise
+        except Exception as exc:
+            culprit = _plugin_in_traceback(exc, self.manager)
+            where = self.describe(culprit) if culprit else "a plugin"
+            raise PluginError(
+                f"{where} raised {type(exc).__name__} in plait_configure: {exc}"
+            ) from exc
 
     # -- naming plugins in errors -------------------------------------------------------------
 
@@ -336,6 +347,27 @@ class Plugins:
                 )
             )
         return infos
+
+
+def _reject_keyword_only_hookimpls(plugin: object, name: str, distribution: str) -> None:
+    """pluggy passes hook arguments to ordinary parameters; a `*` would make the call fail later."""
+    for attr in dir(plugin):
+        if not attr.startswith("plait_"):
+            continue
+        function = getattr(plugin, attr, None)
+        if not callable(function):
+            continue
+        kwonly = [
+            p.name
+            for p in inspect.signature(function).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+        ]
+        if kwonly:
+            raise PluginError(
+                f"plugin {name!r} from {distribution}: hook implementation {attr} declares "
+                f"keyword-only parameters {kwonly}; pluggy calls hooks by keyword but passes "
+                "values to ordinary parameters, so remove the `*`"
+            )
 
 
 def _listing(names_to_plugins: dict[str, str], plugins: Plugins) -> str:

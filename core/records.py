@@ -8,7 +8,7 @@ everything and lets config errors name the alternatives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -46,6 +46,9 @@ class ModelRecord:
     build: Callable[[Any, Kernels], nn.Module]
     flops_per_token: Callable[[Any, int], float]
     presets: Sequence[str] = ()
+    # make_config(size, overrides) -> a validated config_cls instance (preset + overrides);
+    # None means `config_cls(**overrides)`.
+    make_config: Callable[[str, Mapping[str, Any]], Any] | None = None
     description: str = ""
 
 
@@ -56,6 +59,7 @@ class StrategyRecord:
     name: str
     axis: ShardAxis
     config_cls: type[BaseModel] | None = None
+    config_section: str = ""  # the config table for config_cls; "" means `name`
     description: str = ""
 
 

@@ -46,6 +46,15 @@ class ParallelRuntime:
 
     name: str = "runtime"
 
+    def action_handlers(self, step: StepState) -> dict[type, Callable[[Any], None]]:
+        """Handlers to add or replace in the executor (e.g. pipeline send/recv), per step."""
+        del step
+        return {}
+
+    def loss_fn(self) -> Callable[..., torch.Tensor] | None:
+        """A replacement loss (e.g. vocab-parallel cross-entropy), or `None` for the default."""
+        return None
+
     def before_forward(self, *, microbatch: int, num_microbatches: int) -> None:
         """Called before each micro-batch's forward."""
 
@@ -65,6 +74,10 @@ class ParallelRuntime:
         """Global sum of squared gradient entries this runtime owns, or `None` for the default."""
         return None
 
+    def zero_grad(self) -> bool:
+        """Zero gradients this runtime owns; return True if it handled all of them."""
+        return False
+
     def after_optimizer_step(self) -> None:
         """Called after the optimizer stepped (e.g. to all-gather updated shards)."""
 
@@ -77,6 +90,17 @@ class ParallelRuntime:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
+
+
+@dataclass(kw_only=True)
+class StepState:
+    """The data of one optimizer step, shared by the executor's handlers."""
+
+    inputs: list[Any]  # per micro-batch
+    targets: list[Any]
+    losses: list[torch.Tensor | None]
+    num_microbatches: int
+    outputs: dict[Any, Any] = field(default_factory=dict)  # pipeline: (mb, chunk) -> activation
 
 
 @dataclass(frozen=True, slots=True)

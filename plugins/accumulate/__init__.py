@@ -36,7 +36,7 @@ def plait_register_schedules() -> Sequence[ScheduleRecord]:
 
 
 @hookimpl(trylast=True)
-def plait_schedule(*, request: ScheduleRequest) -> list[Action] | None:
+def plait_schedule(request: ScheduleRequest) -> list[Action] | None:
     if request.name != NAME:
         return None
     if request.num_stages != 1:

@@ -1,1 +1,59 @@
-"""DDP (placeholder until filled)."""
+"""The `ddp` data-parallel strategy: replicated parameters, bucketed gradient all-reduce.
+
+Gradients live in flat per-bucket buffers (each `param.grad` is a view, as torch DDP's
+`gradient_as_bucket_view`), a bucket's all-reduce is issued asynchronously from
+post-accumulate-grad hooks as soon as its last gradient is ready, while backward is still
+running, and in bucket order so every rank issues the same collectives in the same order.
+Reductions are skipped on all but the last micro-batch of a step (gradient accumulation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+from torch import nn
+
+from plait.core.config import Section
+from plait.core.hookspecs import hookimpl
+from plait.core.records import StrategyRecord
+from plait.core.sharding import ShardContext, Sharded
+from plait.plugins.ddp.buckets import BucketedAllReduce
+
+NAME = "ddp"
+
+
+class DDPConfig(Section):
+    """`[ddp]` section."""
+
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB")
+    broadcast_parameters: bool = Field(
+        True, description="copy dp rank 0's parameters to every replica at start"
+    )
+
+
+@hookimpl
+def plait_register_strategies() -> Sequence[StrategyRecord]:
+    return [
+        StrategyRecord(
+            name=NAME,
+            axis="dp",
+            config_cls=DDPConfig,
+            description="replicated parameters, overlapped bucketed gradient all-reduce",
+        )
+    ]
+
+
+@hookimpl
+def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
+    if axis != "dp" or name != NAME:
+        return None
+    config = context.config.section(NAME, DDPConfig)
+    runtime = BucketedAllReduce(
+        model,
+        comm=context.comm,
+        group=context.mesh.group("dp"),
+        bucket_bytes=int(config.bucket_mb * 2**20),
+        broadcast_parameters=config.broadcast_parameters,
+    )
+    return Sharded(module=model, runtime=runtime)

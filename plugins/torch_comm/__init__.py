@@ -58,5 +58,5 @@ def run_torch_distributed(request: CommRequest) -> Work:
 
 
 @hookimpl(trylast=True)
-def plait_communicate(*, request: CommRequest) -> Work:
+def plait_communicate(request: CommRequest) -> Work:
     return run_torch_distributed(request)

@@ -1,0 +1,417 @@
+"""The engine: mesh, model, shard transforms, optimizer and one `train_step` that runs a schedule.
+
+`plait.initialize(model, config=...)` is the public entry for users with their own loop (like
+`deepspeed.initialize`); `plait train` builds the same engine around a built-in model.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.core.comm import Comm
+from plait.core.config import PlaitConfig, load_config
+from plait.core.errors import ConfigError, PlaitError
+from plait.core.executor import Executor
+from plait.core.grad_norm import clip_grads_, global_grad_norm
+from plait.core.kernels import Kernels
+from plait.core.memory import memory_report
+from plait.core.mesh import Mesh
+from plait.core.optim import default_optimizer_factory, warmup_cosine
+from plait.core.plugins import Plugins
+from plait.core.records import SHARD_ORDER
+from plait.core.schedule import Action, Backward, Forward, OptimizerStep, ScheduleRequest
+from plait.core.schedule import SyncGradients
+from plait.core.sharding import ParallelRuntime, ShardContext, StepState
+from plait.core.step import JobInfo, PhaseSpan, StepReport
+
+OptimizerArg = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[Any, Any], torch.Tensor]
+ConfigArg = str | Path | Mapping[str, Any] | PlaitConfig
+
+
+def initialize(
+    model: nn.Module,
+    *,
+    config: ConfigArg,
+    optimizer: OptimizerArg | None = None,
+    loss_fn: LossFn | None = None,
+    plugins: Plugins | None = None,
+) -> Engine:
+    """Wrap a user's `nn.Module` in the configured parallel strategies.
+
+    `optimizer` is a callable taking parameters (e.g. `lambda ps: torch.optim.SGD(ps, lr=0.1)`);
+    by default the config's AdamW with warmup + cosine. `loss_fn(output, targets)` defaults to
+    token cross-entropy. Call from every rank (under torchrun, or in one process).
+    """
+    return Engine(
+        config=config, model=model, optimizer=optimizer, loss_fn=loss_fn, plugins=plugins
+    )
+
+
+class Engine:
+    """One rank's training state; `train_step(batch)` runs one optimizer step."""
+
+    def __init__(
+        self,
+        *,
+        config: ConfigArg,
+        model: nn.Module | None = None,
+        optimizer: OptimizerArg | None = None,
+        loss_fn: LossFn | None = None,
+        plugins: Plugins | None = None,
+        overrides: Sequence[str] = (),
+    ) -> None:
+        self.config = load_config(config, overrides)
+        cfg = self.config
+        self.plugins = plugins or Plugins.create(blocked=cfg.plugins.disable)
+        self._check_plugin_sections()
+        self.mesh = Mesh.from_env(
+            dp=cfg.parallel.dp,
+            tp=cfg.parallel.tp,
+            pp=cfg.parallel.pp,
+            cp=cfg.parallel.cp,
+            device=cfg.train.device,
+        )
+        self.device = self.mesh.device
+        self.kernels = Kernels(
+            self.plugins, prefer=cfg.kernels.prefer, overrides=cfg.kernels.overrides
+        )
+        self.comm = Comm(self.plugins)
+        if cfg.telemetry.enabled:
+            self._register_telemetry()
+        self.plugins.configure(cfg)
+        torch.manual_seed(cfg.train.seed)
+
+        self.model_record = None
+        self.model_config: Any = None
+        self.flops_per_token = 0.0
+        if model is None:
+            model = self._build_builtin_model()
+        self.context = ShardContext(
+            mesh=self.mesh,
+            config=cfg,
+            comm=self.comm,
+            kernels=self.kernels,
+            plugins=self.plugins,
+            device=self.device,
+            model_record=self.model_record,
+            model_config=self.model_config,
+        )
+        self.runtimes: list[ParallelRuntime] = []
+        self.module = self._shard(model)
+        self.loss_fn = self._choose_loss_fn(loss_fn)
+        self.optimizer = self._build_optimizer(optimizer)
+        self.lr_scheduler = (
+            torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, warmup_cosine(cfg.optimizer, cfg.train)
+            )
+            if optimizer is None
+            else None
+        )
+        # Groups used every step are created now: creating a group is collective.
+        self._loss_group = self.mesh.group("pp", "dp")
+        self._actions: dict[int, list[Action]] = {}
+        self.step = 0
+        self.plugins.job_start(self._job_info())
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _check_plugin_sections(self) -> None:
+        known = {r.name for (_, r) in (v for v in self.plugins.strategies().values())}
+        known |= {"comm"} if self.plugins.comm_algorithms() else set()
+        known |= {getattr(r, "config_section", "") for _, r in self.plugins.strategies().values()}
+        unknown = sorted(set(self.config.extensions) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown config section(s) {unknown}; core sections are "
+                f"{sorted(PlaitConfig.model_fields)}, plugin sections: {sorted(k for k in known if k)}"
+            )
+
+    def _register_telemetry(self) -> None:
+        if self.plugins.manager.has_plugin("telemetry") or self.plugins.manager.is_blocked(
+            "telemetry"
+        ):
+            return
+        try:
+            from plait.plugins import telemetry
+        except ImportError:  # the telemetry plugin is optional
+            return
+        plugin = telemetry.make_plugin() if hasattr(telemetry, "make_plugin") else telemetry
+        self.plugins.register(plugin, "telemetry")
+
+    def _build_builtin_model(self) -> nn.Module:
+        cfg = self.config
+        self.model_record = self.plugins.model(cfg.model.name)
+        record = self.model_record
+        if record.make_config is not None:
+            self.model_config = record.make_config(cfg.model.size, cfg.model.overrides)
+        else:
+            self.model_config = record.config_cls.model_validate(cfg.model.overrides)
+        self.flops_per_token = self.model_record.flops_per_token(
+            self.model_config, cfg.data.seq_len
+        )
+        with torch.device("meta"):
+            return self.model_record.build(self.model_config, self.kernels)
+
+    def _strategy_for(self, axis: str) -> str | None:
+        par = self.config.parallel
+        if axis in ("pp", "tp", "cp"):
+            if self.mesh.size(axis) == 1:
+                return None
+            return getattr(par, f"{axis}_strategy")
+        if axis == "dp":
+            return par.dp_strategy
+        return par.transforms.get(axis)
+
+    def _shard(self, module: nn.Module) -> nn.Module:
+        unknown_axes = set(self.config.parallel.transforms) - set(SHARD_ORDER)
+        if unknown_axes:
+            raise ConfigError(
+                f"parallel.transforms has unknown axes {sorted(unknown_axes)}; "
+                f"allowed: {list(SHARD_ORDER)}"
+            )
+        for axis in SHARD_ORDER:
+            if axis != "pp":
+                # The pipeline split runs on the meta device (it only drops layers); every other
+                # transform sees real tensors, initialised by parameter name like the full model.
+                module = self._materialize(module)
+            name = self._strategy_for(axis)
+            if name is None:
+                continue
+            sharded = self.plugins.shard(axis=axis, name=name, model=module, context=self.context)
+            module = sharded.module
+            if sharded.runtime is not None:
+                self.runtimes.append(sharded.runtime)
+        return self._materialize(module)
+
+    def _materialize(self, module: nn.Module) -> nn.Module:
+        if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            return module.to(self.device)
+        if not hasattr(module, "init_weights"):
+            raise PlaitError(
+                f"{type(module).__name__} is on the meta device but has no init_weights(seed=)"
+            )
+        module.to_empty(device=self.device)
+        with torch.no_grad():
+            module.init_weights(seed=self.config.train.seed)
+        return module
+
+    def _choose_loss_fn(self, loss_fn: LossFn | None) -> LossFn:
+        for runtime in self.runtimes:
+            replacement = runtime.loss_fn()
+            if replacement is not None:
+                return replacement
+        if loss_fn is not None:
+            return loss_fn
+
+        def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            ce = self.kernels.get("softmax_cross_entropy", logits.device, logits.dtype)
+            return ce(logits.flatten(0, -2), targets.flatten())
+
+        return token_cross_entropy
+
+    def _build_optimizer(self, optimizer: OptimizerArg | None) -> torch.optim.Optimizer:
+        factory = optimizer or default_optimizer_factory(self.config.optimizer, self.kernels)
+        # Data parallel is applied last, so its runtime (ZeRO shards the optimizer) asks first.
+        for runtime in reversed(self.runtimes):
+            built = runtime.build_optimizer(self.module, factory)
+            if built is not None:
+                return built
+        return factory(p for p in self.module.parameters() if p.requires_grad)
+
+    def _job_info(self) -> JobInfo:
+        device = self.device
+        if device.type == "cuda":
+            device_name = torch.cuda.get_device_name(device)
+        else:
+            device_name = _cpu_name()
+        num_params = sum(p.numel() for p in self.module.parameters())
+        cfg = self.config
+        return JobInfo(
+            job_id=cfg.telemetry.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+            rank=self.mesh.rank,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=self.mesh.world_size,
+            host=socket.gethostname(),
+            degrees=dict(self.mesh.degrees),
+            coordinates=self.mesh.coordinates(),
+            device=str(device),
+            device_name=device_name,
+            compute_dtype=str(next(self.module.parameters()).dtype).removeprefix("torch."),
+            model_name=cfg.model.name if self.model_record else type(self.module).__name__,
+            num_params=num_params,
+            flops_per_token=self.flops_per_token,
+            tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
+        )
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def actions(self, num_microbatches: int) -> list[Action]:
+        if num_microbatches not in self._actions:
+            self._actions[num_microbatches] = self.plugins.schedule(
+                ScheduleRequest(
+                    name=self.config.schedule.name,
+                    num_microbatches=num_microbatches,
+                    stage=self.mesh.coordinate("pp"),
+                    num_stages=self.mesh.size("pp"),
+                    virtual_stages=self.config.schedule.virtual_stages,
+                )
+            )
+        return self._actions[num_microbatches]
+
+    def _split(self, batch: Any) -> tuple[list[Any], list[Any]]:
+        inputs, targets = batch
+        micro = self.config.train.micro_batch_size
+        local = inputs.shape[0]
+        if local % micro and local > micro:
+            raise PlaitError(
+                f"the batch on this rank has {local} samples, not a multiple of "
+                f"train.micro_batch_size = {micro}"
+            )
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        if local <= micro:
+            return [inputs], [targets]
+        return list(inputs.split(micro)), list(targets.split(micro))
+
+    def _handlers(self, state: StepState) -> dict[type, Callable[[Any], None]]:
+        runtimes, n = self.runtimes, state.num_microbatches
+
+        def forward(action: Forward) -> None:
+            for rt in runtimes:
+                rt.before_forward(microbatch=action.microbatch, num_microbatches=n)
+            output = self.module(state.inputs[action.microbatch])
+            state.losses[action.microbatch] = self.loss_fn(output, state.targets[action.microbatch])
+
+        def backward(action: Backward) -> None:
+            for rt in runtimes:
+                rt.before_backward(microbatch=action.microbatch, num_microbatches=n)
+            loss = state.losses[action.microbatch]
+            assert loss is not None, f"backward of micro-batch {action.microbatch} before forward"
+            (loss / n).backward()
+            state.losses[action.microbatch] = loss.detach()
+
+        def sync(_: SyncGradients) -> None:
+            for rt in runtimes:
+                rt.sync_gradients()
+
+        def optimizer_step(_: OptimizerStep) -> None:
+            self._optimizer_step()
+
+        handlers: dict[type, Callable[[Any], None]] = {
+            Forward: forward,
+            Backward: backward,
+            SyncGradients: sync,
+            OptimizerStep: optimizer_step,
+        }
+        for rt in runtimes:
+            handlers.update(rt.action_handlers(state))
+        return handlers
+
+    def _optimizer_step(self) -> None:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = None
+        for rt in self.runtimes:
+            custom = rt.grad_norm_squared()
+            if custom is not None:
+                norm = custom.sqrt()
+                break
+        if norm is None:
+            norm = global_grad_norm(params, mesh=self.mesh, comm=self.comm)
+        self._last_grad_norm = norm
+        clip_grads_(params, norm, self.config.train.max_grad_norm)
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        for rt in self.runtimes:
+            rt.after_optimizer_step()
+        if not any(rt.zero_grad() for rt in self.runtimes):
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, batch: Any, *, data_start_ns: int | None = None) -> float:
+        """Forward, backward, gradient sync and optimizer step over `batch` = (inputs, targets).
+
+        `batch` is this rank's share (dim 0 is split into micro-batches of
+        `train.micro_batch_size`). Returns the mean loss across micro-batches and data-parallel
+        ranks, identical on every rank.
+        """
+        start_ns = time.time_ns()
+        self.plugins.step_start(self.step)
+        inputs, targets = self._split(batch)
+        n = len(inputs)
+        state = StepState(inputs=inputs, targets=targets, losses=[None] * n, num_microbatches=n)
+        lr = self.optimizer.param_groups[0]["lr"]
+        spans = Executor(self._handlers(state)).run(self.actions(n))
+        loss = self._mean_loss(state)
+        end_ns = time.time_ns()
+        if data_start_ns is not None:
+            spans.insert(0, PhaseSpan(name="data", start_ns=data_start_ns, end_ns=start_ns))
+        tokens = batch[0].numel() * self.mesh.size("dp")
+        report = StepReport(
+            step=self.step,
+            loss=loss,
+            tokens=tokens,
+            step_seconds=(end_ns - (data_start_ns or start_ns)) / 1e9,
+            data_wait_seconds=(start_ns - data_start_ns) / 1e9 if data_start_ns else 0.0,
+            model_flops=self.flops_per_token * tokens,
+            lr=lr,
+            grad_norm=float(self._last_grad_norm),
+            start_ns=data_start_ns or start_ns,
+            end_ns=end_ns,
+            spans=tuple(spans),
+            phase_seconds=_phase_totals(spans),
+        )
+        self.last_report = report
+        self.plugins.step_end(report)
+        self.step += 1
+        return loss
+
+    def _mean_loss(self, state: StepState) -> float:
+        """Mean over micro-batches and over the ranks that hold losses (last pipeline stage)."""
+        held = [loss for loss in state.losses if loss is not None]
+        totals = torch.tensor(
+            [float(sum(loss.float().item() for loss in held)), float(len(held))]
+        )
+        if self._loss_group.size > 1:
+            self.comm.all_reduce(totals, group=self._loss_group, op="sum", purpose="metrics")
+        return (totals[0] / totals[1]).item()
+
+    # -- reporting and shutdown ----------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer state."""
+        for rt in reversed(self.runtimes):
+            report = rt.memory_report()
+            if report is not None:
+                return report
+        return memory_report(self.module, self.optimizer)
+
+    def close(self) -> None:
+        self.plugins.job_end()
+
+
+def _phase_totals(spans: Sequence[PhaseSpan]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for span in spans:
+        totals[span.name] = totals.get(span.name, 0.0) + (span.end_ns - span.start_ns) / 1e9
+    return totals
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"

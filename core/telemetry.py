@@ -1,0 +1,420 @@
+"""Rank-side OpenTelemetry: providers, OTLP/gRPC exporters to the node daemon, peak FLOP/s.
+
+Each rank gets its own `TracerProvider` and `MeterProvider` (never the global ones, so several
+engines in one process stay apart) with a `Resource` that says who the rank is: job, rank, host,
+mesh coordinates, device and the device's peak FLOP/s. Spans go through a batch processor and
+metrics through a periodic reader, both in background threads, so the training loop only pays
+for building the span objects.
+
+The daemon's MFU divides model FLOP/s by the peak this module puts in the resource:
+
+* on a known accelerator, the dense figure of `DEVICE_PEAK_TFLOPS` for the compute dtype;
+* on CPU, the FLOP/s of a timed GEMM measured at rank start (`calibrate_cpu_peak_flops`).
+
+A daemon that cannot be reached is not an error: `RankTelemetry.start` warns once and returns
+`None`, and export failures later in the run are reported once, not on every batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
+    from plait.core.step import JobInfo
+
+DEFAULT_DAEMON_ADDRESS = "127.0.0.1:7461"
+DAEMON_ENV = "PLAIT_DAEMON"
+INSTRUMENTATION_NAME = "plait.telemetry"
+
+# Resource attribute names: the daemon identifies a rank by (job id, rank).
+ATTR_JOB_ID = "plait.job.id"
+ATTR_RANK = "plait.rank"
+ATTR_LOCAL_RANK = "plait.local_rank"
+ATTR_WORLD_SIZE = "plait.world_size"
+ATTR_DEVICE = "plait.device"
+ATTR_DEVICE_NAME = "plait.device.name"
+ATTR_COMPUTE_DTYPE = "plait.compute_dtype"
+ATTR_PEAK_FLOPS = "plait.device.peak_flops"
+ATTR_PEAK_FLOPS_SOURCE = "plait.device.peak_flops.source"
+ATTR_MODEL_NAME = "plait.model.name"
+ATTR_NUM_PARAMS = "plait.model.num_params"
+ATTR_FLOPS_PER_TOKEN = "plait.model.flops_per_token"
+ATTR_TOKENS_PER_STEP = "plait.job.tokens_per_step"
+ATTR_MESH_COORD_PREFIX = "plait.mesh.coord."
+ATTR_MESH_DEGREE_PREFIX = "plait.mesh.degree."
+
+# Span attribute names.
+ATTR_STEP = "plait.step"
+ATTR_STEP_TOKENS = "plait.step.tokens"
+ATTR_STEP_MODEL_FLOPS = "plait.step.model_flops"
+ATTR_STEP_DATA_WAIT = "plait.step.data_wait_seconds"
+ATTR_STEP_LOSS = "plait.step.loss"
+ATTR_PHASE = "plait.phase"
+ATTR_COMM_OP = "plait.comm.op"
+ATTR_COMM_BYTES = "plait.comm.bytes"
+ATTR_COMM_DTYPE = "plait.comm.dtype"
+ATTR_COMM_GROUP = "plait.comm.group"
+ATTR_COMM_GROUP_RANKS = "plait.comm.group_ranks"
+ATTR_COMM_SEQ = "plait.comm.seq"
+ATTR_COMM_PURPOSE = "plait.comm.purpose"
+ATTR_COMM_PEER = "plait.comm.peer"
+ATTR_COMM_ASYNC = "plait.comm.async"
+STEP_SPAN_NAME = "step"
+
+# Export settings: short timeouts so a vanished daemon costs a background thread a couple of
+# seconds, never the training loop.
+EXPORT_TIMEOUT_SECONDS = 2.0
+SPAN_BATCH_DELAY_MS = 500
+SPAN_QUEUE_SIZE = 65536
+SPAN_BATCH_SIZE = 4096
+METRIC_INTERVAL_MS = 5000
+CONNECT_TIMEOUT_SECONDS = 1.0
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# peak FLOP/s
+# --------------------------------------------------------------------------------------------
+
+# Dense (no structured sparsity) peak TFLOP/s per device and dtype, from the vendors'
+# datasheets. Datasheets quote tensor-core figures "with sparsity"; those are halved here.
+# Matched by substring of the device name, first match wins, so specific names come first.
+#   H100 SXM / PCIe / NVL, H200: NVIDIA H100 and H200 Tensor Core GPU datasheets (2023-2024)
+#   A100: NVIDIA A100 Tensor Core GPU datasheet (2021); A10, L4, L40S: their product datasheets
+#   V100: NVIDIA Tesla V100 datasheet (2020); B200: NVIDIA HGX B200 datasheet, per GPU (÷ 8)
+#   MI300X: AMD Instinct MI300X data sheet (2023)
+DEVICE_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 NVL", {"bfloat16": 835.5, "float16": 835.5, "tf32": 417.5, "float32": 60.0}),
+    ("H100 PCIe", {"bfloat16": 756.5, "float16": 756.5, "tf32": 378.0, "float32": 51.2}),
+    ("H100", {"bfloat16": 989.4, "float16": 989.4, "tf32": 494.7, "float32": 66.9}),
+    ("H200 NVL", {"bfloat16": 835.5, "float16": 835.5, "tf32": 417.5, "float32": 60.0}),
+    ("H200", {"bfloat16": 989.4, "float16": 989.4, "tf32": 494.7, "float32": 66.9}),
+    ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "tf32": 1100.0, "float32": 75.0}),
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}),
+    ("L40S", {"bfloat16": 362.05, "float16": 362.05, "tf32": 183.0, "float32": 91.6}),
+    ("L4", {"bfloat16": 121.0, "float16": 121.0, "tf32": 60.0, "float32": 30.3}),
+    ("A10", {"bfloat16": 125.0, "float16": 125.0, "tf32": 62.5, "float32": 31.2}),
+    ("V100", {"float16": 125.0, "float32": 15.7}),
+    ("MI300X", {"bfloat16": 1307.4, "float16": 1307.4, "tf32": 653.7, "float32": 163.4}),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PeakFlops:
+    """A device's peak FLOP/s for one dtype and where the figure comes from."""
+
+    flops: float
+    source: str
+
+
+def lookup_device_peak_flops(device_name: str, dtype: str) -> PeakFlops | None:
+    """The table's dense peak for `device_name` and `dtype`, or `None` if it is not listed."""
+    for pattern, by_dtype in DEVICE_PEAK_TFLOPS:
+        if pattern.lower() in device_name.lower():
+            tflops = by_dtype.get(dtype)
+            if tflops is None:
+                return None
+            return PeakFlops(flops=tflops * 1e12, source=f"table: {pattern} {dtype} dense")
+    return None
+
+
+@lru_cache(maxsize=8)
+def calibrate_cpu_peak_flops(
+    dtype: str = "float32", *, size: int = 512, min_seconds: float = 0.15, trials: int = 3
+) -> float:
+    """FLOP/s of a square GEMM on this process's CPU threads (the best of `trials` timings).
+
+    A GEMM of this size is compute-bound on any CPU, so its rate is the practical peak a
+    transformer's matmuls can reach here; every GEMM counts 2·n³ FLOPs.
+    """
+    import torch
+
+    torch_dtype = getattr(torch, dtype, torch.float32)
+    try:
+        a = torch.randn(size, size).to(torch_dtype)
+        b = torch.randn(size, size).to(torch_dtype)
+        torch.mm(a, b)
+    except RuntimeError:  # dtype without a CPU GEMM: measure float32 instead
+        a, b = torch.randn(size, size), torch.randn(size, size)
+    flops_per_gemm = 2.0 * size**3
+    best = 0.0
+    for _ in range(trials):
+        count, start = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b)
+            count += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds / trials:
+                break
+        best = max(best, count * flops_per_gemm / elapsed)
+    return best
+
+
+def peak_flops_for(device: str, device_name: str, dtype: str) -> PeakFlops:
+    """Peak FLOP/s for a rank: the table on accelerators, a GEMM calibration on CPU."""
+    if not device.startswith("cpu"):
+        if dtype == "float32":
+            import torch
+
+            # float32 matmuls run on tensor cores as TF32 when torch allows it.
+            if torch.backends.cuda.matmul.allow_tf32:
+                dtype = "tf32"
+        found = lookup_device_peak_flops(device_name, dtype)
+        if found is not None:
+            return found
+        warnings.warn(
+            f"no peak FLOP/s known for {device_name!r} in {dtype}; MFU is reported as 0 for this "
+            "rank (add the device to plait.core.telemetry.DEVICE_PEAK_TFLOPS)",
+            stacklevel=2,
+        )
+        return PeakFlops(flops=0.0, source="unknown")
+    return PeakFlops(flops=calibrate_cpu_peak_flops(dtype), source="gemm-calibration")
+
+
+# --------------------------------------------------------------------------------------------
+# exporters that fail quietly
+# --------------------------------------------------------------------------------------------
+
+
+class _WarnOnce:
+    """Logs one warning per rank for an unreachable daemon, however many exports fail."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._warned = threading.Event()
+
+    def __call__(self, what: str) -> None:
+        if not self._warned.is_set():
+            self._warned.set()
+            logger.warning(
+                "plait telemetry: exporting %s to the daemon at %s failed; training continues "
+                "and further failures are not reported",
+                what,
+                self.address,
+            )
+
+
+class _DropEndpointLogs(logging.Filter):
+    """Silences the OTLP exporter's per-batch error logs for our endpoint (we warn once)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__()
+        self.endpoint = endpoint
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return self.endpoint not in args
+
+
+class _QuietSpanExporter(SpanExporter):
+    def __init__(self, inner: SpanExporter, warn: _WarnOnce) -> None:
+        self.inner, self.warn = inner, warn
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        result = self.inner.export(spans)
+        if result is not SpanExportResult.SUCCESS:
+            self.warn("spans")
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class _QuietMetricExporter(MetricExporter):
+    def __init__(self, inner: MetricExporter, warn: _WarnOnce) -> None:
+        super().__init__(
+            preferred_temporality=inner._preferred_temporality,
+            preferred_aggregation=inner._preferred_aggregation,
+        )
+        self.inner, self.warn = inner, warn
+
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> MetricExportResult:
+        result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        if result is not MetricExportResult.SUCCESS:
+            self.warn("metrics")
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# the rank's providers
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_daemon_address(configured: str = "") -> str:
+    """The config's address, else `$PLAIT_DAEMON`, else the daemon's default bind address."""
+    return configured or os.environ.get(DAEMON_ENV, "") or DEFAULT_DAEMON_ADDRESS
+
+
+def daemon_reachable(address: str, timeout: float = CONNECT_TIMEOUT_SECONDS) -> bool:
+    """True when a gRPC server accepts a connection at `address` within `timeout` seconds."""
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
+def resource_attributes(info: JobInfo, peak: PeakFlops) -> dict[str, Any]:
+    """The OpenTelemetry resource of one rank (semantic-convention names where they exist)."""
+    attributes: dict[str, Any] = {
+        "service.name": "plait",
+        "service.instance.id": f"{info.job_id}/{info.rank}",
+        "host.name": info.host,
+        "process.pid": os.getpid(),
+        ATTR_JOB_ID: info.job_id,
+        ATTR_RANK: info.rank,
+        ATTR_LOCAL_RANK: info.local_rank,
+        ATTR_WORLD_SIZE: info.world_size,
+        ATTR_DEVICE: info.device,
+        ATTR_DEVICE_NAME: info.device_name,
+        ATTR_COMPUTE_DTYPE: info.compute_dtype,
+        ATTR_PEAK_FLOPS: float(peak.flops),
+        ATTR_PEAK_FLOPS_SOURCE: peak.source,
+        ATTR_MODEL_NAME: info.model_name,
+        ATTR_NUM_PARAMS: int(info.num_params),
+        ATTR_FLOPS_PER_TOKEN: float(info.flops_per_token),
+        ATTR_TOKENS_PER_STEP: int(info.tokens_per_step),
+    }
+    for axis, coordinate in info.coordinates.items():
+        attributes[ATTR_MESH_COORD_PREFIX + axis] = int(coordinate)
+    for axis, degree in info.degrees.items():
+        attributes[ATTR_MESH_DEGREE_PREFIX + axis] = int(degree)
+    return attributes
+
+
+class RankTelemetry:
+    """One rank's tracer and meter, exporting over OTLP/gRPC to the daemon at `address`."""
+
+    def __init__(self, info: JobInfo, address: str, peak: PeakFlops) -> None:
+        self.info, self.address, self.peak = info, address, peak
+        self.resource = Resource.create(resource_attributes(info, peak))
+        warn = _WarnOnce(address)
+        self._log_filter = _DropEndpointLogs(address)
+        logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").addFilter(
+            self._log_filter
+        )
+        self.tracer_provider = TracerProvider(resource=self.resource)
+        span_exporter = OTLPSpanExporter(
+            endpoint=address, insecure=True, timeout=EXPORT_TIMEOUT_SECONDS
+        )
+        self.tracer_provider.add_span_processor(
+            BatchSpanProcessor(
+                _QuietSpanExporter(span_exporter, warn),
+                max_queue_size=SPAN_QUEUE_SIZE,
+                schedule_delay_millis=SPAN_BATCH_DELAY_MS,
+                max_export_batch_size=SPAN_BATCH_SIZE,
+                export_timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000,
+            )
+        )
+        metric_exporter = OTLPMetricExporter(
+            endpoint=address, insecure=True, timeout=EXPORT_TIMEOUT_SECONDS
+        )
+        self.metric_reader = PeriodicExportingMetricReader(
+            _QuietMetricExporter(metric_exporter, warn),
+            export_interval_millis=float(
+                os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", METRIC_INTERVAL_MS)
+            ),
+            export_timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000,
+        )
+        self.meter_provider = MeterProvider(
+            resource=self.resource, metric_readers=[self.metric_reader]
+        )
+        from plait import __version__
+
+        self.tracer: Tracer = self.tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
+        meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
+        # Job-wide figures: every rank reports the same value for a step (aggregate with max).
+        self.tokens = meter.create_counter(
+            "plait.job.tokens", unit="{token}", description="tokens processed by the whole job"
+        )
+        self.model_flops = meter.create_counter(
+            "plait.job.model_flops", unit="{flop}", description="training FLOPs of the whole job"
+        )
+        self.step_duration = meter.create_histogram(
+            "plait.step.duration", unit="s", description="optimizer step wall time on this rank"
+        )
+        self.data_wait = meter.create_histogram(
+            "plait.data.wait", unit="s", description="time this rank waited for its batch"
+        )
+        self.loss = meter.create_gauge("plait.train.loss", description="last step's mean loss")
+        if info.device.startswith("cuda"):
+            meter.create_observable_gauge(
+                "plait.device.memory.used",
+                callbacks=[self._observe_device_memory],
+                unit="By",
+                description="bytes allocated by torch on this rank's device",
+            )
+
+    def _observe_device_memory(self, options: CallbackOptions) -> list[Observation]:
+        import torch
+
+        return [Observation(torch.cuda.memory_allocated(self.info.device))]
+
+    @classmethod
+    def start(cls, info: JobInfo, address: str) -> RankTelemetry | None:
+        """Providers for this rank, or `None` (after one warning) if the daemon is unreachable."""
+        if not daemon_reachable(address):
+            logger.warning(
+                "plait telemetry: no daemon reachable at %s (start one with `plait daemon`, or "
+                "set telemetry.daemon / $%s); training continues without telemetry",
+                address,
+                DAEMON_ENV,
+            )
+            return None
+        peak = peak_flops_for(info.device, info.device_name, info.compute_dtype)
+        return cls(info, address, peak)
+
+    def flush(self, timeout_seconds: float = EXPORT_TIMEOUT_SECONDS) -> None:
+        """Send everything buffered now (the daemon sees a run's last steps before it exits)."""
+        timeout_ms = int(timeout_seconds * 1000)
+        self.tracer_provider.force_flush(timeout_ms)
+        self.meter_provider.force_flush(timeout_ms)
+
+    def shutdown(self) -> None:
+        try:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown(timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000)
+        finally:
+            logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").removeFilter(
+                self._log_filter
+            )

@@ -1,0 +1,164 @@
+"""Gradient buckets for DDP: flat buffers, readiness tracking and in-order async all-reduce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.core.comm import Comm, Group, Work
+from plait.core.sharding import ParallelRuntime
+
+
+@dataclass(eq=False)
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    offsets: list[int]
+    ready: int = 0
+    work: Work | None = None
+    launched: bool = False
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters (already in expected gradient-ready order) into buckets by size,
+    never mixing dtypes or devices in one bucket."""
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        kind_changes = current and (p.dtype, p.device) != (current[0].dtype, current[0].device)
+        if current and (size + nbytes > bucket_bytes or kind_changes):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class BucketedAllReduce(ParallelRuntime):
+    """The DDP runtime: owns gradient buffers and reduces them over the dp group."""
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        comm: Comm,
+        group: Group,
+        bucket_bytes: int,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        self.comm = comm
+        self.group = group
+        # Gradients become ready roughly in reverse registration order.
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.buckets = [
+            self._make_bucket(i, ps) for i, ps in enumerate(assign_buckets(params, bucket_bytes))
+        ]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sync_this_backward = True
+        self._next_to_launch = 0
+        if group.size > 1:
+            if broadcast_parameters:
+                self._broadcast_parameters(module)
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _make_bucket(self, index: int, params: list[nn.Parameter]) -> Bucket:
+        total = sum(p.numel() for p in params)
+        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        offsets, offset = [], 0
+        bucket = Bucket(index=index, params=params, buffer=buffer, offsets=offsets)
+        for p in params:
+            offsets.append(offset)
+            view = buffer[offset : offset + p.numel()].view_as(p)
+            bucket.views.append(view)
+            p.grad = view
+            offset += p.numel()
+        return bucket
+
+    def _broadcast_parameters(self, module: nn.Module) -> None:
+        src = self.group.ranks[0]
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                self.comm.broadcast(tensor.data, src=src, group=self.group, purpose="param_sync")
+
+    # -- hooks and launches ------------------------------------------------------------------
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync_this_backward:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Launch strictly in bucket order, so all ranks issue identical collective sequences.
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._restore_views(bucket)
+        bucket.work = self.comm.all_reduce(
+            bucket.buffer,
+            group=self.group,
+            op="avg",
+            async_op=True,
+            purpose="grad_bucket",
+            attributes={"bucket_index": bucket.index},
+        )
+        bucket.launched = True
+        self._next_to_launch = bucket.index + 1
+
+    def _restore_views(self, bucket: Bucket) -> None:
+        """If user code replaced a `.grad`, copy it back into the bucket before reducing."""
+        for p, view in zip(bucket.params, bucket.views, strict=True):
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+    # -- ParallelRuntime ---------------------------------------------------------------------
+
+    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
+        self._sync_this_backward = microbatch == num_microbatches - 1
+        for bucket in self.buckets:
+            bucket.ready = 0
+
+    def sync_gradients(self) -> None:
+        if self.group.size == 1:
+            return
+        # Parameters that got no gradient this step leave their bucket incomplete: reduce the
+        # remaining buckets now (zeros for the unused parameters), still in order.
+        while self._next_to_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_to_launch])
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work, bucket.launched, bucket.ready = None, False, 0
+        self._next_to_launch = 0
+        self._sync_this_backward = True
+
+    def zero_grad(self) -> bool:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            self._restore_views(bucket)
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_buckets": len(self.buckets)}
