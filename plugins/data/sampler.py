@@ -1,0 +1,241 @@
+"""The training sampler: deterministic, data-parallel-rank-aware and resumable batches of tokens.
+
+The token stream is cut into non-overlapping windows: window `w` starts at token `w · seq_len`
+and holds `seq_len + 1` tokens, the first `seq_len` being the inputs and the last `seq_len` the
+next-token targets (consecutive windows share one boundary token, as in nanoGPT and Megatron's
+GPT dataset). Each epoch visits every window in the order of a permutation seeded by
+`(seed, epoch)`; step `s` of an epoch takes the permutation's entries `[s·G, (s+1)·G)` as the
+job's global batch of `G` sequences, and data-parallel rank `r` of `dp` takes the contiguous
+slice `[r·G/dp, (r+1)·G/dp)` of it. So the global batch of every step is a function of
+(data, seq_len, G, seed, step) only — the same for any dp degree — which is what makes a dp=2 run
+match a single-process run step for step and lets a checkpoint resume on a different dp degree.
+Windows left over after the last whole global batch of an epoch are skipped in that epoch; the
+next epoch's shuffle gives them their turn.
+
+Tensor-, pipeline- and context-parallel ranks of one data-parallel replica pass the same
+`dp_rank` and therefore read the same batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from plait.plugins.data.token_files import DataError, TokenFile
+
+if TYPE_CHECKING:
+    from plait.core.config import DataSection
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+# Fields of `state_dict()` that fix the permutation layout: resuming with different values would
+# silently read other windows, so `load_state_dict` refuses.
+_LAYOUT_FIELDS = ("seq_len", "global_batch_size", "num_windows")
+
+
+class TokenBatches:
+    """An endless iterator of `(inputs, targets)` int64 tensors of shape `[G/dp, seq_len]`."""
+
+    def __init__(
+        self,
+        token_file: TokenFile | Path | str,
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if seq_len < 1:
+            raise DataError(f"seq_len must be >= 1, got {seq_len}")
+        if global_batch_size < 1:
+            raise DataError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+        if global_batch_size % dp_size:
+            raise DataError(
+                f"global_batch_size={global_batch_size} is not divisible by "
+                f"dp_size={dp_size}: every data-parallel rank must get the same number of "
+                "sequences per step"
+            )
+        if seed < 0:
+            raise DataError(f"seed must be >= 0, got {seed}")
+        self.token_file = token_file if isinstance(token_file, TokenFile) else TokenFile(token_file)
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.local_batch_size = global_batch_size // dp_size
+        count = self.token_file.count
+        self.num_windows = (count - 1) // seq_len if count > 1 else 0
+        if self.num_windows < global_batch_size:
+            raise DataError(
+                f"{self.token_file.directory} holds {count:,} tokens = {self.num_windows:,} "
+                f"windows of seq_len+1 = {seq_len + 1} tokens, fewer than one global batch of "
+                f"{global_batch_size} sequences; use more data, a shorter seq_len or a smaller "
+                "global batch"
+            )
+        self.steps_per_epoch = self.num_windows // global_batch_size
+        self._tokens = self.token_file.tokens
+        self._step = 0
+        self._permutation_epoch = -1
+        self._permutation = np.empty(0, dtype=np.int64)
+
+    # ---------------------------------------------------------------------------------------
+    # position
+    # ---------------------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Steps consumed so far (the index of the step `next_batch` returns next)."""
+        return self._step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from."""
+        return self._step // self.steps_per_epoch
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Input tokens of one global batch, all ranks together."""
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.token_file.vocab_size
+
+    # ---------------------------------------------------------------------------------------
+    # sampling
+    # ---------------------------------------------------------------------------------------
+
+    def window_order(self, epoch: int) -> np.ndarray:
+        """The order in which `epoch` visits the windows (a permutation of window indices)."""
+        if epoch != self._permutation_epoch:
+            # NOTE: (seed, epoch) goes through SeedSequence, so seed 1 / epoch 1 and seed 2 /
+            # epoch 0 give unrelated orders (a plain `seed + epoch` would make them equal).
+            generator = np.random.Generator(np.random.PCG64((self.seed, epoch)))
+            self._permutation = generator.permutation(self.num_windows)
+            self._permutation_epoch = epoch
+        return self._permutation
+
+    def global_window_indices(self, step: int) -> np.ndarray:
+        """Indices of the windows in the whole job's batch at `step`, in rank order."""
+        epoch, index_in_epoch = divmod(step, self.steps_per_epoch)
+        start = index_in_epoch * self.global_batch_size
+        return self.window_order(epoch)[start : start + self.global_batch_size]
+
+    def local_window_indices(self, step: int) -> np.ndarray:
+        """Indices of this rank's windows at `step`: its contiguous slice of the global batch."""
+        first = self.dp_rank * self.local_batch_size
+        return self.global_window_indices(step)[first : first + self.local_batch_size]
+
+    def batch_at(self, step: int) -> Batch:
+        """This rank's `(inputs, targets)` for `step`, without moving the sampler."""
+        if step < 0:
+            raise DataError(f"step must be >= 0, got {step}")
+        span = self.seq_len + 1
+        # Rows are gathered as contiguous memmap slices (one sequential read each) into one
+        # int64 buffer holding inputs and targets, so a batch costs one allocation and one
+        # torch.from_numpy, and both halves come out contiguous.
+        buffer = np.empty((2, self.local_batch_size, self.seq_len), dtype=np.int64)
+        for row, window in enumerate(self.local_window_indices(step)):
+            start = int(window) * self.seq_len
+            tokens = self._tokens[start : start + span]
+            buffer[0, row] = tokens[:-1]
+            buffer[1, row] = tokens[1:]
+        inputs, targets = torch.from_numpy(buffer).unbind(0)
+        return inputs, targets
+
+    def next_batch(self) -> Batch:
+        """This rank's `(inputs, targets)` for the current step, then advance one step."""
+        batch = self.batch_at(self._step)
+        self._step += 1
+        return batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.next_batch()
+
+    # ---------------------------------------------------------------------------------------
+    # checkpointing
+    # ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """The position to resume from; independent of dp, so it resumes on any dp degree."""
+        return {
+            "step": self._step,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "num_windows": self.num_windows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where `state` was saved: the next batches are the same.
+
+        The saved seed wins over the constructor's, since resuming means continuing that run's
+        data order. The layout (seq_len, global batch, number of windows) must match.
+        """
+        missing = [key for key in ("step", "seed", *_LAYOUT_FIELDS) if key not in state]
+        if missing:
+            raise DataError(f"sampler state is missing {missing}; got keys {sorted(state)}")
+        for key in _LAYOUT_FIELDS:
+            if int(state[key]) != getattr(self, key):
+                raise DataError(
+                    f"sampler state was saved with {key}={int(state[key])}, but this sampler has "
+                    f"{key}={getattr(self, key)}; resuming would read different data"
+                )
+        step, seed = int(state["step"]), int(state["seed"])
+        if step < 0 or seed < 0:
+            raise DataError(f"sampler state has negative step={step} or seed={seed}")
+        if "epoch" in state and int(state["epoch"]) != step // self.steps_per_epoch:
+            raise DataError(
+                f"sampler state is inconsistent: epoch={int(state['epoch'])} but step={step} is "
+                f"in epoch {step // self.steps_per_epoch} ({self.steps_per_epoch} steps/epoch)"
+            )
+        if seed != self.seed:
+            self.seed = seed
+            self._permutation_epoch = -1
+        self._step = step
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenBatches({str(self.token_file.directory)!r}, seq_len={self.seq_len}, "
+            f"global_batch_size={self.global_batch_size}, dp_rank={self.dp_rank}, "
+            f"dp_size={self.dp_size}, seed={self.seed}, step={self._step})"
+        )
+
+
+def build_batches(
+    data_config: DataSection,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    cache_dir: Path | str | None = None,
+) -> TokenBatches:
+    """The sampler a config's `[data]` section describes; `path = ''` is the bundled corpus."""
+    if data_config.path:
+        directory = Path(data_config.path).expanduser()
+    else:
+        from plait.plugins.data.corpus import bundled_corpus_dir
+
+        directory = bundled_corpus_dir(cache_dir)
+    return TokenBatches(
+        TokenFile(directory),
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+    )

@@ -1,0 +1,83 @@
+"""Tokenizers for token-file preparation: the `Tokenizer` protocol and the byte-level default.
+
+The byte tokenizer maps text to its UTF-8 bytes, so its vocabulary is exactly 256 ids, it needs
+no vocabulary file and no download, and every string round-trips. Any object with the same four
+members (for example a thin wrapper around a Hugging Face `tokenizers.Tokenizer`) can be passed
+to `prepare_token_files` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What token-file preparation needs from a tokenizer."""
+
+    name: str
+    vocab_size: int
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text`, as a 1-D integer array."""
+        ...
+
+    def decode(self, tokens: Iterable[int] | np.ndarray) -> str:
+        """The text of `tokens`."""
+        ...
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id of a vocabulary of `vocab_size`."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ValueError(f"vocab_size {vocab_size} does not fit in 32-bit token ids")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocab 256, lossless for any text, nothing to download.
+
+    `decode` replaces byte sequences that are not valid UTF-8 (a window cut in the middle of a
+    multi-byte character) with U+FFFD instead of raising, since sampled windows start anywhere.
+    """
+
+    name = "byte"
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        """The UTF-8 bytes of `text` as a uint8 array (copy, so callers may write to it)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+    def decode(self, tokens: Iterable[int] | np.ndarray) -> str:
+        # Lists, arrays and CPU tensors convert directly; a bare iterator is drained once.
+        ids = np.asarray(tokens) if hasattr(tokens, "__len__") else np.fromiter(tokens, np.int64)
+        if ids.size == 0:
+            return ""
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"byte tokens must be integers, got dtype {ids.dtype}")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"byte token {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=256)"
+
+
+TOKENIZERS: dict[str, type[ByteTokenizer]] = {"byte": ByteTokenizer}
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    """A tokenizer by name; an unknown name is an error listing the known ones."""
+    try:
+        return TOKENIZERS[name]()
+    except KeyError:
+        known = ", ".join(sorted(TOKENIZERS))
+        raise ValueError(f"unknown tokenizer {name!r}; known: {known}") from None

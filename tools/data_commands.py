@@ -1,0 +1,74 @@
+"""`plait data …`: prepare memory-mapped token files from text and inspect prepared ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from plait.plugins.data.token_files import DataError, TokenFile, prepare_token_files
+from plait.plugins.data.tokenizer import TOKENIZERS, get_tokenizer
+
+app = typer.Typer(
+    name="data",
+    help="Prepare and inspect the token files training reads.",
+    no_args_is_help=True,
+)
+console = Console()
+
+
+@app.command()
+def prepare(
+    files: list[Path] = typer.Argument(..., help="UTF-8 text files, concatenated in this order"),
+    output: Path = typer.Option(..., "--output", "-o", help="directory to write tokens.bin to"),
+    tokenizer: str = typer.Option(
+        "byte", "--tokenizer", "-t", help=f"one of: {', '.join(sorted(TOKENIZERS))}"
+    ),
+) -> None:
+    """Tokenize FILES into OUTPUT/tokens.bin and OUTPUT/meta.json."""
+    try:
+        directory = prepare_token_files(files, output, tokenizer=get_tokenizer(tokenizer))
+        token_file = TokenFile(directory)
+    except (DataError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    meta = token_file.meta
+    table = Table(title=f"token files in {directory}", show_footer=True)
+    table.add_column("file", footer="total")
+    table.add_column("bytes", justify="right", footer=f"{sum(s.bytes for s in meta.sources):,}")
+    table.add_column("tokens", justify="right", footer=f"{meta.count:,}")
+    for source in meta.sources:
+        table.add_row(source.path, f"{source.bytes:,}", f"{source.tokens:,}")
+    console.print(table)
+    console.print(
+        f"tokenizer [bold]{meta.tokenizer}[/bold] (vocab {meta.vocab_size:,}), "
+        f"dtype {meta.dtype}, {token_file.nbytes:,} bytes in tokens.bin, "
+        f"sha256 {meta.sha256[:16]}…"
+    )
+
+
+@app.command()
+def info(
+    directory: Path = typer.Argument(..., help="a prepared token directory"),
+    verify: bool = typer.Option(False, "--verify", help="re-hash tokens.bin against meta.json"),
+) -> None:
+    """Show what a prepared token directory holds; --verify also checks its checksum."""
+    try:
+        token_file = TokenFile(directory, verify_checksum=verify)
+    except DataError as exc:
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    meta = token_file.meta
+    table = Table(show_header=False, title=str(token_file.directory))
+    for key, value in (
+        ("tokens", f"{meta.count:,}"),
+        ("dtype", meta.dtype),
+        ("bytes", f"{token_file.nbytes:,}"),
+        ("tokenizer", f"{meta.tokenizer} (vocab {meta.vocab_size:,})"),
+        ("sources", "\n".join(s.path for s in meta.sources)),
+        ("sha256", meta.sha256 + (" (verified)" if verify else "")),
+    ):
+        table.add_row(key, value)
+    console.print(table)
