@@ -84,7 +84,7 @@ class TokenBatches:
         self._tokens = self.token_file.tokens
         self._step = 0
         self._permutation_epoch = -1
-        self._permutation = np.empty(0, dtype=np.int64)
+        self._permutation: np.ndarray = np.empty(0, dtype=np.uint32)
 
     # ---------------------------------------------------------------------------------------
     # position
@@ -119,7 +119,12 @@ class TokenBatches:
             # NOTE: (seed, epoch) goes through SeedSequence, so seed 1 / epoch 1 and seed 2 /
             # epoch 0 give unrelated orders (a plain `seed + epoch` would make them equal).
             generator = np.random.Generator(np.random.PCG64((self.seed, epoch)))
-            self._permutation = generator.permutation(self.num_windows)
+            # Shuffling uint32 indices in place gives the same order as `permutation()` with
+            # half its memory, which matters once a corpus has hundreds of millions of windows.
+            index_dtype = np.uint32 if self.num_windows <= np.iinfo(np.uint32).max else np.int64
+            order = np.arange(self.num_windows, dtype=index_dtype)
+            generator.shuffle(order)
+            self._permutation = order
             self._permutation_epoch = epoch
         return self._permutation
 

@@ -89,7 +89,7 @@ class TokenFileMeta:
             value = raw.get(name)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise TokenFileError(
-                    f"{where}: field {name!r} must be a {kind.__name__}, got {value!r}"
+                    f"{where}: field {name!r} must be of type {kind.__name__}, got {value!r}"
                 )
         if raw["count"] < 0 or raw["vocab_size"] <= 0:
             raise TokenFileError(

@@ -159,7 +159,7 @@ def test_missing_and_corrupt_meta_are_errors_naming_it(tmp_path: Path) -> None:
         TokenFile(out)
     assert str(meta_path) in str(info.value)
     meta_path.write_text(json.dumps({**meta, "count": "many"}))
-    with pytest.raises(TokenFileError, match="'count' must be a int"):
+    with pytest.raises(TokenFileError, match="'count' must be of type int"):
         TokenFile(out)
     meta_path.write_text(json.dumps({**meta, "dtype": "uint16"}))
     with pytest.raises(TokenFileError, match="does not match vocab_size 256"):
