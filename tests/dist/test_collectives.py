@@ -16,7 +16,7 @@ from plait.plugins.collectives.metering import TrafficMeter
 pytestmark = pytest.mark.dist
 
 BACKEND_ONLY = (("torch_comm", "plait.plugins.torch_comm"),)
-SIZES = (1, 2, 3, 7, 1001, 4099)
+SIZES = (1, 7, 1001, 4099)
 BACKEND_OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.AVG,
@@ -54,7 +54,7 @@ def compare_with_backend(rank: int, world_size: int) -> dict[str, float]:
                 torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
                 checksums[f"{algorithm}/{numel}/{reduce_op}"] = float(result.double().sum())
         # The steps went through the communicate hook as point-to-point sends of our purpose.
-        sent = meter.bytes_for(lambda p: p == f"{algorithm}/grad_bucket", op="send")
+        sent = meter.bytes_for(lambda p, name=algorithm: p == f"{name}/grad_bucket", op="send")
         assert sent > 0, f"{algorithm} sent nothing through the hook"
         assert meter.bytes_for(lambda p: True, op="all_reduce") == sum(
             4 * n * len(BACKEND_OPS) for n in SIZES
