@@ -8,11 +8,11 @@ names what is allowed. Errors always name the field, the bad value and the allow
 from __future__ import annotations
 
 import ast
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from plait.core.errors import ConfigError

@@ -27,8 +27,14 @@ from plait.core.mesh import Mesh
 from plait.core.optim import default_optimizer_factory, warmup_cosine
 from plait.core.plugins import Plugins
 from plait.core.records import SHARD_ORDER
-from plait.core.schedule import Action, Backward, Forward, OptimizerStep, ScheduleRequest
-from plait.core.schedule import SyncGradients
+from plait.core.schedule import (
+    Action,
+    Backward,
+    Forward,
+    OptimizerStep,
+    ScheduleRequest,
+    SyncGradients,
+)
 from plait.core.sharding import ParallelRuntime, ShardContext, StepState
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 
@@ -51,9 +57,7 @@ def initialize(
     by default the config's AdamW with warmup + cosine. `loss_fn(output, targets)` defaults to
     token cross-entropy. Call from every rank (under torchrun, or in one process).
     """
-    return Engine(
-        config=config, model=model, optimizer=optimizer, loss_fn=loss_fn, plugins=plugins
-    )
+    return Engine(config=config, model=model, optimizer=optimizer, loss_fn=loss_fn, plugins=plugins)
 
 
 class Engine:
@@ -125,15 +129,7 @@ class Engine:
     # -- construction ---------------------------------------------------------------------------
 
     def _check_plugin_sections(self) -> None:
-        known = {r.name for (_, r) in (v for v in self.plugins.strategies().values())}
-        known |= {"comm"} if self.plugins.comm_algorithms() else set()
-        known |= {getattr(r, "config_section", "") for _, r in self.plugins.strategies().values()}
-        unknown = sorted(set(self.config.extensions) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown config section(s) {unknown}; core sections are "
-                f"{sorted(PlaitConfig.model_fields)}, plugin sections: {sorted(k for k in known if k)}"
-            )
+        check_config(self.config, self.plugins, with_model=False)
 
     def _register_telemetry(self) -> None:
         if self.plugins.manager.has_plugin("telemetry") or self.plugins.manager.is_blocked(
@@ -172,12 +168,6 @@ class Engine:
         return par.transforms.get(axis)
 
     def _shard(self, module: nn.Module) -> nn.Module:
-        unknown_axes = set(self.config.parallel.transforms) - set(SHARD_ORDER)
-        if unknown_axes:
-            raise ConfigError(
-                f"parallel.transforms has unknown axes {sorted(unknown_axes)}; "
-                f"allowed: {list(SHARD_ORDER)}"
-            )
         for axis in SHARD_ORDER:
             if axis != "pp":
                 # The pipeline split runs on the meta device (it only drops layers); every other
@@ -229,10 +219,7 @@ class Engine:
 
     def _job_info(self) -> JobInfo:
         device = self.device
-        if device.type == "cuda":
-            device_name = torch.cuda.get_device_name(device)
-        else:
-            device_name = _cpu_name()
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
         num_params = sum(p.numel() for p in self.module.parameters())
         cfg = self.config
         return JobInfo(
@@ -377,9 +364,7 @@ class Engine:
     def _mean_loss(self, state: StepState) -> float:
         """Mean over micro-batches and over the ranks that hold losses (last pipeline stage)."""
         held = [loss for loss in state.losses if loss is not None]
-        totals = torch.tensor(
-            [float(sum(loss.float().item() for loss in held)), float(len(held))]
-        )
+        totals = torch.tensor([float(sum(loss.float().item() for loss in held)), float(len(held))])
         if self._loss_group.size > 1:
             self.comm.all_reduce(totals, group=self._loss_group, op="sum", purpose="metrics")
         return (totals[0] / totals[1]).item()
@@ -396,6 +381,39 @@ class Engine:
 
     def close(self) -> None:
         self.plugins.job_end()
+
+
+def check_config(config: PlaitConfig, plugins: Plugins, *, with_model: bool = True) -> None:
+    """Check the names a config gives against the installed plugins (before any rank starts)."""
+    strategies = plugins.strategies()
+    sections = {rec.config_section or rec.name for _, rec in strategies.values()}
+    if plugins.comm_algorithms():
+        sections.add("comm")
+    unknown = sorted(set(config.extensions) - sections)
+    if unknown:
+        raise ConfigError(
+            f"unknown config section(s) {unknown}; core sections: "
+            f"{sorted(PlaitConfig.model_fields)}; plugin sections: {sorted(sections)}"
+        )
+    par = config.parallel
+    for axis in ("pp", "tp", "cp"):
+        if getattr(par, axis) > 1:
+            plugins.strategy(axis, getattr(par, f"{axis}_strategy"))
+    plugins.strategy("dp", par.dp_strategy)
+    for axis, name in par.transforms.items():
+        if axis not in SHARD_ORDER:
+            raise ConfigError(
+                f"parallel.transforms has unknown axis {axis!r}; allowed: {list(SHARD_ORDER)}"
+            )
+        plugins.strategy(axis, name)
+    for (_, name), (_, record) in strategies.items():
+        if record.config_cls is not None and (record.config_section or name) in config.extensions:
+            config.section(record.config_section or name, record.config_cls)
+    plugins.schedule_record(config.schedule.name)
+    if with_model:
+        record = plugins.model(config.model.name)
+        if record.make_config is not None:
+            record.make_config(config.model.size, config.model.overrides)
 
 
 def _phase_totals(spans: Sequence[PhaseSpan]) -> dict[str, float]:

@@ -107,6 +107,9 @@ class Kernels:
 
     def providers_for(self, name: str) -> list[str]:
         return sorted(
-            {f"{r.provider} ({', '.join(r.device_types)})"
-             for _, r in self.plugins.kernel_records() if r.op == name}
+            {
+                f"{r.provider} ({', '.join(r.device_types)})"
+                for _, r in self.plugins.kernel_records()
+                if r.op == name
+            }
         )

@@ -39,7 +39,9 @@ def init_distributed(device: torch.device, *, timeout_seconds: float = 600.0) ->
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_seconds)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend, timeout=timeout, device_id=device if backend == "nccl" else None
+        )
     else:
         # A single process outside torchrun: a one-rank group over an in-memory store, so the
         # same code path (collectives included) runs everywhere.

@@ -30,7 +30,9 @@ class AdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
         self.kernels = kernels
 
     @torch.no_grad()
@@ -71,7 +73,7 @@ class AdamW(torch.optim.Optimizer):
 
 
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices; leave norms, biases and other 1-D parameters undecayed (GPT/Llama practice)."""
+    """Decay matrices; leave norms, biases and other 1-D parameters undecayed (GPT, Llama)."""
     decay, no_decay = [], []
     for p in params:
         if not p.requires_grad:

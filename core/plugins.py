@@ -184,9 +184,7 @@ class Plugins:
         except Exception as exc:
             culprit = _plugin_in_traceback(exc, self.manager)
             where = self.describe(culprit) if culprit else "a plugin"
-            raise PluginError(
-                f"{where} raised {type(exc).__name__} in {hook_name}: {exc}"
-            ) from exc
+            raise PluginError(f"{where} raised {type(exc).__name__} in {hook_name}: {exc}") from exc
 
     def _collect(self, hook_name: str) -> list[tuple[str, Any]]:
         """Call a registration hook plugin by plugin, keeping who returned what."""
@@ -296,9 +294,7 @@ class Plugins:
     def kernel(
         self, *, name: str, device: str, dtype: str, provider: str | None = None
     ) -> Callable[..., Any] | None:
-        return self._call(
-            "plait_kernel", name=name, device=device, dtype=dtype, provider=provider
-        )
+        return self._call("plait_kernel", name=name, device=device, dtype=dtype, provider=provider)
 
     def job_start(self, info: JobInfo) -> None:
         self._call("plait_job_start", info=info)
@@ -335,9 +331,7 @@ class Plugins:
         for name, plugin in self.manager.list_name_plugin():
             if plugin is None:
                 continue
-            hooks = tuple(
-                sorted(h.name for h in self.manager.get_hookcallers(plugin) or ())
-            )
+            hooks = tuple(sorted(h.name for h in self.manager.get_hookcallers(plugin) or ()))
             infos.append(
                 PluginInfo(
                     name=name,

@@ -7,6 +7,7 @@ with the ranks that did not finish instead of stalling the suite.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import tempfile
@@ -35,7 +36,10 @@ def _rank_main(
 ) -> None:
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     import torch
     import torch.distributed as dist
@@ -50,10 +54,8 @@ def _rank_main(
         outcome = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
     with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(outcome, f)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from plait.core.errors import ScheduleError
 from plait.core.hookspecs import hookimpl
 from plait.core.records import ScheduleRecord
 from plait.core.schedule import (
@@ -18,7 +19,6 @@ from plait.core.schedule import (
     ScheduleRequest,
     SyncGradients,
 )
-from plait.core.errors import ScheduleError
 
 NAME = "accumulate"
 

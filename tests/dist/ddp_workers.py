@@ -22,8 +22,13 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.Sequential(
-            nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM), nn.Tanh(),
-            nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM),
+            nn.Linear(DIM, 4 * DIM),
+            nn.GELU(),
+            nn.Linear(4 * DIM, DIM),
+            nn.Tanh(),
+            nn.Linear(DIM, 4 * DIM),
+            nn.GELU(),
+            nn.Linear(4 * DIM, DIM),
         )
         self.head = nn.Linear(DIM, VOCAB)
 
@@ -47,7 +52,9 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def global_batches(steps: int, global_batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def global_batches(
+    steps: int, global_batch: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
@@ -83,7 +90,10 @@ def train_user_model(
     share = global_batch // world_size
     losses = []
     for inputs, targets in global_batches(steps, global_batch):
-        local = (inputs[rank * share : (rank + 1) * share], targets[rank * share : (rank + 1) * share])
+        local = (
+            inputs[rank * share : (rank + 1) * share],
+            targets[rank * share : (rank + 1) * share],
+        )
         losses.append(engine.train_step(local))
     grads = [{k: v for k, v in g.items()} for g in holder["opt"].seen]
     return {"losses": losses, "grads": grads, "num_buckets": len(engine.runtimes[0].buckets)}
@@ -108,11 +118,14 @@ def overlap_probe(rank: int, world_size: int) -> dict[str, Any]:
     plugins = Plugins.create(autoload=False, extra=[("issue-recorder", recorder)])
     engine = plait.initialize(
         TinyLM(),
-        config={"ddp": {"bucket_mb": 0.01}, "telemetry": {"enabled": False},
-                "train": {"micro_batch_size": 4}},
+        config={
+            "ddp": {"bucket_mb": 0.01},
+            "telemetry": {"enabled": False},
+            "train": {"micro_batch_size": 4},
+        },
         plugins=plugins,
     )
-    (inputs, targets), = global_batches(1, 4 * world_size)
+    ((inputs, targets),) = global_batches(1, 4 * world_size)
     engine.train_step((inputs[:4], targets[:4]))
     backward = [s for s in engine.last_report.spans if s.name == "backward"]
     return {

@@ -26,13 +26,18 @@ def test_dp2_matches_single_process(micro_batch: int) -> None:
     for rank_result in dp2:
         assert rank_result["num_buckets"] > 1
         torch.testing.assert_close(
-            torch.tensor(rank_result["losses"]), torch.tensor(single["losses"]),
-            rtol=LOSS_TOL, atol=LOSS_TOL,
+            torch.tensor(rank_result["losses"]),
+            torch.tensor(single["losses"]),
+            rtol=LOSS_TOL,
+            atol=LOSS_TOL,
         )
         for step, (got, want) in enumerate(zip(rank_result["grads"], single["grads"], strict=True)):
             for key in want:
                 torch.testing.assert_close(
-                    got[key], want[key], rtol=GRAD_TOL, atol=GRAD_TOL,
+                    got[key],
+                    want[key],
+                    rtol=GRAD_TOL,
+                    atol=GRAD_TOL,
                     msg=lambda m, s=step, k=key: f"step {s} param {k}: {m}",
                 )
 

@@ -1,0 +1,191 @@
+"""The `plait` command line: train, config, plugins, demo, and the mounted command groups.
+
+Operator commands (daemon, status, top, trace, bottleneck), `plait data`, `plait schedule` and
+`plait kernels` live in their own modules and are mounted here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from plait.core.errors import PlaitError
+
+app = typer.Typer(
+    name="plait",
+    help="plait: distributed training for transformer models, built from plugins.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Show or validate a config file.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+console = Console()
+
+# (module, name under `plait`, or None to merge its commands at the top level)
+MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
+    ("plait.tools.data_commands", "data"),
+    ("plait.tools.schedule_commands", "schedule"),
+    ("plait.tools.kernels_commands", "kernels"),
+    ("plait.tools.daemon_commands", None),
+)
+
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="override a config field: section.field=value (repeatable)"),
+]
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[red]error:[/red] {exc}", highlight=False)
+    raise typer.Exit(2)
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="TOML config file")],
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="ranks per node")] = 1,
+    nnodes: Annotated[str, typer.Option("--nnodes", help="nodes, or MIN:MAX (elastic)")] = "1",
+    node_rank: Annotated[int, typer.Option("--node-rank")] = 0,
+    rdzv_endpoint: Annotated[
+        str, typer.Option("--rdzv-endpoint", help="host:port of the rendezvous (multi-node)")
+    ] = "",
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="job id shared by all nodes")] = "plait",
+    max_restarts: Annotated[
+        int, typer.Option("--max-restarts", help="restart the ranks this many times on failure")
+    ] = 0,
+    overrides: Overrides = None,
+) -> None:
+    """Launch training through torch.distributed.run (torchrun)."""
+    from plait.core.config import load_config
+    from plait.core.engine import check_config
+    from plait.core.plugins import Plugins
+
+    overrides = overrides or []
+    try:
+        cfg = load_config(config, overrides)
+        check_config(cfg, Plugins.create(blocked=cfg.plugins.disable))
+    except PlaitError as exc:
+        _fail(exc)
+    from torch.distributed.run import get_args_parser, run
+
+    launcher = ["--nproc-per-node", str(nproc_per_node), "--nnodes", nnodes]
+    launcher += ["--max-restarts", str(max_restarts)]
+    if rdzv_endpoint:
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
+        launcher += ["--rdzv-id", rdzv_id, "--node-rank", str(node_rank)]
+    else:
+        launcher += ["--standalone"]
+    worker = ["-m", "plait.tools.trainer", str(config)]
+    for item in overrides:
+        worker += ["--set", item]
+    args = get_args_parser().parse_args(launcher + worker)
+    try:
+        run(args)
+    except Exception as exc:  # torchrun's ChildFailedError carries the failing ranks
+        console.print(f"[red]training failed:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+@config_app.command("show")
+def config_show(
+    file: Annotated[Path, typer.Argument(help="TOML config file")],
+    overrides: Overrides = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of TOML")] = False,
+) -> None:
+    """Print the fully resolved config (defaults filled in, overrides applied)."""
+    from plait.core.config import dump_toml, load_config
+
+    try:
+        cfg = load_config(file, overrides or [])
+    except PlaitError as exc:
+        _fail(exc)
+    data = cfg.model_dump(mode="json")
+    print(json.dumps(data, indent=2) if as_json else dump_toml(data), end="")
+
+
+@config_app.command("validate")
+def config_validate(
+    file: Annotated[Path, typer.Argument(help="TOML config file")],
+    overrides: Overrides = None,
+) -> None:
+    """Validate a config against the schema and the installed plugins."""
+    from plait.core.config import load_config
+    from plait.core.engine import check_config
+    from plait.core.plugins import Plugins
+
+    try:
+        cfg = load_config(file, overrides or [])
+        check_config(cfg, Plugins.create(blocked=cfg.plugins.disable))
+    except PlaitError as exc:
+        _fail(exc)
+    console.print(f"[green]ok[/green]: {file} is valid", highlight=False)
+
+
+@app.command()
+def plugins() -> None:
+    """List every plugin: its distribution, the hooks it implements, the names it registers."""
+    from plait.core.plugins import Plugins
+
+    try:
+        manager = Plugins.create()
+    except PlaitError as exc:
+        _fail(exc)
+    table = Table(title="plait plugins")
+    for column in ("plugin", "distribution", "hooks", "provides"):
+        table.add_column(column, overflow="fold")
+    for info in manager.info():
+        hooks = ", ".join(h.removeprefix("plait_") for h in info.hooks)
+        table.add_row(info.name, info.distribution, hooks, ", ".join(info.provides))
+    console.print(table)
+
+
+@app.command()
+def demo(
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node")] = 2,
+    steps: Annotated[int, typer.Option("--steps")] = 40,
+) -> None:
+    """A short multi-rank CPU run with a node daemon: live progress, MFU, bottleneck report."""
+    from plait.tools.demo import run_demo
+
+    raise typer.Exit(run_demo(nproc_per_node=nproc_per_node, steps=steps))
+
+
+def _mount_apps() -> None:
+    for module_name, name in MOUNTED_APPS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # that command group is not part of this build
+            raise
+        sub = module.app
+        if name is None:
+            for command in sub.registered_commands:
+                app.registered_commands.append(command)
+            for group in sub.registered_groups:
+                app.registered_groups.append(group)
+        else:
+            app.add_typer(sub, name=name)
+
+
+_mount_apps()
+
+
+def main() -> None:
+    try:
+        app()
+    except PlaitError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The per-rank training loop behind `plait train`: engine, data, progress bar, summary.
+
+Launched by torchrun (`python -m plait.tools.trainer CONFIG [--set k=v ...]`); also callable
+in-process (`run_training(config)`) for tests and a single process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from plait.core.config import PlaitConfig, load_config
+from plait.core.engine import Engine
+from plait.core.errors import PlaitError
+from plait.core.flops import mfu
+from plait.core.step import StepReport
+
+
+@dataclass
+class TrainingSummary:
+    losses: list[float] = field(default_factory=list)
+    tokens_per_second: float = 0.0
+    mfu: float = 0.0
+    memory: dict[str, int] = field(default_factory=dict)
+
+
+def _peak_flops(engine: Engine) -> float:
+    from plait.core.telemetry import peak_flops_for
+
+    info = engine._job_info()
+    return peak_flops_for(info.device, info.device_name, info.compute_dtype).flops
+
+
+def run_training(config: PlaitConfig, *, console: Console | None = None) -> TrainingSummary:
+    """Train for `config.train.steps` steps; rank 0 shows live progress."""
+    from plait.plugins.data import build_batches
+
+    engine = Engine(config=config)
+    mesh = engine.mesh
+    is_leader = mesh.rank == 0
+    console = console or Console(stderr=False)
+    batches = build_batches(
+        config.data,
+        seq_len=config.data.seq_len,
+        global_batch_size=config.train.global_batch_size,
+        dp_rank=mesh.coordinate("dp"),
+        dp_size=mesh.size("dp"),
+        seed=config.train.seed,
+    )
+    peak = _peak_flops(engine) * mesh.world_size if is_leader else 0.0
+    summary = TrainingSummary()
+    if is_leader:
+        _print_header(console, engine, peak)
+    progress = Progress(
+        TextColumn("[bold]step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not is_leader,
+        transient=False,
+    )
+    start = time.perf_counter()
+    tokens_done = 0
+    with progress:
+        task = progress.add_task("train", total=config.train.steps, stats="")
+        for step in range(config.train.steps):
+            data_start = time.time_ns()
+            batch = batches.next_batch()
+            loss = engine.train_step(batch, data_start_ns=data_start)
+            report = engine.last_report
+            summary.losses.append(loss)
+            tokens_done += report.tokens
+            if is_leader:
+                stats = _format_stats(report, peak)
+                progress.update(task, completed=step + 1, stats=stats)
+                if not console.is_terminal and (
+                    step % config.train.log_every == 0 or step == config.train.steps - 1
+                ):
+                    console.print(f"step {step + 1}/{config.train.steps} {stats}", highlight=False)
+    elapsed = time.perf_counter() - start
+    summary.tokens_per_second = tokens_done / elapsed
+    summary.mfu = mfu(engine.flops_per_token * summary.tokens_per_second, peak) if peak else 0.0
+    summary.memory = engine.memory_report()
+    if is_leader:
+        _print_summary(console, summary)
+    engine.close()
+    return summary
+
+
+def _format_stats(report: StepReport, peak: float) -> str:
+    tokens_per_second = report.tokens / report.step_seconds if report.step_seconds else 0.0
+    flops_per_second = report.model_flops / report.step_seconds if report.step_seconds else 0.0
+    utilisation = mfu(flops_per_second, peak) if peak else 0.0
+    return (
+        f"loss {report.loss:.4f} | {tokens_per_second:,.0f} tok/s | MFU {utilisation:.1%} | "
+        f"lr {report.lr:.2e} | {report.step_seconds * 1e3:.0f} ms"
+    )
+
+
+def _print_header(console: Console, engine: Engine, peak: float) -> None:
+    cfg = engine.config
+    num_params = sum(p.numel() for p in engine.module.parameters())
+    degrees = " ".join(f"{k}={v}" for k, v in engine.mesh.degrees.items())
+    console.print(
+        f"[bold]plait[/bold] {cfg.model.name}/{cfg.model.size} · {num_params:,} parameters "
+        f"per rank · {engine.mesh.world_size} ranks ({degrees}) on {engine.device} · "
+        f"dp strategy {cfg.parallel.dp_strategy} · schedule {cfg.schedule.name}",
+        highlight=False,
+    )
+    console.print(
+        f"model FLOPs/token {engine.flops_per_token:,.0f} · job peak {peak / 1e9:,.1f} GFLOP/s "
+        "(CPU: measured GEMM rate)"
+        if engine.device.type == "cpu"
+        else "",
+        highlight=False,
+    )
+
+
+def _print_summary(console: Console, summary: TrainingSummary) -> None:
+    first, last = summary.losses[0], summary.losses[-1]
+    console.print(
+        f"[bold]done[/bold]: loss {first:.4f} → {last:.4f} · {summary.tokens_per_second:,.0f} "
+        f"tok/s · MFU {summary.mfu:.1%}",
+        highlight=False,
+    )
+    mem = summary.memory
+    console.print(
+        "memory (rank 0): " + " · ".join(f"{k} {v / 2**20:,.2f} MiB" for k, v in mem.items()),
+        highlight=False,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="plait-trainer")
+    parser.add_argument("config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        run_training(config)
+    except PlaitError as exc:
+        rank = os.environ.get("RANK", "0")
+        print(f"rank {rank}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
