@@ -10,8 +10,9 @@ Hooks are grouped in lifecycle order, the way pytest's `hookspec.py` is:
 Hooks are always *called* with keyword arguments (pluggy enforces it) and implementations take
 only the arguments they need, by name. Implementations must not mark them keyword-only with `*`:
 pluggy matches arguments to ordinary parameters, and the manager rejects a `*`. Decision hooks
-are `firstresult`: the first plugin that returns something other than `None` answers, and built-in defaults are `trylast`, so a
-third-party plugin that answers the same request wins over them. Plugins select themselves by the
+are `firstresult`: the first plugin that returns something other than `None` answers, and
+built-in defaults are `trylast`, so a third-party plugin that answers the same request wins
+over them. Plugins select themselves by the
 *name* the config gives, never by load order.
 """
 
