@@ -1,0 +1,153 @@
+"""Timing of collective and point-to-point ops for telemetry, without device synchronisation.
+
+`CommRecord` is what the telemetry wrapper keeps per op while a step runs: plain scalars (no
+tensor references, so buffers are not kept alive) and a start/end time. An op ends
+
+* for a synchronous op, when the hook returns;
+* for an asynchronous op, when its work completes: through `Work.get_future().then(...)` where
+  the backend supports futures (Gloo and NCCL collectives), else when `wait()` returns;
+* on CUDA, at CUDA events recorded around the op and read after the step (`resolve_cuda`), so
+  the timing is the device's, and no `synchronize()` is ever added to the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from plait.core.records import CommRequest
+
+
+@dataclass(slots=True)
+class CudaAnchor:
+    """A CUDA event paired with the wall clock when it was recorded, to place device times."""
+
+    event: Any  # torch.cuda.Event
+    wall_ns: int
+
+    @classmethod
+    def now(cls) -> CudaAnchor:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return cls(event=event, wall_ns=time.time_ns())
+
+
+@dataclass(slots=True)
+class CommRecord:
+    """One op: what it was, and when it ran (end_ns stays 0 until it completes)."""
+
+    op: str
+    nbytes: int
+    dtype: Any  # torch.dtype or None
+    group_name: str
+    group_ranks: tuple[int, ...]
+    seq: int
+    purpose: str
+    peer: int | None
+    async_op: bool
+    step: int | None
+    start_ns: int
+    end_ns: int = 0
+    error: str = ""
+    cuda_start: Any = None
+    cuda_end: Any = None
+    anchor: CudaAnchor | None = None
+
+    @classmethod
+    def begin(cls, request: CommRequest, step: int | None) -> CommRecord:
+        first = request.tensors[0] if request.tensors else None
+        return cls(
+            op=request.op,
+            nbytes=request.nbytes,
+            dtype=first.dtype if first is not None else None,
+            group_name=request.group_name,
+            group_ranks=request.group_ranks,
+            seq=request.seq,
+            purpose=request.purpose,
+            peer=request.peer,
+            async_op=request.async_op,
+            step=step,
+            start_ns=time.time_ns(),
+        )
+
+    @property
+    def done(self) -> bool:
+        if self.cuda_start is not None:
+            return self.cuda_end is not None and self.end_ns != 0
+        return self.end_ns != 0
+
+    def finish(self) -> None:
+        """Mark the op complete now (host clock; the CUDA end event, if any, is recorded too)."""
+        if self.cuda_start is not None and self.cuda_end is None:
+            import torch
+
+            # The caller's stream waits for the collective at this point (after `wait()` or in a
+            # future callback), so an event recorded here completes when the op does.
+            self.cuda_end = torch.cuda.Event(enable_timing=True)
+            self.cuda_end.record()
+        if self.end_ns == 0:
+            self.end_ns = time.time_ns()
+
+    def finish_from_future(self, _future: Any) -> None:
+        self.finish()
+
+    def start_cuda(self, anchor: CudaAnchor) -> None:
+        import torch
+
+        self.anchor = anchor
+        self.cuda_start = torch.cuda.Event(enable_timing=True)
+        self.cuda_start.record()
+
+    def resolve_cuda(self) -> bool:
+        """Replace host times by device times if the end event has completed; never blocks."""
+        if self.cuda_start is None or self.anchor is None:
+            return True
+        if self.cuda_end is None or not self.cuda_end.query():
+            return False
+        anchor = self.anchor
+        start_ms = anchor.event.elapsed_time(self.cuda_start)
+        end_ms = anchor.event.elapsed_time(self.cuda_end)
+        self.start_ns = anchor.wall_ns + int(start_ms * 1e6)
+        self.end_ns = anchor.wall_ns + int(end_ms * 1e6)
+        self.cuda_start = self.cuda_end = self.anchor = None
+        return True
+
+
+class TimedWork:
+    """Wraps a `Work` without a future: the record completes when `wait()` returns."""
+
+    __slots__ = ("_record", "_work")
+
+    def __init__(self, work: Any, record: CommRecord) -> None:
+        self._work = work
+        self._record = record
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        self._record.finish()
+        return result
+
+    def is_completed(self) -> bool:
+        completed = getattr(self._work, "is_completed", None)
+        return bool(completed()) if completed is not None else self._record.done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def track_async_completion(work: Any, record: CommRecord) -> Any:
+    """Arrange for `record` to finish when `work` completes; return the handle to give back."""
+    get_future = getattr(work, "get_future", None)
+    if get_future is not None:
+        try:
+            future = get_future()
+        except (RuntimeError, NotImplementedError):
+            # Some backends (Gloo send/recv) have no future for their work.
+            future = None
+        if future is not None:
+            future.then(record.finish_from_future)
+            return work
+    return TimedWork(work, record)

@@ -1,0 +1,158 @@
+"""The telemetry plugin exporting over real OTLP/gRPC to a daemon on loopback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import torch
+
+from plait.core import telemetry as names
+from plait.core.comm import Comm, Group
+from plait.core.config import load_config
+from plait.core.plugins import Plugins
+from plait.core.step import PhaseSpan, StepReport
+from plait.core.telemetry import RankTelemetry
+from plait.daemon.server import DaemonServer
+from plait.plugins.telemetry import make_plugin
+from plait.proto.plait.v1 import daemon_pb2
+from tests.daemon.daemon_fakes import FakeBackend, FutureWork, job_info
+
+STEP_NS = 500_000_000
+TOKENS = 512
+MODEL_FLOPS = 3.0e12
+PHASES = ("data", "forward", "backward", "sync_gradients", "optimizer")
+
+
+def synthetic_report(step: int, base_ns: int) -> StepReport:
+    start = base_ns + step * STEP_NS
+    bounds = [start + i * STEP_NS // len(PHASES) for i in range(len(PHASES) + 1)]
+    spans = tuple(
+        PhaseSpan(name=name, start_ns=bounds[i], end_ns=bounds[i + 1], microbatch=0)
+        for i, name in enumerate(PHASES)
+    )
+    return StepReport(
+        step=step,
+        loss=2.0 - 0.1 * step,
+        tokens=TOKENS,
+        step_seconds=STEP_NS / 1e9,
+        data_wait_seconds=(bounds[1] - bounds[0]) / 1e9,
+        model_flops=MODEL_FLOPS,
+        lr=1e-3,
+        start_ns=start,
+        end_ns=start + STEP_NS,
+        spans=spans,
+    )
+
+
+def run_rank(address: str, rank: int, steps: int, backend: FakeBackend) -> None:
+    plugins = Plugins.create(autoload=False, builtins=(), extra=[("fake_backend", backend)])
+    plugins.register(make_plugin(), "telemetry")
+    plugins.configure(load_config({"telemetry": {"daemon": address}}))
+    plugins.job_start(job_info(rank=rank))
+    comm = Comm(plugins)
+    group = Group(name="dp", ranks=(0, 1))
+    base = time.time_ns()
+    for step in range(steps):
+        plugins.step_start(step)
+        comm.all_reduce(torch.zeros(4), group=group, purpose="metrics")
+        work = comm.all_reduce(torch.zeros(8), group=group, async_op=True, purpose="grad_bucket")
+        comm.send(torch.zeros(2, dtype=torch.bfloat16), dst=1 - rank, group=group).wait()
+        work.wait()
+        assert isinstance(backend.works[-2], FutureWork)
+        backend.works[-2].future.complete()  # the async all-reduce finishes now
+        plugins.step_end(synthetic_report(step, base))
+    plugins.job_end()
+
+
+def test_spans_metrics_and_mfu_reach_the_daemon(daemon_server: DaemonServer, daemon_stub) -> None:
+    backend = FakeBackend()
+    run_rank(daemon_server.address, rank=0, steps=4, backend=backend)
+
+    (info,) = daemon_stub.ListRanks(daemon_pb2.ListRanksRequest()).ranks
+    assert (info.job_id, info.rank, info.world_size, info.pid) == ("job-a", 0, 2, os.getpid())
+    assert info.peak_flops > 0 and info.peak_flops_source == "gemm-calibration"
+    assert dict(info.coordinates) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    assert info.steps_received == 4
+
+    metrics = daemon_stub.GetMetrics(daemon_pb2.GetMetricsRequest(window_steps=10))
+    (rank,) = metrics.ranks
+    assert rank.step == 3 and rank.window_steps == 4
+    assert rank.step_seconds == pytest.approx(0.5)
+    # this rank's share (1/world) of the job's FLOPs and tokens, over 0.5 s steps
+    achieved = MODEL_FLOPS / 2 / 0.5
+    assert rank.model_flops_per_second == pytest.approx(achieved)
+    assert rank.mfu == pytest.approx(achieved / info.peak_flops)
+    assert rank.tokens_per_second == pytest.approx(TOKENS / 2 / 0.5)
+    assert rank.data_wait_seconds == pytest.approx(0.1)
+    assert rank.loss == pytest.approx(1.7)
+    assert 0 < rank.comm_share < 1
+    assert rank.memory_rss_bytes == -1  # "testhost" is not this host: no process to sample
+    assert rank.otel_metrics["plait.job.tokens"] == 4 * TOKENS
+    assert rank.otel_metrics["plait.job.model_flops"] == pytest.approx(4 * MODEL_FLOPS)
+    assert rank.otel_metrics["plait.step.duration.count"] == 4
+    assert rank.otel_metrics["plait.step.duration.mean"] == pytest.approx(0.5)
+    (job,) = metrics.jobs
+    assert job.ranks_reporting == 1 and job.mfu == pytest.approx(rank.mfu)
+
+    spans = [
+        s for _, s in daemon_server.store.spans_in(job_id="", ranks=(), start_ns=0, end_ns=None)
+    ]
+    steps = [s for s in spans if s.kind == "step"]
+    phases = [s for s in spans if s.kind == "phase"]
+    comms = [s for s in spans if s.kind == "comm"]
+    assert [s.step for s in steps] == [0, 1, 2, 3]
+    assert len(phases) == 4 * len(PHASES) and len(comms) == 4 * 3
+    first_report = synthetic_report(0, steps[0].start_ns)
+    assert [(p.name, p.start_ns, p.end_ns) for p in phases[: len(PHASES)]] == [
+        (p.name, p.start_ns, p.end_ns) for p in first_report.spans
+    ]
+    by_seq = {
+        (c.attributes[names.ATTR_COMM_OP], c.attributes[names.ATTR_COMM_SEQ]): c for c in comms
+    }
+    sync = by_seq[("all_reduce", 0)].attributes
+    assert sync[names.ATTR_COMM_BYTES] == 16 and sync[names.ATTR_COMM_DTYPE] == "float32"
+    assert sync[names.ATTR_COMM_GROUP] == "dp" and sync[names.ATTR_COMM_GROUP_RANKS] == [0, 1]
+    assert sync[names.ATTR_COMM_PURPOSE] == "metrics" and sync[names.ATTR_STEP] == 0
+    send = by_seq[("send", 2)]
+    assert send.attributes[names.ATTR_COMM_DTYPE] == "bfloat16"
+    assert send.attributes[names.ATTR_COMM_PEER] == 1
+    assert send.seconds >= 0.02  # ended at wait(), which took 20 ms: no future for send
+    bucket = by_seq[("all_reduce", 1)]
+    assert bucket.attributes[names.ATTR_COMM_ASYNC] is True
+    # the async op ends when its future completes, after the send's wait
+    assert bucket.end_ns >= send.end_ns
+    assert len(backend.requests) == 12
+
+
+def test_unreachable_daemon_warns_once_and_is_quick(caplog: pytest.LogCaptureFixture) -> None:
+    plugin = make_plugin()
+    plugin.plait_configure(config=load_config({"telemetry": {"daemon": "127.0.0.1:9"}}))
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        plugin.plait_job_start(info=job_info())
+        plugin.plait_step_start(step=0)
+        plugin.plait_step_end(report=synthetic_report(0, time.time_ns()))
+        plugin.plait_job_end()
+    assert time.monotonic() - started < 3.0
+    warnings = [r for r in caplog.records if "no daemon reachable" in r.getMessage()]
+    assert len(warnings) == 1 and plugin.telemetry is None
+
+
+def test_daemon_going_away_mid_run_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    server = DaemonServer("127.0.0.1:0", host_interval=0.2).start()
+    telemetry = RankTelemetry.start(job_info(), server.address)
+    assert telemetry is not None
+    server.stop(grace=0)
+    with caplog.at_level(logging.WARNING):
+        for i in range(3):
+            telemetry.tracer.start_span("step", attributes={names.ATTR_STEP: i}).end()
+            telemetry.flush(timeout_seconds=3)
+        started = time.monotonic()
+        telemetry.shutdown()
+    assert time.monotonic() - started < 8.0
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sum("training continues" in m for m in messages) == 1, messages
+    assert not any("Failed to export" in m or "Transient error" in m for m in messages), messages
