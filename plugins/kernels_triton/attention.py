@@ -1,0 +1,338 @@
+"""Triton causal attention in the FlashAttention-2 style, with grouped-query attention.
+
+Forward: one program per (query block, batch·head) walks the key/value blocks up to the causal
+diagonal with an online softmax, keeping the output accumulator, the running max and the
+running sum in registers; only the output and the per-row logsumexp (base 2) are written.
+
+Backward (recomputation, no stored probabilities): a pre-pass computes delta = rowsum(dO · O);
+one kernel gives dQ per query block by walking key blocks; another gives dK and dV per key
+block by walking query blocks *and the query heads of its group*, so grouped-query attention
+sums its heads in registers — no atomics, deterministic, and no per-query-head dK/dV copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from plait.plugins.kernels_triton.launch import dot_precision, interpreting
+
+LOG2_E = 1.4426950408889634
+DEFAULT_BLOCK = 64
+
+
+@triton.jit
+def _attn_fwd(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    n_heads, group_size, seq_len, head_dim, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1).to(tl.int64)
+    batch = batch_head // n_heads
+    head = batch_head % n_heads
+    kv_head = head // group_size
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_len
+    dim_ok = dims < head_dim
+    q_base = q_ptr + batch * stride_qb + head * stride_qh
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    q = tl.load(
+        q_base + rows[:, None] * stride_qs + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+    )  # fmt: skip
+    running_max = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len) if CAUSAL else seq_len
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_len
+        k_t = tl.load(
+            k_base + cols[None, :] * stride_ks + dims[:, None],
+            mask=col_ok[None, :] & dim_ok[:, None], other=0.0,
+        )  # fmt: skip
+        scores = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        valid = col_ok[None, :]
+        if CAUSAL:
+            valid = valid & (rows[:, None] >= cols[None, :])
+        scores = tl.where(valid, scores, -float("inf"))
+        # Column 0 is valid for every row, so the first block makes every max finite.
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(p, axis=1)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vs + dims[None, :],
+            mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
+        )  # fmt: skip
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    o_base = o_ptr + batch * stride_ob + head * stride_oh
+    tl.store(
+        o_base + rows[:, None] * stride_os + dims[None, :],
+        out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+    )  # fmt: skip
+    tl.store(lse_ptr + batch_head * seq_len + rows, running_max + tl.log2(running_sum), mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_delta(
+    o_ptr, do_ptr, delta_ptr, stride_ob, stride_oh, stride_os, stride_db, stride_dh, stride_ds,
+    n_heads, seq_len, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    batch_head = tl.program_id(1).to(tl.int64)
+    batch = batch_head // n_heads
+    head = batch_head % n_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows < seq_len)[:, None] & (dims < head_dim)[None, :]
+    o = tl.load(
+        o_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_os + dims[None, :],
+        mask=mask, other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    do = tl.load(
+        do_ptr + batch * stride_db + head * stride_dh + rows[:, None] * stride_ds + dims[None, :],
+        mask=mask, other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    tl.store(delta_ptr + batch_head * seq_len + rows, tl.sum(o * do, axis=1), mask=rows < seq_len)
+
+
+@triton.jit
+def _attn_bwd_dq(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_db, stride_dh, stride_ds,
+    n_heads, group_size, seq_len, head_dim, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1).to(tl.int64)
+    batch = batch_head // n_heads
+    head = batch_head % n_heads
+    kv_head = head // group_size
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_len
+    dim_ok = dims < head_dim
+    tile_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(
+        q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :],
+        mask=tile_mask, other=0.0,
+    )  # fmt: skip
+    do = tl.load(
+        do_ptr + batch * stride_db + head * stride_dh + rows[:, None] * stride_ds + dims[None, :],
+        mask=tile_mask, other=0.0,
+    )  # fmt: skip
+    lse = tl.load(lse_ptr + batch_head * seq_len + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + batch_head * seq_len + rows, mask=row_ok, other=0.0)
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len) if CAUSAL else seq_len
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_len
+        k = tl.load(
+            k_base + cols[:, None] * stride_ks + dims[None, :],
+            mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
+        )  # fmt: skip
+        v_t = tl.load(
+            v_base + cols[None, :] * stride_vs + dims[:, None],
+            mask=col_ok[None, :] & dim_ok[:, None], other=0.0,
+        )  # fmt: skip
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        valid = row_ok[:, None] & col_ok[None, :]
+        if CAUSAL:
+            valid = valid & (rows[:, None] >= cols[None, :])
+        p = tl.where(valid, tl.exp2(scores - lse[:, None]), 0.0)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    tl.store(
+        dq_ptr + batch_head * seq_len * head_dim + rows[:, None] * head_dim + dims[None, :],
+        (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_db, stride_dh, stride_ds,
+    n_heads, n_kv_heads, group_size, seq_len, head_dim, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    start_n = tl.program_id(0)
+    batch_kv_head = tl.program_id(1).to(tl.int64)
+    batch = batch_kv_head // n_kv_heads
+    kv_head = batch_kv_head % n_kv_heads
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_ok = cols < seq_len
+    dim_ok = dims < head_dim
+    kv_mask = col_ok[:, None] & dim_ok[None, :]
+    k = tl.load(
+        k_ptr + batch * stride_kb + kv_head * stride_kh + cols[:, None] * stride_ks
+        + dims[None, :], mask=kv_mask, other=0.0,
+    )  # fmt: skip
+    v = tl.load(
+        v_ptr + batch * stride_vb + kv_head * stride_vh + cols[:, None] * stride_vs
+        + dims[None, :], mask=kv_mask, other=0.0,
+    )  # fmt: skip
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    # Query blocks wholly above the diagonal see none of these keys.
+    start_m = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    for member in range(0, group_size):
+        head = kv_head * group_size + member
+        batch_head = batch * n_heads + head
+        q_base = q_ptr + batch * stride_qb + head * stride_qh
+        do_base = do_ptr + batch * stride_db + head * stride_dh
+        for block_m in range(start_m, seq_len, BLOCK_M):
+            rows = block_m + tl.arange(0, BLOCK_M)
+            row_ok = rows < seq_len
+            tile_mask = row_ok[:, None] & dim_ok[None, :]
+            q = tl.load(q_base + rows[:, None] * stride_qs + dims[None, :], mask=tile_mask,
+                        other=0.0)  # fmt: skip
+            do = tl.load(do_base + rows[:, None] * stride_ds + dims[None, :], mask=tile_mask,
+                         other=0.0)  # fmt: skip
+            lse = tl.load(lse_ptr + batch_head * seq_len + rows, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptr + batch_head * seq_len + rows, mask=row_ok, other=0.0)
+            # Transposed scores (keys × queries), so dK and dV come out without transposes.
+            scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+            valid = col_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                valid = valid & (rows[None, :] >= cols[:, None])
+            p_t = tl.where(valid, tl.exp2(scores_t - lse[None, :]), 0.0)
+            dv = dv + tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = dk + tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    out_offsets = batch_kv_head * seq_len * head_dim + cols[:, None] * head_dim + dims[None, :]
+    tl.store(dk_ptr + out_offsets, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + out_offsets, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _blocks(block_m: int | None, block_n: int | None, head_dim: int) -> tuple[int, int, int]:
+    # tl.dot needs every tile dimension to be at least 16.
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return block_m or DEFAULT_BLOCK, block_n or DEFAULT_BLOCK, block_d
+
+
+class AttentionFunction(torch.autograd.Function):
+    """softmax(Q·Kᵀ/√d [+ causal mask]) · V with K/V heads shared by groups of query heads."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        block_m: int | None,
+        block_n: int | None,
+    ) -> torch.Tensor:
+        batch, n_heads, seq_len, head_dim = q.shape
+        n_kv_heads = k.shape[1]
+        if k.shape != (batch, n_kv_heads, seq_len, head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"attention: q {tuple(q.shape)} needs k and v of shape (batch, kv_heads, "
+                f"{seq_len}, {head_dim}); got k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if n_heads % n_kv_heads:
+            raise ValueError(f"attention: {n_heads} heads are not a multiple of {n_kv_heads}")
+        q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+        block_m, block_n, block_d = _blocks(block_m, block_n, head_dim)
+        sm_scale = 1.0 / math.sqrt(head_dim)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(batch, n_heads, seq_len, dtype=torch.float32, device=q.device)
+        _attn_fwd[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+            q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            n_heads, n_heads // n_kv_heads, seq_len, head_dim, sm_scale * LOG2_E,
+            CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            PRECISION=dot_precision(q.dtype), **_launch_options(),
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal = causal
+        ctx.blocks = (block_m, block_n, block_d)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        block_m, block_n, block_d = ctx.blocks
+        batch, n_heads, seq_len, head_dim = q.shape
+        n_kv_heads = k.shape[1]
+        group_size = n_heads // n_kv_heads
+        dout = _unit_last_stride(dout)
+        sm_scale = 1.0 / math.sqrt(head_dim)
+        delta = torch.empty_like(lse)
+        _attn_bwd_delta[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+            out, dout, delta, *_strides(out), *_strides(dout), n_heads, seq_len, head_dim,
+            BLOCK_M=block_m, BLOCK_D=block_d,
+        )  # fmt: skip
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        common = dict(
+            CAUSAL=ctx.causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            PRECISION=dot_precision(q.dtype), **_launch_options(),
+        )  # fmt: skip
+        _attn_bwd_dq[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+            q, k, v, dout, lse, delta, dq,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+            n_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale, **common,
+        )  # fmt: skip
+        _attn_bwd_dkdv[(triton.cdiv(seq_len, block_n), batch * n_kv_heads)](
+            q, k, v, dout, lse, delta, dk, dv,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+            n_heads, n_kv_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale,
+            **common,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None
+
+
+def _launch_options() -> dict[str, int]:
+    # The interpreter ignores warps and stages; on a GPU these are the FlashAttention-2 defaults
+    # for 64×64 tiles.
+    return {} if interpreting() else {"num_warps": 4, "num_stages": 2}
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention, q (B, H, S, D), k/v (B, KV_H, S, D), H % KV_H == 0.
+
+    `block_m`/`block_n` (powers of two, at least 16) set the query/key tile sizes.
+    """
+    for name, block in (("block_m", block_m), ("block_n", block_n)):
+        if block is not None and (block < 16 or block & (block - 1)):
+            raise ValueError(f"{name} must be a power of two of at least 16, got {block}")
+    return AttentionFunction.apply(q, k, v, causal, block_m, block_n)

@@ -1,0 +1,53 @@
+"""Launch-shape helpers shared by the Triton kernels: block sizes, program counts, precision.
+
+Kept free of `triton.jit` code so that the plugin can ask about the environment without
+compiling (or, under `TRITON_INTERPRET=1`, wrapping) any kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+# One row of a norm is held in registers; 64 KiB per row is the limit Apex and Liger use before
+# a two-pass (looped) kernel would be needed.
+MAX_FUSED_ROW_BYTES = 65536
+
+# Under the interpreter, programs run one after another on the host: a few are enough to
+# exercise the strided loops, and more only cost time.
+INTERPRETER_PROGRAMS = 4
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run on the host interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def row_block_size(n_cols: int, element_size: int) -> int:
+    """The power-of-two block that holds one whole row of `n_cols` elements."""
+    block = triton.next_power_of_2(n_cols)
+    if block * element_size > MAX_FUSED_ROW_BYTES:
+        raise ValueError(
+            f"row of {n_cols} elements ({block * element_size} bytes padded) is wider than the "
+            f"{MAX_FUSED_ROW_BYTES}-byte fused-row limit of the Triton norm kernels; "
+            "use the torch provider for this op (kernels.overrides)"
+        )
+    return block
+
+
+def backward_programs(n_rows: int, device: torch.device) -> int:
+    """How many persistent programs a row-reduction backward launches: one per SM on CUDA."""
+    if device.type == "cuda" and not interpreting():
+        programs = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        programs = INTERPRETER_PROGRAMS
+    return max(1, min(n_rows, programs))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision: fp32 follows torch's TF32 switch, as torch matmuls do."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"

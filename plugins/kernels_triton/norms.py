@@ -1,0 +1,202 @@
+"""Triton RMSNorm and LayerNorm: one program per row forward, persistent programs backward.
+
+The forward saves per-row statistics (`rstd`, and `mean` for LayerNorm) in fp32 so the backward
+never recomputes a reduction over the row. The backward runs a fixed number of programs, each
+walking a strided set of rows and accumulating its partial weight/bias gradients in registers;
+the partials (`programs × hidden`) are summed on the host side in fp32. This is the layout of
+Apex's and Liger's fused norms: it avoids atomics, so gradients are deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from plait.plugins.kernels_triton.launch import backward_programs, row_block_size
+
+
+@triton.jit
+def _rms_norm_fwd(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(rstd_ptr + row, rstd)
+    tl.store(y_ptr + row * stride_y + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    stride_dy, stride_x, stride_dx, n_rows, n_cols, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # int64 row indices: rows × stride can pass 2**31 elements for long sequences.
+    pid = tl.program_id(0).to(tl.int64)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    for row in range(pid, n_rows, programs):
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = x * rstd
+        wdy = w * dy
+        # d/dx of x·rstd·w: the rstd term contributes -x_hat·mean(wdy·x_hat).
+        dx = rstd * (wdy - x_hat * (tl.sum(wdy * x_hat, axis=0) / n_cols))
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw = dw + dy * x_hat
+    tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=mask)
+
+
+@triton.jit
+def _layer_norm_fwd(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stride_x, stride_y, n_cols, eps,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / n_cols
+    centered = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+    y = centered * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr,
+    stride_dy, stride_x, stride_dx, n_rows, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # int64 row indices: rows × stride can pass 2**31 elements for long sequences.
+    pid = tl.program_id(0).to(tl.int64)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    db = tl.zeros((BLOCK,), dtype=tl.float32)
+    for row in range(pid, n_rows, programs):
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        wdy = w * dy
+        mean_wdy_xhat = tl.sum(wdy * x_hat, axis=0) / n_cols
+        mean_wdy = tl.sum(wdy, axis=0) / n_cols
+        dx = (wdy - (x_hat * mean_wdy_xhat + mean_wdy)) * rstd
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw = dw + dy * x_hat
+        db = db + dy
+    tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(db_partial_ptr + pid * n_cols + cols, db, mask=mask)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View `x` as (rows, hidden) with a unit stride along hidden, copying only if needed."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = x / sqrt(mean(x²) + eps) · weight, over the last dimension."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = _as_rows(x)
+        n_rows, n_cols = rows.shape
+        y = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block = row_block_size(n_cols, x.element_size())
+        _rms_norm_fwd[(n_rows,)](
+            rows, weight, y, rstd, rows.stride(0), y.stride(0), n_cols, eps, BLOCK=block
+        )
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, weight, rstd = ctx.saved_tensors
+        n_rows, n_cols = rows.shape
+        dy_rows = _as_rows(dy)
+        dx = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        programs = backward_programs(n_rows, rows.device)
+        dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
+        _rms_norm_bwd[(programs,)](
+            dy_rows, rows, weight, rstd, dx, dw_partial,
+            dy_rows.stride(0), rows.stride(0), dx.stride(0), n_rows, n_cols,
+            BLOCK=row_block_size(n_cols, rows.element_size()),
+        )  # fmt: skip
+        dw = dw_partial.sum(0).to(weight.dtype)
+        return dx.view(ctx.x_shape), dw, None
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """y = (x - mean) / sqrt(var + eps) · weight + bias, over the last dimension."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        rows = _as_rows(x)
+        n_rows, n_cols = rows.shape
+        y = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        _layer_norm_fwd[(n_rows,)](
+            rows, weight, bias if bias is not None else weight, y, mean, rstd,
+            rows.stride(0), y.stride(0), n_cols, eps,
+            HAS_BIAS=bias is not None, BLOCK=row_block_size(n_cols, x.element_size()),
+        )  # fmt: skip
+        ctx.save_for_backward(rows, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, weight, mean, rstd = ctx.saved_tensors
+        n_rows, n_cols = rows.shape
+        dy_rows = _as_rows(dy)
+        dx = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        programs = backward_programs(n_rows, rows.device)
+        dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
+        db_partial = torch.empty_like(dw_partial) if ctx.has_bias else dw_partial
+        _layer_norm_bwd[(programs,)](
+            dy_rows, rows, weight, mean, rstd, dx, dw_partial, db_partial,
+            dy_rows.stride(0), rows.stride(0), dx.stride(0), n_rows, n_cols,
+            HAS_BIAS=ctx.has_bias, BLOCK=row_block_size(n_cols, rows.element_size()),
+        )  # fmt: skip
+        dw = dw_partial.sum(0).to(weight.dtype)
+        db = db_partial.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
+        return dx.view(ctx.x_shape), dw, db, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of `x` (any leading shape)."""
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """LayerNorm over the last dimension of `x`; `bias` may be `None`."""
+    return LayerNormFunction.apply(x, weight, bias, eps)
