@@ -283,7 +283,10 @@ class Engine:
                 rt.before_backward(microbatch=action.microbatch, num_microbatches=n)
             loss = state.losses[action.microbatch]
             assert loss is not None, f"backward of micro-batch {action.microbatch} before forward"
-            (loss / n).backward()
+            scaled = loss / n
+            for rt in runtimes:
+                scaled = rt.scale_loss(scaled)
+            scaled.backward()
             state.losses[action.microbatch] = loss.detach()
 
         def sync(_: SyncGradients) -> None:
@@ -304,24 +307,29 @@ class Engine:
         return handlers
 
     def _optimizer_step(self) -> None:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        norm = None
-        for rt in self.runtimes:
-            custom = rt.grad_norm_squared()
-            if custom is not None:
-                norm = custom.sqrt()
-                break
-        if norm is None:
-            norm = global_grad_norm(params, mesh=self.mesh, comm=self.comm)
-        self._last_grad_norm = norm
-        clip_grads_(params, norm, self.config.train.max_grad_norm)
-        self.optimizer.step()
+        if any(rt.skip_step() for rt in self.runtimes):
+            self._last_grad_norm = torch.tensor(float("nan"))
+            self._skipped = True
+        else:
+            self._last_grad_norm = self._clip_gradients()
+            self.optimizer.step()
+            for rt in self.runtimes:
+                rt.after_optimizer_step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        for rt in self.runtimes:
-            rt.after_optimizer_step()
         if not any(rt.zero_grad() for rt in self.runtimes):
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip_gradients(self) -> torch.Tensor:
+        max_norm = self.config.train.max_grad_norm
+        for rt in self.runtimes:
+            norm = rt.clip_gradients(max_norm)
+            if norm is not None:
+                return norm
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = global_grad_norm(params, mesh=self.mesh, comm=self.comm)
+        clip_grads_(params, norm, max_norm)
+        return norm
 
     def train_step(self, batch: Any, *, data_start_ns: int | None = None) -> float:
         """Forward, backward, gradient sync and optimizer step over `batch` = (inputs, targets).
@@ -331,6 +339,7 @@ class Engine:
         ranks, identical on every rank.
         """
         start_ns = time.time_ns()
+        self._skipped = False
         self.plugins.step_start(self.step)
         inputs, targets = self._split(batch)
         n = len(inputs)
@@ -351,6 +360,7 @@ class Engine:
             model_flops=self.flops_per_token * tokens,
             lr=lr,
             grad_norm=float(self._last_grad_norm),
+            skipped=self._skipped,
             start_ns=data_start_ns or start_ns,
             end_ns=end_ns,
             spans=tuple(spans),

@@ -70,8 +70,20 @@ class ParallelRuntime:
         """Return a (sharded) optimizer, or `None` to let the next runtime or the core build it."""
         return None
 
-    def grad_norm_squared(self) -> torch.Tensor | None:
-        """Global sum of squared gradient entries this runtime owns, or `None` for the default."""
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Transform the loss before backward (fp16 loss scaling)."""
+        return loss
+
+    def skip_step(self) -> bool:
+        """Called after gradient sync, before clipping; True skips this optimizer step on every
+        rank (the runtime must decide identically on all ranks, e.g. an inf found anywhere)."""
+        return False
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor | None:
+        """Compute the global gradient norm and clip, if this runtime owns the gradients (e.g.
+        sharded ones); return the norm, or `None` to let the core do it over `module.parameters()`.
+        `max_norm <= 0` means: report the norm, do not clip."""
+        del max_norm
         return None
 
     def zero_grad(self) -> bool:
