@@ -87,7 +87,7 @@ def show(
         timeline = simulate_timeline(programs, num_stages=pp, virtual_stages=virtual, costs=costs)
     except PlaitError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=1) from exc
+        raise typer.Exit(code=2) from exc
 
     theory = theoretical_bubble_fraction(
         schedule, num_stages=pp, num_microbatches=microbatches, virtual_stages=virtual, costs=costs

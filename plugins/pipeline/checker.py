@@ -53,6 +53,13 @@ def _where(rank: int, index: int, action: Action) -> str:
     return f"rank {rank}, action {index} ({format_action(action)}, {action!r})"
 
 
+def _moved_message(action: Action, rank: int, layout: Layout) -> Message:
+    moved = message_of(action, rank, layout)
+    if moved is None:
+        raise TypeError(f"not a send or receive: {action!r}")
+    return moved[1]
+
+
 @dataclass
 class _RankState:
     """What one rank has done so far while its list is walked in order."""
@@ -60,9 +67,7 @@ class _RankState:
     forwarded: set[tuple[int, int]] = field(default_factory=set)
     backward_kinds: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     received: set[Message] = field(default_factory=set)
-    sent: set[Message] = field(default_factory=set)
     produced: set[Message] = field(default_factory=set)
-    last_compute: int = -1
     sync_at: list[int] = field(default_factory=list)
     step_at: list[int] = field(default_factory=list)
 
@@ -90,10 +95,12 @@ def _check_fields(
     direction, message = direction_and_message
     peer_stage = message.dst_stage if direction == "send" else message.src_stage
     if not 0 <= peer_stage <= layout.last_global_stage:
+        own_stage = layout.global_stage(rank, action.chunk)
         edge = "last" if peer_stage > layout.last_global_stage else "first"
         raise ScheduleError(
-            f"{_where(rank, index, action)}: global stage {layout.global_stage(rank, action.chunk)}"
-            f" is the {edge} stage, it has no peer to {direction} this to/from"
+            f"{_where(rank, index, action)}: global stage {own_stage} is the {edge} of "
+            f"{layout.num_global_stages}, so there is no stage {peer_stage} to {direction} "
+            f"{message.kind} {'to' if direction == 'send' else 'from'}"
         )
     expected_peer = layout.rank_of(peer_stage)
     if action.peer_stage != expected_peer:
@@ -109,7 +116,6 @@ def _walk_rank(
     """Check one rank's list in order: data dependencies and the position of sync and step."""
     state = _RankState()
     for index, action in enumerate(program):
-        _check_fields(action, rank, index, layout, num_microbatches)
         where = _where(rank, index, action)
         if isinstance(action, Forward | Backward):
             if state.sync_at:
@@ -127,7 +133,6 @@ def _walk_rank(
                         f"{where}: runs before receiving activation {needed.label()}"
                     )
                 state.forwarded.add((mb, c))
-                state.last_compute = index
             case Backward(microbatch=mb, chunk=c, kind=kind):
                 kinds = state.backward_kinds.setdefault((mb, c), [])
                 if (mb, c) not in state.forwarded:
@@ -142,19 +147,12 @@ def _walk_rank(
                 if needed is not None and needed not in state.received:
                     raise ScheduleError(f"{where}: runs before receiving gradient {needed.label()}")
                 kinds.append(kind)
-                state.last_compute = index
             case SendActivation() | SendGrad():
-                _, message = message_of(action, rank, layout)  # type: ignore[misc]
-                if message in state.sent:
-                    raise ScheduleError(f"{where}: sends {message.label()} twice")
+                message = _moved_message(action, rank, layout)
                 if message not in state.produced:
                     raise ScheduleError(f"{where}: sends {message.label()} before computing it")
-                state.sent.add(message)
             case RecvActivation() | RecvGrad():
-                _, message = message_of(action, rank, layout)  # type: ignore[misc]
-                if message in state.received:
-                    raise ScheduleError(f"{where}: receives {message.label()} twice")
-                state.received.add(message)
+                state.received.add(_moved_message(action, rank, layout))
             case SyncGradients():
                 state.sync_at.append(index)
             case OptimizerStep():
@@ -206,8 +204,22 @@ def _check_matching(
 ) -> None:
     for channel in sorted(set(sends) | set(recvs)):
         src, dst = channel
-        sent = {message: index for index, message in sends.get(channel, [])}
-        received = {message: index for index, message in recvs.get(channel, [])}
+        sent: dict[Message, int] = {}
+        for index, message in sends.get(channel, []):
+            if message in sent:
+                raise ScheduleError(
+                    f"rank {src}, action {index}: sends {message.label()} twice (first at action "
+                    f"{sent[message]})"
+                )
+            sent[message] = index
+        received: dict[Message, int] = {}
+        for index, message in recvs.get(channel, []):
+            if message in received:
+                raise ScheduleError(
+                    f"rank {dst}, action {index}: receives {message.label()} twice (first at "
+                    f"action {received[message]})"
+                )
+            received[message] = index
         for message, index in sent.items():
             if message not in received:
                 raise ScheduleError(
@@ -256,7 +268,7 @@ def _check_deadlock(programs: Mapping[int, Sequence[Action]], layout: Layout) ->
     lines = []
     for rank, index in sorted(stuck.items()):
         action = programs[rank][index]
-        _, message = message_of(action, rank, layout)  # type: ignore[misc]
+        message = _moved_message(action, rank, layout)
         peer = layout.rank_of(message.src_stage)
         if peer in stuck:
             peer_action = format_action(programs[peer][stuck[peer]])
@@ -284,8 +296,13 @@ def check_schedule(
         )
     layout = Layout(num_stages, virtual_stages)
     for rank in range(num_stages):
-        state = _walk_rank(rank, programs[rank], layout, num_microbatches)
-        _check_coverage(rank, state, layout, num_microbatches)
+        for index, action in enumerate(programs[rank]):
+            _check_fields(action, rank, index, layout, num_microbatches)
+    # Matching first: a send nobody receives is the cause; the receiver's compute running
+    # without its input would only be the symptom.
     sends, recvs = _channel_orders(programs, layout)
     _check_matching(sends, recvs)
+    for rank in range(num_stages):
+        state = _walk_rank(rank, programs[rank], layout, num_microbatches)
+        _check_coverage(rank, state, layout, num_microbatches)
     _check_deadlock(programs, layout)

@@ -183,48 +183,35 @@ def test_checker_rejects_backward_before_forward() -> None:
         _check_two_stages(programs)
 
 
-def test_checker_rejects_a_send_nobody_receives() -> None:
-    programs = {
-        0: [
-            Forward(microbatch=0),
-            SendActivation(microbatch=0, peer_stage=1),
-            Backward(microbatch=0),
-            SyncGradients(),
-            OptimizerStep(),
-        ],
-        1: [],
-    }
-    programs[1] = [
-        RecvActivation(microbatch=0, peer_stage=0),
-        Forward(microbatch=0),
-        Backward(microbatch=0),
-        SyncGradients(),
-        OptimizerStep(),
-    ]
-    # Rank 0 never receives its gradient, so it runs backward without it: caught first.
-    with pytest.raises(ScheduleError, match="before receiving gradient G0"):
-        _check_two_stages(programs)
+def test_checker_rejects_backward_without_its_gradient() -> None:
     programs = _two_stage_gpipe()
-    programs[0].insert(2, SendActivation(microbatch=1, peer_stage=1))
-    programs[0].insert(2, Forward(microbatch=1))
-    programs[0].insert(-2, RecvGrad(microbatch=1, peer_stage=1))
-    programs[0].insert(-2, Backward(microbatch=1))
-    programs[1][3:3] = [Forward(microbatch=1), Backward(microbatch=1)]
-    with pytest.raises(
-        ScheduleError, match=r"rank 1, action 3 \(F1.*before receiving activation A1"
-    ):
-        _check_two_stages(programs, microbatches=2)
+    del programs[0][2]  # rank 0 never receives G0
+    del programs[1][3]  # and rank 1 never sends it
+    with pytest.raises(ScheduleError, match=r"rank 0, action 2 \(B0.*before receiving gradient G0"):
+        _check_two_stages(programs)
 
 
 def test_checker_rejects_an_unmatched_send() -> None:
     programs = _two_stage_gpipe()
-    # Rank 1 computes the gradient but forgets to send it; rank 0 still waits for it.
-    del programs[1][3]
+    # Rank 0 runs and sends micro-batch 1 but rank 1 never receives it.
+    programs[0][2:2] = [Forward(microbatch=1), SendActivation(microbatch=1, peer_stage=1)]
+    programs[0][-2:-2] = [RecvGrad(microbatch=1, peer_stage=1), Backward(microbatch=1)]
+    programs[1][-2:-2] = [Forward(microbatch=1), Backward(microbatch=1)]
+    with pytest.raises(
+        ScheduleError,
+        match=r"unmatched send: rank 0, action 3 sends A1 \(stage 0->1\) to rank 1, which never",
+    ):
+        _check_two_stages(programs, microbatches=2)
+
+
+def test_checker_rejects_an_unmatched_or_duplicated_receive() -> None:
+    programs = _two_stage_gpipe()
+    del programs[1][3]  # rank 1 computes the gradient but forgets to send it
     with pytest.raises(ScheduleError, match=r"unmatched receive: rank 0, action 2 receives G0"):
         _check_two_stages(programs)
     programs = _two_stage_gpipe()
-    programs[1].insert(3, SendGrad(microbatch=0, peer_stage=0))  # sent twice
-    with pytest.raises(ScheduleError, match=r"sends G0 .* twice"):
+    programs[1].insert(3, SendGrad(microbatch=0, peer_stage=0))
+    with pytest.raises(ScheduleError, match=r"rank 1, action 4: sends G0 .* twice"):
         _check_two_stages(programs)
 
 
@@ -361,5 +348,5 @@ def test_cli_show_prints_timeline_and_bubbles_and_writes_png(tmp_path) -> None:
 
 def test_cli_show_reports_what_a_schedule_needs() -> None:
     result = _show("--pp 4 --microbatches 6 --schedule interleaved_1f1b --virtual 2")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "microbatches % pp == 0" in result.output
