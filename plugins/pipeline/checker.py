@@ -98,7 +98,7 @@ def _check_fields(
         own_stage = layout.global_stage(rank, action.chunk)
         edge = "last" if peer_stage > layout.last_global_stage else "first"
         raise ScheduleError(
-            f"{_where(rank, index, action)}: global stage {own_stage} is the {edge} of "
+            f"{_where(rank, index, action)}: global stage {own_stage} is the {edge} stage of "
             f"{layout.num_global_stages}, so there is no stage {peer_stage} to {direction} "
             f"{message.kind} {'to' if direction == 'send' else 'from'}"
         )
