@@ -62,9 +62,10 @@ class DaemonServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        self.port = self.server.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"the daemon could not bind {bind!r} (address in use?)")
+        try:
+            self.port = self.server.add_insecure_port(bind)
+        except RuntimeError as exc:  # grpc reports a failed bind this way
+            raise OSError(f"the daemon could not bind {bind!r} (address in use?)") from exc
         host_part = bind.rsplit(":", 1)[0]
         self.address = f"{host_part}:{self.port}"
         self.health = health.HealthServicer()

@@ -7,69 +7,27 @@ import os
 import time
 
 import pytest
-import torch
 
 from plait.core import telemetry as names
-from plait.core.comm import Comm, Group
 from plait.core.config import load_config
-from plait.core.plugins import Plugins
-from plait.core.step import PhaseSpan, StepReport
 from plait.core.telemetry import RankTelemetry
 from plait.daemon.server import DaemonServer
 from plait.plugins.telemetry import make_plugin
 from plait.proto.plait.v1 import daemon_pb2
-from tests.daemon.daemon_fakes import FakeBackend, FutureWork, job_info
-
-STEP_NS = 500_000_000
-TOKENS = 512
-MODEL_FLOPS = 3.0e12
-PHASES = ("data", "forward", "backward", "sync_gradients", "optimizer")
-
-
-def synthetic_report(step: int, base_ns: int) -> StepReport:
-    start = base_ns + step * STEP_NS
-    bounds = [start + i * STEP_NS // len(PHASES) for i in range(len(PHASES) + 1)]
-    spans = tuple(
-        PhaseSpan(name=name, start_ns=bounds[i], end_ns=bounds[i + 1], microbatch=0)
-        for i, name in enumerate(PHASES)
-    )
-    return StepReport(
-        step=step,
-        loss=2.0 - 0.1 * step,
-        tokens=TOKENS,
-        step_seconds=STEP_NS / 1e9,
-        data_wait_seconds=(bounds[1] - bounds[0]) / 1e9,
-        model_flops=MODEL_FLOPS,
-        lr=1e-3,
-        start_ns=start,
-        end_ns=start + STEP_NS,
-        spans=spans,
-    )
-
-
-def run_rank(address: str, rank: int, steps: int, backend: FakeBackend) -> None:
-    plugins = Plugins.create(autoload=False, builtins=(), extra=[("fake_backend", backend)])
-    plugins.register(make_plugin(), "telemetry")
-    plugins.configure(load_config({"telemetry": {"daemon": address}}))
-    plugins.job_start(job_info(rank=rank))
-    comm = Comm(plugins)
-    group = Group(name="dp", ranks=(0, 1))
-    base = time.time_ns()
-    for step in range(steps):
-        plugins.step_start(step)
-        comm.all_reduce(torch.zeros(4), group=group, purpose="metrics")
-        work = comm.all_reduce(torch.zeros(8), group=group, async_op=True, purpose="grad_bucket")
-        comm.send(torch.zeros(2, dtype=torch.bfloat16), dst=1 - rank, group=group).wait()
-        work.wait()
-        assert isinstance(backend.works[-2], FutureWork)
-        backend.works[-2].future.complete()  # the async all-reduce finishes now
-        plugins.step_end(synthetic_report(step, base))
-    plugins.job_end()
+from tests.daemon.daemon_fakes import (
+    MODEL_FLOPS,
+    PHASES,
+    TOKENS,
+    FakeBackend,
+    job_info,
+    run_fake_rank,
+    synthetic_report,
+)
 
 
 def test_spans_metrics_and_mfu_reach_the_daemon(daemon_server: DaemonServer, daemon_stub) -> None:
     backend = FakeBackend()
-    run_rank(daemon_server.address, rank=0, steps=4, backend=backend)
+    run_fake_rank(daemon_server.address, rank=0, steps=4, backend=backend)
 
     (info,) = daemon_stub.ListRanks(daemon_pb2.ListRanksRequest()).ranks
     assert (info.job_id, info.rank, info.world_size, info.pid) == ("job-a", 0, 2, os.getpid())

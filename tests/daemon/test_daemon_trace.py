@@ -1,0 +1,98 @@
+"""CaptureTrace and `plait trace`: the output validates as Chrome trace events."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from plait.core import telemetry as names
+from plait.core.telemetry import RankTelemetry
+from plait.daemon.chrome_trace import merge_traces
+from plait.proto.plait.v1 import daemon_pb2
+from tests.daemon.daemon_fakes import PHASES, FakeBackend, job_info, run_fake_rank
+
+
+def validate_chrome_trace(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """Check the Chrome trace event format; return the complete ("X") events."""
+    assert isinstance(document["traceEvents"], list)
+    complete = []
+    for event in document["traceEvents"]:
+        for key in ("name", "ph", "ts", "pid", "tid"):
+            assert key in event, (key, event)
+        assert isinstance(event["pid"], int) and isinstance(event["tid"], int)
+        assert event["ph"] in ("X", "M"), event
+        if event["ph"] == "X":
+            assert isinstance(event["ts"], int | float) and event["ts"] >= 0
+            assert isinstance(event["dur"], int | float) and event["dur"] >= 0
+            complete.append(event)
+        else:
+            assert event["name"] in ("process_name", "process_sort_index", "thread_name")
+            assert isinstance(event["args"], dict)
+    return complete
+
+
+def test_trace_has_every_collective_and_phase(daemon_server, daemon_stub) -> None:
+    backends = [FakeBackend(), FakeBackend()]
+    for rank, backend in enumerate(backends):
+        run_fake_rank(daemon_server.address, rank=rank, steps=2, backend=backend)
+    response = daemon_stub.CaptureTrace(daemon_pb2.CaptureTraceRequest(seconds=0))
+    document = json.loads(response.chrome_trace_json)
+    events = validate_chrome_trace(document)
+    assert list(response.ranks) == [0, 1] and response.span_count == len(events)
+    assert {e["pid"] for e in events} == {0, 1}
+
+    sent = Counter(
+        (rank, r.op, r.group_name, r.seq) for rank, b in enumerate(backends) for r in b.requests
+    )
+    traced = Counter(
+        (e["pid"], e["name"], e["args"][names.ATTR_COMM_GROUP], e["args"][names.ATTR_COMM_SEQ])
+        for e in events
+        if e["cat"] == "comm"
+    )
+    assert traced == sent and sum(sent.values()) == 2 * 2 * 3
+    phases = Counter((e["pid"], e["name"]) for e in events if e["cat"] in ("phase", "data"))
+    assert phases == Counter({(rank, p): 2 for rank in (0, 1) for p in PHASES})
+    steps = [e for e in events if e["cat"] == "step"]
+    assert len(steps) == 4 and all(e["dur"] == 500_000 for e in steps)  # 0.5 s in µs
+    # a rank's comm ops sit on their group's track, its phases on the compute track
+    comm_tids = {e["tid"] for e in events if e["cat"] == "comm"}
+    phase_tids = {e["tid"] for e in events if e["cat"] == "phase"}
+    assert len(comm_tids) == 1 and comm_tids.isdisjoint(phase_tids)
+    names_meta = {(e["pid"], e["tid"]): e["args"]["name"] for e in document["traceEvents"]
+                  if e["name"] == "thread_name"}  # fmt: skip
+    assert names_meta[(0, comm_tids.pop())] == "comm dp"
+
+
+def test_timed_capture_only_holds_spans_started_during_it(daemon_server, daemon_stub) -> None:
+    telemetry = RankTelemetry.start(job_info(job_id="job-b"), daemon_server.address)
+    assert telemetry is not None
+    telemetry.tracer.start_span("before", attributes={names.ATTR_STEP: 6}).end()
+    telemetry.flush()
+    result: dict[str, Any] = {}
+    capture = threading.Thread(
+        target=lambda: result.setdefault(
+            "response", daemon_stub.CaptureTrace(daemon_pb2.CaptureTraceRequest(seconds=1.0))
+        )
+    )
+    capture.start()
+    time.sleep(0.2)
+    telemetry.tracer.start_span("during", attributes={names.ATTR_STEP: 7}).end()
+    telemetry.flush()
+    capture.join(timeout=10)
+    telemetry.shutdown()
+    events = validate_chrome_trace(json.loads(result["response"].chrome_trace_json))
+    assert [(e["name"], e["args"][names.ATTR_STEP]) for e in events] == [("during", 7)]
+    assert daemon_server.store.spans_received == 2
+
+
+def test_merge_rebases_hosts_on_one_timeline() -> None:
+    def doc(base: int, pid: int) -> dict[str, Any]:
+        event = {"name": "step", "ph": "X", "ts": 0.0, "dur": 5.0, "pid": pid, "tid": 0}
+        return {"traceEvents": [event], "otherData": {"base_unix_nano": base}}
+
+    merged = merge_traces([doc(2_000_000, 1), doc(1_000_000, 0)])
+    events = validate_chrome_trace(merged)
+    assert [(e["pid"], e["ts"]) for e in events] == [(0, 0.0), (1, 1000.0)]
