@@ -56,6 +56,7 @@ def plait_register_models() -> Sequence[ModelRecord]:
             build=build_llama,
             flops_per_token=llama_flops_per_token,
             presets=tuple(LlamaConfig.presets),
+            make_config=LlamaConfig.from_preset,
             description="Llama 2 architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU",
         ),
         ModelRecord(
@@ -64,6 +65,7 @@ def plait_register_models() -> Sequence[ModelRecord]:
             build=build_gpt2,
             flops_per_token=gpt2_flops_per_token,
             presets=tuple(GPT2Config.presets),
+            make_config=GPT2Config.from_preset,
             description="GPT-2 architecture (untied embeddings): LayerNorm, learned positions",
         ),
     ]

@@ -37,6 +37,10 @@ def test_both_families_are_registered_with_presets(plugins) -> None:
     assert models["llama"][1].presets == ("tiny", "small", "1b", "7b", "70b")
     assert models["gpt2"][1].presets == ("tiny", "small", "medium", "large")
     assert models["llama"][0] == models["gpt2"][0] == "models"
+    config = models["llama"][1].make_config("tiny", {"n_layers": 3})
+    assert config == resolve_model_config("llama", "tiny", {"n_layers": 3})
+    with pytest.raises(ConfigError, match="allowed: tiny, small, medium, large"):
+        models["gpt2"][1].make_config("xl", {})
 
 
 @pytest.mark.parametrize("family", FAMILIES)
