@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pluggy
 
 from plait.core import hookspecs
-from plait.core.errors import PluginError
+from plait.core.errors import PlaitError, PluginError
 from plait.core.records import (
     CommAlgorithmRecord,
     KernelRecord,
@@ -50,6 +50,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("kernels_torch", "plait.plugins.kernels_torch"),
     ("models", "plait.plugins.models"),
     ("ddp", "plait.plugins.ddp"),
+    ("pipeline", "plait.plugins.pipeline"),
 )
 
 R = TypeVar("R")
@@ -151,7 +152,7 @@ class Plugins:
     def configure(self, config: PlaitConfig) -> None:
         try:
             self.manager.hook.plait_configure.call_historic(kwargs={"config": config})
-        except PluginError:
+        except PlaitError:
             raise
         except Exception as exc:
             culprit = _plugin_in_traceback(exc, self.manager)
@@ -179,8 +180,8 @@ class Plugins:
         hook = getattr(self.manager.hook, hook_name)
         try:
             return hook(**kwargs)
-        except PluginError:
-            raise
+        except PlaitError:
+            raise  # a user-level error (bad config, bad schedule) is reported as it is
         except Exception as exc:
             culprit = _plugin_in_traceback(exc, self.manager)
             where = self.describe(culprit) if culprit else "a plugin"

@@ -2,6 +2,13 @@
 
 `plait_schedule` returns a list of these; `plait.core.executor.Executor` runs any such list.
 A schedule is data, so it can be printed, checked and drawn without running a model.
+
+Conventions: `chunk` is always the *local* model chunk of the rank running the action
+(`SendActivation(chunk=c)` sends this rank's chunk-c output, `RecvActivation(chunk=c)` receives
+this rank's chunk-c input); `peer_stage` is the pipeline rank at the other end. A rank runs its
+list in order; sends are non-blocking and complete by the end of the step; a receive is posted
+in list order and waited on before the compute that needs it; messages between a pair of ranks
+match in posting order.
 """
 
 from __future__ import annotations
