@@ -64,7 +64,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         TextColumn("{task.fields[stats]}"),
         TimeElapsedColumn(),
         console=console,
-        disable=not is_leader,
+        disable=not is_leader or not console.is_terminal,
         transient=False,
     )
     start = time.perf_counter()
