@@ -262,6 +262,27 @@ def test_without_interpreter_only_cuda_is_answered(monkeypatch: pytest.MonkeyPat
     assert all(r.device_types == ("cuda",) for r in kernels_triton.plait_register_kernels())
 
 
+def test_kernels_command_lists_the_configured_provider_per_device() -> None:
+    from typer.testing import CliRunner
+
+    from plait.tools.kernels_commands import app, resolve_providers
+
+    chosen, installed, prefer = resolve_providers(
+        None, ["kernels.prefer=['triton', 'torch']", "kernels.overrides={rope = 'torch'}"]
+    )
+    assert prefer == ["triton", "torch"]
+    assert chosen["attention"] == {"cpu": "triton", "cuda": "triton"}
+    assert chosen["rope"] == {"cpu": "torch", "cuda": "torch"}
+    assert "triton (cuda, cpu)" in installed["rms_norm"]
+    result = CliRunner().invoke(
+        app, ["--set", "kernels.overrides={swiglu = 'nothing'}"], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "unresolved" in result.output and "'nothing'" in result.output
+    for op in KERNEL_OPS:
+        assert op in result.output
+
+
 # --------------------------------------------------------------------------------------------
 # a training run
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""`plait kernels`: which provider answers each kernel op on each device type, for a config.
+
+Resolution is exactly the runtime's: the plugin manager is built the way a rank builds it
+(built-ins, the `plait` entry-point group, `plugins.disable`), then `plait.core.kernels.Kernels`
+walks the config's `kernels.prefer` and `kernels.overrides` for every op in `KERNEL_OPS`. A cell
+that cannot be resolved (an override naming a provider that does not answer) shows the error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from plait.core.errors import PlaitError
+
+app = typer.Typer(
+    name="kernels",
+    help="Show which implementation answers each kernel op on each device.",
+    # A command group stops parsing its own options at the first positional argument; the
+    # listing has no subcommands, so let `--set` follow the config path as in `plait train`.
+    context_settings={"allow_interspersed_args": True},
+)
+console = Console()
+
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+def resolve_providers(
+    config_path: Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    dtype: str = "float32",
+    device_types: tuple[str, ...] = DEVICE_TYPES,
+) -> tuple[dict[str, dict[str, str]], dict[str, list[str]], list[str]]:
+    """Return (op -> device -> provider or "error: …", op -> installed providers, prefer).
+
+    The provider strings are what `Kernels.provider_of` reports for the config's selection.
+    """
+    from plait.core.config import load_config
+    from plait.core.kernels import KERNEL_OPS, Kernels
+    from plait.core.plugins import Plugins
+
+    config = load_config(config_path, overrides or ())
+    plugins = Plugins.create(blocked=config.plugins.disable)
+    if plugins.manager.get_plugin("kernels_triton") is None and not plugins.manager.is_blocked(
+        "kernels_triton"
+    ):
+        # NOTE: until kernels_triton is listed in BUILTIN_PLUGINS, make it visible here the
+        # way a rank would see it; once it is, this is a no-op.
+        import plait.plugins.kernels_triton as kernels_triton
+
+        plugins.register(kernels_triton, "kernels_triton")
+    kernels = Kernels(plugins, prefer=config.kernels.prefer, overrides=config.kernels.overrides)
+    chosen: dict[str, dict[str, str]] = {}
+    installed: dict[str, list[str]] = {}
+    for op in KERNEL_OPS:
+        chosen[op] = {}
+        for device in device_types:
+            try:
+                chosen[op][device] = kernels.provider_of(op, device, dtype)
+            except PlaitError as exc:
+                chosen[op][device] = f"error: {exc}"
+        installed[op] = kernels.providers_for(op)
+    return chosen, installed, list(config.kernels.prefer)
+
+
+@app.callback(invoke_without_command=True)
+def kernels_table(
+    config: Annotated[
+        Path | None, typer.Argument(help="Config TOML whose kernels section is used.")
+    ] = None,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a config field: section.field=value (repeatable)."),
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help=f"Activation dtype to resolve for: {', '.join(DTYPES)}.")
+    ] = "float32",
+) -> None:
+    """List, per op and device type, the provider the config's kernel selection resolves to."""
+    if dtype not in DTYPES:
+        console.print(f"[red]error:[/red] --dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        raise typer.Exit(2)
+    try:
+        chosen, installed, prefer = resolve_providers(config, overrides, dtype=dtype)
+    except PlaitError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    table = Table(title=f"kernel providers for {dtype} (prefer = {prefer})")
+    table.add_column("op", style="bold", no_wrap=True)
+    for device in DEVICE_TYPES:
+        table.add_column(device)
+    table.add_column("installed providers (device types)", style="dim")
+    errors: list[str] = []
+    for op, by_device in chosen.items():
+        cells = []
+        for device, provider in by_device.items():
+            if provider.startswith("error:"):
+                errors.append(f"{op} on {device}: {provider.removeprefix('error: ')}")
+                cells.append(f"[red]unresolved ({len(errors)})[/red]")
+            else:
+                cells.append(provider)
+        table.add_row(op, *cells, "; ".join(installed[op]) or "(none)")
+    console.print(table)
+    for number, error in enumerate(errors, start=1):
+        console.print(f"[red]({number})[/red] {error}", highlight=False)
+    console.print(
+        "[dim]Triton answers CPU only under TRITON_INTERPRET=1 and only when asked by name "
+        "(kernels.prefer or kernels.overrides); the interpreter checks correctness, not "
+        "speed.[/dim]"
+    )
