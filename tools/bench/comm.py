@@ -1,0 +1,158 @@
+"""Benchmark plait's communication algorithms against the backend's own all-reduce, same run.
+
+    python tools/bench/comm.py [--world-size 2] [--sizes 4K,64K,1M,16M] [--algorithms ring,tree]
+
+Spawns the ranks (Gloo on CPU, over a FileStore), then for every message size and algorithm
+times fp32 all-reduces with purpose `"grad_bucket"`, so the compression and parameter-server
+plugins take them over exactly as they would take over a data-parallel gradient bucket. The
+table gives the median latency, the algorithm bandwidth (message bytes / latency, as in
+nccl-tests' `algbw`), the bytes each rank really put on the wire per op (counted by the traffic
+meter on the communicate hook) and the speed against the backend's all-reduce of the same size.
+Compression trades accuracy for bytes; only the latency and byte columns compare like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from plait.core.comm import Comm, world_group
+from plait.core.plugins import Plugins
+from plait.core.testing import run_distributed
+from plait.plugins.collectives import CollectivesPlugin
+from plait.plugins.collectives.config import CommConfig, PowerSGDConfig, TopKConfig
+from plait.plugins.collectives.metering import TrafficMeter
+from plait.plugins.compression import CompressionPlugin
+from plait.plugins.param_server import ParamServerPlugin
+
+ALGORITHMS: dict[str, CommConfig] = {
+    "torch": CommConfig(),
+    "ring": CommConfig(algorithm="ring"),
+    "tree": CommConfig(algorithm="tree"),
+    "fp16": CommConfig(algorithm="fp16"),
+    "bf16": CommConfig(algorithm="bf16"),
+    "powersgd": CommConfig(algorithm="powersgd", powersgd=PowerSGDConfig(rank=4)),
+    "topk": CommConfig(algorithm="topk", topk=TopKConfig(ratio=0.01)),
+    "param_server": CommConfig(algorithm="param_server"),
+}
+BACKEND_ONLY = (("torch_comm", "plait.plugins.torch_comm"),)
+UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in UNITS:
+        return int(float(text[:-1]) * UNITS[text[-1]])
+    return int(text)
+
+
+def human_bytes(count: float) -> str:
+    for unit, scale in (("MB", 1024**2), ("KB", 1024)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count:.0f} B"
+
+
+def build_comm(config: CommConfig) -> tuple[Comm, TrafficMeter]:
+    meter = TrafficMeter()
+    algorithm_plugins = [
+        CollectivesPlugin(config),
+        CompressionPlugin(config),
+        ParamServerPlugin(config),
+    ]
+    plugins = Plugins.create(
+        autoload=False,
+        builtins=BACKEND_ONLY,
+        extra=[("traffic_meter", meter), *((p.plugin_name, p) for p in algorithm_plugins)],
+    )
+    comm = Comm(plugins)
+    for plugin in algorithm_plugins:
+        plugin.bind(comm)
+    return comm, meter
+
+
+def repetitions(nbytes: int) -> int:
+    return max(3, min(40, (32 * 1024**2) // max(nbytes, 1)))
+
+
+def bench_rank(
+    rank: int, world_size: int, sizes: Sequence[int], algorithms: Sequence[str]
+) -> list[tuple[str, int, float, float]]:
+    """Every rank runs every case; returns (algorithm, bytes, median seconds, wire bytes/op)."""
+    rows = []
+    group = world_group()
+    for nbytes in sizes:
+        numel = max(1, nbytes // 4)
+        for name in algorithms:
+            comm, meter = build_comm(ALGORITHMS[name])
+            generator = torch.Generator().manual_seed(rank)
+            data = torch.randn(numel, generator=generator)
+            reps = repetitions(nbytes)
+            samples = []
+            for rep in range(reps + 2):
+                bucket = data.clone()
+                dist.barrier()
+                start = time.perf_counter()
+                comm.all_reduce(
+                    bucket,
+                    group=group,
+                    op="avg",
+                    async_op=True,
+                    purpose="grad_bucket",
+                    attributes={"bucket_index": 0},
+                ).wait()
+                elapsed = time.perf_counter() - start
+                if rep == 1:
+                    meter.reset()  # the first two calls warm up (and let PowerSGD pick its Q)
+                if rep >= 2:
+                    samples.append(elapsed)
+            # An algorithm's traffic is its sub-ops; the backend's is the request itself.
+            own = "grad_bucket" if name == "torch" else None
+            wire = meter.bytes_for(lambda p, own=own: p == own if own else p != "grad_bucket")
+            wire /= reps
+            rows.append((name, numel * 4, statistics.median(samples), wire))
+    return rows
+
+
+def render(rows: list[tuple[str, int, float, float]], world_size: int) -> str:
+    backend = {size: seconds for name, size, seconds, _ in rows if name == "torch"}
+    header = (
+        f"{'algorithm':<13}{'size':>10}{'latency':>12}{'algbw':>12}"
+        f"{'wire/rank':>12}{'vs torch':>10}"
+    )
+    lines = [f"all-reduce, fp32, {world_size} ranks, Gloo on CPU", header, "-" * len(header)]
+    for name, size, seconds, wire in rows:
+        speed = backend.get(size, float("nan")) / seconds
+        lines.append(
+            f"{name:<13}{human_bytes(size):>10}{seconds * 1e6:>10.0f}us"
+            f"{size / seconds / 1e6:>8.0f} MB/s{human_bytes(wire):>12}{speed:>9.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--sizes", default="4K,64K,1M,16M", help="message sizes, e.g. 4K,1M")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = sorted(set(algorithms) - set(ALGORITHMS))
+    if unknown:
+        parser.error(f"unknown algorithms {unknown}; choose from {', '.join(ALGORITHMS)}")
+    if "torch" not in algorithms:
+        algorithms.insert(0, "torch")  # the peer every other row is compared with
+    per_rank = run_distributed(bench_rank, args.world_size, sizes, algorithms, timeout=1800)
+    print(render(per_rank[0], args.world_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
