@@ -193,6 +193,37 @@ def test_attention_with_unequal_tiles_and_transposed_inputs() -> None:
     )
 
 
+@pytest.mark.parametrize("op", ["attention", "rms_norm", "softmax_cross_entropy", "swiglu"])
+def test_float16_inputs_agree_with_an_fp32_reference(op: str) -> None:
+    # Half-precision tiles take other code paths (casts before tl.dot, stores in the input
+    # dtype). fp16 rather than bf16: the interpreter runs on numpy, which has no bfloat16.
+    def inputs() -> tuple[list[torch.Tensor], Callable[..., torch.Tensor]]:
+        g = torch.Generator().manual_seed(23)
+        if op == "attention":
+            shapes = [(1, 4, 21, 16), (1, 2, 21, 16), (1, 2, 21, 16)]
+            return [torch.randn(s, generator=g) for s in shapes], lambda q, k, v: (q, k, v)
+        if op == "rms_norm":
+            tensors = [torch.randn(5, 37, generator=g), torch.randn(37, generator=g)]
+            return tensors, lambda x, w: (x, w, 1e-5)
+        if op == "softmax_cross_entropy":
+            targets = torch.randint(0, 77, (6,), generator=g)
+            return [torch.randn(6, 77, generator=g)], lambda x: (x, targets)
+        return [torch.randn(3, 41, generator=g), torch.randn(3, 41, generator=g)], lambda *x: x
+
+    tensors, arguments = inputs()
+    half = [t.half().requires_grad_() for t in tensors]
+    full = [t.half().float().requires_grad_() for t in tensors]
+    out = _kernel(op)(*arguments(*half))
+    expected = getattr(reference, op)(*arguments(*full))
+    assert out.dtype == (torch.float32 if op == "softmax_cross_entropy" else torch.float16)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    out.float().sum().backward()
+    expected.sum().backward()
+    for mine, ref in zip(half, full, strict=True):
+        assert mine.grad is not None and mine.grad.dtype == torch.float16
+        torch.testing.assert_close(mine.grad.float(), ref.grad, atol=2e-2, rtol=2e-2)
+
+
 def test_adamw_step_matches_reference_over_steps() -> None:
     generator = torch.Generator().manual_seed(19)
     shapes = [(37, 5), (1001,), (3, 4, 7)]
