@@ -87,8 +87,14 @@ class ScheduleSection(Section):
 
 
 class KernelsSection(Section):
-    prefer: list[str] = Field(default_factory=lambda: ["torch"])
-    overrides: dict[str, str] = Field(default_factory=dict)
+    prefer: list[str] = Field(
+        default_factory=list,
+        description="providers to ask first, in order (e.g. ['triton', 'torch']); [] = the "
+        "first plugin that answers (Triton on CUDA, the torch reference elsewhere)",
+    )
+    overrides: dict[str, str] = Field(
+        default_factory=dict, description="provider per op, e.g. {attention = 'torch'}"
+    )
 
 
 class TelemetrySection(Section):

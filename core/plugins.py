@@ -48,6 +48,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("torch_comm", "plait.plugins.torch_comm"),
     ("accumulate", "plait.plugins.accumulate"),
     ("kernels_torch", "plait.plugins.kernels_torch"),
+    ("kernels_triton", "plait.plugins.kernels_triton"),
     ("models", "plait.plugins.models"),
     ("ddp", "plait.plugins.ddp"),
     ("pipeline", "plait.plugins.pipeline"),
