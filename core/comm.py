@@ -110,6 +110,7 @@ class Comm:
             async_op=async_op,
             purpose=purpose,
             attributes=attributes or {},
+            issuer=self,
         )
         return self.plugins.communicate(request)
 

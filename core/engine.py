@@ -18,7 +18,7 @@ from torch import nn
 
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
-from plait.core.errors import ConfigError, PlaitError
+from plait.core.errors import ConfigError, PlaitError, PluginError
 from plait.core.executor import Executor
 from plait.core.grad_norm import clip_grads_, global_grad_norm
 from plait.core.kernels import Kernels
@@ -112,6 +112,9 @@ class Engine:
         self.runtimes: list[ParallelRuntime] = []
         self.module = self._shard(model)
         self.loss_fn = self._choose_loss_fn(loss_fn)
+        # A runtime that runs the compute itself (pipeline stages) needs the loss and the other
+        # runtimes' step callbacks.
+        self.context.notes.update(loss_fn=self.loss_fn, runtimes=tuple(self.runtimes))
         self.optimizer = self._build_optimizer(optimizer)
         self.lr_scheduler = (
             torch.optim.lr_scheduler.LambdaLR(
@@ -346,6 +349,8 @@ class Engine:
         state = StepState(inputs=inputs, targets=targets, losses=[None] * n, num_microbatches=n)
         lr = self.optimizer.param_groups[0]["lr"]
         spans = Executor(self._handlers(state)).run(self.actions(n))
+        # Spans a runtime timed inside its actions (a pipeline stage's waits for a peer: "idle").
+        spans = sorted([*spans, *state.outputs.pop("spans", ())], key=lambda s: s.start_ns)
         loss = self._mean_loss(state)
         end_ns = time.time_ns()
         if data_start_ns is not None:
@@ -420,6 +425,13 @@ def check_config(config: PlaitConfig, plugins: Plugins, *, with_model: bool = Tr
         if record.config_cls is not None and (record.config_section or name) in config.extensions:
             config.section(record.config_section or name, record.config_cls)
     plugins.schedule_record(config.schedule.name)
+    algorithm = config.extensions.get("comm", {}).get("algorithm")
+    algorithms = plugins.comm_algorithms()
+    if algorithm not in (None, "", "torch") and algorithm not in algorithms:
+        raise PluginError(
+            f"comm.algorithm = {algorithm!r} is not provided by any installed plugin; installed: "
+            + (", ".join(f"{n!r} ({p})" for n, (p, _) in sorted(algorithms.items())) or "(none)")
+        )
     if with_model:
         record = plugins.model(config.model.name)
         if record.make_config is not None:

@@ -52,6 +52,10 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("models", "plait.plugins.models"),
     ("ddp", "plait.plugins.ddp"),
     ("pipeline", "plait.plugins.pipeline"),
+    # Communication algorithms: inert unless `[comm] algorithm` names one of them.
+    ("collectives", "plait.plugins.collectives"),
+    ("compression", "plait.plugins.compression"),
+    ("param_server", "plait.plugins.param_server"),
 )
 
 R = TypeVar("R")

@@ -125,6 +125,9 @@ class CommRequest:
     async_op: bool = False
     purpose: str = "generic"
     attributes: dict[str, Any] = field(default_factory=dict)
+    # The `plait.core.comm.Comm` that issued the request: an algorithm plugin issues its own
+    # point-to-point sub-ops through it (with a purpose of its own, so it does not recurse).
+    issuer: Any = None
 
     @property
     def nbytes(self) -> int:

@@ -51,3 +51,13 @@ def test_train_rejects_bad_config_before_launching() -> None:
     assert result.returncode == 2
     assert "zero9" in result.stdout and "ddp" in result.stdout
     assert "torch.distributed" not in result.stderr  # nothing was launched
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_demo_runs_with_the_daemon() -> None:
+    result = _run(["demo", "--steps", "10"], timeout=220)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "node daemon on 127.0.0.1:" in result.stdout
+    assert "what the daemon saw" in result.stdout
+    assert re.search(r"2/2 .*\d+\.\d%", result.stdout), "the daemon's job table shows 2 ranks"
