@@ -1,0 +1,77 @@
+"""The `zero1`, `zero2` and `zero3` data-parallel strategies (ZeRO, Rajbhandari et al. 2020).
+
+- `zero1` shards the optimizer state: gradients are all-reduced (bucketed, overlapped with
+  backward), each rank updates its chunk of the fp32 master parameters, chunks are all-gathered.
+- `zero2` also shards gradients: buckets are reduce-scattered during backward and only this
+  rank's chunk is kept.
+- `zero3` also shards parameters, FSDP-style, one unit per transformer block by default.
+
+All three read the `[zero]` section (`plait.plugins.zero.config.ZeroConfig`): bucket size,
+stage 3 prefetch depth and unit rule, and offload of the optimizer state to CPU memory or to
+files (`offload = {device = "nvme", path = "/local/nvme"}`).
+
+Per-rank model-state bytes for fp32 AdamW with N parameters on d ranks (`memory_report()`):
+stage 1: 4N params + 4N grads + 8N/d Adam; stage 2: 4N + 12N/d; stage 3: 16N/d plus the units
+gathered at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from plait.core.hookspecs import hookimpl
+from plait.core.records import StrategyRecord
+from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
+from plait.plugins.zero.config import OffloadConfig, ZeroConfig
+from plait.plugins.zero.offload import check_writable
+
+__all__ = ["OffloadConfig", "ZeroConfig", "plait_register_strategies", "plait_shard"]
+
+SECTION = "zero"
+STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+DESCRIPTIONS = {
+    "zero1": "ZeRO-1: sharded optimizer state, bucketed overlapped all-reduce",
+    "zero2": "ZeRO-2: sharded optimizer state and gradients, overlapped reduce-scatter",
+    "zero3": "ZeRO-3 / FSDP: sharded parameters per block, prefetched all-gather",
+}
+
+
+@hookimpl
+def plait_register_strategies() -> Sequence[StrategyRecord]:
+    return [
+        StrategyRecord(
+            name=name,
+            axis="dp",
+            config_cls=ZeroConfig,
+            config_section=SECTION,
+            description=DESCRIPTIONS[name],
+        )
+        for name in STAGES
+    ]
+
+
+@hookimpl
+def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
+    if axis != "dp" or name not in STAGES:
+        return None
+    config: ZeroConfig = context.config.section(SECTION, ZeroConfig)
+    if config.offload.device == "nvme":
+        check_writable(config.offload.path)
+    stage = STAGES[name]
+    group = context.mesh.group("dp")
+    runtime: ParallelRuntime
+    if stage == 3:
+        from plait.plugins.zero.stage3 import FullyShardedRuntime
+
+        runtime = FullyShardedRuntime(
+            model, comm=context.comm, group=group, mesh=context.mesh, config=config
+        )
+    else:
+        from plait.plugins.zero.stage12 import ShardedOptimizerRuntime
+
+        runtime = ShardedOptimizerRuntime(
+            model, stage=stage, comm=context.comm, group=group, mesh=context.mesh, config=config
+        )
+    return Sharded(module=model, runtime=runtime)

@@ -1,0 +1,292 @@
+"""ZeRO stages 1 and 2: replicated parameters, sharded optimizer state (and, in stage 2, gradients).
+
+Parameters are packed into segments, one per gradient bucket (bucketed like DDP, by
+`plait.plugins.ddp.buckets.assign_buckets`, in reverse registration order so buckets complete
+roughly in order during backward); every `param.data` becomes a view of its segment's flat buffer.
+Buckets are reduced asynchronously from post-accumulate-grad hooks while backward runs, launched
+strictly in bucket order so every rank issues the same collective sequence.
+
+- Stage 1 keeps full gradient buffers (`param.grad` are views, as in DDP) and all-reduces each
+  bucket on the last micro-batch only; the optimizer reads this rank's chunk of each.
+- Stage 2 keeps only this rank's gradient chunks. A bucket's full buffer exists just while the
+  bucket is being filled and reduce-scattered (at most `MAX_IN_FLIGHT` buckets at once); each
+  micro-batch's gradients are reduce-scattered and summed into the chunks (sharded accumulation).
+
+After the optimizer step each segment's updated chunks are all-gathered into the flat buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.core.comm import Comm, Group, Work
+from plait.core.memory import storage_bytes
+from plait.core.mesh import Mesh
+from plait.core.sharding import OptimizerFactory, ParallelRuntime
+from plait.plugins.ddp.buckets import assign_buckets
+from plait.plugins.zero.config import ZeroConfig
+from plait.plugins.zero.flat_buffer import Segment
+from plait.plugins.zero.optimizer import ShardedMaster
+
+# Stage 2: buckets whose full gradient buffer may be alive at once (being reduce-scattered).
+MAX_IN_FLIGHT = 2
+
+
+@dataclass(eq=False)
+class BucketState:
+    segment: Segment
+    ready: int = 0
+    buffer: torch.Tensor | None = None  # stage 2: the full gradient bucket while it is reduced
+    received: torch.Tensor | None = None  # stage 2: reduced chunk to add on completion
+    work: Work | None = None
+    launched: bool = False
+
+
+def broadcast_module(module: nn.Module, comm: Comm, group: Group) -> None:
+    """Copy the group's first rank's parameters and buffers to every rank of the group."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(tensor.data, src=group.ranks[0], group=group, purpose="param_sync")
+
+
+class ShardedOptimizerRuntime(ParallelRuntime):
+    """The runtime of `zero1` and `zero2`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        comm: Comm,
+        group: Group,
+        mesh: Mesh,
+        config: ZeroConfig,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizerRuntime implements stages 1 and 2, not {stage}")
+        self.name = f"zero{stage}"
+        self.stage, self.comm, self.group = stage, comm, group
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
+        if not named:
+            raise ValueError(f"{self.name}: the module has no trainable parameters")
+        if group.size > 1 and config.broadcast_parameters:
+            broadcast_module(module, comm, group)
+        name_of = {id(p): n for n, p in named}
+        buckets = assign_buckets([p for _, p in named], int(config.bucket_mb * 2**20))
+        rank = group.rank_of(mesh.rank)
+        self.buckets = [
+            BucketState(
+                Segment(i, [(name_of[id(p)], p) for p in b], world_size=group.size, rank=rank)
+            )
+            for i, b in enumerate(buckets)
+        ]
+        self._bucket_of = {id(s.param): b for b in self.buckets for s in b.segment.slots}
+        self.flat_params = [self._pack_parameters(b.segment) for b in self.buckets]
+        if stage == 1:
+            self.flat_grads = [self._attach_gradients(b.segment) for b in self.buckets]
+            grad_chunks = [
+                b.segment.chunk_of(g) for b, g in zip(self.buckets, self.flat_grads, strict=True)
+            ]
+        else:
+            self.flat_grads = []
+            grad_chunks = [
+                torch.zeros(b.segment.chunk_numel, dtype=b.segment.dtype, device=b.segment.device)
+                for b in self.buckets
+            ]
+        self.grad_chunks = grad_chunks
+        self.master = ShardedMaster(
+            [b.segment for b in self.buckets],
+            [b.segment.chunk_of(f) for b, f in zip(self.buckets, self.flat_params, strict=True)],
+            grad_chunks,
+            comm=comm,
+            group=group,
+            mesh=mesh,
+            offload=config.offload,
+        )
+        self._reduce_this_backward = True
+        self._first_microbatch = True
+        self._next_to_launch = 0
+        self._in_flight: list[BucketState] = []
+        for _, p in named:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _pack_parameters(self, segment: Segment) -> torch.Tensor:
+        flat = torch.zeros(segment.padded_numel, dtype=segment.dtype, device=segment.device)
+        with torch.no_grad():
+            segment.flatten([s.param.detach() for s in segment.slots], flat)
+        for slot, view in zip(segment.slots, segment.views(flat), strict=True):
+            slot.param.data = view
+        return flat
+
+    def _attach_gradients(self, segment: Segment) -> torch.Tensor:
+        flat = torch.zeros(segment.padded_numel, dtype=segment.dtype, device=segment.device)
+        for slot, view in zip(segment.slots, segment.views(flat), strict=True):
+            slot.param.grad = view
+        return flat
+
+    # -- backward hooks and launches -----------------------------------------------------------
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._reduce_this_backward:
+            return
+        bucket = self._bucket_of[id(param)]
+        if self.stage == 2:
+            self._move_into_bucket(bucket, param)
+        bucket.ready += 1
+        if bucket.ready == len(bucket.segment.slots):
+            while self._next_to_launch < len(self.buckets):
+                candidate = self.buckets[self._next_to_launch]
+                if candidate.ready < len(candidate.segment.slots):
+                    break
+                self._launch(candidate)
+
+    def _move_into_bucket(self, bucket: BucketState, param: nn.Parameter) -> None:
+        segment = bucket.segment
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(
+                segment.padded_numel, dtype=segment.dtype, device=segment.device
+            )
+        slot = next(s for s in segment.slots if s.param is param)
+        assert param.grad is not None
+        bucket.buffer[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        param.grad = None  # the only full-size copy is the bucket's, freed after reduction
+
+    def _launch(self, bucket: BucketState) -> None:
+        index = bucket.segment.index
+        if self.stage == 1:
+            self._restore_grad_views(bucket)
+            bucket.work = self.comm.all_reduce(
+                self.flat_grads[index],
+                group=self.group,
+                op="avg",
+                async_op=True,
+                purpose="grad_bucket",
+                attributes={"bucket_index": index},
+            )
+        else:
+            segment = bucket.segment
+            if bucket.buffer is None:  # no parameter of the bucket got a gradient
+                bucket.buffer = torch.zeros(
+                    segment.padded_numel, dtype=segment.dtype, device=segment.device
+                )
+            if self._first_microbatch:
+                output = self.grad_chunks[index]
+            else:
+                bucket.received = torch.empty_like(self.grad_chunks[index])
+                output = bucket.received
+            bucket.work = self.comm.reduce_scatter(
+                output,
+                bucket.buffer,
+                group=self.group,
+                op="avg",
+                async_op=True,
+                purpose="grad_bucket",
+            )
+            self._in_flight.append(bucket)
+            if len(self._in_flight) > MAX_IN_FLIGHT:
+                self._complete(self._in_flight.pop(0))
+        bucket.launched = True
+        self._next_to_launch = index + 1
+
+    def _restore_grad_views(self, bucket: BucketState) -> None:
+        """If user code replaced a `.grad`, copy it back into the flat buffer before reducing."""
+        segment = bucket.segment
+        views = segment.views(self.flat_grads[segment.index])
+        for slot, view in zip(segment.slots, views, strict=True):
+            grad = slot.param.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            slot.param.grad = view
+
+    def _complete(self, bucket: BucketState) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+        if bucket.received is not None:
+            self.grad_chunks[bucket.segment.index].add_(bucket.received)
+        bucket.work, bucket.buffer, bucket.received = None, None, None
+        bucket.launched, bucket.ready = False, 0
+
+    def _finish_backward(self) -> None:
+        """Reduce buckets left incomplete (parameters without gradients count as zero), wait for
+        every reduction, and release the stage 2 bucket buffers."""
+        if self.group.size == 1 and self.stage == 1:
+            return
+        while self._next_to_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_to_launch])
+        for bucket in self.buckets:
+            self._complete(bucket)
+        self._in_flight.clear()
+        self._next_to_launch = 0
+
+    # -- ParallelRuntime -------------------------------------------------------------------------
+
+    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
+        if self.stage == 2 and microbatch > 0:
+            self._finish_backward()
+        self._first_microbatch = microbatch == 0
+        self._reduce_this_backward = self.stage == 2 or microbatch == num_microbatches - 1
+        for bucket in self.buckets:
+            bucket.ready = 0
+        if microbatch == num_microbatches - 1:
+            self.master.prefetch_state()
+
+    def sync_gradients(self) -> None:
+        self._finish_backward()
+        self._reduce_this_backward = True
+
+    def build_optimizer(
+        self, module: nn.Module, factory: OptimizerFactory
+    ) -> torch.optim.Optimizer | None:
+        del module
+        return self.master.build_optimizer(factory)
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor | None:
+        return self.master.clip_gradients(max_norm)
+
+    def after_optimizer_step(self) -> None:
+        if self.group.size == 1:
+            return
+        pending = []
+        for flat, updated in zip(self.flat_params, self.master.param_chunks, strict=True):
+            chunk = updated.clone()  # the input of an all-gather must not alias its output
+            work = self.comm.all_gather(
+                flat, chunk, group=self.group, async_op=True, purpose="param_gather"
+            )
+            pending.append((chunk, work))
+        for _, work in pending:
+            work.wait()
+
+    def zero_grad(self) -> bool:
+        if self.stage == 1:
+            for bucket, flat in zip(self.buckets, self.flat_grads, strict=True):
+                flat.zero_()
+                self._restore_grad_views(bucket)
+        else:
+            self.master.zero_grad()
+        return True
+
+    def memory_report(self) -> dict[str, int] | None:
+        if self.master.files is not None:
+            self.master.files.wait()  # count what is really resident, not what is in flight
+        buffers = [b.buffer for b in self.buckets if b.buffer is not None]
+        report = {
+            "parameters": storage_bytes(self.flat_params) + self.master.master_bytes(),
+            "gradients": storage_bytes([*self.flat_grads, *self.grad_chunks, *buffers]),
+            "optimizer_state": self.master.optimizer_state_bytes(),
+        }
+        report["total"] = sum(report.values())
+        if self.master.files is not None:
+            report["offloaded_optimizer_state"] = self.master.files.offloaded_bytes
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.master.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.master.load_state_dict(state)

@@ -1,0 +1,412 @@
+"""ZeRO stage 3 (FSDP-style): parameters, gradients and optimizer state all sharded, per unit.
+
+The model is cut into units — by default one per entry of `model.layers` (a transformer block)
+plus a root unit holding every other parameter. Each unit is one `Segment`; a rank keeps only its
+chunk. Every parameter's `.data` is a view into its unit's flat full buffer, whose storage is
+resized to zero when the unit is resharded, so the `nn.Parameter` objects (and their names) stay
+what the user built while holding no memory.
+
+- Forward: a pre-hook all-gathers the unit (waiting if it was prefetched) and prefetches the next
+  `prefetch` units in the order recorded on the previous forward; a post-hook reshards the unit
+  (the root stays gathered: its head is the first thing backward needs) and hooks the outputs.
+- Backward: a hook on the unit's outputs fires when their gradient is ready, i.e. just before
+  the unit's backward: the unit is gathered again and the next units in reverse order are
+  prefetched. As each parameter's gradient is accumulated it is copied into the unit's gradient
+  bucket and released; once the unit's last gradient arrived the unit is resharded and its bucket
+  reduce-scattered (asynchronously) into this rank's gradient chunk.
+- Gradient accumulation is sharded: every micro-batch's gradients are reduce-scattered and summed
+  into the chunks, so no full gradient outlives its unit's backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from plait.core.comm import Comm, Group, Work
+from plait.core.errors import ConfigError
+from plait.core.memory import storage_bytes
+from plait.core.mesh import Mesh
+from plait.core.sharding import OptimizerFactory, ParallelRuntime
+from plait.plugins.zero.config import ZeroConfig
+from plait.plugins.zero.flat_buffer import Segment
+from plait.plugins.zero.offload import master_device
+from plait.plugins.zero.optimizer import ShardedMaster
+from plait.plugins.zero.stage12 import MAX_IN_FLIGHT, broadcast_module
+
+ROOT = "<root>"
+
+
+def find_units(model: nn.Module, rule: str | list[str]) -> list[tuple[str, nn.Module]]:
+    """The (qualified name, module) of every unit the rule selects, in registration order."""
+    if rule == "block":
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, nn.ModuleDict | nn.ModuleList | nn.Sequential) or not len(layers):
+            raise ConfigError(
+                f"zero3: unit = 'block' wraps each entry of `model.layers`, but "
+                f"{type(model).__name__} has no non-empty `layers` container; set [zero] unit to "
+                "the class names of its blocks, e.g. unit = ['MyBlock']"
+            )
+        return [(f"layers.{name}", module) for name, module in layers.named_children()]
+    wanted = set(rule)
+    units: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or type(module).__name__ not in wanted:
+            continue
+        if any(name.startswith(f"{outer}.") for outer, _ in units):
+            continue  # nested inside a unit already: it belongs to that unit
+        units.append((name, module))
+    if not units:
+        classes = sorted({type(m).__name__ for _, m in model.named_modules()} - {""})
+        raise ConfigError(
+            f"zero3: no module of class {sorted(wanted)} in {type(model).__name__}; "
+            f"classes present: {classes}"
+        )
+    return units
+
+
+def unit_parameters(
+    model: nn.Module, units: Sequence[tuple[str, nn.Module]]
+) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Trainable parameters per unit (and `ROOT`), named as in `model`; a parameter shared by
+    two units cannot be sharded by both and is an error."""
+    owner: dict[int, str] = {}
+    by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for unit_name, module in units:
+        by_unit[unit_name] = []
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if not p.requires_grad:
+                continue
+            previous = owner.get(id(p))
+            if previous is not None and previous != unit_name:
+                raise ConfigError(
+                    f"zero3: parameter {unit_name}.{name} is shared by units {previous!r} and "
+                    f"{unit_name!r}; untie it or choose units (zero.unit) that contain both uses"
+                )
+            if previous is None:
+                owner[id(p)] = unit_name
+                by_unit[unit_name].append((f"{unit_name}.{name}", p))
+    root: list[tuple[str, nn.Parameter]] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue
+        unit_of = owner.get(id(p))
+        in_a_unit = any(name == u or name.startswith(f"{u}.") for u, _ in units)
+        if unit_of is None:
+            owner[id(p)] = ROOT
+            root.append((name, p))
+        elif not in_a_unit and unit_of != ROOT:
+            raise ConfigError(
+                f"zero3: parameter {name} is shared between unit {unit_of!r} and the rest of the "
+                "model (e.g. tied embeddings); untie it or make one unit contain both uses"
+            )
+    empty = [u for u, params in by_unit.items() if not params]
+    if empty:
+        raise ConfigError(f"zero3: unit(s) {empty} hold no trainable parameters")
+    if root:
+        by_unit[ROOT] = root
+    return by_unit
+
+
+class Unit:
+    """One sharded unit: its chunk, its full buffer (storage freed when resharded), gradients."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        segment: Segment,
+        *,
+        shard_device: torch.device,
+    ) -> None:
+        self.name, self.module, self.segment = name, module, segment
+        device = segment.device
+        self.full = torch.zeros(segment.padded_numel, dtype=segment.dtype, device=device)
+        with torch.no_grad():
+            segment.flatten([s.param.detach() for s in segment.slots], self.full)
+        self.shard = segment.chunk_of(self.full).to(shard_device, copy=True)
+        for slot, view in zip(segment.slots, segment.views(self.full), strict=True):
+            slot.param.data = view
+        self.grad_chunk = torch.zeros(segment.chunk_numel, dtype=segment.dtype, device=device)
+        self.slot_of = {id(s.param): s for s in segment.slots}
+        self.gathered = True
+        self.gather_work: Work | None = None
+        self.gather_input: torch.Tensor | None = None
+        self.grad_bucket: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None
+        self.reduce_work: Work | None = None
+        self.ready = 0
+        self.reduced = False
+        self.backward_prepared = False
+
+    @property
+    def full_bytes(self) -> int:
+        return self.segment.nbytes
+
+
+class FullyShardedRuntime(ParallelRuntime):
+    """The runtime of `zero3`."""
+
+    name = "zero3"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        comm: Comm,
+        group: Group,
+        mesh: Mesh,
+        config: ZeroConfig,
+    ) -> None:
+        self.comm, self.group = comm, group
+        self.prefetch = config.prefetch_count
+        selected = find_units(model, config.unit)
+        by_unit = unit_parameters(model, selected)
+        if group.size > 1 and config.broadcast_parameters:
+            broadcast_module(model, comm, group)
+        rank = group.rank_of(mesh.rank)
+        device = next(p for params in by_unit.values() for _, p in params).device
+        shard_device = master_device(config.offload.device, device)
+        modules = {**dict(selected), ROOT: model}
+        order = ([ROOT] if ROOT in by_unit else []) + [u for u, _ in selected]
+        self.units = [
+            Unit(
+                name,
+                modules[name],
+                Segment(i, by_unit[name], world_size=group.size, rank=rank),
+                shard_device=shard_device,
+            )
+            for i, name in enumerate(order)
+        ]
+        self.root = self.units[0] if ROOT in by_unit else None
+        for unit in self.units:
+            self._reshard(unit)
+        self.master = ShardedMaster(
+            [u.segment for u in self.units],
+            [u.shard for u in self.units],
+            [u.grad_chunk for u in self.units],
+            comm=comm,
+            group=group,
+            mesh=mesh,
+            offload=config.offload,
+        )
+        self._forward_order: list[Unit] = list(self.units)
+        self._recording: list[Unit] = []
+        self._in_flight: list[Unit] = []
+        self._first_microbatch = True
+        self.peak_gathered_bytes = 0
+        model.register_forward_pre_hook(self._root_pre_forward)
+        model.register_forward_hook(self._root_post_forward)
+        for unit in self.units:
+            if unit is not self.root:
+                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+                unit.module.register_forward_hook(partial(self._post_forward, unit))
+            for slot in unit.segment.slots:
+                slot.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit))
+
+    # -- gathering and freeing ---------------------------------------------------------------
+
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.gathered or unit.gather_work is not None:
+            return
+        storage = unit.full.untyped_storage()
+        storage.resize_(unit.full_bytes)
+        device = unit.full.device
+        source = unit.shard if unit.shard.device == device else unit.shard.to(device)
+        source = source if source.dtype == unit.full.dtype else source.to(unit.full.dtype)
+        # Autograd saved the parameters (views of `full`) in forward; refilling their storage is
+        # not a modification it must detect.
+        with torch.autograd._unsafe_preserve_version_counter(unit.full):
+            unit.gather_work = self.comm.all_gather(
+                unit.full, source, group=self.group, async_op=True, purpose="param_gather"
+            )
+        unit.gather_input = source
+        held = sum(u.full_bytes for u in self.units if u.gathered or u.gather_work is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
+
+    def _unshard(self, unit: Unit) -> None:
+        self._start_gather(unit)
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work, unit.gather_input = None, None
+        unit.gathered = True
+
+    def _reshard(self, unit: Unit) -> None:
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work, unit.gather_input = None, None
+        unit.full.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def _prefetch_after(self, unit: Unit, order: Sequence[Unit]) -> None:
+        if not self.prefetch or unit not in order:
+            return
+        position = order.index(unit)
+        for upcoming in order[position + 1 : position + 1 + self.prefetch]:
+            self._start_gather(upcoming)
+
+    # -- forward hooks -----------------------------------------------------------------------
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        del module, args
+        self._recording = []
+        if self.root is not None:
+            self._pre_forward(self.root, None, None)
+
+    def _pre_forward(self, unit: Unit, module: nn.Module | None, args: Any) -> None:
+        del module, args
+        self._unshard(unit)
+        self._recording.append(unit)
+        self._prefetch_after(unit, self._forward_order)
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        del module, args
+        self._reshard(unit)
+        self._hook_outputs(unit, output)
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        del module, args
+        if self._recording:
+            self._forward_order = list(dict.fromkeys(self._recording))
+        if self.root is None:
+            return
+        if torch.is_grad_enabled():
+            self._hook_outputs(self.root, output)
+        else:
+            self._reshard(self.root)
+
+    def _hook_outputs(self, unit: Unit, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        unit.backward_prepared = False
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(partial(self._pre_backward, unit))
+
+    # -- backward hooks ----------------------------------------------------------------------
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        del grad
+        if unit.backward_prepared:
+            return
+        unit.backward_prepared = True
+        self._unshard(unit)
+        self._prefetch_after(unit, self._backward_order())
+
+    def _backward_order(self) -> list[Unit]:
+        # The root's outputs (the head) come first in backward, then the units in reverse.
+        rest = [u for u in reversed(self._forward_order) if u is not self.root]
+        return ([self.root] if self.root is not None else []) + rest
+
+    def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
+        if unit.grad_bucket is None:
+            segment = unit.segment
+            unit.grad_bucket = torch.zeros(
+                segment.padded_numel, dtype=segment.dtype, device=segment.device
+            )
+        slot = unit.slot_of[id(param)]
+        assert param.grad is not None
+        unit.grad_bucket[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        param.grad = None
+        unit.ready += 1
+        if unit.ready == len(unit.segment.slots):
+            self._reshard(unit)
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        if unit.grad_bucket is None:  # the unit got no gradient at all this backward
+            unit.grad_bucket = torch.zeros(
+                unit.segment.padded_numel, dtype=unit.segment.dtype, device=unit.segment.device
+            )
+        if self._first_microbatch:
+            output = unit.grad_chunk
+        else:
+            unit.received = torch.empty_like(unit.grad_chunk)
+            output = unit.received
+        unit.reduce_work = self.comm.reduce_scatter(
+            output,
+            unit.grad_bucket,
+            group=self.group,
+            op="avg",
+            async_op=True,
+            purpose="grad_bucket",
+        )
+        unit.reduced = True
+        self._in_flight.append(unit)
+        if len(self._in_flight) > MAX_IN_FLIGHT:
+            self._complete(self._in_flight.pop(0))
+
+    def _complete(self, unit: Unit) -> None:
+        if unit.reduce_work is not None:
+            unit.reduce_work.wait()
+        if unit.received is not None:
+            unit.grad_chunk.add_(unit.received)
+        unit.reduce_work, unit.received, unit.grad_bucket = None, None, None
+
+    def _finish_backward(self) -> None:
+        """Reduce units whose gradients did not all arrive (unused parameters count as zero),
+        in unit order so every rank agrees, wait for every reduction, free everything."""
+        for unit in self.units:
+            if not unit.reduced:
+                self._reduce(unit)
+        for unit in self._in_flight:
+            self._complete(unit)
+        self._in_flight.clear()
+        for unit in self.units:
+            unit.ready, unit.reduced, unit.backward_prepared = 0, False, False
+            if unit.gathered or unit.gather_work is not None:
+                self._reshard(unit)
+
+    # -- ParallelRuntime -----------------------------------------------------------------------
+
+    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
+        if microbatch > 0:
+            self._finish_backward()
+        self._first_microbatch = microbatch == 0
+        if microbatch == num_microbatches - 1:
+            self.master.prefetch_state()
+
+    def sync_gradients(self) -> None:
+        self._finish_backward()
+
+    def build_optimizer(
+        self, module: nn.Module, factory: OptimizerFactory
+    ) -> torch.optim.Optimizer | None:
+        del module
+        return self.master.build_optimizer(factory)
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor | None:
+        return self.master.clip_gradients(max_norm)
+
+    def zero_grad(self) -> bool:
+        self.master.zero_grad()
+        return True
+
+    def memory_report(self) -> dict[str, int] | None:
+        if self.master.files is not None:
+            self.master.files.wait()  # count what is really resident, not what is in flight
+        gathered = [u.full for u in self.units if u.gathered]
+        buckets = [u.grad_bucket for u in self.units if u.grad_bucket is not None]
+        report = {
+            "parameters": storage_bytes([*(u.shard for u in self.units), *gathered])
+            + self.master.master_bytes(),
+            "gradients": storage_bytes([*(u.grad_chunk for u in self.units), *buckets]),
+            "optimizer_state": self.master.optimizer_state_bytes(),
+        }
+        report["total"] = sum(report.values())
+        report["peak_gathered_parameters"] = self.peak_gathered_bytes
+        report["largest_unit_parameters"] = max(u.full_bytes for u in self.units)
+        if self.master.files is not None:
+            report["offloaded_optimizer_state"] = self.master.files.offloaded_bytes
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.master.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.master.load_state_dict(state)
