@@ -1,0 +1,343 @@
+"""Applying a tensor-parallel plan: module-name patterns → parallel layers, in place.
+
+A plan maps module-name patterns to a style, the convention of Hugging Face's `tp_plan`
+(`"layers.*.attention.wq": "colwise"`, where `*` stands for one dotted name component):
+
+- `colwise`: an `nn.Linear` split by output features (`ColumnParallelLinear`);
+- `rowwise`: an `nn.Linear` split by input features (`RowParallelLinear`);
+- `vocab`: an `nn.Embedding` split by vocabulary rows (`VocabParallelEmbedding`);
+- `positions`: a replicated position-embedding table looked up with positions `0..s−1` of the
+  local sequence; under sequence parallelism its indices are offset to this rank's shard;
+- `none`: remove an entry inherited from the model's own plan.
+
+Built-in models declare `tp_plan` (and `tp_param_plan` for loose parameters that follow a
+column-parallel output, such as GPT-2's `w1_bias`); `[tp] plan` / `[tp] param_plan` add or
+override entries. Structure is inferred from the result, Megatron's way: a module whose direct
+children include column- and row-parallel linears (an attention or MLP block) is a *parallel
+region* — its input goes through f (or the sequence all-gather) once, on entry, for all its
+column-parallel children. Attention modules exposing `head_dim` with `wq`/`wk`/`wv` children
+(the built-in `Attention`) are split by whole heads, with grouped-query KV heads split when the
+TP degree divides them and replicated otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.core.errors import ConfigError, MeshError
+from plait.core.grad_norm import sharded_axes
+from plait.plugins.tensor_parallel.layers import (
+    SEQUENCE_DIM,
+    ColumnParallelLinear,
+    ReplicatedHeadsLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    even_slice,
+    gather_sequence_shard,
+    shard_parameter,
+)
+from plait.plugins.tensor_parallel.tp_communications import (
+    TensorParallelGroup,
+    copy_to_tensor_region,
+)
+
+STYLES = ("colwise", "rowwise", "vocab", "positions", "none")
+# Built-in position tables (GPT-2) that sequence parallelism must offset.
+DEFAULT_POSITION_MODULES = ("pos_embeddings",)
+
+
+@dataclass(kw_only=True)
+class TensorParallelLayout:
+    """What applying a plan did, for the runtime and for reports."""
+
+    styles: dict[str, str] = field(default_factory=dict)  # module name -> style applied
+    regions: list[str] = field(default_factory=list)
+    # Replicated parameters whose gradients are partial per rank and are summed over tp.
+    tp_reduced_params: list[nn.Parameter] = field(default_factory=list)
+    vocab_parallel_output: bool = False
+    replicated_kv_heads: bool = False
+
+
+def resolve_plan(
+    model: nn.Module, overrides: Mapping[str, str], *, attribute: str = "tp_plan"
+) -> dict[str, str]:
+    """The model's declared plan with `overrides` applied; `none` entries are dropped."""
+    plan = {**dict(getattr(model, attribute, {}) or {}), **dict(overrides)}
+    bad = {k: v for k, v in plan.items() if v not in STYLES}
+    if bad:
+        raise ConfigError(f"tp.plan: unknown style(s) {bad}; allowed: {', '.join(STYLES)}")
+    return {k: v for k, v in plan.items() if v != "none"}
+
+
+def _pattern(text: str) -> re.Pattern[str]:
+    return re.compile("\\.".join("[^.]+" if p == "*" else re.escape(p) for p in text.split(".")))
+
+
+def match_plan(names: list[str], plan: Mapping[str, str]) -> dict[str, str]:
+    """Name -> style for every name a pattern matches fully (the first matching pattern wins)."""
+    compiled = [(_pattern(k), v) for k, v in plan.items()]
+    matched: dict[str, str] = {}
+    for name in names:
+        for pattern, style in compiled:
+            if pattern.fullmatch(name):
+                matched[name] = style
+                break
+    return matched
+
+
+def _indivisible(what: str, name: str, size: int, tp: int) -> MeshError:
+    return MeshError(
+        f"parallel.tp = {tp} does not divide the {what} of {name!r} ({size}); choose a TP degree "
+        f"that divides {size}, or change the model's {what}"
+    )
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, leaf, module)
+
+
+def _head_layout(name: str, attention: nn.Module, tp: TensorParallelGroup) -> slice | None:
+    """Check head counts; return the KV rows this rank uses if KV heads are replicated."""
+    head_dim = attention.head_dim
+    n_heads = attention.wq.out_features // head_dim
+    n_kv_heads = attention.wk.out_features // head_dim
+    if n_heads % tp.size:
+        raise _indivisible("attention heads (n_heads)", name, n_heads, tp.size)
+    if n_kv_heads % tp.size == 0:
+        return None
+    if tp.size % n_kv_heads:
+        raise MeshError(
+            f"parallel.tp = {tp.size} neither divides nor is a multiple of the {n_kv_heads} "
+            f"key/value heads (n_kv_heads) of {name!r}: KV heads can be split when tp divides "
+            "them, or replicated when tp is a multiple of them"
+        )
+    queries_per_kv = n_heads // n_kv_heads
+    first_query_head = tp.rank * (n_heads // tp.size)
+    kv_head = first_query_head // queries_per_kv
+    return slice(kv_head * head_dim, (kv_head + 1) * head_dim)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "head_dim", None), int) and all(
+        isinstance(getattr(module, n, None), nn.Linear) for n in ("wq", "wk", "wv")
+    )
+
+
+class RegionEntry:
+    """Forward pre-hook of a parallel region: f (or the sequence all-gather) on its input, once.
+
+    Under sequence parallelism the block's other inputs were computed from the local sequence
+    length; the built-in Llama passes RoPE tables sliced `[:local_seq]`, which are replaced by
+    the slice for the gathered length (recognised as views of the model's own tables).
+    """
+
+    def __init__(
+        self, tp: TensorParallelGroup, sequence_parallel: bool, tables: tuple[torch.Tensor, ...]
+    ) -> None:
+        self.tp = tp
+        self.sequence_parallel = sequence_parallel
+        self.tables = tables
+        self.columns: list[ColumnParallelLinear] = []
+
+    def _full_rope(self, value: Any, local_seq: int, full_seq: int) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != local_seq:
+            return value
+        for table in self.tables:
+            if value.data_ptr() == table.data_ptr():
+                return table[:full_seq]
+        return value
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        del module
+        x, *rest = args
+        if not self.sequence_parallel:
+            return (copy_to_tensor_region(x, self.tp), *rest), kwargs
+        local_seq = x.shape[SEQUENCE_DIM]
+        x, source = gather_sequence_shard(x, self.tp)
+        for column in self.columns:
+            column.sequence_source = source
+        full_seq = x.shape[SEQUENCE_DIM]
+        rest = [self._full_rope(v, local_seq, full_seq) for v in rest]
+        kwargs = {k: self._full_rope(v, local_seq, full_seq) for k, v in kwargs.items()}
+        return (x, *rest), kwargs
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: the shard is saved by the layers that used it; drop other references."""
+        del module, args, output
+        for column in self.columns:
+            if column.sequence_source is not None:
+                column.sequence_source.shard = None
+            column.sequence_source = None
+
+
+class PositionOffset:
+    """Forward pre-hook of a position table under sequence parallelism: positions `0..s/tp−1`
+    become this rank's `r·s/tp .. (r+1)·s/tp−1`."""
+
+    def __init__(self, tp: TensorParallelGroup) -> None:
+        self.tp = tp
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        del module
+        positions, *rest = args
+        return (positions + self.tp.rank * positions.shape[-1], *rest)
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: Mapping[str, str],
+    *,
+    tp: TensorParallelGroup,
+    sequence_parallel: bool,
+    param_plan: Mapping[str, str] | None = None,
+    output_module: str = "output",
+    loss_parallel: bool = True,
+) -> TensorParallelLayout:
+    """Replace the planned modules of `model` (materialised, full) by their tp shards, in place."""
+    layout = TensorParallelLayout()
+    modules = dict(model.named_modules())
+    styles = match_plan([n for n in modules if n], plan)
+    if not any(s in ("colwise", "rowwise", "vocab") for s in styles.values()):
+        raise ConfigError(
+            f"tensor parallelism: the plan matches no module of {type(model).__name__}; built-in "
+            f"models declare `tp_plan`, other models pass [tp] plan = {{pattern = style}} "
+            f"(plan: {dict(plan) or 'empty'})"
+        )
+    replicated_rows: dict[str, slice] = {}
+    for name, module in modules.items():
+        if _is_attention(module) and styles.get(f"{name}.wq") == "colwise":
+            rows = _head_layout(name, module, tp)
+            if rows is not None:
+                replicated_rows[f"{name}.wk"] = replicated_rows[f"{name}.wv"] = rows
+
+    for name, style in styles.items():
+        module = modules[name]
+        if style in ("colwise", "rowwise") and not isinstance(module, nn.Linear):
+            raise ConfigError(f"tp.plan: {name!r} is {style} but a {type(module).__name__}")
+        if style in ("vocab", "positions") and not isinstance(module, nn.Embedding):
+            raise ConfigError(f"tp.plan: {name!r} is {style} but a {type(module).__name__}")
+        new: nn.Module
+        if style == "colwise" and name in replicated_rows:
+            new = ReplicatedHeadsLinear(
+                module, tp=tp, rows=replicated_rows[name], input_mode="copy"
+            )
+            layout.tp_reduced_params.extend(new.parameters())
+            layout.replicated_kv_heads = True
+        elif style == "colwise":
+            what = "vocabulary (vocab_size)" if name == output_module else "output features"
+            if name.rpartition(".")[2] in ("w1", "w3"):
+                what = "FFN hidden size (hidden_dim)"
+            if module.out_features % tp.size:
+                raise _indivisible(what, name, module.out_features, tp.size)
+            new = ColumnParallelLinear.from_linear(module, tp=tp)
+            if name == output_module:
+                new.gather_output = not loss_parallel
+                layout.vocab_parallel_output = loss_parallel
+        elif style == "rowwise":
+            if module.in_features % tp.size:
+                raise _indivisible("input features", name, module.in_features, tp.size)
+            new = RowParallelLinear.from_linear(module, tp=tp)
+            if sequence_parallel:
+                new.output_mode = "reduce_scatter_sequence"
+        elif style == "vocab":
+            if module.num_embeddings % tp.size:
+                raise _indivisible("vocabulary (vocab_size)", name, module.num_embeddings, tp.size)
+            new = VocabParallelEmbedding.from_embedding(module, tp=tp)
+            if sequence_parallel:
+                new.output_mode = "reduce_scatter_sequence"
+        else:  # positions
+            if sequence_parallel:
+                module.register_forward_pre_hook(PositionOffset(tp))
+            layout.styles[name] = style
+            continue
+        _set_submodule(model, name, new)
+        layout.styles[name] = style
+
+    _shard_loose_parameters(model, param_plan or {}, tp)
+    _mark_regions(model, layout, tp, sequence_parallel)
+    if sequence_parallel:
+        _check_sequence_parallel_ends(model, layout, output_module)
+        for name in DEFAULT_POSITION_MODULES:
+            table = getattr(model, name, None)
+            if isinstance(table, nn.Embedding) and name not in layout.styles:
+                table.register_forward_pre_hook(PositionOffset(tp))
+                layout.styles[name] = "positions"
+        # Every replicated parameter now sees only this rank's sequence shard (norms, biases
+        # added after a reduce-scatter, position tables): its gradient is partial.
+        reduced = {id(p) for p in layout.tp_reduced_params}
+        for param in model.parameters():
+            if "tp" not in sharded_axes(param) and id(param) not in reduced:
+                layout.tp_reduced_params.append(param)
+                reduced.add(id(param))
+    return layout
+
+
+def _shard_loose_parameters(
+    model: nn.Module, param_plan: Mapping[str, str], tp: TensorParallelGroup
+) -> None:
+    bad = {k: v for k, v in param_plan.items() if v != "colwise"}
+    if bad:
+        raise ConfigError(f"tp.param_plan: unknown style(s) {bad}; allowed: colwise")
+    for name, style in match_plan([n for n, _ in model.named_parameters()], param_plan).items():
+        del style
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        param = getattr(owner, leaf)
+        if param.shape[0] % tp.size:
+            raise _indivisible("leading dim", name, param.shape[0], tp.size)
+        setattr(owner, leaf, shard_parameter(param, 0, even_slice(param.shape[0], tp)))
+
+
+def _mark_regions(
+    model: nn.Module, layout: TensorParallelLayout, tp: TensorParallelGroup, sequence_parallel: bool
+) -> None:
+    rope = tuple(
+        t
+        for t in (getattr(model, "rope_cos", None), getattr(model, "rope_sin", None))
+        if t is not None
+    )
+    in_region: set[int] = set()
+    for name, module in model.named_modules():
+        children = list(module.children())
+        columns = [c for c in children if isinstance(c, ColumnParallelLinear)]
+        if columns and any(isinstance(c, RowParallelLinear) for c in children):
+            entry = RegionEntry(tp, sequence_parallel, rope)
+            entry.columns = columns
+            module.register_forward_pre_hook(entry, with_kwargs=True)
+            module.register_forward_hook(entry.exit, always_call=True)
+            layout.regions.append(name)
+            for column in columns:
+                column.input_mode = "region"
+                in_region.add(id(column))
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear) and id(module) not in in_region:
+            module.input_mode = "gather_sequence" if sequence_parallel else "copy"
+
+
+def _check_sequence_parallel_ends(
+    model: nn.Module, layout: TensorParallelLayout, output_module: str
+) -> None:
+    """Sequence shards start at the vocab-parallel embedding and end before the output head."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name not in layout.styles:
+            if name in DEFAULT_POSITION_MODULES:
+                continue
+            raise ConfigError(
+                f"tp.sequence_parallel needs the token embedding in the plan as 'vocab' (where "
+                f"the sequence is split); {name!r} is a plain nn.Embedding"
+            )
+    head = dict(model.named_modules()).get(output_module)
+    if head is not None and not isinstance(head, ColumnParallelLinear):
+        raise ConfigError(
+            f"tp.sequence_parallel needs the output head {output_module!r} in the plan as "
+            "'colwise' (where the sequence is gathered again); set [tp] output_module"
+        )
