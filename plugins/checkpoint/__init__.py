@@ -1,0 +1,58 @@
+"""Distributed checkpoints: sharded save/load with `torch.distributed.checkpoint`, exact resume.
+
+    from plait.plugins.checkpoint import Checkpointer
+    checkpointer = Checkpointer.from_config(engine, batches, config)   # [checkpoint_io]
+    start = checkpointer.maybe_resume()
+    ...  checkpointer.maybe_save(step + 1)  ...
+
+- `layout`: the canonical layout (original FQN, global shape, rectangular chunks) and the
+  `StateLayout` protocol runtimes implement; `adapters`: what ZeRO / TP / PP runtimes expose.
+- `planner`: DCP planners for chunked values; `state`: what a checkpoint holds;
+  `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
+- `checkpointer`: the training-loop policy and the `[checkpoint_io]` section.
+- `guard`: skip steps with NaN/Inf gradients; `timeouts`: collective timeouts that name the op
+  and the ranks that did not arrive; `fault_injection`: SIGKILL a rank for restart tests.
+- `hf`: Hugging Face safetensors export/import of Llama weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plait.plugins.checkpoint.checkpointer import (
+        Checkpointer,
+        CheckpointIOConfig,
+        checkpoint_io_config,
+    )
+    from plait.plugins.checkpoint.layout import (
+        ReplicatedLayout,
+        StateLayout,
+        TensorChunk,
+        TensorPieces,
+        flat_range_chunks,
+    )
+    from plait.plugins.checkpoint.storage import CheckpointError
+
+# Resolved on first use: importing the package (e.g. for the timeouts plugin) stays cheap.
+_EXPORTS = {
+    "Checkpointer": "checkpointer",
+    "CheckpointIOConfig": "checkpointer",
+    "checkpoint_io_config": "checkpointer",
+    "CheckpointError": "storage",
+    "ReplicatedLayout": "layout",
+    "StateLayout": "layout",
+    "TensorChunk": "layout",
+    "TensorPieces": "layout",
+    "flat_range_chunks": "layout",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

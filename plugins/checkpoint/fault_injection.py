@@ -1,0 +1,42 @@
+"""Fault injection for restart tests: a rank SIGKILLs itself after a given step.
+
+Registered by the `Checkpointer` only when `[checkpoint_io.fault_injection] kill_after_step` is
+set, so production runs never carry it. A SIGKILL cannot be caught or cleaned up after: it is the
+honest model of a machine or process dying mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from plait.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from plait.core.step import StepReport
+    from plait.plugins.checkpoint.checkpointer import FaultInjectionConfig
+
+
+class FaultInjector:
+    """A plugin object: on `plait_step_end` of the configured step and rank, SIGKILL."""
+
+    def __init__(self, config: FaultInjectionConfig) -> None:
+        self.config = config
+
+    def _armed(self) -> bool:
+        rank = int(os.environ.get("RANK", "0"))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return rank == self.config.rank and not (self.config.only_first_attempt and attempt > 0)
+
+    @hookimpl
+    def plait_step_end(self, report: StepReport) -> None:
+        if report.step + 1 == self.config.kill_after_step and self._armed():
+            print(
+                f"fault injection: rank {self.config.rank} kills itself after step "
+                f"{report.step + 1}",
+                file=sys.stderr,
+                flush=True,
+            )
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,233 @@
+"""What a training checkpoint holds, and how it is gathered from and applied to an engine.
+
+Keys of the flat DCP state dict (every tensor by original FQN and global shape):
+
+    model.<fqn>                      parameter chunks
+    optim.<fqn>.exp_avg / .exp_avg_sq  optimizer state chunks (parameter-shaped)
+    optim.<fqn>.step                 optimizer step count
+    optim.param_groups               hyperparameters per group (lr, betas, eps, weight decay)
+    lr_scheduler                     the scheduler's state_dict
+    sampler                          `TokenBatches.state_dict()` (dp-independent position)
+    train.step                       optimizer steps done
+    rng.rank<r>                      torch CPU/CUDA, Python and NumPy generator states of rank r
+    plugins.rank<r>                  `plait_checkpoint_state(rank=r)` results
+    meta                             world size, degrees, model name and config
+
+Replicated values (every non-`rank<r>` key on a data-parallel job) are written once: DCP's
+global plan deduplicates identical write items across ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+
+from plait.plugins.checkpoint.layout import StateLayout, TensorPieces, layout_for
+from plait.plugins.checkpoint.planner import ChunkedValue, ChunkLoadPlanner, ChunkSavePlanner
+from plait.plugins.checkpoint.storage import CheckpointError
+
+FORMAT = "plait-dcp-1"
+_GROUP_HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay", "momentum")
+
+
+def model_key(fqn: str) -> str:
+    return f"model.{fqn}"
+
+
+def optim_key(fqn: str, entry: str) -> str:
+    return f"optim.{fqn}.{entry}"
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _staged(pieces: TensorPieces, to_cpu: bool) -> TensorPieces:
+    if not to_cpu:
+        return pieces
+    # A copy on the CPU, so training can go on mutating the originals while a thread writes.
+    return TensorPieces(
+        pieces.global_shape,
+        [type(c)(c.offsets, c.tensor.detach().to("cpu", copy=True)) for c in pieces.chunks],
+    )
+
+
+def engine_state_dict(
+    engine: Any, *, batches: Any = None, stage_to_cpu: bool = False
+) -> dict[str, Any]:
+    """The flat state dict of an engine (and its data sampler) for `dcp.save`."""
+    layout = layout_for(engine)
+    rank = engine.mesh.rank
+    state: dict[str, Any] = {}
+    for fqn, pieces in layout.model_pieces().items():
+        pieces.check(fqn)
+        state[model_key(fqn)] = ChunkedValue(_staged(pieces, stage_to_cpu))
+    for fqn, entries in layout.optimizer_pieces().items():
+        for entry, value in entries.items():
+            if isinstance(value, TensorPieces):
+                state[optim_key(fqn, entry)] = ChunkedValue(_staged(value, stage_to_cpu))
+            else:
+                state[optim_key(fqn, entry)] = _plain_step(value)
+    state["optim.param_groups"] = [
+        {k: v for k, v in group.items() if k in _GROUP_HYPERPARAMETERS}
+        for group in engine.optimizer.param_groups
+    ]
+    if engine.lr_scheduler is not None:
+        state["lr_scheduler"] = copy.deepcopy(engine.lr_scheduler.state_dict())
+    if batches is not None:
+        state["sampler"] = dict(batches.state_dict())
+    state["train.step"] = int(engine.step)
+    state[f"rng.rank{rank}"] = rng_state()
+    plugin_state = engine.plugins.checkpoint_state(rank)
+    if plugin_state:
+        state[f"plugins.rank{rank}"] = copy.deepcopy(plugin_state)
+    state["meta"] = {
+        "format": FORMAT,
+        "world_size": engine.mesh.world_size,
+        "degrees": dict(engine.mesh.degrees),
+        "model": engine.config.model.model_dump(mode="json"),
+        "dp_strategy": engine.config.parallel.dp_strategy,
+    }
+    return state
+
+
+def _plain_step(value: Any) -> float | int:
+    if isinstance(value, torch.Tensor):
+        return float(value.item())
+    return value
+
+
+def save_state_dict(state: dict[str, Any], directory: Path, *, process_group: Any) -> None:
+    """Write a flat state dict with DCP (one file per writing rank, fsynced)."""
+    dcp.save(
+        state,
+        storage_writer=dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True),
+        planner=ChunkSavePlanner(),
+        process_group=process_group,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    path: Path
+    step: int
+    model_only: bool
+    notes: tuple[str, ...] = ()
+
+
+def load_engine_state(
+    engine: Any,
+    directory: Path,
+    *,
+    batches: Any = None,
+    process_group: Any = None,
+    model_only: bool = False,
+) -> LoadReport:
+    """Load a checkpoint into a (possibly differently sharded) engine, in place.
+
+    With `model_only`, or when the checkpoint holds weights only (e.g. imported from Hugging
+    Face), the optimizer, scheduler, sampler and step are left as they are.
+    """
+    reader = dcp.FileSystemReader(directory)
+    saved = reader.read_metadata().state_dict_metadata
+    layout = layout_for(engine)
+    rank = engine.mesh.rank
+    state: dict[str, Any] = {}
+    model = layout.model_pieces()
+    missing = [fqn for fqn in model if model_key(fqn) not in saved]
+    if missing:
+        raise CheckpointError(
+            f"{directory} has no weights for {len(missing)} parameter(s) of this model, e.g. "
+            f"{missing[:3]}; it holds {sum(k.startswith('model.') for k in saved)} parameters"
+        )
+    for fqn, pieces in model.items():
+        state[model_key(fqn)] = ChunkedValue(pieces)
+    model_only = model_only or "train.step" not in saved
+    steps: dict[str, Any] = {}
+    if not model_only:
+        for fqn, entries in layout.optimizer_pieces(create=True).items():
+            for entry, value in entries.items():
+                key = optim_key(fqn, entry)
+                if key not in saved:
+                    continue
+                if isinstance(value, TensorPieces):
+                    state[key] = ChunkedValue(value)
+                else:
+                    steps[fqn] = state[key] = None
+        for key in ("optim.param_groups", "lr_scheduler", "sampler", "train.step", "meta"):
+            if key in saved:
+                state[key] = None
+        for prefix in ("rng", "plugins"):
+            own = f"{prefix}.rank{rank}"
+            if own in saved:
+                state[own] = None
+            elif f"{prefix}.rank0" in saved:
+                state[f"{prefix}.rank0"] = None
+    dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=process_group)
+    notes: list[str] = []
+    if model_only:
+        layout.after_load()
+        return LoadReport(directory, int(engine.step), True)
+    _set_optimizer_steps(layout, {fqn: state[optim_key(fqn, "step")] for fqn in steps})
+    layout.after_load()
+    _apply_training_state(engine, state, batches=batches, rank=rank, notes=notes)
+    return LoadReport(directory, int(engine.step), False, tuple(notes))
+
+
+def _set_optimizer_steps(layout: StateLayout, steps: dict[str, Any]) -> None:
+    setter = getattr(layout, "set_step", None)
+    if setter is None:
+        return
+    for fqn, step in steps.items():
+        setter(fqn, step)
+
+
+def _apply_training_state(
+    engine: Any, state: dict[str, Any], *, batches: Any, rank: int, notes: list[str]
+) -> None:
+    groups = state.get("optim.param_groups")
+    if groups is not None and len(groups) == len(engine.optimizer.param_groups):
+        for saved, group in zip(groups, engine.optimizer.param_groups, strict=True):
+            group.update(saved)
+    if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        # The scheduler's state does not include the optimizer's current lr: set it.
+        for group, lr in zip(
+            engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr(), strict=False
+        ):
+            group["lr"] = lr
+    if batches is not None and state.get("sampler") is not None:
+        batches.load_state_dict(state["sampler"])
+    engine.step = int(state["train.step"])
+    rng = state.get(f"rng.rank{rank}")
+    if rng is None and state.get("rng.rank0") is not None:
+        rng = state["rng.rank0"]
+        notes.append(f"no RNG state saved for rank {rank} (a smaller job saved): using rank 0's")
+    if rng is not None:
+        set_rng_state(rng)
+    plugin_state = state.get(f"plugins.rank{rank}", state.get("plugins.rank0"))
+    if plugin_state:
+        for entry in plugin_state if isinstance(plugin_state, list) else [plugin_state]:
+            engine.plugins.load_checkpoint_state(entry)
