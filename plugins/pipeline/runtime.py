@@ -1,0 +1,342 @@
+"""The pipeline runtime: runs a rank's schedule actions on its model chunks over P2P messages.
+
+Execution model (the one `checker.check_schedule` verifies): a rank runs its action list in
+order; a send is an asynchronous `comm.send` issued right after the compute that produced its
+tensor and completed at `SyncGradients`; a receive is posted in list order and waited on before
+the next action (the schedule builder puts receives right before the compute that needs the
+last of them, and a channel delivers in order, so this never waits longer than waiting at the
+compute would). Shapes are known in advance — `[micro_batch, seq, dim]` in the parameters'
+dtype — so no shape is ever exchanged.
+
+A rank's first global stage consumes token ids, its last computes the loss with the engine's
+loss function. Zero-bubble schedules split the backward: the input gradient (`Backward(kind=
+"input")`) runs autograd only towards the stage input and keeps the gradients of the
+intermediate tensors that weights hang off; the weight gradient (`kind="weight"`) finishes from
+those, without replaying the input path — torch's own zero-bubble helpers
+(`torch.distributed.pipelining._backward`) do this graph surgery and are used as they are.
+
+The runtime measures every compute action and every wait for a peer. Waits become `idle` phase
+spans of the step; at `SyncGradients` the pipeline ranks exchange (busy time, first compute
+start, last compute end) and `last_bubble_fraction` is `1 - Σ busy / (P · makespan)`, the same
+definition `timeline.simulate_timeline` uses for the theoretical figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from plait.core.comm import Work
+from plait.core.grad_norm import mark_sharded
+from plait.core.schedule import (
+    Backward,
+    Forward,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+)
+from plait.core.sharding import ParallelRuntime, ShardContext, StepState
+from plait.core.step import PhaseSpan
+from plait.plugins.pipeline.split import StagePlan
+from plait.plugins.pipeline.topology import Layout
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MessageKey = tuple[str, int, int]  # ("activation" | "grad", micro-batch, local chunk)
+# Where the engine collects spans that handlers timed inside their actions.
+EXTRA_SPANS_KEY = "spans"
+
+
+@dataclass
+class _Saved:
+    """What a forward leaves for its backward."""
+
+    stage_input: torch.Tensor
+    output: torch.Tensor  # the scaled loss on the last stage
+    output_grad: torch.Tensor | None = None
+    param_groups: list[dict[str, Any]] | None = None  # from the input-gradient half
+
+
+@dataclass
+class StageTimes:
+    """One rank's measured step: compute time, waits for peers, and the compute window."""
+
+    busy_seconds: float = 0.0
+    recv_wait_seconds: float = 0.0
+    first_start_ns: int = 0
+    last_end_ns: int = 0
+
+    @property
+    def window_seconds(self) -> float:
+        return max(0, self.last_end_ns - self.first_start_ns) / 1e9
+
+    @property
+    def idle_seconds(self) -> float:
+        """Waits for peers plus gaps between actions, inside this rank's compute window."""
+        return max(0.0, self.window_seconds - self.busy_seconds)
+
+
+@dataclass
+class _StepRun:
+    """The state of one optimizer step on this rank."""
+
+    state: StepState
+    saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
+    received: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
+    outgoing: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
+    sends: list[tuple[Work, torch.Tensor]] = field(default_factory=list)
+    idle_spans: list[PhaseSpan] = field(default_factory=list)
+    times: StageTimes = field(default_factory=StageTimes)
+    forwards: int = 0
+    weight_backwards: int = 0
+
+
+class PipelineRuntime(ParallelRuntime):
+    """Forward, backward and P2P handlers for this rank's chunks (by local chunk index)."""
+
+    name = "pipeline"
+
+    def __init__(
+        self,
+        *,
+        chunks: Sequence[nn.Module],
+        plan: StagePlan,
+        context: ShardContext,
+        hidden_dim: int,
+        measure_bubble: bool = True,
+    ) -> None:
+        self.chunks = list(chunks)
+        self.plan = plan
+        self.layout = Layout(plan.num_stages, plan.virtual_stages)
+        self.context = context
+        self.comm = context.comm
+        self.group = context.mesh.group("pp")
+        self.rank = context.mesh.coordinate("pp")
+        self.hidden_dim = hidden_dim
+        self.measure_bubble = measure_bubble
+        self.last_bubble_fraction: float | None = None
+        self.last_stage_times: StageTimes | None = None
+        self._run: _StepRun | None = None
+
+    # -- what the engine hands over ------------------------------------------------------------
+
+    def _other_runtimes(self) -> list[ParallelRuntime]:
+        runtimes = self.context.notes.get("runtimes", ())
+        return [rt for rt in runtimes if rt is not self]
+
+    def _loss_fn(self) -> LossFn:
+        loss_fn = self.context.notes.get("loss_fn")
+        if loss_fn is not None:
+            return loss_fn
+        kernels = self.context.kernels
+
+        def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            ce = kernels.get("softmax_cross_entropy", logits.device, logits.dtype)
+            return ce(logits.flatten(0, -2), targets.flatten())
+
+        return token_cross_entropy
+
+    def _is_first(self, chunk: int) -> bool:
+        return self.layout.global_stage(self.rank, chunk) == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self.layout.global_stage(self.rank, chunk) == self.layout.last_global_stage
+
+    def _activation_dtype(self) -> torch.dtype:
+        for p in self.chunks[0].parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.get_default_dtype()
+
+    # -- ParallelRuntime -----------------------------------------------------------------------
+
+    def action_handlers(self, step: StepState) -> dict[type, Callable[[Any], None]]:
+        # Marked every step: later transforms or materialisation may have replaced the
+        # Parameter objects since the split. One pipeline stage holds each parameter, so the
+        # global gradient norm counts it once across the pp axis.
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                mark_sharded(p, ("pp",))
+        run = _StepRun(state=step)
+        step.outputs.setdefault(EXTRA_SPANS_KEY, [])
+        self._run = run
+        return {
+            Forward: lambda action: self._forward(run, action),
+            Backward: lambda action: self._backward(run, action),
+            SendActivation: lambda action: self._send(run, action, "activation"),
+            SendGrad: lambda action: self._send(run, action, "grad"),
+            RecvActivation: lambda action: self._recv(run, action, "activation"),
+            RecvGrad: lambda action: self._recv(run, action, "grad"),
+        }
+
+    def sync_gradients(self) -> None:
+        run, self._run = self._run, None
+        if run is None:
+            return
+        for work, _ in run.sends:
+            work.wait()
+        run.sends.clear()
+        if run.saved or run.received:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: the step ended with {len(run.saved)} forwards "
+                f"without backward and {len(run.received)} received tensors never used; the "
+                "schedule is not complete"
+            )
+        self.last_stage_times = run.times
+        if self.measure_bubble:
+            self.last_bubble_fraction = self._pipeline_bubble(run.times)
+            for span in run.idle_spans:
+                span.attributes["bubble_fraction"] = self.last_bubble_fraction
+        run.state.outputs[EXTRA_SPANS_KEY].extend(run.idle_spans)
+
+    def _pipeline_bubble(self, times: StageTimes) -> float:
+        """`1 - Σ busy / (P · makespan)` over the pipeline ranks of this rank's replica."""
+        mine = torch.tensor(
+            [times.busy_seconds, times.first_start_ns / 1e9, times.last_end_ns / 1e9],
+            dtype=torch.float64,
+        )
+        every = torch.empty(self.group.size * 3, dtype=torch.float64)
+        self.comm.all_gather(every, mine, group=self.group, purpose="metrics")
+        busy, starts, ends = every.view(-1, 3).unbind(1)
+        makespan = float(ends.max() - starts.min())
+        if makespan <= 0:
+            return 0.0
+        return max(0.0, 1.0 - float(busy.sum()) / (self.group.size * makespan))
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    def _timed(self, run: _StepRun, start_ns: int) -> None:
+        end = time.time_ns()
+        times = run.times
+        times.busy_seconds += (end - start_ns) / 1e9
+        times.first_start_ns = min(times.first_start_ns or start_ns, start_ns)
+        times.last_end_ns = max(times.last_end_ns, end)
+
+    def _forward(self, run: _StepRun, action: Forward) -> None:
+        mb, chunk = action.microbatch, action.chunk
+        for rt in self._other_runtimes():
+            rt.before_forward(
+                microbatch=run.forwards,
+                num_microbatches=run.state.num_microbatches * len(self.chunks),
+            )
+        run.forwards += 1
+        start = time.time_ns()
+        if self._is_first(chunk):
+            stage_input = run.state.inputs[mb]
+        else:
+            stage_input = run.received.pop(("activation", mb, chunk)).requires_grad_()
+        output = self.chunks[chunk](stage_input)
+        if self._is_last(chunk):
+            loss = self._loss_fn()(output, run.state.targets[mb])
+            run.state.losses[mb] = loss.detach()
+            output = loss / run.state.num_microbatches
+            for rt in self._other_runtimes():
+                output = rt.scale_loss(output)
+        else:
+            run.outgoing[("activation", mb, chunk)] = output.detach().to(self._activation_dtype())
+        run.saved[(mb, chunk)] = _Saved(stage_input=stage_input, output=output)
+        self._timed(run, start)
+
+    def _before_weight_gradients(self, run: _StepRun) -> None:
+        """Tell the other runtimes (data parallel) a backward producing weight gradients
+        follows: the k-th of the n·v this rank runs, so the last one enables the reduction."""
+        for rt in self._other_runtimes():
+            rt.before_backward(
+                microbatch=run.weight_backwards,
+                num_microbatches=run.state.num_microbatches * len(self.chunks),
+            )
+        run.weight_backwards += 1
+
+    def _backward(self, run: _StepRun, action: Backward) -> None:
+        mb, chunk = action.microbatch, action.chunk
+        key = (mb, chunk)
+        if action.kind != "weight" and not self._is_last(chunk):
+            run.saved[key].output_grad = run.received.pop(("grad", mb, chunk))
+        if action.kind == "full":
+            self._before_weight_gradients(run)
+            start = time.time_ns()
+            saved = run.saved.pop(key)
+            grads = None if saved.output_grad is None else [saved.output_grad]
+            torch.autograd.backward([saved.output], grads)
+            self._queue_input_grad(run, action, saved.stage_input.grad)
+        elif action.kind == "input":
+            start = time.time_ns()
+            saved = run.saved[key]
+            # The first stage's input is token ids: there is no input gradient to hurry, so its
+            # whole backward runs as the weight half (as torch's zero-bubble stages do).
+            if not self._is_first(chunk):
+                grads = None if saved.output_grad is None else [saved.output_grad]
+                input_grads, saved.param_groups = stage_backward_input(
+                    [saved.output], grads, [saved.stage_input], iter(self._params(chunk))
+                )
+                self._queue_input_grad(run, action, input_grads[0])
+        else:
+            self._before_weight_gradients(run)
+            start = time.time_ns()
+            saved = run.saved.pop(key)
+            if saved.param_groups is not None:
+                stage_backward_weight(iter(self._params(chunk)), saved.param_groups)
+            else:
+                grads = None if saved.output_grad is None else [saved.output_grad]
+                torch.autograd.backward([saved.output], grads)
+        self._timed(run, start)
+
+    def _params(self, chunk: int) -> list[nn.Parameter]:
+        return [p for p in self.chunks[chunk].parameters() if p.requires_grad]
+
+    def _queue_input_grad(self, run: _StepRun, action: Backward, grad: torch.Tensor | None) -> None:
+        if self._is_first(action.chunk):
+            return
+        if grad is None:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: chunk {action.chunk} produced no gradient for its "
+                f"input on micro-batch {action.microbatch}"
+            )
+        key = ("grad", action.microbatch, action.chunk)
+        run.outgoing[key] = grad.detach().to(self._activation_dtype())
+
+    def _send(self, run: _StepRun, action: SendActivation | SendGrad, kind: str) -> None:
+        tensor = run.outgoing.pop((kind, action.microbatch, action.chunk)).contiguous()
+        work = self.comm.send(
+            tensor,
+            dst=self.group.ranks[action.peer_stage],
+            group=self.group,
+            async_op=True,
+            purpose="activation" if kind == "activation" else "activation_grad",
+        )
+        # The tensor must outlive the send: it is released once the send completes.
+        run.sends.append((work, tensor))
+
+    def _recv(self, run: _StepRun, action: RecvActivation | RecvGrad, kind: str) -> None:
+        mb = action.microbatch
+        shape = (*run.state.inputs[mb].shape, self.hidden_dim)
+        device = self.context.device
+        buffer = torch.empty(shape, dtype=self._activation_dtype(), device=device)
+        work = self.comm.recv(
+            buffer,
+            src=self.group.ranks[action.peer_stage],
+            group=self.group,
+            async_op=True,
+            purpose="activation" if kind == "activation" else "activation_grad",
+        )
+        start = time.time_ns()
+        work.wait()
+        end = time.time_ns()
+        run.times.recv_wait_seconds += (end - start) / 1e9
+        run.idle_spans.append(
+            PhaseSpan(
+                name="idle",
+                start_ns=start,
+                end_ns=end,
+                microbatch=mb,
+                chunk=action.chunk,
+                attributes={"waiting_for": kind, "peer_stage": action.peer_stage},
+            )
+        )
+        run.received[(kind, mb, action.chunk)] = buffer

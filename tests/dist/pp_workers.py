@@ -1,0 +1,172 @@
+"""Rank functions for the pipeline tests (module level, so spawned ranks can import them).
+
+Every run trains the built-in Llama for a few steps with SGD that records the gradients it is
+given (after clipping, so the global gradient norm is checked too), keyed by the full model's
+parameter names; several configurations run one after another in one spawn, each with a fresh
+engine on the already-initialised process group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.core.engine import Engine
+from plait.core.errors import PlaitError
+from plait.core.plugins import Plugins
+from plait.plugins.pipeline.runtime import PipelineRuntime
+
+SEQ, VOCAB = 16, 256
+MODEL = dict(dim=32, n_layers=8, n_heads=2, n_kv_heads=1, multiple_of=16, max_seq_len=64)
+LR = 0.05
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of the (reduced, clipped) gradient of every parameter per step."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(list(params), lr=lr)
+        self.seen: list[dict[int, torch.Tensor]] = []
+
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append(
+            {id(p): p.grad.detach().clone() for g in self.param_groups for p in g["params"]}
+        )
+        return super().step(closure)
+
+
+def global_batches(steps: int, global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (global_batch, SEQ + 1), generator=generator)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def full_name(name: str) -> str:
+    """The full model's name of a parameter of a pipeline rank's module."""
+    if name.startswith("chunks."):
+        return name.split(".", 2)[2]
+    return name
+
+
+def _engine(
+    *,
+    schedule: str,
+    pp: int,
+    virtual: int,
+    micro_batch: int,
+    global_batch: int,
+    max_norm: float,
+    tp: int = 1,
+) -> tuple[Engine, RecordingSGD]:
+    optimizers: list[RecordingSGD] = []
+
+    def factory(params: Any) -> torch.optim.Optimizer:
+        optimizers.append(RecordingSGD(params, lr=LR))
+        return optimizers[-1]
+
+    engine = Engine(
+        config={
+            "model": {"name": "llama", "size": "tiny", "overrides": MODEL},
+            "data": {"seq_len": SEQ},
+            "train": {
+                "global_batch_size": global_batch,
+                "micro_batch_size": micro_batch,
+                "max_grad_norm": max_norm,
+                "device": "cpu",
+            },
+            "parallel": {"pp": pp, "tp": tp},
+            "schedule": {"name": schedule, "virtual_stages": virtual},
+            "telemetry": {"enabled": False},
+        },
+        optimizer=factory,
+        plugins=Plugins.create(autoload=False),
+    )
+    return engine, optimizers[0]
+
+
+def train(
+    rank: int,
+    world_size: int,
+    runs: list[dict[str, Any]],
+    steps: int,
+    global_batch: int,
+    max_norm: float = 0.3,
+) -> list[dict[str, Any]]:
+    """Train once per entry of `runs` ({schedule, pp, virtual}); return per-run records."""
+    del rank, world_size
+    results = []
+    for run in runs:
+        engine, optimizer = _engine(
+            schedule=run["schedule"],
+            pp=run["pp"],
+            virtual=run.get("virtual", 1),
+            micro_batch=1,
+            global_batch=global_batch,
+            max_norm=max_norm,
+            tp=run.get("tp", 1),
+        )
+        names = {id(p): full_name(n) for n, p in engine.module.named_parameters()}
+        dp_size, dp_rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+        losses, norms, bubbles, idle_spans = [], [], [], 0
+        for inputs, targets in global_batches(steps, global_batch):
+            share = global_batch // dp_size
+            rows = slice(dp_rank * share, (dp_rank + 1) * share)
+            losses.append(engine.train_step((inputs[rows], targets[rows])))
+            norms.append(engine.last_report.grad_norm)
+            idle_spans += sum(1 for s in engine.last_report.spans if s.name == "idle")
+            pipeline_runtime = next(
+                (rt for rt in engine.runtimes if isinstance(rt, PipelineRuntime)), None
+            )
+            if pipeline_runtime is not None:
+                bubbles.append(pipeline_runtime.last_bubble_fraction)
+        grads = [{names[i]: g for i, g in step.items()} for step in optimizer.seen]
+        plan = engine.context.notes.get("pipeline_plan")
+        results.append(
+            {
+                **run,
+                "losses": losses,
+                "grad_norms": norms,
+                "grads": grads,
+                "bubbles": bubbles,
+                "idle_spans": idle_spans,
+                "plan": None if plan is None else [c.layers for c in plan.chunks],
+                "num_params": sum(p.numel() for p in engine.module.parameters()),
+            }
+        )
+        engine.close()
+    return results
+
+
+def errors(rank: int, world_size: int) -> dict[str, str]:
+    """The errors a 2-stage pipeline raises for too few micro-batches and too few layers."""
+    del rank, world_size
+    found = {}
+    engine, _ = _engine(
+        schedule="1f1b", pp=2, virtual=1, micro_batch=1, global_batch=1, max_norm=0.0
+    )
+    ((inputs, targets),) = global_batches(1, 1)
+    try:
+        engine.train_step((inputs, targets))
+    except PlaitError as exc:
+        found["microbatches"] = str(exc)
+    try:
+        _engine(
+            schedule="interleaved_1f1b",
+            pp=2,
+            virtual=8,
+            micro_batch=1,
+            global_batch=4,
+            max_norm=0.0,
+        )
+    except PlaitError as exc:
+        found["layers"] = str(exc)
+    return found
+
+
+def parameter_names(module: nn.Module) -> list[str]:
+    return [full_name(n) for n, _ in module.named_parameters()]
