@@ -115,9 +115,6 @@ class Engine:
         # A runtime that runs the compute itself (pipeline stages) needs the loss and the other
         # runtimes' step callbacks.
         self.context.notes.update(loss_fn=self.loss_fn, runtimes=tuple(self.runtimes))
-        # A runtime that runs the compute itself (pipeline stages) needs the loss and the other
-        # runtimes' step callbacks.
-        self.context.notes.update(loss_fn=self.loss_fn, runtimes=tuple(self.runtimes))
         self.optimizer = self._build_optimizer(optimizer)
         self.lr_scheduler = (
             torch.optim.lr_scheduler.LambdaLR(
@@ -352,8 +349,6 @@ class Engine:
         state = StepState(inputs=inputs, targets=targets, losses=[None] * n, num_microbatches=n)
         lr = self.optimizer.param_groups[0]["lr"]
         spans = Executor(self._handlers(state)).run(self.actions(n))
-        # Spans a runtime timed inside its actions (a pipeline stage's waits for a peer: "idle").
-        spans = sorted([*spans, *state.outputs.pop("spans", ())], key=lambda s: s.start_ns)
         # Spans a runtime timed inside its actions (a pipeline stage's waits for a peer: "idle").
         spans = sorted([*spans, *state.outputs.pop("spans", ())], key=lambda s: s.start_ns)
         loss = self._mean_loss(state)
