@@ -47,7 +47,17 @@ _EXPORTS = {
     "TensorPieces": "layout",
     "flat_range_chunks": "layout",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CheckpointError",
+    "CheckpointIOConfig",
+    "Checkpointer",
+    "ReplicatedLayout",
+    "StateLayout",
+    "TensorChunk",
+    "TensorPieces",
+    "checkpoint_io_config",
+    "flat_range_chunks",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -68,7 +68,8 @@ class TensorPieces:
         for chunk in self.chunks:
             shape = chunk.tensor.shape
             if len(chunk.offsets) != len(self.global_shape) or any(
-                o < 0 or o + s > g for o, s, g in zip(chunk.offsets, shape, self.global_shape)
+                o < 0 or o + s > g
+                for o, s, g in zip(chunk.offsets, shape, self.global_shape, strict=True)
             ):
                 raise ValueError(
                     f"{name}: chunk at offsets {chunk.offsets} with shape {tuple(shape)} does not "
@@ -95,7 +96,10 @@ def flat_range_chunks(
         return []
     if not shape:
         return [TensorChunk((), flat.view(()))]
-    return [TensorChunk(o, flat[a - start : b - start].view(s)) for o, s, a, b in _ranges(shape, start, end)]
+    return [
+        TensorChunk(o, flat[a - start : b - start].view(s))
+        for o, s, a, b in _ranges(shape, start, end)
+    ]
 
 
 def _ranges(

@@ -59,9 +59,13 @@ class ChunkedValue:
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         chunks = self.pieces.chunks
-        if index.index is not None and index.index < len(chunks):
-            if torch.Size(chunks[index.index].offsets) == index.offset:
-                return chunks[index.index].tensor
+        hint = index.index
+        if (
+            hint is not None
+            and hint < len(chunks)
+            and torch.Size(chunks[hint].offsets) == index.offset
+        ):
+            return chunks[hint].tensor
         for chunk in chunks:
             if torch.Size(chunk.offsets) == index.offset:
                 return chunk.tensor

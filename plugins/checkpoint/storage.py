@@ -188,7 +188,9 @@ def resolve_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"{path} is neither a checkpoint nor a directory holding checkpoints")
 
 
-def find_latest_complete(root: Path, *, checksums: bool = True) -> tuple[Path | None, list[Verdict]]:
+def find_latest_complete(
+    root: Path, *, checksums: bool = True
+) -> tuple[Path | None, list[Verdict]]:
     """The newest checkpoint under `root` that verifies, and the verdicts on those that did not.
 
     Step directories are tried from the newest down: one published just before a crash, before
