@@ -7,6 +7,7 @@ start-up cost of its ranks once for every stage.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 import plait
 from plait.core.engine import Engine
+from plait.core.hookspecs import hookimpl
 from plait.core.plugins import Plugins
 from plait.plugins import zero
 
@@ -79,8 +81,24 @@ def _config(run: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _plugins() -> Plugins:
-    return Plugins.create(autoload=False, extra=[("zero", zero)])
+class IssueRecorder:
+    """Records when each collective is issued (wall-clock ns), by purpose."""
+
+    def __init__(self) -> None:
+        self.issued: list[tuple[str, int]] = []
+
+    @hookimpl(wrapper=True)
+    def plait_communicate(self, request: Any) -> Any:
+        self.issued.append((request.purpose, time.time_ns()))
+        return (yield)
+
+
+def _issued_during(recorder: IssueRecorder, engine: Engine, purpose: str, phase: str) -> int:
+    """How many `purpose` collectives of the last step were issued while `phase` was running."""
+    spans = [s for s in engine.last_report.spans if s.name == phase]
+    return sum(
+        any(s.start_ns <= t < s.end_ns for s in spans) for p, t in recorder.issued if p == purpose
+    )
 
 
 def _named_optimizer_state(engine: Engine) -> dict[str, dict[str, Any]]:
@@ -107,16 +125,19 @@ def _wipe_and_reload(engine: Engine) -> None:
 def train_one(rank: int, world_size: int, run: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     config = _config(run)
+    recorder = IssueRecorder()
+    plugins = Plugins.create(autoload=False, extra=[("zero", zero), ("recorder", recorder)])
     if run.get("builtin"):
-        engine = Engine(config=config, plugins=_plugins())
+        engine = Engine(config=config, plugins=plugins)
     else:
-        engine = plait.initialize(OddLM(), config=config, plugins=_plugins())
+        engine = plait.initialize(OddLM(), config=config, plugins=plugins)
     num_params = sum(p.numel() for p in engine.module.parameters())
     share = GLOBAL_BATCH // world_size
     losses, norms = [], []
     for step, (inputs, targets) in enumerate(global_batches(STEPS, GLOBAL_BATCH)):
         if step == STEPS - 1 and run["strategy"].startswith("zero"):
             _wipe_and_reload(engine)
+        recorder.issued.clear()
         local = (
             inputs[rank * share : (rank + 1) * share],
             targets[rank * share : (rank + 1) * share],
@@ -131,6 +152,9 @@ def train_one(rank: int, world_size: int, run: dict[str, Any]) -> dict[str, Any]
         "memory": engine.memory_report(),
         "num_params": num_params,
         "exp_avg": exp_avg,
+        "reductions_in_backward": _issued_during(recorder, engine, "grad_bucket", "backward"),
+        "gathers_in_forward": _issued_during(recorder, engine, "param_gather", "forward"),
+        "gathers_in_backward": _issued_during(recorder, engine, "param_gather", "backward"),
     }
 
 
