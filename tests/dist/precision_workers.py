@@ -90,6 +90,7 @@ def train_losses(
             "param_dtype": str(param.dtype),
             "grad_dtype": str(param.grad.dtype) if param.grad is not None else None,
             "memory": engine.memory_report(),
+            "checkpointed": engine.context.notes.get("activation_checkpointing", {}).get("wrapped"),
             "reduce_casts": getattr(
                 engine.context.notes.get("precision.reduce_cast"), "casts", None
             ),

@@ -19,11 +19,14 @@ WINDOW = 5  # losses are compared as means over the first / last WINDOW steps (o
 LOSS_MARGIN = 0.05
 MIN_PROGRESS = 0.5
 
-# The bf16 run also checkpoints its blocks (selective) and all-reduces gradients in fp32.
 RUNS = {
     "fp32": None,
+    # bf16 parameters and gradients, fp32 masters; blocks checkpointed (selective).
+    "bf16+ac": {"dtype": "bf16"},
+    # fp16 parameters and gradients, fp32 masters, dynamic loss scaling.
     "fp16": {"dtype": "fp16"},
-    "bf16+fp32-reduce+ac": {"dtype": "bf16", "reduce_dtype": "fp32"},
+    # fp32 parameters under autocast; gradients all-reduced in bf16.
+    "bf16-autocast": {"dtype": "bf16", "param_dtype": "fp32", "reduce_dtype": "bf16"},
 }
 
 
@@ -35,21 +38,27 @@ def test_bf16_and_fp16_converge_like_fp32() -> None:
     fp32 = rank0["fp32"]["losses"]
     fp32_final = _mean(fp32[-WINDOW:])
     assert _mean(fp32[:WINDOW]) - fp32_final > MIN_PROGRESS, f"fp32 did not learn: {fp32}"
-    for name in ("fp16", "bf16+fp32-reduce+ac"):
+    for name in ("bf16+ac", "fp16", "bf16-autocast"):
         run = rank0[name]
         assert all(math.isfinite(x) for x in run["losses"]), f"{name}: {run['losses']}"
         final = _mean(run["losses"][-WINDOW:])
         assert abs(final - fp32_final) < LOSS_MARGIN, (
             f"{name}: final mean loss {final:.4f} vs fp32 {fp32_final:.4f}"
         )
-        # Low-precision parameters and gradients in the module, fp32 masters in the optimizer.
-        want = "torch.bfloat16" if name.startswith("bf16") else "torch.float16"
-        assert run["param_dtype"] == run["grad_dtype"] == want
-        memory = run["memory"]
-        assert memory["master_weights"] == 2 * memory["parameters"]
-    # The bf16 gradients of that run were all-reduced in fp32 by the precision plugin.
-    assert rank0["bf16+fp32-reduce+ac"]["reduce_casts"] > 0
-    assert rank0["fp16"]["reduce_casts"] is None
+    # Low-precision parameters and gradients in the module, fp32 masters in the optimizer.
+    for name, dtype in (("bf16+ac", "torch.bfloat16"), ("fp16", "torch.float16")):
+        run = rank0[name]
+        assert run["param_dtype"] == run["grad_dtype"] == dtype
+        assert run["memory"]["master_weights"] == 2 * run["memory"]["parameters"]
+        assert run["reduce_casts"] is None  # reduced in the gradients' own dtype
+    assert rank0["bf16+ac"]["checkpointed"] == ["0", "1"]
+    assert rank0["fp16"]["checkpointed"] is None
+    # Autocast keeps fp32 parameters (no masters); its gradients went over the wire in bf16.
+    autocast = rank0["bf16-autocast"]
+    assert autocast["param_dtype"] == autocast["grad_dtype"] == "torch.float32"
+    assert "master_weights" not in autocast["memory"]
+    assert autocast["reduce_casts"] > 0
+    assert autocast["losses"] != fp32, "autocast must change the arithmetic"
 
 
 def _mean(values: list[float]) -> float:
