@@ -13,6 +13,15 @@ The daemon's MFU divides model FLOP/s by the peak this module puts in the resour
 
 A daemon that cannot be reached is not an error: `RankTelemetry.start` warns once and returns
 `None`, and export failures later in the run are reported once, not on every batch.
+
+A daemon bound beyond loopback requires TLS and a bearer token: ranks and the CLI read them
+from `$PLAIT_DAEMON_TOKEN` and `$PLAIT_DAEMON_CA_CERT` (plus `$PLAIT_DAEMON_CLIENT_CERT` and
+`$PLAIT_DAEMON_CLIENT_KEY` for mutual TLS); see `DaemonClientAuth`.
+
+Besides the step metrics, a rank publishes a comm *heartbeat* every `HEARTBEAT_INTERVAL_MS`
+through its own small metric reader: the collectives it has entered but not finished and the
+last sequence number it issued per group. The daemon's hang detector compares them across
+ranks (`plait.daemon.hangs`); the training thread only updates a dict per op.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -86,6 +96,19 @@ ATTR_COMM_PEER = "plait.comm.peer"
 ATTR_COMM_ASYNC = "plait.comm.async"
 STEP_SPAN_NAME = "step"
 
+# Comm heartbeat gauges (see `plait.daemon.hangs`).
+METRIC_COMM_HEARTBEAT = "plait.comm.heartbeat"
+METRIC_COMM_INFLIGHT = "plait.comm.inflight"
+METRIC_COMM_ENTERED = "plait.comm.entered"
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_ENV = "PLAIT_HEARTBEAT_INTERVAL_MS"
+
+# Client credentials for a daemon that requires TLS and a token.
+TOKEN_ENV = "PLAIT_DAEMON_TOKEN"
+CA_CERT_ENV = "PLAIT_DAEMON_CA_CERT"
+CLIENT_CERT_ENV = "PLAIT_DAEMON_CLIENT_CERT"
+CLIENT_KEY_ENV = "PLAIT_DAEMON_CLIENT_KEY"
+
 # Export settings: short timeouts so a vanished daemon costs a background thread a couple of
 # seconds, never the training loop.
 EXPORT_TIMEOUT_SECONDS = 2.0
@@ -96,6 +119,19 @@ METRIC_INTERVAL_MS = 5000
 CONNECT_TIMEOUT_SECONDS = 1.0
 
 logger = logging.getLogger(__name__)
+
+GroupId = tuple[str, tuple[int, ...]]  # (group name, global ranks)
+
+
+class InflightComm(Protocol):
+    """What the heartbeat reports of an op in flight (the telemetry plugin's `CommRecord`)."""
+
+    op: str
+    group_name: str
+    group_ranks: tuple[int, ...]
+    seq: int
+    purpose: str
+    start_ns: int
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,9 +318,80 @@ def resolve_daemon_address(configured: str = "") -> str:
     return configured or os.environ.get(DAEMON_ENV, "") or DEFAULT_DAEMON_ADDRESS
 
 
-def daemon_reachable(address: str, timeout: float = CONNECT_TIMEOUT_SECONDS) -> bool:
+@dataclass(frozen=True, slots=True)
+class DaemonClientAuth:
+    """How a client (rank or CLI) talks to a daemon: TLS roots, client certificate, token."""
+
+    token: str = ""
+    ca_cert: bytes | None = None
+    client_cert: bytes | None = None
+    client_key: bytes | None = None
+
+    @classmethod
+    def from_env(cls) -> DaemonClientAuth:
+        def read(variable: str) -> bytes | None:
+            path = os.environ.get(variable, "")
+            return Path(path).read_bytes() if path else None
+
+        return cls(
+            token=os.environ.get(TOKEN_ENV, ""),
+            ca_cert=read(CA_CERT_ENV),
+            client_cert=read(CLIENT_CERT_ENV),
+            client_key=read(CLIENT_KEY_ENV),
+        )
+
+    @property
+    def tls(self) -> bool:
+        return self.ca_cert is not None
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_cert,
+            private_key=self.client_key,
+            certificate_chain=self.client_cert,
+        )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A channel to `address` that sends the token with every call."""
+        credentials = self.credentials()
+        if credentials is None:
+            channel = grpc.insecure_channel(address, options=list(options))
+        else:
+            channel = grpc.secure_channel(address, credentials, options=list(options))
+        if self.token:
+            channel = grpc.intercept_channel(channel, _TokenClientInterceptor(self.metadata()))
+        return channel
+
+
+class _TokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _with_token(self, details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), *self._metadata])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+
+def daemon_reachable(
+    address: str,
+    timeout: float = CONNECT_TIMEOUT_SECONDS,
+    auth: DaemonClientAuth | None = None,
+) -> bool:
     """True when a gRPC server accepts a connection at `address` within `timeout` seconds."""
-    channel = grpc.insecure_channel(address)
+    channel = (auth or DaemonClientAuth()).channel(address)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)
         return True
@@ -325,8 +432,22 @@ def resource_attributes(info: JobInfo, peak: PeakFlops) -> dict[str, Any]:
 class RankTelemetry:
     """One rank's tracer and meter, exporting over OTLP/gRPC to the daemon at `address`."""
 
-    def __init__(self, info: JobInfo, address: str, peak: PeakFlops) -> None:
+    def __init__(
+        self,
+        info: JobInfo,
+        address: str,
+        peak: PeakFlops,
+        auth: DaemonClientAuth | None = None,
+    ) -> None:
         self.info, self.address, self.peak = info, address, peak
+        self.auth = auth or DaemonClientAuth()
+        exporter_auth: dict[str, Any] = {"insecure": not self.auth.tls}
+        if self.auth.tls:
+            exporter_auth["credentials"] = self.auth.credentials()
+        if self.auth.token:
+            exporter_auth["headers"] = dict(self.auth.metadata())
+        self._exporter_auth = exporter_auth
+        self._heartbeat_provider: MeterProvider | None = None
         self.resource = Resource.create(resource_attributes(info, peak))
         warn = _WarnOnce(address)
         self._log_filter = _DropEndpointLogs(address)
@@ -335,7 +456,7 @@ class RankTelemetry:
         )
         self.tracer_provider = TracerProvider(resource=self.resource)
         span_exporter = OTLPSpanExporter(
-            endpoint=address, insecure=True, timeout=EXPORT_TIMEOUT_SECONDS
+            endpoint=address, timeout=EXPORT_TIMEOUT_SECONDS, **exporter_auth
         )
         self.tracer_provider.add_span_processor(
             BatchSpanProcessor(
@@ -347,8 +468,9 @@ class RankTelemetry:
             )
         )
         metric_exporter = OTLPMetricExporter(
-            endpoint=address, insecure=True, timeout=EXPORT_TIMEOUT_SECONDS
+            endpoint=address, timeout=EXPORT_TIMEOUT_SECONDS, **exporter_auth
         )
+        self._warn = warn
         self.metric_reader = PeriodicExportingMetricReader(
             _QuietMetricExporter(metric_exporter, warn),
             export_interval_millis=float(
@@ -390,10 +512,66 @@ class RankTelemetry:
 
         return [Observation(torch.cuda.memory_allocated(self.info.device))]
 
+    def start_heartbeat(
+        self, source: Callable[[], tuple[Sequence[InflightComm], Mapping[GroupId, int]]]
+    ) -> None:
+        """Publish `source()` (ops in flight, last seq per group) every heartbeat interval.
+
+        A separate provider and reader, so the heartbeat's short interval does not make the
+        step metrics export more often; `source` runs on the reader's thread.
+        """
+        if self._heartbeat_provider is not None:
+            return
+        from plait import __version__
+
+        exporter = OTLPMetricExporter(
+            endpoint=self.address, timeout=EXPORT_TIMEOUT_SECONDS, **self._exporter_auth
+        )
+        reader = PeriodicExportingMetricReader(
+            _QuietMetricExporter(exporter, self._warn),
+            export_interval_millis=float(os.environ.get(HEARTBEAT_ENV, HEARTBEAT_INTERVAL_MS)),
+            export_timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000,
+        )
+        provider = MeterProvider(resource=self.resource, metric_readers=[reader])
+        meter = provider.get_meter(INSTRUMENTATION_NAME + ".heartbeat", __version__)
+        snapshot: dict[str, Any] = {}
+
+        def observe_heartbeat(options: CallbackOptions) -> list[Observation]:
+            # One snapshot per collection serves all three gauges (heartbeat runs first).
+            snapshot["inflight"], snapshot["entered"] = source()
+            return [Observation(time.time())]
+
+        def observe_inflight(options: CallbackOptions) -> list[Observation]:
+            return [
+                Observation(
+                    op.start_ns / 1e9,
+                    {
+                        ATTR_COMM_GROUP: op.group_name,
+                        ATTR_COMM_GROUP_RANKS: list(op.group_ranks),
+                        ATTR_COMM_OP: op.op,
+                        ATTR_COMM_SEQ: op.seq,
+                        ATTR_COMM_PURPOSE: op.purpose,
+                    },
+                )
+                for op in snapshot.get("inflight", ())
+            ]
+
+        def observe_entered(options: CallbackOptions) -> list[Observation]:
+            return [
+                Observation(seq, {ATTR_COMM_GROUP: name, ATTR_COMM_GROUP_RANKS: list(ranks)})
+                for (name, ranks), seq in snapshot.get("entered", {}).items()
+            ]
+
+        meter.create_observable_gauge(METRIC_COMM_HEARTBEAT, callbacks=[observe_heartbeat])
+        meter.create_observable_gauge(METRIC_COMM_INFLIGHT, callbacks=[observe_inflight])
+        meter.create_observable_gauge(METRIC_COMM_ENTERED, callbacks=[observe_entered])
+        self._heartbeat_provider = provider
+
     @classmethod
     def start(cls, info: JobInfo, address: str) -> RankTelemetry | None:
         """Providers for this rank, or `None` (after one warning) if the daemon is unreachable."""
-        if not daemon_reachable(address):
+        auth = DaemonClientAuth.from_env()
+        if not daemon_reachable(address, auth=auth):
             logger.warning(
                 "plait telemetry: no daemon reachable at %s (start one with `plait daemon`, or "
                 "set telemetry.daemon / $%s); training continues without telemetry",
@@ -402,7 +580,7 @@ class RankTelemetry:
             )
             return None
         peak = peak_flops_for(info.device, info.device_name, info.compute_dtype)
-        return cls(info, address, peak)
+        return cls(info, address, peak, auth)
 
     def flush(self, timeout_seconds: float = EXPORT_TIMEOUT_SECONDS) -> None:
         """Send everything buffered now (the daemon sees a run's last steps before it exits)."""
@@ -412,6 +590,8 @@ class RankTelemetry:
 
     def shutdown(self) -> None:
         try:
+            if self._heartbeat_provider is not None:
+                self._heartbeat_provider.shutdown(timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000)
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000)
         finally:

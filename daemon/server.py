@@ -1,6 +1,9 @@
 """The per-node daemon: one gRPC server with the OTLP receivers, `plait.v1`, health, reflection.
 
-Bound to loopback by default. `DaemonServer.stop` shuts down the way load balancers and
+Bound to loopback by default; any other address needs TLS and a token unless `insecure`
+(`plait.daemon.security`). Around the server: the host and NVML collectors, the hang monitor
+(logs each new hang and sends it upstream as an OpenTelemetry event), and the optional OTLP
+upstream and Prometheus exporters. `DaemonServer.stop` shuts down the way load balancers and
 orchestrators expect: the health service reports NOT_SERVING first, then the server stops
 accepting calls and gives in-flight ones `grace` seconds, then the collectors stop.
 """
@@ -20,15 +23,21 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS
+from plait.daemon.exporters import OtlpUpstream, PrometheusExporter
+from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang
 from plait.daemon.host import HostCollector
-from plait.daemon.otlp import add_receivers
-from plait.daemon.service import DaemonService
+from plait.daemon.nvml import NvmlCollector
+from plait.daemon.otlp import DEFAULT_INGEST_CAPACITY, IngestLimiter, add_receivers
+from plait.daemon.security import CallCounters, CallGuard, SecurityConfig
+from plait.daemon.service import DaemonExtras, DaemonService, daemon_points
 from plait.daemon.store import DEFAULT_WINDOW_SPANS, DEFAULT_WINDOW_STEPS, TelemetryStore
+from plait.daemon.stragglers import DEFAULT_THRESHOLD
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+HANG_CHECK_SECONDS = 1.0
 DAEMON_SERVICE = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
 SERVICE_NAMES = (
     DAEMON_SERVICE,
@@ -49,30 +58,93 @@ class DaemonServer:
         reflection_enabled: bool = True,
         host_interval: float = 1.0,
         max_workers: int = 64,
+        security: SecurityConfig | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        ingest_capacity: int = DEFAULT_INGEST_CAPACITY,
+        max_streams: int | None = None,
+        hang_timeout: float = DEFAULT_HANG_TIMEOUT_SECONDS,
+        straggler_threshold: float = DEFAULT_THRESHOLD,
+        otlp_endpoint: str | None = None,
+        otlp_insecure: bool | None = None,
+        prometheus: str | None = None,
+        nvml: NvmlCollector | None = None,
+        gpu_interval: float = 1.0,
     ) -> None:
+        """`otlp_endpoint` "" forwards to `$OTEL_EXPORTER_OTLP_ENDPOINT`; None: no upstream.
+
+        `prometheus` is "host:port" for `/metrics` (None: not served). Raises `SecurityError`
+        for a non-loopback bind without TLS and a token (unless `security.insecure`).
+        """
         self.bind = bind
+        self.security = security or SecurityConfig()
+        self.security.check_bind(bind)
+        if prometheus is not None:
+            self.security.check_bind(prometheus)
         self.store = TelemetryStore(window_steps=window_steps, window_spans=window_spans)
         self.host = HostCollector(self.store.local_pids, interval=host_interval)
+        self.nvml = nvml if nvml is not None else NvmlCollector(interval=gpu_interval)
         self.stopping = threading.Event()
+        self.counters = CallCounters()
+        # Long-lived calls hold a worker thread each; keep a quarter for receivers and queries.
+        streams = max_streams if max_streams is not None else max(1, max_workers * 3 // 4)
+        self.guard = CallGuard(self.security.token, max_long_lived=streams, counters=self.counters)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="plait-daemon"),
+            interceptors=[self.guard],
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max(max_message_bytes, MAX_MESSAGE_BYTES)),
                 ("grpc.so_reuseport", 0),
             ],
         )
+        credentials = self.security.server_credentials()
         try:
-            self.port = self.server.add_insecure_port(bind)
+            if credentials is None:
+                self.port = self.server.add_insecure_port(bind)
+            else:
+                self.port = self.server.add_secure_port(bind, credentials)
         except RuntimeError as exc:  # grpc reports a failed bind this way
             raise OSError(f"the daemon could not bind {bind!r} (address in use?)") from exc
         host_part = bind.rsplit(":", 1)[0]
         self.address = f"{host_part}:{self.port}"
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        add_receivers(self.server, self.store)
+        self.extras = DaemonExtras(
+            nvml=self.nvml,
+            counters=self.counters,
+            ingest_capacity=ingest_capacity,
+            hang_timeout_seconds=hang_timeout,
+            straggler_threshold=straggler_threshold,
+        )
         self.service = DaemonService(
-            self.store, self.host, bind_address=self.address, stopping=self.stopping
+            self.store,
+            self.host,
+            bind_address=self.address,
+            stopping=self.stopping,
+            extras=self.extras,
+        )
+        self.upstream: OtlpUpstream | None = None
+        if otlp_endpoint is not None:
+            self.upstream = OtlpUpstream(
+                lambda: daemon_points(self.service),
+                endpoint=otlp_endpoint,
+                insecure=otlp_insecure,
+                hostname=self.host.hostname,
+            )
+            self.extras.exporters.append(self.upstream.describe())
+            self.extras.exporter_drops = lambda: self.upstream.dropped if self.upstream else 0
+        add_receivers(
+            self.server,
+            self.store,
+            limiter=IngestLimiter(ingest_capacity),
+            forward_spans=self.upstream.forward_spans if self.upstream else None,
+            forward_metrics=self.upstream.forward_metrics if self.upstream else None,
+        )
+        self.prometheus_address = prometheus
+        self.prometheus: PrometheusExporter | None = None
+        self.reported_hangs: dict[tuple[str, str, tuple[int, ...], int], Hang] = {}
+        self._hang_thread = threading.Thread(
+            target=self._watch_hangs, name="plait-hang-monitor", daemon=True
         )
         daemon_pb2_grpc.add_DaemonServicer_to_server(self.service, self.server)
         if reflection_enabled:
@@ -81,8 +153,21 @@ class DaemonServer:
             )
 
     def start(self) -> DaemonServer:
+        if self.prometheus_address is not None:
+            tls = self.security
+            self.prometheus = PrometheusExporter(
+                lambda: daemon_points(self.service),
+                self.prometheus_address,
+                certfile=str(tls.tls_cert) if tls.tls_cert else None,
+                keyfile=str(tls.tls_key) if tls.tls_key else None,
+            )
+            self.extras.exporters.append(self.prometheus.describe())
+        if self.upstream is not None:
+            self.upstream.start()
         self.server.start()
         self.host.start()
+        self.nvml.start()
+        self._hang_thread.start()
         for name in ("", *SERVICE_NAMES):  # "" is the whole server
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("plait daemon listening on %s", self.address)
@@ -94,6 +179,24 @@ class DaemonServer:
         self.stopping.set()  # ends StreamMetrics and CaptureTrace waits promptly
         self.server.stop(grace).wait()
         self.host.stop()
+        self.nvml.stop()
+        if self._hang_thread.is_alive():
+            self._hang_thread.join(timeout=HANG_CHECK_SECONDS + 1)
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        if self.upstream is not None:
+            self.upstream.stop()
+
+    def _watch_hangs(self) -> None:
+        """Report each new hang once (log + OpenTelemetry event); forget it when it clears."""
+        while not self.stopping.wait(HANG_CHECK_SECONDS):
+            current = {hang.key: hang for hang in self.service.hangs()}
+            for key, hang in current.items():
+                if key not in self.reported_hangs:
+                    logger.warning("collective hang: %s", hang.describe())
+                    if self.upstream is not None:
+                        self.upstream.hang_event(hang)
+            self.reported_hangs = current
 
     def wait(self) -> None:
         self.server.wait_for_termination()

@@ -1,18 +1,30 @@
-"""The `plait.v1.Daemon` gRPC service: ranks, rolling-window metrics and MFU, trace capture."""
+"""The `plait.v1.Daemon` gRPC service: ranks, metrics and MFU, bottlenecks, hangs, traces.
+
+Also builds the flat list of figures (`DaemonPoint`s) the OTLP and Prometheus exporters publish,
+so an RPC, a scrape and an upstream export report the same numbers.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
 from plait import __version__
 from plait.daemon import mfu
+from plait.daemon.bottleneck import CLASSES, RankBreakdown, RankContext, advice, job_dominant
+from plait.daemon.bottleneck import rank_breakdown as summarise_steps
 from plait.daemon.chrome_trace import chrome_trace_json
+from plait.daemon.exporters import DaemonPoint
+from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang, find_hangs
 from plait.daemon.host import HostCollector, HostSample
+from plait.daemon.nvml import NvmlCollector, metric_points
+from plait.daemon.security import CallCounters
 from plait.daemon.store import RankWindow, TelemetryStore
+from plait.daemon.stragglers import DEFAULT_THRESHOLD, RankTiming, StragglerScore, score_ranks
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc, metrics_pb2
 
 DEFAULT_METRICS_WINDOW_STEPS = 20
@@ -45,8 +57,19 @@ def rank_info(window: RankWindow) -> metrics_pb2.RankInfo:
     )
 
 
+def device_index(device: str) -> int | None:
+    """ "cuda:3" -> 3 (NVML and CUDA agree on indices with CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        return int(index) if index.isdigit() else 0
+    return None
+
+
 def rank_metrics(
-    window: RankWindow, window_steps: int, host: HostSample
+    window: RankWindow,
+    window_steps: int,
+    host: HostSample,
+    gpu_utilization: dict[int, float] | None = None,
 ) -> metrics_pb2.RankMetrics:
     identity = window.identity
     steps = window.last_steps(window_steps)
@@ -54,6 +77,8 @@ def rank_metrics(
     comm = sum(window.comm_seconds(s.step) for s in steps) / len(steps) if steps else 0.0
     process = host.processes.get(identity.key)
     last = steps[-1] if steps else None
+    index = device_index(identity.device) if identity.host == host.hostname else None
+    utilization = (gpu_utilization or {}).get(index, -1.0) if index is not None else -1.0
     return metrics_pb2.RankMetrics(
         job_id=identity.job_id,
         rank=identity.rank,
@@ -72,7 +97,7 @@ def rank_metrics(
         cpu_percent=process.cpu_percent if process else -1.0,
         memory_rss_bytes=process.rss_bytes if process else -1,
         device_memory_bytes=int(window.metrics.get("plait.device.memory.used", -1)),
-        device_utilization=-1.0,
+        device_utilization=utilization,
         otel_metrics=window.metrics,
     )
 
@@ -112,6 +137,126 @@ def host_metrics(sample: HostSample) -> metrics_pb2.HostMetrics:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RankAnalysis:
+    """One rank's bottleneck breakdown over a window, with what advice and scoring need."""
+
+    window_identity: tuple[str, int, str]  # job, rank, host
+    breakdown: RankBreakdown
+    context: RankContext
+
+
+def analyse(windows: list[RankWindow], window_steps: int) -> list[RankAnalysis]:
+    """Breakdowns of `windows`; call with the store's lock held."""
+    return [
+        RankAnalysis(
+            window_identity=(w.identity.job_id, w.identity.rank, w.identity.host),
+            breakdown=summarise_steps(w.breakdowns(window_steps)),
+            context=RankContext(
+                degrees=w.identity.degrees, comm_bytes_by_purpose=w.comm_volume(window_steps)
+            ),
+        )
+        for w in windows
+    ]
+
+
+def straggler_scores(analyses: list[RankAnalysis], threshold: float) -> list[StragglerScore]:
+    return score_ranks(
+        (
+            RankTiming(
+                job_id=a.window_identity[0],
+                rank=a.window_identity[1],
+                host=a.window_identity[2],
+                steps=a.breakdown.steps,
+                median_step_seconds=a.breakdown.median_step_seconds,
+                median_compute_seconds=a.breakdown.median_compute_seconds,
+            )
+            for a in analyses
+        ),
+        threshold,
+    )
+
+
+def straggler_message(score: StragglerScore) -> metrics_pb2.StragglerScore:
+    t = score.timing
+    return metrics_pb2.StragglerScore(
+        job_id=t.job_id,
+        rank=t.rank,
+        host=t.host,
+        steps=t.steps,
+        median_step_seconds=t.median_step_seconds,
+        median_compute_seconds=t.median_compute_seconds,
+        step_score=score.step_score,
+        compute_score=score.compute_score,
+        flagged=score.flagged,
+    )
+
+
+def hang_message(hang: Hang, hostname: str) -> metrics_pb2.CollectiveHang:
+    return metrics_pb2.CollectiveHang(
+        job_id=hang.job_id,
+        group=hang.group,
+        group_ranks=hang.group_ranks,
+        op=hang.op,
+        seq=hang.seq,
+        purpose=hang.purpose,
+        entered_ranks=hang.entered_ranks,
+        missing_ranks=hang.missing_ranks,
+        unreported_ranks=hang.unreported_ranks,
+        entered_unix_nano=hang.entered_ns,
+        waiting_seconds=hang.waiting_seconds,
+        host=hostname,
+    )
+
+
+def hang_from_message(message: metrics_pb2.CollectiveHang) -> Hang:
+    return Hang(
+        job_id=message.job_id,
+        group=message.group,
+        group_ranks=tuple(message.group_ranks),
+        op=message.op,
+        seq=message.seq,
+        purpose=message.purpose,
+        entered_ranks=tuple(message.entered_ranks),
+        missing_ranks=tuple(message.missing_ranks),
+        unreported_ranks=tuple(message.unreported_ranks),
+        entered_ns=message.entered_unix_nano,
+        waiting_seconds=message.waiting_seconds,
+    )
+
+
+def rescore_stragglers(
+    responses: Sequence[daemon_pb2.GetBottleneckResponse], threshold: float
+) -> list[metrics_pb2.StragglerScore]:
+    """Score every host's ranks against the medians of all hosts' ranks (one job, one scale)."""
+    timings = [
+        RankTiming(
+            job_id=s.job_id,
+            rank=s.rank,
+            host=s.host,
+            steps=s.steps,
+            median_step_seconds=s.median_step_seconds,
+            median_compute_seconds=s.median_compute_seconds,
+        )
+        for response in responses
+        for s in response.stragglers
+    ]
+    return [straggler_message(score) for score in score_ranks(timings, threshold)]
+
+
+@dataclass
+class DaemonExtras:
+    """Optional parts the server wires in: GPUs, refused-call counters, exporter names."""
+
+    nvml: NvmlCollector | None = None
+    counters: CallCounters = field(default_factory=CallCounters)
+    exporters: list[str] = field(default_factory=list)
+    ingest_capacity: int = 0
+    hang_timeout_seconds: float = DEFAULT_HANG_TIMEOUT_SECONDS
+    straggler_threshold: float = DEFAULT_THRESHOLD
+    exporter_drops: Callable[[], int] = lambda: 0
+
+
 class DaemonService(daemon_pb2_grpc.DaemonServicer):
     """Answers `plait.v1.Daemon` from the store and the host collector."""
 
@@ -122,12 +267,21 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
         *,
         bind_address: str,
         stopping: threading.Event,
+        extras: DaemonExtras | None = None,
     ) -> None:
         self.store = store
         self.host = host
         self.bind_address = bind_address
         self.started = time.monotonic()
         self.stopping = stopping
+        self.extras = extras or DaemonExtras()
+
+    def hangs(self) -> list[Hang]:
+        return find_hangs(
+            self.store.heartbeats(),
+            now_ns=time.time_ns(),
+            timeout_seconds=self.extras.hang_timeout_seconds,
+        )
 
     def Status(
         self, request: daemon_pb2.StatusRequest, context: grpc.ServicerContext
@@ -136,6 +290,9 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
         with store.lock:
             ranks = len(store.windows())
             counters = (store.spans_received, store.metric_points_received, store.spans_ignored)
+            drops = (store.spans_dropped, store.metric_points_dropped)
+        extras = self.extras
+        nvml = extras.nvml
         return daemon_pb2.StatusResponse(
             version=__version__,
             hostname=self.host.hostname,
@@ -148,6 +305,14 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             spans_ignored=counters[2],
             window_steps=store.window_steps,
             window_spans=store.window_spans,
+            ingest_queue_capacity=extras.ingest_capacity,
+            spans_dropped=drops[0],
+            metric_points_dropped=drops[1],
+            calls_rejected=extras.counters.total,
+            hangs=[hang_message(h, self.host.hostname) for h in self.hangs()],
+            hang_timeout_seconds=extras.hang_timeout_seconds,
+            gpu_collector=nvml.status if nvml is not None else "no GPU collector",
+            exporters=extras.exporters,
         )
 
     def ListRanks(
@@ -165,7 +330,8 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
         )
         with self.store.lock:
             windows = self.store.windows(job_id)
-            response.ranks.extend(rank_metrics(w, window_steps, host) for w in windows)
+            utilization = self.extras.nvml.utilization_by_index() if self.extras.nvml else {}
+            response.ranks.extend(rank_metrics(w, window_steps, host, utilization) for w in windows)
             by_job: dict[str, list[RankWindow]] = {}
             for window in windows:
                 by_job.setdefault(window.identity.job_id, []).append(window)
@@ -193,11 +359,45 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
     def GetBottleneck(
         self, request: daemon_pb2.GetBottleneckRequest, context: grpc.ServicerContext
     ) -> daemon_pb2.GetBottleneckResponse:
-        context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "bottleneck analysis is not available in this daemon version",
+        if request.window_steps < 0 or request.straggler_threshold < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative window or threshold")
+        window_steps = request.window_steps or DEFAULT_METRICS_WINDOW_STEPS
+        threshold = request.straggler_threshold or self.extras.straggler_threshold
+        with self.store.lock:
+            analyses = analyse(self.store.windows(request.job_id), window_steps)
+        response = daemon_pb2.GetBottleneckResponse(straggler_threshold=threshold)
+        for analysis in analyses:
+            b = analysis.breakdown
+            job_id, rank, _ = analysis.window_identity
+            response.ranks.append(
+                metrics_pb2.BottleneckBreakdown(
+                    job_id=job_id,
+                    rank=rank,
+                    step_seconds=b.step_seconds,
+                    compute_seconds=b.seconds["compute"],
+                    exposed_comm_seconds=b.seconds["exposed_comm"],
+                    data_wait_seconds=b.seconds["data"],
+                    pipeline_bubble_seconds=b.seconds["pipeline_bubble"],
+                    optimizer_seconds=b.seconds["optimizer"],
+                    host_other_seconds=b.seconds["host_other"],
+                    dominant=b.dominant,
+                    steps=b.steps,
+                    advice=advice(b, analysis.context) if b.steps else "",
+                    exposed_comm_by_purpose=b.exposed_comm_by_purpose,
+                    comm_seconds=b.comm_seconds,
+                    median_step_seconds=b.median_step_seconds,
+                    median_compute_seconds=b.median_compute_seconds,
+                )
+            )
+        overall = job_dominant(a.breakdown for a in analyses)
+        if overall.steps:
+            context_degrees = analyses[0].context if analyses else RankContext()
+            response.dominant = overall.dominant
+            response.advice = advice(overall, context_degrees)
+        response.stragglers.extend(
+            straggler_message(s) for s in straggler_scores(analyses, threshold)
         )
-        raise AssertionError("unreachable")  # abort raises
+        return response
 
     def CaptureTrace(
         self, request: daemon_pb2.CaptureTraceRequest, context: grpc.ServicerContext
@@ -222,3 +422,64 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             span_count=len(spans),
             ranks=sorted({identity.rank for identity, _ in spans}),
         )
+
+
+def daemon_points(
+    service: DaemonService, window_steps: int = DEFAULT_METRICS_WINDOW_STEPS
+) -> list[DaemonPoint]:
+    """Every figure the exporters publish, computed now."""
+    points: list[DaemonPoint] = []
+    nvml = service.extras.nvml
+    if nvml is not None:
+        counters = {"hw.energy", "hw.errors"}
+        points.extend(
+            DaemonPoint(name, value, attrs, counter=name in counters)
+            for name, value, attrs in metric_points(nvml.latest)
+        )
+    metrics = service._metrics("", window_steps)
+    for r in metrics.ranks:
+        attrs = {"plait.job.id": r.job_id, "plait.rank": r.rank, "host.name": r.host}
+        points.append(DaemonPoint("plait.rank.mfu", r.mfu, attrs))
+        points.append(DaemonPoint("plait.rank.step.duration", r.step_seconds, attrs))
+        points.append(DaemonPoint("plait.rank.tokens_per_second", r.tokens_per_second, attrs))
+    for j in metrics.jobs:
+        attrs = {"plait.job.id": j.job_id}
+        points.append(DaemonPoint("plait.job.mfu", j.mfu, attrs))
+        points.append(DaemonPoint("plait.job.tokens_per_second", j.tokens_per_second, attrs))
+        points.append(DaemonPoint("plait.job.step.duration", j.step_seconds, attrs))
+    with service.store.lock:
+        analyses = analyse(service.store.windows(), window_steps)
+        counts = (
+            service.store.spans_received,
+            service.store.spans_dropped,
+            service.store.metric_points_dropped,
+        )
+    for a in analyses:
+        job_id, rank, host = a.window_identity
+        attrs = {"plait.job.id": job_id, "plait.rank": rank, "host.name": host}
+        for name in CLASSES:
+            points.append(
+                DaemonPoint(
+                    "plait.rank.bottleneck.seconds",
+                    a.breakdown.seconds[name],
+                    {**attrs, "plait.bottleneck.class": name},
+                )
+            )
+    for score in straggler_scores(analyses, service.extras.straggler_threshold):
+        t = score.timing
+        attrs = {"plait.job.id": t.job_id, "plait.rank": t.rank, "host.name": t.host}
+        points.append(DaemonPoint("plait.rank.straggler.score", score.score, attrs))
+    points.append(DaemonPoint("plait.collective.hangs", float(len(service.hangs()))))
+    points.append(DaemonPoint("plait.daemon.spans.received", counts[0], counter=True))
+    points.append(
+        DaemonPoint(
+            "plait.daemon.spans.dropped",
+            counts[1] + service.extras.exporter_drops(),
+            counter=True,
+        )
+    )
+    points.append(DaemonPoint("plait.daemon.metric_points.dropped", counts[2], counter=True))
+    points.append(
+        DaemonPoint("plait.daemon.calls.rejected", service.extras.counters.total, counter=True)
+    )
+    return points

@@ -4,6 +4,9 @@ A rank is identified by (job id, rank) from the OpenTelemetry resource it export
 rank keeps its last `window_spans` spans, its last `window_steps` step records and the latest
 value of every metric it sent; older data falls off. All access goes through one lock, since
 the OTLP receivers and the query RPCs run on the gRPC server's thread pool.
+
+Phase and comm spans are also indexed by step (`RankWindow.step_spans`) for the bottleneck
+analysis, and each rank's last comm heartbeat is kept for the hang detector.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.core import telemetry as names
+from plait.daemon.bottleneck import StepBreakdown, StepSpan, step_breakdown
+from plait.daemon.hangs import Heartbeat
 from plait.daemon.mfu import StepSample
 
 DEFAULT_WINDOW_STEPS = 512
@@ -149,7 +154,9 @@ class RankWindow:
     spans: deque[SpanRecord] = field(init=False)
     steps: OrderedDict[int, StepRecord] = field(default_factory=OrderedDict)
     comm_intervals: OrderedDict[int, list[tuple[int, int]]] = field(default_factory=OrderedDict)
+    step_spans: OrderedDict[int, list[StepSpan]] = field(default_factory=OrderedDict)
     metrics: dict[str, float] = field(default_factory=dict)
+    heartbeat: Heartbeat | None = None
     spans_received: int = 0
     steps_received: int = 0
     last_seen_ns: int = 0
@@ -175,11 +182,19 @@ class RankWindow:
             self.steps_received += 1
             while len(self.steps) > self.window_steps:
                 self.steps.popitem(last=False)
-        elif span.kind == "comm" and span.step is not None:
-            self.comm_intervals.setdefault(span.step, []).append((span.start_ns, span.end_ns))
-            # Comm spans may arrive before their step span; keep twice the window of steps.
+        elif span.kind in ("comm", "phase") and span.step is not None:
+            if span.kind == "comm":
+                self.comm_intervals.setdefault(span.step, []).append((span.start_ns, span.end_ns))
+            self.step_spans.setdefault(span.step, []).append(
+                StepSpan.from_attributes(
+                    span.kind, span.name, span.start_ns, span.end_ns, span.attributes
+                )
+            )
+            # Spans may arrive before their step span; keep twice the window of steps.
             while len(self.comm_intervals) > 2 * self.window_steps:
                 self.comm_intervals.popitem(last=False)
+            while len(self.step_spans) > 2 * self.window_steps:
+                self.step_spans.popitem(last=False)
 
     def last_steps(self, count: int) -> list[StepRecord]:
         records = list(self.steps.values())
@@ -200,6 +215,26 @@ class RankWindow:
     def comm_seconds(self, step: int) -> float:
         return union_seconds(self.comm_intervals.get(step, ()))
 
+    def breakdowns(self, count: int) -> list[StepBreakdown]:
+        """The bottleneck breakdown of each of the last `count` steps (0: the whole window)."""
+        return [
+            step_breakdown(r.step, r.start_ns, r.end_ns, self.step_spans.get(r.step, ()))
+            for r in self.last_steps(count)
+        ]
+
+    def comm_volume(self, count: int) -> dict[str, tuple[int, int]]:
+        """purpose -> (collectives per step, mean bytes per collective) over the last steps."""
+        steps = self.last_steps(count)
+        ops: dict[str, list[int]] = {}
+        for record in steps:
+            for span in self.step_spans.get(record.step, ()):
+                if span.kind == "comm":
+                    ops.setdefault(span.purpose or "generic", []).append(span.nbytes)
+        return {
+            purpose: (round(len(sizes) / max(len(steps), 1)), sum(sizes) // len(sizes))
+            for purpose, sizes in ops.items()
+        }
+
 
 class TelemetryStore:
     """Every rank's window, behind one lock; the OTLP receivers write, the RPCs read."""
@@ -217,6 +252,8 @@ class TelemetryStore:
         self.spans_received = 0
         self.spans_ignored = 0
         self.metric_points_received = 0
+        self.spans_dropped = 0
+        self.metric_points_dropped = 0
 
     def _window(self, identity: RankIdentity) -> RankWindow:
         window = self._ranks.get(identity.key)
@@ -248,6 +285,22 @@ class TelemetryStore:
         with self.lock:
             self._window(identity).metrics.update(points)
             self.metric_points_received += len(points)
+
+    def set_heartbeat(self, resource: Mapping[str, Any], heartbeat: Heartbeat) -> None:
+        identity = RankIdentity.from_resource(resource)
+        if identity is None:
+            return
+        with self.lock:
+            self._window(identity).heartbeat = heartbeat
+
+    def heartbeats(self) -> dict[RankKey, Heartbeat | None]:
+        with self.lock:
+            return {key: w.heartbeat for key, w in self._ranks.items()}
+
+    def count_dropped(self, *, spans: int = 0, metric_points: int = 0) -> None:
+        with self.lock:
+            self.spans_dropped += spans
+            self.metric_points_dropped += metric_points
 
     def windows(self, job_id: str = "") -> list[RankWindow]:
         """The rank windows of `job_id` (all jobs if empty), sorted by job and rank.

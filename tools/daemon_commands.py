@@ -1,8 +1,11 @@
-"""Operator commands for the node daemon: `plait daemon`, `status`, `top` and `trace`.
+"""Operator commands for the node daemon: `plait daemon`, `status`, `top`, `bottleneck`, `trace`.
 
 Every client command takes `--host` several times (one daemon per node) and aggregates: ranks
-are listed from all hosts, job MFU adds achieved and peak FLOP/s across hosts, traces are
-merged on one timeline. Without `--host`, the address is `$PLAIT_DAEMON` or the default.
+are listed from all hosts, job MFU adds achieved and peak FLOP/s across hosts, stragglers are
+scored against the medians of all hosts' ranks, hang reports are merged per collective, traces
+are merged on one timeline. Without `--host`, the address is `$PLAIT_DAEMON` or the default.
+A daemon that requires TLS and a token is reached with `$PLAIT_DAEMON_CA_CERT` and
+`$PLAIT_DAEMON_TOKEN` (and `$PLAIT_DAEMON_CLIENT_CERT`/`_KEY` for mutual TLS).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS, resolve_daemon_address
-from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS, DaemonClientAuth, resolve_daemon_address
+from plait.daemon.hangs import Hang, merge_hangs
+from plait.daemon.service import hang_from_message, rescore_stragglers
+from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc, metrics_pb2
 
 app = typer.Typer(help="The node daemon and the commands that query it.")
 console = Console()
@@ -42,7 +47,7 @@ def _hosts(hosts: Sequence[str] | None) -> list[str]:
 
 
 def _stub(host: str) -> tuple[grpc.Channel, daemon_pb2_grpc.DaemonStub]:
-    channel = grpc.insecure_channel(host)
+    channel = DaemonClientAuth.from_env().channel(host)
     return channel, daemon_pb2_grpc.DaemonStub(channel)
 
 
@@ -82,23 +87,83 @@ def daemon(
     window_spans: Annotated[int, typer.Option(help="spans kept per rank", min=1)] = 50_000,
     reflection: Annotated[bool, typer.Option(help="serve gRPC reflection")] = True,
     grace: Annotated[float, typer.Option(help="seconds in-flight calls get at shutdown")] = 5.0,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="server certificate (PEM); required off loopback")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="server private key (PEM)")] = None,
+    client_ca: Annotated[
+        Path | None, typer.Option(help="CA that client certificates must chain to (mutual TLS)")
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="file holding the bearer token every call must send ($PLAIT_DAEMON_TOKEN)"
+        ),
+    ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option("--insecure", help="allow a non-loopback bind without TLS and token"),
+    ] = False,
+    max_message_mb: Annotated[float, typer.Option(help="largest request accepted", min=0.1)] = 16,
+    ingest_capacity: Annotated[
+        int, typer.Option(help="spans + metric points stored at once before dropping", min=1)
+    ] = 200_000,
+    max_streams: Annotated[
+        int | None, typer.Option(help="concurrent streams/trace captures (default 3/4 of workers)")
+    ] = None,
+    hang_timeout: Annotated[
+        float, typer.Option(help="seconds a partly entered collective may wait", min=0.1)
+    ] = 60.0,
+    straggler_threshold: Annotated[
+        float, typer.Option(help="flag ranks this much slower than the median", min=0.0)
+    ] = 0.2,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(help="forward upstream over OTLP/gRPC (default $OTEL_EXPORTER_OTLP_ENDPOINT)"),
+    ] = None,
+    prometheus: Annotated[
+        str | None, typer.Option(help="serve Prometheus /metrics on host:port, e.g. 127.0.0.1:9464")
+    ] = None,
 ) -> None:
     """Run the node daemon (OTLP receiver, plait.v1, health) until SIGTERM or Ctrl-C."""
+    import os
+
+    from plait.daemon.security import SecurityConfig, SecurityError
     from plait.daemon.server import DaemonServer, serve
 
+    if otlp_endpoint is None and (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        otlp_endpoint = ""  # the exporter reads the standard variables
     try:
         server = DaemonServer(
             bind,
             window_steps=window_steps,
             window_spans=window_spans,
             reflection_enabled=reflection,
+            security=SecurityConfig.create(
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                client_ca=client_ca,
+                token_file=token_file,
+                insecure=insecure,
+            ),
+            max_message_bytes=int(max_message_mb * 2**20),
+            ingest_capacity=ingest_capacity,
+            max_streams=max_streams,
+            hang_timeout=hang_timeout,
+            straggler_threshold=straggler_threshold,
+            otlp_endpoint=otlp_endpoint,
+            prometheus=prometheus,
         )
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, SecurityError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
     console.print(
         f"plait daemon listening on [bold]{server.address}[/bold] "
-        f"(ranks export with telemetry.daemon = {server.address!r} or PLAIT_DAEMON)",
+        f"(ranks export with telemetry.daemon = {server.address!r} or PLAIT_DAEMON); "
+        f"{server.nvml.status}",
         highlight=False,
     )
     serve(server, grace=grace)
@@ -123,18 +188,21 @@ def status(hosts: Hosts = None, job: Annotated[str, typer.Option(help="job id")]
 
     results = _call_all(targets, query)
     daemons = Table(title="daemons")
-    for column in ("host", "version", "uptime", "jobs", "ranks", "spans", "metric points"):
+    columns = ("host", "version", "uptime", "jobs", "ranks", "spans", "metric points", "dropped")
+    for column in (*columns, "GPUs", "exporters"):
         daemons.add_column(column)
     ranks = Table(title="ranks")
     for column in ("job", "rank", "host", "pid", "device", "peak TFLOP/s", "mesh", "steps"):
         ranks.add_column(column)
     failed = False
+    hang_reports: list[Hang] = []
     for host, result in results.items():
         if isinstance(result, grpc.RpcError):
             failed = True
-            daemons.add_row(host, f"[red]{_error_text(result)}[/red]", "", "", "", "", "")
+            daemons.add_row(host, f"[red]{_error_text(result)}[/red]", *[""] * 8)
             continue
         state, listing = result  # type: ignore[misc]
+        hang_reports.extend(hang_from_message(h) for h in state.hangs)
         daemons.add_row(
             host,
             state.version,
@@ -143,6 +211,10 @@ def status(hosts: Hosts = None, job: Annotated[str, typer.Option(help="job id")]
             str(state.ranks),
             str(state.spans_received),
             str(state.metric_points_received),
+            f"{state.spans_dropped} spans, {state.metric_points_dropped} points, "
+            f"{state.calls_rejected} calls refused",
+            state.gpu_collector,
+            ", ".join(state.exporters) or "-",
         )
         for info in listing.ranks:
             mesh = " ".join(f"{a}={c}" for a, c in sorted(info.coordinates.items()))
@@ -158,8 +230,34 @@ def status(hosts: Hosts = None, job: Annotated[str, typer.Option(help="job id")]
             )
     console.print(daemons)
     console.print(ranks)
+    hangs = render_hangs(hang_reports)
+    if hangs is not None:
+        console.print(hangs)
     if failed:
         raise typer.Exit(1)
+
+
+def render_hangs(reports: list[Hang]) -> Table | None:
+    """The hangs of all daemons, merged per collective (None when there are none)."""
+    merged = merge_hangs(reports)
+    if not merged:
+        return None
+    table = Table(title="[red]collective hangs[/red]")
+    for column in ("job", "group", "op", "seq", "waiting", "entered", "missing"):
+        table.add_column(column)
+    for hang in merged:
+        missing = [str(r) for r in hang.missing_ranks]
+        missing += [f"{r} (no daemon sees it)" for r in hang.unreported_ranks]
+        table.add_row(
+            hang.job_id,
+            f"{hang.group} {list(hang.group_ranks)}",
+            f"{hang.op} ({hang.purpose})" if hang.purpose else hang.op,
+            str(hang.seq),
+            f"{hang.waiting_seconds:.1f}s",
+            ", ".join(map(str, hang.entered_ranks)) or "-",
+            ", ".join(missing),
+        )
+    return table
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,6 +440,106 @@ def top(
     finally:
         for follower in followers:
             follower.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# plait bottleneck
+# --------------------------------------------------------------------------------------------
+
+BOTTLENECK_COLUMNS = (
+    ("compute", "compute_seconds"),
+    ("exposed comm", "exposed_comm_seconds"),
+    ("data", "data_wait_seconds"),
+    ("bubble", "pipeline_bubble_seconds"),
+    ("optimizer", "optimizer_seconds"),
+    ("host/other", "host_other_seconds"),
+)
+
+
+def write_bottleneck_png(ranks: Sequence[metrics_pb2.BottleneckBreakdown], path: Path) -> None:
+    """A stacked bar per rank: mean seconds per step in each class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.job_id}/{r.rank}" for r in ranks]
+    figure, axes = plt.subplots(figsize=(max(4.0, 0.6 * len(ranks) + 2), 4))
+    bottom = [0.0] * len(ranks)
+    for label, attribute in BOTTLENECK_COLUMNS:
+        values = [getattr(r, attribute) * 1e3 for r in ranks]
+        axes.bar(labels, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes.set_ylabel("ms per step")
+    axes.set_xlabel("job/rank")
+    axes.set_title("where each rank's step time goes")
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+@app.command()
+def bottleneck(
+    hosts: Hosts = None,
+    job: Annotated[str, typer.Option(help="job id (default: every job)")] = "",
+    window_steps: Annotated[int, typer.Option(help="steps averaged per rank", min=0)] = 20,
+    threshold: Annotated[
+        float, typer.Option(help="flag ranks this much slower than the median", min=0.0)
+    ] = 0.2,
+    png: Annotated[Path | None, typer.Option("--png", help="write a stacked bar chart")] = None,
+) -> None:
+    """Per-rank breakdown of step time (compute, exposed comm, data, bubble, optimizer, host)."""
+    targets = _hosts(hosts)
+    request = daemon_pb2.GetBottleneckRequest(
+        job_id=job, window_steps=window_steps, straggler_threshold=threshold
+    )
+    results = _call_all(
+        targets, lambda stub: stub.GetBottleneck(request, timeout=RPC_TIMEOUT_SECONDS)
+    )
+    responses: list[daemon_pb2.GetBottleneckResponse] = []
+    failed = False
+    for host, result in results.items():
+        if isinstance(result, grpc.RpcError):
+            console.print(f"[red]{host}: {_error_text(result)}[/red]", highlight=False)
+            failed = True
+        else:
+            responses.append(result)  # type: ignore[arg-type]
+    ranks = sorted((r for resp in responses for r in resp.ranks), key=lambda r: (r.job_id, r.rank))
+    table = Table(title="bottleneck (mean ms per step)")
+    for column in ("job", "rank", "steps", "step", *(c for c, _ in BOTTLENECK_COLUMNS)):
+        table.add_column(column, justify="right")
+    table.add_column("dominant")
+    for r in ranks:
+        cells = [f"{getattr(r, attribute) * 1e3:.1f}" for _, attribute in BOTTLENECK_COLUMNS]
+        table.add_row(
+            r.job_id, str(r.rank), str(r.steps), f"{r.step_seconds * 1e3:.1f}", *cells, r.dominant
+        )
+    console.print(table)
+    scores = rescore_stragglers(responses, threshold)
+    if scores:
+        stragglers = Table(title=f"stragglers (flagged above +{threshold:.0%} of the median)")
+        for column in ("job", "rank", "host", "median step", "median compute", "score", ""):
+            stragglers.add_column(column, justify="right")
+        for s in scores:
+            stragglers.add_row(
+                s.job_id,
+                str(s.rank),
+                s.host,
+                f"{s.median_step_seconds * 1e3:.1f} ms ({s.step_score:+.0%})",
+                f"{s.median_compute_seconds * 1e3:.1f} ms ({s.compute_score:+.0%})",
+                f"{max(s.step_score, s.compute_score):+.2f}",
+                "[red]STRAGGLER[/red]" if s.flagged else "",
+            )
+        console.print(stragglers)
+    for response in responses:
+        if response.advice:
+            console.print(f"[bold]{response.dominant}[/bold]: {response.advice}", highlight=False)
+    if png is not None and ranks:
+        write_bottleneck_png(ranks, png)
+        console.print(f"wrote {png}")
+    if failed:
+        raise typer.Exit(1)
 
 
 # --------------------------------------------------------------------------------------------

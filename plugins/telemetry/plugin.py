@@ -11,6 +11,10 @@ Hooks:
   nanosecond times) and the step's communication spans as children, then the step metrics.
 * `plait_job_end` emits what is left, flushes and shuts the exporters down.
 
+A comm heartbeat (`RankTelemetry.start_heartbeat`) reports, from the metric reader's thread,
+the collectives this rank entered and has not finished and the last sequence number issued per
+group, which is what the daemon's hang detector needs while a collective is blocked.
+
 Spans are built at the end of the step rather than on the hot path: an op costs one small
 record while the step runs, and every span of a step gets the step span as its parent.
 """
@@ -67,6 +71,15 @@ def comm_attributes(record: CommRecord) -> dict[str, Any]:
     return attributes
 
 
+def _is_group_collective(op: str, purpose: str) -> bool:
+    """Ops every rank of the group issues in the same order (what hang detection matches).
+
+    Point-to-point ops pair two ranks, and an algorithm's sub-ops ("ring/grad_bucket") are
+    numbered by the algorithm's own facade, so neither follows the group's sequence.
+    """
+    return op not in ("send", "recv") and "/" not in purpose
+
+
 class TelemetryPlugin:
     """Per-engine telemetry state; `plait.plugins.telemetry.make_plugin()` builds one."""
 
@@ -77,6 +90,8 @@ class TelemetryPlugin:
         self.records: list[CommRecord] = []
         self._cuda_anchor: CudaAnchor | None = None
         self._uses_cuda = False
+        # Last sequence number issued per (group name, ranks), collectives only.
+        self.entered: dict[tuple[str, tuple[int, ...]], int] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -90,6 +105,14 @@ class TelemetryPlugin:
             return
         self._uses_cuda = info.device.startswith("cuda")
         self.telemetry = RankTelemetry.start(info, resolve_daemon_address(self.configured_address))
+        if self.telemetry is not None:
+            self.telemetry.start_heartbeat(self.comm_in_flight)
+
+    def comm_in_flight(self) -> tuple[list[CommRecord], dict[tuple[str, tuple[int, ...]], int]]:
+        """Collectives issued and not finished, and the last seq per group (heartbeat thread)."""
+        records = list(self.records)  # the training thread may swap the list meanwhile
+        inflight = [r for r in records if r.end_ns == 0 and _is_group_collective(r.op, r.purpose)]
+        return inflight, dict(self.entered)
 
     @hookimpl
     def plait_step_start(self, step: int) -> None:
@@ -166,6 +189,8 @@ class TelemetryPlugin:
         if self.telemetry is None:
             return (yield)
         record = CommRecord.begin(request, self.step)
+        if _is_group_collective(request.op, request.purpose):
+            self.entered[(request.group_name, request.group_ranks)] = request.seq
         if self._uses_cuda and request.tensors and request.tensors[0].is_cuda:
             if self._cuda_anchor is None:
                 self._cuda_anchor = CudaAnchor.now()

@@ -13,7 +13,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans")
+    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BIND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,14 @@ class StatusResponse(_message.Message):
     SPANS_IGNORED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SPANS_FIELD_NUMBER: _ClassVar[int]
+    INGEST_QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SPANS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    METRIC_POINTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CALLS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    HANGS_FIELD_NUMBER: _ClassVar[int]
+    HANG_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPU_COLLECTOR_FIELD_NUMBER: _ClassVar[int]
+    EXPORTERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     bind_address: str
@@ -36,7 +44,15 @@ class StatusResponse(_message.Message):
     spans_ignored: int
     window_steps: int
     window_spans: int
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ...) -> None: ...
+    ingest_queue_capacity: int
+    spans_dropped: int
+    metric_points_dropped: int
+    calls_rejected: int
+    hangs: _containers.RepeatedCompositeFieldContainer[_metrics_pb2.CollectiveHang]
+    hang_timeout_seconds: float
+    gpu_collector: str
+    exporters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListRanksRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -81,20 +97,28 @@ class StreamMetricsRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
 
 class GetBottleneckRequest(_message.Message):
-    __slots__ = ("job_id", "window_steps")
+    __slots__ = ("job_id", "window_steps", "straggler_threshold")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     window_steps: int
-    def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ...) -> None: ...
+    straggler_threshold: float
+    def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ..., straggler_threshold: _Optional[float] = ...) -> None: ...
 
 class GetBottleneckResponse(_message.Message):
-    __slots__ = ("ranks", "advice")
+    __slots__ = ("ranks", "advice", "dominant", "stragglers", "straggler_threshold")
     RANKS_FIELD_NUMBER: _ClassVar[int]
     ADVICE_FIELD_NUMBER: _ClassVar[int]
+    DOMINANT_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedCompositeFieldContainer[_metrics_pb2.BottleneckBreakdown]
     advice: str
-    def __init__(self, ranks: _Optional[_Iterable[_Union[_metrics_pb2.BottleneckBreakdown, _Mapping]]] = ..., advice: _Optional[str] = ...) -> None: ...
+    dominant: str
+    stragglers: _containers.RepeatedCompositeFieldContainer[_metrics_pb2.StragglerScore]
+    straggler_threshold: float
+    def __init__(self, ranks: _Optional[_Iterable[_Union[_metrics_pb2.BottleneckBreakdown, _Mapping]]] = ..., advice: _Optional[str] = ..., dominant: _Optional[str] = ..., stragglers: _Optional[_Iterable[_Union[_metrics_pb2.StragglerScore, _Mapping]]] = ..., straggler_threshold: _Optional[float] = ...) -> None: ...
 
 class CaptureTraceRequest(_message.Message):
     __slots__ = ("seconds", "job_id", "ranks")

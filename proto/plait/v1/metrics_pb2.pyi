@@ -2,7 +2,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -159,7 +159,14 @@ class HostMetrics(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., cpu_count: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., net_bytes_sent: _Optional[int] = ..., net_bytes_recv: _Optional[int] = ..., net_sent_bytes_per_second: _Optional[float] = ..., net_recv_bytes_per_second: _Optional[float] = ..., sampled_unix_nano: _Optional[int] = ...) -> None: ...
 
 class BottleneckBreakdown(_message.Message):
-    __slots__ = ("job_id", "rank", "step_seconds", "compute_seconds", "exposed_comm_seconds", "data_wait_seconds", "pipeline_bubble_seconds", "optimizer_seconds", "host_other_seconds", "dominant")
+    __slots__ = ("job_id", "rank", "step_seconds", "compute_seconds", "exposed_comm_seconds", "data_wait_seconds", "pipeline_bubble_seconds", "optimizer_seconds", "host_other_seconds", "dominant", "steps", "advice", "exposed_comm_by_purpose", "comm_seconds", "median_step_seconds", "median_compute_seconds")
+    class ExposedCommByPurposeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +177,12 @@ class BottleneckBreakdown(_message.Message):
     OPTIMIZER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOST_OTHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DOMINANT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ADVICE_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_COMM_BY_PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    COMM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     step_seconds: float
@@ -180,4 +193,60 @@ class BottleneckBreakdown(_message.Message):
     optimizer_seconds: float
     host_other_seconds: float
     dominant: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., exposed_comm_seconds: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., pipeline_bubble_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., host_other_seconds: _Optional[float] = ..., dominant: _Optional[str] = ...) -> None: ...
+    steps: int
+    advice: str
+    exposed_comm_by_purpose: _containers.ScalarMap[str, float]
+    comm_seconds: float
+    median_step_seconds: float
+    median_compute_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., exposed_comm_seconds: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., pipeline_bubble_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., host_other_seconds: _Optional[float] = ..., dominant: _Optional[str] = ..., steps: _Optional[int] = ..., advice: _Optional[str] = ..., exposed_comm_by_purpose: _Optional[_Mapping[str, float]] = ..., comm_seconds: _Optional[float] = ..., median_step_seconds: _Optional[float] = ..., median_compute_seconds: _Optional[float] = ...) -> None: ...
+
+class StragglerScore(_message.Message):
+    __slots__ = ("job_id", "rank", "host", "steps", "median_step_seconds", "median_compute_seconds", "step_score", "compute_score", "flagged")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SCORE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    host: str
+    steps: int
+    median_step_seconds: float
+    median_compute_seconds: float
+    step_score: float
+    compute_score: float
+    flagged: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., steps: _Optional[int] = ..., median_step_seconds: _Optional[float] = ..., median_compute_seconds: _Optional[float] = ..., step_score: _Optional[float] = ..., compute_score: _Optional[float] = ..., flagged: _Optional[bool] = ...) -> None: ...
+
+class CollectiveHang(_message.Message):
+    __slots__ = ("job_id", "group", "group_ranks", "op", "seq", "purpose", "entered_ranks", "missing_ranks", "unreported_ranks", "entered_unix_nano", "waiting_seconds", "host")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    UNREPORTED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group: str
+    group_ranks: _containers.RepeatedScalarFieldContainer[int]
+    op: str
+    seq: int
+    purpose: str
+    entered_ranks: _containers.RepeatedScalarFieldContainer[int]
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    unreported_ranks: _containers.RepeatedScalarFieldContainer[int]
+    entered_unix_nano: int
+    waiting_seconds: float
+    host: str
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., group_ranks: _Optional[_Iterable[int]] = ..., op: _Optional[str] = ..., seq: _Optional[int] = ..., purpose: _Optional[str] = ..., entered_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., unreported_ranks: _Optional[_Iterable[int]] = ..., entered_unix_nano: _Optional[int] = ..., waiting_seconds: _Optional[float] = ..., host: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,367 @@
+"""Bottleneck breakdown: where each step's wall time went, per rank, and what to do about it.
+
+Every nanosecond of a step (the step span, data wait included) is given to exactly one class,
+in this order of precedence, so the classes add up to the step time:
+
+1. **compute** — forward/backward phase spans, minus the intervals of *blocking* (synchronous)
+   collectives issued inside them: a synchronous tensor-parallel all-reduce stalls the compute
+   stream even though it sits inside a forward span.
+2. **pipeline_bubble** — "idle" phase spans and the pipeline runtime's "send"/"recv" phases
+   (waiting for the neighbouring stage), minus compute.
+3. **exposed_comm** — the union of all collective intervals minus compute and bubble. This is
+   Holistic Trace Analysis's definition: communication time not overlapped by compute. An
+   asynchronous gradient all-reduce running under backward is hidden; its tail after backward
+   ends is exposed.
+4. **data** — "data" phase spans (waiting for the batch), minus the above.
+5. **optimizer** — the optimizer phase, minus the above (ZeRO's parameter all-gather or the
+   gradient-norm all-reduce inside it count as communication).
+6. **host_other** — the rest: gaps between phases, gradient-sync bookkeeping, Python overhead.
+
+Intervals are nanosecond `(start, end)` pairs; the step is clipped to its own span. A class
+whose spans a runtime does not emit (no pipeline → no bubble) is simply zero.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from plait.core import telemetry as names
+
+Interval = tuple[int, int]
+
+CLASSES = ("compute", "exposed_comm", "data", "pipeline_bubble", "optimizer", "host_other")
+COMPUTE_PHASES = frozenset({"forward", "backward", "backward_input", "backward_weight"})
+BUBBLE_PHASES = frozenset({"idle", "recv", "send"})
+DATA_PHASES = frozenset({"data"})
+OPTIMIZER_PHASES = frozenset({"optimizer"})
+
+
+# --------------------------------------------------------------------------------------------
+# interval arithmetic on sorted, disjoint lists
+# --------------------------------------------------------------------------------------------
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of `intervals` as a sorted list of disjoint, non-empty intervals."""
+    out: list[Interval] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def subtract(keep: Sequence[Interval], remove: Sequence[Interval]) -> list[Interval]:
+    """`keep` minus `remove`; both sorted and disjoint (as `merge` returns them)."""
+    out: list[Interval] = []
+    j = 0
+    for start, end in keep:
+        while j < len(remove) and remove[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(remove) and remove[k][0] < end:
+            if remove[k][0] > cursor:
+                out.append((cursor, remove[k][0]))
+            cursor = max(cursor, remove[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    return subtract(a, subtract(a, b))
+
+
+def total_ns(intervals: Iterable[Interval]) -> int:
+    return sum(end - start for start, end in intervals)
+
+
+# --------------------------------------------------------------------------------------------
+# one step
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpan:
+    """What the analysis needs of a received span: a phase or a comm op of one step."""
+
+    kind: str  # "phase" or "comm"
+    name: str  # phase name, or comm op
+    start_ns: int
+    end_ns: int
+    purpose: str = ""
+    blocking: bool = False  # a synchronous collective
+    nbytes: int = 0
+
+    @classmethod
+    def from_attributes(
+        cls, kind: str, name: str, start_ns: int, end_ns: int, attributes: Mapping[str, object]
+    ) -> StepSpan:
+        if kind == "comm":
+            op = str(attributes.get(names.ATTR_COMM_OP, name))
+            return cls(
+                kind="comm",
+                name=op,
+                start_ns=start_ns,
+                end_ns=end_ns,
+                purpose=str(attributes.get(names.ATTR_COMM_PURPOSE, "")),
+                blocking=not bool(attributes.get(names.ATTR_COMM_ASYNC, False)),
+                nbytes=int(attributes.get(names.ATTR_COMM_BYTES, 0) or 0),  # type: ignore[arg-type]
+            )
+        phase = str(attributes.get(names.ATTR_PHASE, name))
+        return cls(kind="phase", name=phase, start_ns=start_ns, end_ns=end_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBreakdown:
+    step: int
+    step_seconds: float
+    seconds: dict[str, float]  # class -> seconds, summing to step_seconds
+    comm_seconds: float  # all communication, overlapped or not
+    exposed_comm_by_purpose: dict[str, float]
+    microbatches: int
+
+
+def _clip(intervals: Iterable[Interval], lo: int, hi: int) -> list[Interval]:
+    return merge((max(s, lo), min(e, hi)) for s, e in intervals)
+
+
+def step_breakdown(
+    step: int, start_ns: int, end_ns: int, spans: Sequence[StepSpan]
+) -> StepBreakdown:
+    """Split the step [start_ns, end_ns) into the classes of this module's docstring."""
+
+    def phases(wanted: frozenset[str]) -> list[Interval]:
+        return _clip(
+            ((s.start_ns, s.end_ns) for s in spans if s.kind == "phase" and s.name in wanted),
+            start_ns,
+            end_ns,
+        )
+
+    comm_spans = sorted((s for s in spans if s.kind == "comm"), key=lambda s: s.start_ns)
+    comm = _clip(((s.start_ns, s.end_ns) for s in comm_spans), start_ns, end_ns)
+    blocking = _clip(((s.start_ns, s.end_ns) for s in comm_spans if s.blocking), start_ns, end_ns)
+
+    compute = subtract(phases(COMPUTE_PHASES), blocking)
+    taken = compute
+    bubble = subtract(phases(BUBBLE_PHASES), taken)
+    taken = merge([*taken, *bubble])
+    exposed = subtract(comm, taken)
+    taken = merge([*taken, *exposed])
+    data = subtract(phases(DATA_PHASES), taken)
+    taken = merge([*taken, *data])
+    optimizer = subtract(phases(OPTIMIZER_PHASES), taken)
+    taken = merge([*taken, *optimizer])
+    step_ns = max(end_ns - start_ns, 0)
+
+    # Exposed time goes to the purpose of the op that was running first, so purposes add up.
+    by_purpose: dict[str, float] = {}
+    remaining = exposed
+    for span in comm_spans:
+        if not remaining:
+            break
+        own = intersect(remaining, _clip([(span.start_ns, span.end_ns)], start_ns, end_ns))
+        if own:
+            purpose = span.purpose or "generic"
+            by_purpose[purpose] = by_purpose.get(purpose, 0.0) + total_ns(own) / 1e9
+            remaining = subtract(remaining, own)
+
+    seconds = {
+        "compute": total_ns(compute) / 1e9,
+        "exposed_comm": total_ns(exposed) / 1e9,
+        "data": total_ns(data) / 1e9,
+        "pipeline_bubble": total_ns(bubble) / 1e9,
+        "optimizer": total_ns(optimizer) / 1e9,
+        "host_other": (step_ns - total_ns(taken)) / 1e9,
+    }
+    microbatches = sum(1 for s in spans if s.kind == "phase" and s.name == "forward")
+    return StepBreakdown(
+        step=step,
+        step_seconds=step_ns / 1e9,
+        seconds=seconds,
+        comm_seconds=total_ns(comm) / 1e9,
+        exposed_comm_by_purpose=by_purpose,
+        microbatches=microbatches,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# a rank over a window of steps, and advice
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankContext:
+    """What the advice can use about a rank beyond its spans."""
+
+    degrees: Mapping[str, int] = field(default_factory=dict)
+    comm_bytes_by_purpose: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    # purpose -> (ops per step, mean bytes per op)
+
+
+@dataclass(frozen=True, slots=True)
+class RankBreakdown:
+    steps: int
+    step_seconds: float  # mean
+    seconds: dict[str, float]  # mean per step
+    comm_seconds: float
+    exposed_comm_by_purpose: dict[str, float]
+    median_step_seconds: float
+    median_compute_seconds: float
+    microbatches: int
+
+    @property
+    def dominant(self) -> str:
+        if not self.steps:
+            return ""
+        return max(CLASSES, key=lambda c: self.seconds[c])
+
+
+def rank_breakdown(steps: Sequence[StepBreakdown]) -> RankBreakdown:
+    """Means per step over `steps`, plus the medians the straggler detector compares."""
+    count = len(steps)
+    if not count:
+        return RankBreakdown(0, 0.0, dict.fromkeys(CLASSES, 0.0), 0.0, {}, 0.0, 0.0, 0)
+    purposes: dict[str, float] = {}
+    for step in steps:
+        for purpose, value in step.exposed_comm_by_purpose.items():
+            purposes[purpose] = purposes.get(purpose, 0.0) + value / count
+    return RankBreakdown(
+        steps=count,
+        step_seconds=sum(s.step_seconds for s in steps) / count,
+        seconds={c: sum(s.seconds[c] for s in steps) / count for c in CLASSES},
+        comm_seconds=sum(s.comm_seconds for s in steps) / count,
+        exposed_comm_by_purpose=purposes,
+        median_step_seconds=statistics.median(s.step_seconds for s in steps),
+        median_compute_seconds=statistics.median(s.seconds["compute"] for s in steps),
+        microbatches=max(s.microbatches for s in steps),
+    )
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _comm_advice(breakdown: RankBreakdown, context: RankContext) -> str:
+    by_purpose = breakdown.exposed_comm_by_purpose
+    purpose = max(by_purpose, key=by_purpose.__getitem__, default="generic")
+    exposed = breakdown.seconds["exposed_comm"]
+    hidden = 1.0 - exposed / breakdown.comm_seconds if breakdown.comm_seconds > 0 else 0.0
+    ops, mean_bytes = context.comm_bytes_by_purpose.get(purpose, (0, 0))
+    head = (
+        f"exposed communication ({exposed * 1e3:.1f} ms/step, mostly {purpose!r}; "
+        f"{hidden:.0%} of all communication overlaps compute)"
+    )
+    base = purpose.rsplit("/", 1)[-1]
+    if base == "grad_bucket":
+        sizes = f"{ops} buckets of ~{_mib(mean_bytes)} per step" if ops else "the gradient buckets"
+        overlap = (
+            "almost none of it runs under backward: launch bucket all-reduces from gradient "
+            "hooks (DDP/ZeRO overlap) so they hide behind the remaining backward; "
+            if hidden < 0.3
+            else ""
+        )
+        return (
+            f"{head}: {overlap}{sizes} — raise the bucket size (ddp.bucket_mb / zero bucket; "
+            "~25 MiB amortises per-collective latency) if buckets are small, accumulate more "
+            "micro-batches per step so each sync covers more compute, or compress gradients "
+            "(compression plugin: bf16 or PowerSGD) if the link is bandwidth-bound."
+        )
+    if base == "param_gather":
+        return (
+            f"{head}: ZeRO-3 parameter all-gathers wait on the critical path — prefetch the "
+            "next unit earlier, use larger units, or use ZeRO stage 2 if the parameters fit "
+            "in memory (stage 2 gathers nothing during forward)."
+        )
+    if base in ("tp_activation", "tp_grad"):
+        tp = context.degrees.get("tp", 1)
+        return (
+            f"{head}: tensor-parallel collectives are synchronous by design — keep tp={tp} "
+            "inside one node (NVLink/NVSwitch), never across the network; if it already is, "
+            "lower tp and raise dp or pp, or enable sequence parallel to shrink activations."
+        )
+    if base in ("grad_norm", "metrics", "loss_scale"):
+        return (
+            f"{head}: small synchronous all-reduces are latency-bound — report loss/metrics "
+            "less often and fuse the gradient-norm reduction with the gradient sync."
+        )
+    if base == "optimizer_state":
+        return f"{head}: optimizer-state gathers belong in checkpointing, not in every step."
+    return (
+        f"{head}: overlap collectives with compute (async ops), use larger messages, or keep "
+        "the heaviest group inside a node."
+    )
+
+
+def advice(breakdown: RankBreakdown, context: RankContext | None = None) -> str:
+    """Concrete advice for the dominant class of `breakdown`."""
+    context = context or RankContext()
+    dominant = breakdown.dominant
+    if not dominant:
+        return "no complete steps received yet"
+    share = breakdown.seconds[dominant] / breakdown.step_seconds if breakdown.step_seconds else 0
+    ms = breakdown.seconds[dominant] * 1e3
+    if dominant == "exposed_comm":
+        return _comm_advice(breakdown, context)
+    if dominant == "data":
+        return (
+            f"data-bound: {ms:.1f} ms/step ({share:.0%}) waiting for batches — prefetch in "
+            "background workers (DataLoader num_workers, pin_memory, prefetch_factor), read "
+            "memory-mapped token files (`plait data prepare`) instead of tokenising on the fly, "
+            "or raise the micro-batch size so each batch carries more compute."
+        )
+    if dominant == "pipeline_bubble":
+        pp = context.degrees.get("pp", 1)
+        m = max(breakdown.microbatches, 1)
+        bubble = (pp - 1) / (m + pp - 1) if pp > 1 else 0.0
+        return (
+            f"pipeline bubble: {ms:.1f} ms/step ({share:.0%}) idle or waiting on the next "
+            f"stage — with pp={pp} and {m} micro-batches the 1F1B bubble is "
+            f"(p-1)/(m+p-1) = {bubble:.0%}; raise the micro-batch count (m >= 4p keeps it "
+            "under ~20%), use interleaved 1F1B (virtual stages) or the zero-bubble ZB-H1 "
+            "schedule, and balance layers across stages."
+        )
+    if dominant == "optimizer":
+        return (
+            f"optimizer-bound: {ms:.1f} ms/step ({share:.0%}) in the optimizer step — use the "
+            "fused AdamW kernel (kernels.adamw_step), shard optimizer state with ZeRO stage 1/2 "
+            "(each rank updates 1/dp of the parameters), and avoid CPU offload unless memory "
+            "forces it."
+        )
+    if dominant == "host_other":
+        return (
+            f"host overhead: {ms:.1f} ms/step ({share:.0%}) outside compute, communication and "
+            "data — Python and launch overhead or host syncs between phases; use torch.compile "
+            "or CUDA graphs, larger micro-batches, and fewer per-step .item() calls."
+        )
+    return (
+        f"compute-bound ({share:.0%} of the step): the healthy case — raise MFU with fused "
+        "kernels (the triton plugin), bf16, larger micro-batches, and activation checkpointing "
+        "only where memory requires it."
+    )
+
+
+def job_dominant(breakdowns: Iterable[RankBreakdown]) -> RankBreakdown:
+    """One breakdown summing the ranks' means, for a job-level dominant class and advice."""
+    items = [b for b in breakdowns if b.steps]
+    if not items:
+        return rank_breakdown([])
+    purposes: dict[str, float] = {}
+    for b in items:
+        for purpose, value in b.exposed_comm_by_purpose.items():
+            purposes[purpose] = purposes.get(purpose, 0.0) + value
+    return RankBreakdown(
+        steps=min(b.steps for b in items),
+        step_seconds=sum(b.step_seconds for b in items),
+        seconds={c: sum(b.seconds[c] for b in items) for c in CLASSES},
+        comm_seconds=sum(b.comm_seconds for b in items),
+        exposed_comm_by_purpose=purposes,
+        median_step_seconds=statistics.median(b.median_step_seconds for b in items),
+        median_compute_seconds=statistics.median(b.median_compute_seconds for b in items),
+        microbatches=max(b.microbatches for b in items),
+    )
