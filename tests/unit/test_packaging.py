@@ -1,0 +1,46 @@
+"""Packaging: folders map into `plait.*`, nothing named `core` or `plugins` is importable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_no_top_level_core_or_plugins_module(tmp_path: Path) -> None:
+    code = (
+        "import importlib.util as u, plait.core.engine, plait.plugins.ddp, plait.daemon, "
+        "plait.proto, plait.tools.cli\n"
+        "print([n for n in ('core', 'plugins', 'daemon', 'proto', 'tools') if u.find_spec(n)])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(240)
+def test_wheel_holds_every_package_and_its_data(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        cwd=tmp_path,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("plait-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"plait", wheel.name.split("-py")[0] + ".dist-info"}
+    packages = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    for folder in ("core", "plugins", "proto", "daemon", "tools"):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            if "__pycache__" not in init.parts:
+                rel = init.parent.relative_to(ROOT).as_posix()
+                assert f"plait/{rel}" in packages, f"{rel} missing from the wheel"
+    assert "plait/plugins/data/corpus/python_docs.txt" in names
+    assert "plait/proto/plait/v1/daemon.proto" in names
+    assert "plait/setup.py" not in names and "plait/pyproject.toml" not in names
