@@ -40,6 +40,7 @@ def _peak_flops(engine: Engine) -> float:
 
 def run_training(config: PlaitConfig, *, console: Console | None = None) -> TrainingSummary:
     """Train for `config.train.steps` steps; rank 0 shows live progress."""
+    from plait.plugins.checkpoint import Checkpointer
     from plait.plugins.data import build_batches
 
     engine = Engine(config=config)
@@ -54,6 +55,8 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         dp_size=mesh.size("dp"),
         seed=config.train.seed,
     )
+    checkpointer = Checkpointer.from_config(engine, batches, config)
+    start_step = checkpointer.maybe_resume()
     peak = _peak_flops(engine) * mesh.world_size if is_leader else 0.0
     summary = TrainingSummary()
     if is_leader:
@@ -71,7 +74,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     tokens_done = 0
     with progress:
         task = progress.add_task("train", total=config.train.steps, stats="")
-        for step in range(config.train.steps):
+        for step in range(start_step, config.train.steps):
             data_start = time.time_ns()
             batch = batches.next_batch()
             loss = engine.train_step(batch, data_start_ns=data_start)
@@ -85,6 +88,8 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
                     step % config.train.log_every == 0 or step == config.train.steps - 1
                 ):
                     console.print(f"step {step + 1}/{config.train.steps} {stats}", highlight=False)
+            checkpointer.maybe_save(step + 1)
+    checkpointer.close()
     elapsed = time.perf_counter() - start
     summary.tokens_per_second = tokens_done / elapsed
     summary.mfu = mfu(engine.flops_per_token * summary.tokens_per_second, peak) if peak else 0.0

@@ -98,7 +98,8 @@ class Checkpointer:
         # DCP coordinates over a process group of its own: a dedicated Gloo group keeps checkpoint
         # traffic out of the training groups' op sequence and lets a save thread run beside
         # training. Creating a group is collective, so it is made here, on every rank.
-        self.group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 else None
+        distributed = self.root is not None and dist.get_world_size() > 1
+        self.group = dist.new_group(backend="gloo") if distributed else None
         if config.max_consecutive_nonfinite > 0:
             from plait.plugins.checkpoint.guard import NonFiniteGuard
 
