@@ -6,12 +6,12 @@
     ...  checkpointer.maybe_save(step + 1)  ...
 
 - `layout`: the canonical layout (original FQN, global shape, rectangular chunks) and the
-  `StateLayout` protocol runtimes implement; `adapters`: what ZeRO / TP / PP runtimes expose.
+  `StateLayout` protocol a runtime returns from `checkpoint_layout()`.
 - `planner`: DCP planners for chunked values; `state`: what a checkpoint holds;
   `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
 - `checkpointer`: the training-loop policy and the `[checkpoint_io]` section.
-- `guard`: skip steps with NaN/Inf gradients; `timeouts`: collective timeouts that name the op
-  and the ranks that did not arrive; `fault_injection`: SIGKILL a rank for restart tests.
+- `guard`: skip steps with NaN/Inf gradients; `fault_injection`: SIGKILL a rank for restart
+  tests.
 - `hf`: Hugging Face safetensors export/import of Llama weights.
 """
 

@@ -8,8 +8,7 @@ and the local chunks with their offsets. Saving writes those chunks; loading rea
 saved chunks overlap the chunks this rank holds, so any layout loads any other (resharding).
 
 A runtime that holds model or optimizer state in a layout other than "the module's parameters,
-replicated" implements `checkpoint_layout()` returning a `StateLayout` (see `adapters.py` for
-what ZeRO, tensor and pipeline parallel runtimes expose).
+replicated" implements `checkpoint_layout()` returning a `StateLayout`.
 """
 
 from __future__ import annotations
