@@ -8,19 +8,36 @@ engine on the already-initialised process group.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Generator
 from typing import Any
 
 import torch
-from torch import nn
 
+from plait.core.comm import Work
 from plait.core.engine import Engine
 from plait.core.errors import PlaitError
+from plait.core.hookspecs import hookimpl
 from plait.core.plugins import Plugins
+from plait.core.records import CommRequest
+from plait.plugins.ddp.buckets import BucketedAllReduce
 from plait.plugins.pipeline.runtime import PipelineRuntime
 
 SEQ, VOCAB = 16, 256
 MODEL = dict(dim=32, n_layers=8, n_heads=2, n_kv_heads=1, multiple_of=16, max_seq_len=64)
 LR = 0.05
+
+
+class OpCounter:
+    """Counts the communication ops of each purpose ("grad_bucket", "activation", …)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    @hookimpl(wrapper=True)
+    def plait_communicate(self, request: CommRequest) -> Generator[None, Work, Work]:
+        self.counts[request.purpose] += 1
+        return (yield)
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -62,8 +79,9 @@ def _engine(
     global_batch: int,
     max_norm: float,
     tp: int = 1,
-) -> tuple[Engine, RecordingSGD]:
+) -> tuple[Engine, RecordingSGD, OpCounter]:
     optimizers: list[RecordingSGD] = []
+    counter = OpCounter()
 
     def factory(params: Any) -> torch.optim.Optimizer:
         optimizers.append(RecordingSGD(params, lr=LR))
@@ -84,9 +102,9 @@ def _engine(
             "telemetry": {"enabled": False},
         },
         optimizer=factory,
-        plugins=Plugins.create(autoload=False),
+        plugins=Plugins.create(autoload=False, extra=[("op_counter", counter)]),
     )
-    return engine, optimizers[0]
+    return engine, optimizers[0], counter
 
 
 def train(
@@ -94,14 +112,17 @@ def train(
     world_size: int,
     runs: list[dict[str, Any]],
     steps: int,
-    global_batch: int,
     max_norm: float = 0.3,
 ) -> list[dict[str, Any]]:
-    """Train once per entry of `runs` ({schedule, pp, virtual}); return per-run records."""
-    del rank, world_size
+    """Train once per entry of `runs` ({schedule, pp, global_batch, virtual, tp, errors});
+    return per-run records (with `errors`: the errors raised by bad pipeline configs)."""
     results = []
     for run in runs:
-        engine, optimizer = _engine(
+        if run.get("errors"):
+            results.append(errors(rank, world_size))
+            continue
+        global_batch = run["global_batch"]
+        engine, optimizer, counter = _engine(
             schedule=run["schedule"],
             pp=run["pp"],
             virtual=run.get("virtual", 1),
@@ -124,6 +145,9 @@ def train(
             )
             if pipeline_runtime is not None:
                 bubbles.append(pipeline_runtime.last_bubble_fraction)
+        ddp_runtime = next(
+            (rt for rt in engine.runtimes if isinstance(rt, BucketedAllReduce)), None
+        )
         grads = [{names[i]: g for i, g in step.items()} for step in optimizer.seen]
         plan = engine.context.notes.get("pipeline_plan")
         results.append(
@@ -135,7 +159,8 @@ def train(
                 "bubbles": bubbles,
                 "idle_spans": idle_spans,
                 "plan": None if plan is None else [c.layers for c in plan.chunks],
-                "num_params": sum(p.numel() for p in engine.module.parameters()),
+                "ops_per_step": {k: v / steps for k, v in counter.counts.items()},
+                "num_buckets": len(ddp_runtime.buckets) if ddp_runtime else 0,
             }
         )
         engine.close()
@@ -146,7 +171,7 @@ def errors(rank: int, world_size: int) -> dict[str, str]:
     """The errors a 2-stage pipeline raises for too few micro-batches and too few layers."""
     del rank, world_size
     found = {}
-    engine, _ = _engine(
+    engine, _, _ = _engine(
         schedule="1f1b", pp=2, virtual=1, micro_batch=1, global_batch=1, max_norm=0.0
     )
     ((inputs, targets),) = global_batches(1, 1)
@@ -166,7 +191,3 @@ def errors(rank: int, world_size: int) -> dict[str, str]:
     except PlaitError as exc:
         found["layers"] = str(exc)
     return found
-
-
-def parameter_names(module: nn.Module) -> list[str]:
-    return [full_name(n) for n, _ in module.named_parameters()]

@@ -30,24 +30,24 @@ def _meta_llama(**overrides: Any) -> Llama:
         return Llama(config, kernels=None)  # type: ignore[arg-type]
 
 
-def _runs(pp: int) -> list[dict[str, Any]]:
+def _runs(pp: int, global_batch: int = 4) -> list[dict[str, Any]]:
     return [
-        {"schedule": s, "pp": pp, "virtual": 2 if s == "interleaved_1f1b" else 1} for s in SCHEDULES
+        {
+            "schedule": s,
+            "pp": pp,
+            "virtual": 2 if s == "interleaved_1f1b" else 1,
+            "global_batch": global_batch,
+        }
+        for s in SCHEDULES
     ]
 
 
 @pytest.fixture(scope="module")
 def single_process() -> dict[int, dict[str, Any]]:
     """The reference: one process, gradient accumulation, for the global batches used below."""
-    runs = (
-        run_distributed(
-            pp_workers.train, 1, [{"schedule": "accumulate", "pp": 1}], STEPS, 4, timeout=120
-        )[0]
-        + run_distributed(
-            pp_workers.train, 1, [{"schedule": "accumulate", "pp": 1}], STEPS, 8, timeout=120
-        )[0]
-    )
-    return {4: runs[0], 8: runs[1]}
+    runs = [{"schedule": "accumulate", "pp": 1, "global_batch": b} for b in (4, 8)]
+    (results,) = run_distributed(pp_workers.train, 1, runs, STEPS, timeout=120)
+    return {4: results[0], 8: results[1]}
 
 
 def _assert_matches(run: dict[str, Any], reference: dict[str, Any], *, covered: set[str]) -> None:
@@ -130,17 +130,42 @@ def test_fewer_layers_than_chunks_is_an_error() -> None:
 
 @pytest.mark.dist
 def test_every_schedule_pp2_matches_single_process(single_process: dict[int, Any]) -> None:
-    ranks = run_distributed(pp_workers.train, 2, _runs(2), STEPS, 4, timeout=180)
+    # The configuration errors are checked in the same spawn, after the schedules.
+    runs = [*_runs(2), {"errors": True}]
+    ranks = run_distributed(pp_workers.train, 2, runs, STEPS, timeout=180)
     for index, schedule in enumerate(SCHEDULES):
         covered: set[str] = set()
         for rank_runs in ranks:
-            _assert_matches(rank_runs[index], single_process[4], covered=covered)
+            run = rank_runs[index]
+            _assert_matches(run, single_process[4], covered=covered)
+            if run["virtual"] == 1:
+                # One activation and one gradient per micro-batch cross the stage boundary.
+                assert run["ops_per_step"]["activation"] == 4, run["ops_per_step"]
+                assert run["ops_per_step"]["activation_grad"] == 4, run["ops_per_step"]
         assert covered == set(single_process[4]["grads"][0]), f"{schedule}: parameters missing"
+    for rank_runs in ranks:
+        found = rank_runs[-1]
+        assert "'1f1b' with pp=2 needs at least as many micro-batches" in found["microbatches"]
+        assert "needs 16 chunks of at least one block" in found["layers"]
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, list[list[dict[str, Any]]]]:
+    """One 4-rank spawn for pp=4 and pp2×dp2 (starting ranks costs more than their steps)."""
+    pp4 = _runs(4)
+    pp2_dp2 = [r for r in _runs(2, global_batch=8) if r["schedule"] != "gpipe"]
+    ranks = run_distributed(pp_workers.train, 4, [*pp4, *pp2_dp2], STEPS, timeout=240)
+    return {
+        "pp4": [rank_runs[: len(pp4)] for rank_runs in ranks],
+        "pp2_dp2": [rank_runs[len(pp4) :] for rank_runs in ranks],
+    }
 
 
 @pytest.mark.dist
-def test_every_schedule_pp4_matches_single_process(single_process: dict[int, Any]) -> None:
-    ranks = run_distributed(pp_workers.train, 4, _runs(4), STEPS, 4, timeout=240)
+def test_every_schedule_pp4_matches_single_process(
+    single_process: dict[int, Any], four_ranks: dict[str, Any]
+) -> None:
+    ranks = four_ranks["pp4"]
     for index, schedule in enumerate(SCHEDULES):
         covered: set[str] = set()
         for rank_runs in ranks:
@@ -151,14 +176,19 @@ def test_every_schedule_pp4_matches_single_process(single_process: dict[int, Any
 
 
 @pytest.mark.dist
-def test_pp2_dp2_matches_single_process(single_process: dict[int, Any]) -> None:
-    runs = [r for r in _runs(2) if r["schedule"] != "gpipe"]
-    ranks = run_distributed(pp_workers.train, 4, runs, STEPS, 8, timeout=240)
-    for index, run in enumerate(runs):
+def test_pp2_dp2_matches_single_process(
+    single_process: dict[int, Any], four_ranks: dict[str, Any]
+) -> None:
+    ranks = four_ranks["pp2_dp2"]
+    for index in range(len(ranks[0])):
         covered: set[str] = set()
         for rank_runs in ranks:
-            _assert_matches(rank_runs[index], single_process[8], covered=covered)
-        assert covered == set(single_process[8]["grads"][0]), f"{run}: parameters missing"
+            run = rank_runs[index]
+            _assert_matches(run, single_process[8], covered=covered)
+            # Whatever the schedule, every gradient bucket is reduced exactly once per step.
+            assert run["num_buckets"] >= 1
+            assert run["ops_per_step"]["grad_bucket"] == run["num_buckets"], run["ops_per_step"]
+        assert covered == set(single_process[8]["grads"][0]), f"{ranks[0][index]}: missing"
 
 
 @pytest.mark.dist
@@ -166,16 +196,9 @@ def test_pp2_dp2_matches_single_process(single_process: dict[int, Any]) -> None:
     reason="tensor parallelism (plugins/tensor_parallel) has not landed yet; pp2×tp2 needs it"
 )
 def test_pp2_tp2_matches_single_process(single_process: dict[int, Any]) -> None:
-    runs = [{"schedule": "1f1b", "pp": 2, "tp": 2}]
-    ranks = run_distributed(pp_workers.train, 4, runs, STEPS, 4, timeout=240)
+    runs = [{"schedule": "1f1b", "pp": 2, "tp": 2, "global_batch": 4}]
+    ranks = run_distributed(pp_workers.train, 4, runs, STEPS, timeout=240)
     covered: set[str] = set()
     for rank_runs in ranks:
         _assert_matches(rank_runs[0], single_process[4], covered=covered)
     assert covered == set(single_process[4]["grads"][0])
-
-
-@pytest.mark.dist
-def test_clear_errors_for_too_few_microbatches_and_layers() -> None:
-    for found in run_distributed(pp_workers.errors, 2, timeout=120):
-        assert "'1f1b' with pp=2 needs at least as many micro-batches" in found["microbatches"]
-        assert "needs 16 chunks of at least one block" in found["layers"]
