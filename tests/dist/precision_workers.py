@@ -79,7 +79,7 @@ def train_losses(
     results: dict[str, Any] = {}
     for name, amp in runs.items():
         checkpoint = {"mode": "selective"} if name.endswith("+ac") else None
-        engine = make_engine(amp, checkpoint, 2, steps)
+        engine = make_engine(amp, checkpoint, GLOBAL_BATCH // world_size, steps)
         losses = [
             engine.train_step(local_share(batch, rank, world_size))
             for batch in global_batches(steps)
