@@ -62,6 +62,7 @@ class DynamicLossScaler:
         inv_scale = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
         for (grad_device, _), tensors in by_kind.items():
             flag = torch.zeros(1, dtype=torch.float32, device=grad_device)
+            # The fused op `torch.amp.GradScaler` itself uses (CPU and CUDA kernels).
             torch._amp_foreach_non_finite_check_and_unscale_(
                 tensors, flag, inv_scale.to(grad_device)
             )
