@@ -1,0 +1,75 @@
+"""Rank functions for the analysis tests: a stalled collective, a slow loader and a slow rank."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from plait.core.comm import Comm, world_group
+from plait.core.config import load_config
+from plait.core.plugins import Plugins
+from plait.plugins.telemetry import make_plugin
+from tests.daemon.daemon_fakes import job_info
+
+HANG_JOB_ID = "hang"
+SLOW_JOB_ID = "slow"
+
+
+def stall_before_all_reduce(
+    rank: int, world_size: int, address: str, stall_seq: int, stall_seconds: float, ops: int
+) -> list[float]:
+    """`ops` all-reduces on the world group; rank 1 sleeps before the one numbered `stall_seq`."""
+    plugins = Plugins.create(autoload=False, builtins=(("torch_comm", "plait.plugins.torch_comm"),))
+    plugins.register(make_plugin(), "telemetry")
+    plugins.configure(load_config({"telemetry": {"daemon": address}}))
+    plugins.job_start(job_info(rank=rank, world_size=world_size, job_id=HANG_JOB_ID))
+    # Both ranks' telemetry is up before op 0, so a slow start is not mistaken for the stall.
+    torch.distributed.barrier()
+    comm = Comm(plugins)
+    group = world_group()
+    results = []
+    for seq in range(ops):
+        if rank == 1 and seq == stall_seq:
+            time.sleep(stall_seconds)
+        tensor = torch.full((1024,), float(rank + seq))
+        comm.all_reduce(tensor, group=group, purpose="grad_bucket")
+        results.append(tensor[0].item())
+    plugins.job_end()
+    return results
+
+
+def train_slow_loader_and_rank(
+    rank: int,
+    world_size: int,
+    address: str,
+    steps: int,
+    data_seconds: float,
+    slow_rank: int,
+    forward_seconds: float,
+) -> dict[str, Any]:
+    """DDP on a tiny Llama; every batch takes `data_seconds` to arrive, and `slow_rank` spends
+    `forward_seconds` longer in each forward (a slower device, thermally throttled, say)."""
+    from plait.core.engine import Engine
+
+    engine = Engine(
+        config={
+            "model": {"name": "llama", "size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {"micro_batch_size": 2, "global_batch_size": 4 * world_size, "seed": 0},
+            "telemetry": {"enabled": True, "daemon": address, "job_id": SLOW_JOB_ID},
+        },
+        plugins=Plugins.create(autoload=False),
+    )
+    if rank == slow_rank:
+        engine.module.register_forward_pre_hook(lambda module, args: time.sleep(forward_seconds))
+    generator = torch.Generator().manual_seed(rank)
+    vocab = engine.model_config.vocab_size
+    for _ in range(steps):
+        data_start = time.time_ns()
+        time.sleep(data_seconds)  # the loader is slow: the batch is not ready yet
+        tokens = torch.randint(0, vocab, (4, 17), generator=generator)
+        engine.train_step((tokens[:, :-1], tokens[:, 1:]), data_start_ns=data_start)
+    engine.close()
+    return {"steps": steps}

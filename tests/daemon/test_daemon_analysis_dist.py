@@ -1,0 +1,119 @@
+"""Real 2-rank runs against a daemon: a stalled collective, a slow data loader, a slow rank."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from plait.core.testing import run_distributed
+from plait.daemon.server import DaemonServer
+from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from tests.daemon.analysis_workers import (
+    HANG_JOB_ID,
+    SLOW_JOB_ID,
+    stall_before_all_reduce,
+    train_slow_loader_and_rank,
+)
+from tests.daemon.otlp_sink import OtlpSink
+
+engine_available = importlib.util.find_spec("plait.core.engine") is not None
+STALL_SEQ = 2
+CLASS_FIELDS = (
+    "compute",
+    "exposed_comm",
+    "data_wait",
+    "pipeline_bubble",
+    "optimizer",
+    "host_other",
+)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_stalled_rank_is_reported_as_missing_from_the_collective() -> None:
+    with OtlpSink() as sink:
+        server = DaemonServer(
+            "127.0.0.1:0", host_interval=0.5, hang_timeout=1.0, otlp_endpoint=sink.endpoint
+        ).start()
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["results"] = run_distributed(
+                    stall_before_all_reduce, 2, server.address, STALL_SEQ, 4.0, 3,
+                    timeout=90, env={"PLAIT_HEARTBEAT_INTERVAL_MS": "200"},
+                )  # fmt: skip
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        ranks = threading.Thread(target=run)
+        ranks.start()
+        try:
+            hang = None
+            with grpc.insecure_channel(server.address) as channel:
+                stub = daemon_pb2_grpc.DaemonStub(channel)
+                while ranks.is_alive() and hang is None:
+                    hangs = stub.Status(daemon_pb2.StatusRequest(), timeout=5).hangs
+                    hang = next((h for h in hangs if h.seq == STALL_SEQ), None)
+                    assert all(h.seq == STALL_SEQ for h in hangs), hangs
+                    time.sleep(0.2)
+                ranks.join(timeout=100)
+                after = stub.Status(daemon_pb2.StatusRequest(), timeout=5)
+            assert "error" not in outcome, outcome.get("error")
+            assert hang is not None, "no hang reported while rank 1 stalled"
+            assert (hang.job_id, hang.group, hang.op, hang.seq) == (
+                HANG_JOB_ID, "world", "all_reduce", STALL_SEQ,
+            )  # fmt: skip
+            assert list(hang.missing_ranks) == [1] and list(hang.entered_ranks) == [0]
+            assert list(hang.unreported_ranks) == [] and hang.waiting_seconds >= 1.0
+            assert hang.purpose == "grad_bucket"
+            assert list(after.hangs) == []  # cleared once the collective completed
+            # The collective still computed the right sums once rank 1 arrived.
+            assert outcome["results"][0] == [1.0, 3.0, 5.0]
+            # ... and the hang went upstream as an OpenTelemetry span event.
+            assert sink.wait_for(
+                lambda s: any(span.name == "plait.collective.hang" for _, span in s.spans)
+            )
+            (event_span,) = [span for _, span in sink.spans if span.name == "plait.collective.hang"]
+            (event,) = event_span.events
+            attributes = {kv.key: kv.value for kv in event.attributes}
+            assert event.name == "hang.detected"
+            assert attributes["plait.comm.seq"].int_value == STALL_SEQ
+            assert [
+                v.int_value for v in attributes["plait.hang.missing_ranks"].array_value.values
+            ] == [1]
+        finally:
+            server.stop(grace=0.5)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not engine_available, reason="the training engine is absent")
+def test_slow_loader_is_data_bound_and_slow_rank_is_flagged(daemon_server, daemon_stub) -> None:
+    run_distributed(
+        train_slow_loader_and_rank, 2, daemon_server.address, 4, 0.4, 1, 0.08, timeout=150
+    )
+    response = daemon_stub.GetBottleneck(
+        daemon_pb2.GetBottleneckRequest(job_id=SLOW_JOB_ID, window_steps=3)
+    )
+    by_rank = {r.rank: r for r in response.ranks}
+    assert sorted(by_rank) == [0, 1]
+    for rank in by_rank.values():
+        assert rank.steps == 3  # the first step (warm-up) is outside the window
+        assert rank.dominant == "data", rank
+        assert rank.data_wait_seconds == pytest.approx(0.4, abs=0.1)
+        parts = sum(getattr(rank, f"{name}_seconds") for name in CLASS_FIELDS)
+        assert parts == pytest.approx(rank.step_seconds, rel=1e-6)
+    assert response.dominant == "data" and "data-bound" in response.advice
+    # Rank 1 spends 2 x 80 ms more in forward per step: its compute stands out, and rank 0
+    # waits for it in the gradient all-reduce.
+    assert by_rank[1].compute_seconds > by_rank[0].compute_seconds + 0.1
+    assert by_rank[0].exposed_comm_seconds > by_rank[1].exposed_comm_seconds
+    flagged = {s.rank: s for s in response.stragglers}
+    assert flagged[1].flagged and not flagged[0].flagged
+    assert flagged[1].compute_score > 0.2 > flagged[0].compute_score
