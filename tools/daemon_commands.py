@@ -27,7 +27,7 @@ from rich.table import Table
 
 from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS, DaemonClientAuth, resolve_daemon_address
 from plait.daemon.hangs import Hang, merge_hangs
-from plait.daemon.service import hang_from_message, rescore_stragglers
+from plait.daemon.service import hang_from_message, job_advice, rescore_stragglers
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc, metrics_pb2
 
 app = typer.Typer(help="The node daemon and the commands that query it.")
@@ -532,9 +532,13 @@ def bottleneck(
                 "[red]STRAGGLER[/red]" if s.flagged else "",
             )
         console.print(stragglers)
-    for response in responses:
-        if response.advice:
-            console.print(f"[bold]{response.dominant}[/bold]: {response.advice}", highlight=False)
+    by_job: dict[str, list[metrics_pb2.BottleneckBreakdown]] = {}
+    for r in ranks:
+        by_job.setdefault(r.job_id, []).append(r)
+    for job_id, job_ranks in sorted(by_job.items()):
+        dominant, text = job_advice(job_ranks)
+        if dominant:
+            console.print(f"job {job_id} — [bold]{dominant}[/bold]: {text}", highlight=False)
     if png is not None and ranks:
         write_bottleneck_png(ranks, png)
         console.print(f"wrote {png}")
