@@ -89,6 +89,14 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
             f"parallel.pp = {context.mesh.size('pp')} needs a pipelined schedule; schedule.name "
             f"is {schedule.name!r}; pipelined schedules: {', '.join(pipelined)}"
         )
+    if schedule.virtual_stages > 1 and context.mesh.size("tp") > 1:
+        # The tensor-parallel plan names the output head and the RoPE tables on the top-level
+        # model; a rank holding several chunks has them one level down.
+        raise ConfigError(
+            "schedule.virtual_stages > 1 with parallel.tp > 1 is not supported yet: use one "
+            "chunk per pipeline rank (e.g. schedule.name = '1f1b' or 'zb_h1') with tensor "
+            "parallelism"
+        )
     plan = plan_stages(
         model,
         num_stages=context.mesh.size("pp"),

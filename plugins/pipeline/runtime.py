@@ -11,9 +11,9 @@ dtype — so no shape is ever exchanged.
 A rank's first global stage consumes token ids, its last computes the loss with the engine's
 loss function. Zero-bubble schedules split the backward: the input gradient (`Backward(kind=
 "input")`) runs autograd only towards the stage input and keeps the gradients of the
-intermediate tensors that weights hang off; the weight gradient (`kind="weight"`) finishes from
-those, without replaying the input path — torch's own zero-bubble helpers
-(`torch.distributed.pipelining._backward`) do this graph surgery and are used as they are.
+intermediate tensors that weights hang off (torch's own zero-bubble helper
+`stage_backward_input` does this graph surgery); the weight gradient (`kind="weight"`) finishes
+from those through autograd, without replaying the input path, so gradient hooks fire as usual.
 
 The runtime measures every compute action and every wait for a peer. Waits become `idle` phase
 spans of the step; at `SyncGradients` the pipeline ranks exchange (busy time, first compute
@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.autograd.graph import GradientEdge
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
 from plait.core.comm import Work
 from plait.core.grad_norm import mark_sharded
@@ -93,8 +94,8 @@ class _StepRun:
     sends: list[tuple[Work, torch.Tensor]] = field(default_factory=list)
     idle_spans: list[PhaseSpan] = field(default_factory=list)
     times: StageTimes = field(default_factory=StageTimes)
-    forwards: int = 0
-    weight_backwards: int = 0
+    forwards: dict[int, int] = field(default_factory=dict)  # per local chunk
+    weight_backwards: dict[int, int] = field(default_factory=dict)
 
 
 class PipelineRuntime(ParallelRuntime):
@@ -220,12 +221,10 @@ class PipelineRuntime(ParallelRuntime):
 
     def _forward(self, run: _StepRun, action: Forward) -> None:
         mb, chunk = action.microbatch, action.chunk
+        done = run.forwards.get(chunk, 0)
         for rt in self._other_runtimes():
-            rt.before_forward(
-                microbatch=run.forwards,
-                num_microbatches=run.state.num_microbatches * len(self.chunks),
-            )
-        run.forwards += 1
+            rt.before_forward(microbatch=done, num_microbatches=run.state.num_microbatches)
+        run.forwards[chunk] = done + 1
         start = time.time_ns()
         if self._is_first(chunk):
             stage_input = run.state.inputs[mb]
@@ -243,15 +242,14 @@ class PipelineRuntime(ParallelRuntime):
         run.saved[(mb, chunk)] = _Saved(stage_input=stage_input, output=output)
         self._timed(run, start)
 
-    def _before_weight_gradients(self, run: _StepRun) -> None:
-        """Tell the other runtimes (data parallel) a backward producing weight gradients
-        follows: the k-th of the n·v this rank runs, so the last one enables the reduction."""
+    def _before_weight_gradients(self, run: _StepRun, chunk: int) -> None:
+        """Tell the other runtimes a backward producing `chunk`'s weight gradients follows, as
+        the j-th of its n micro-batches: on the last one a chunk's gradients are final, so
+        data parallelism may reduce them and tensor parallelism sum its partial ones."""
+        done = run.weight_backwards.get(chunk, 0)
         for rt in self._other_runtimes():
-            rt.before_backward(
-                microbatch=run.weight_backwards,
-                num_microbatches=run.state.num_microbatches * len(self.chunks),
-            )
-        run.weight_backwards += 1
+            rt.before_backward(microbatch=done, num_microbatches=run.state.num_microbatches)
+        run.weight_backwards[chunk] = done + 1
 
     def _backward(self, run: _StepRun, action: Backward) -> None:
         mb, chunk = action.microbatch, action.chunk
@@ -259,7 +257,7 @@ class PipelineRuntime(ParallelRuntime):
         if action.kind != "weight" and not self._is_last(chunk):
             run.saved[key].output_grad = run.received.pop(("grad", mb, chunk))
         if action.kind == "full":
-            self._before_weight_gradients(run)
+            self._before_weight_gradients(run, chunk)
             start = time.time_ns()
             saved = run.saved.pop(key)
             grads = None if saved.output_grad is None else [saved.output_grad]
@@ -272,20 +270,76 @@ class PipelineRuntime(ParallelRuntime):
             # whole backward runs as the weight half (as torch's zero-bubble stages do).
             if not self._is_first(chunk):
                 grads = None if saved.output_grad is None else [saved.output_grad]
+                params = self._params(chunk)
                 input_grads, saved.param_groups = stage_backward_input(
-                    [saved.output], grads, [saved.stage_input], iter(self._params(chunk))
+                    [saved.output], grads, [saved.stage_input], iter(params)
                 )
+                self._check_weight_groups(chunk, params, saved.param_groups)
                 self._queue_input_grad(run, action, input_grads[0])
         else:
-            self._before_weight_gradients(run)
+            self._before_weight_gradients(run, chunk)
             start = time.time_ns()
             saved = run.saved.pop(key)
             if saved.param_groups is not None:
-                stage_backward_weight(iter(self._params(chunk)), saved.param_groups)
+                self._backward_weight(chunk, saved.param_groups)
             else:
                 grads = None if saved.output_grad is None else [saved.output_grad]
                 torch.autograd.backward([saved.output], grads)
         self._timed(run, start)
+
+    def _check_weight_groups(
+        self, chunk: int, params: list[nn.Parameter], param_groups: list[dict[str, Any]]
+    ) -> None:
+        """Every weight must hang off the input path, or the split backward would drop its
+        gradient (the output side of the graph is already released)."""
+        covered = set().union(*(group["params"] for group in param_groups))
+        missing = [p for p in params if _get_grad_fn_or_grad_acc(p) not in covered]
+        if missing:
+            names = {id(p): n for n, p in self.chunks[chunk].named_parameters()}
+            raise RuntimeError(
+                f"pipeline rank {self.rank}, chunk {chunk}: the split backward cannot reach "
+                f"{[names.get(id(p), '?') for p in missing]} from the stage input; use a "
+                "schedule with full backwards (1f1b)"
+            )
+
+    def _backward_weight(self, chunk: int, param_groups: list[dict[str, Any]]) -> None:
+        """The weight half of a split backward, from the intermediate gradients the input half
+        saved. Unlike torch's `stage_backward_weight` (which adds `autograd.grad` results to
+        `.grad` by hand), the gradients accumulate through autograd, so post-accumulate-grad
+        hooks — data-parallel buckets, tensor-parallel sums — fire as in a full backward."""
+        param_of = {_get_grad_fn_or_grad_acc(p): p for p in self._params(chunk)}
+        for index, group in enumerate(param_groups):
+            edges: list[GradientEdge] = []
+            grads: list[torch.Tensor] = []
+            for saved_grads, intermediate in zip(
+                group["grads"], group["intermediates"], strict=True
+            ):
+                for slot, grad in enumerate(saved_grads):
+                    if grad is not None:
+                        edges.append(GradientEdge(intermediate, slot))
+                        grads.append(grad)
+            if not edges:
+                continue
+            handles = []
+            if len(group["intermediates"]) > 1:
+                # An intermediate may feed another one of the group: pin each to its saved
+                # gradient so nothing flowing in from a sibling is counted twice.
+                handles = [
+                    intermediate.register_prehook(lambda _, saved=saved_grads: saved)
+                    for saved_grads, intermediate in zip(
+                        group["grads"], group["intermediates"], strict=True
+                    )
+                ]
+            try:
+                torch.autograd.backward(
+                    edges,  # type: ignore[arg-type]
+                    grad_tensors=grads,
+                    inputs=[param_of[node] for node in group["params"]],
+                    retain_graph=index < len(param_groups) - 1,
+                )
+            finally:
+                for handle in handles:
+                    handle.remove()
 
     def _params(self, chunk: int) -> list[nn.Parameter]:
         return [p for p in self.chunks[chunk].parameters() if p.requires_grad]
@@ -313,9 +367,18 @@ class PipelineRuntime(ParallelRuntime):
         # The tensor must outlive the send: it is released once the send completes.
         run.sends.append((work, tensor))
 
+    def _boundary_shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
+        """[micro_batch, seq, dim] of the hidden states between stages; under sequence
+        parallelism the residual stream between blocks holds this rank's sequence shard."""
+        batch, seq = tokens.shape[:2]
+        tensor_parallel = self.context.notes.get("tp") or {}
+        if tensor_parallel.get("sequence_parallel"):
+            seq //= self.context.mesh.size("tp")
+        return batch, seq, self.hidden_dim
+
     def _recv(self, run: _StepRun, action: RecvActivation | RecvGrad, kind: str) -> None:
         mb = action.microbatch
-        shape = (*run.state.inputs[mb].shape, self.hidden_dim)
+        shape = self._boundary_shape(run.state.inputs[mb])
         device = self.context.device
         buffer = torch.empty(shape, dtype=self._activation_dtype(), device=device)
         work = self.comm.recv(

@@ -63,6 +63,16 @@ def global_batches(steps: int, global_batch: int) -> list[tuple[torch.Tensor, to
     return batches
 
 
+def _plugins(counter: OpCounter) -> Plugins:
+    plugins = Plugins.create(autoload=False, extra=[("op_counter", counter)])
+    if ("tp", "megatron") not in plugins.strategies():
+        # Until the tensor-parallel plugin is in the built-in list.
+        from plait.plugins import tensor_parallel
+
+        plugins.register(tensor_parallel, "tensor_parallel")
+    return plugins
+
+
 def full_name(name: str) -> str:
     """The full model's name of a parameter of a pipeline rank's module."""
     if name.startswith("chunks."):
@@ -79,6 +89,7 @@ def _engine(
     global_batch: int,
     max_norm: float,
     tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> tuple[Engine, RecordingSGD, OpCounter]:
     optimizers: list[RecordingSGD] = []
     counter = OpCounter()
@@ -100,9 +111,10 @@ def _engine(
             "parallel": {"pp": pp, "tp": tp},
             "schedule": {"name": schedule, "virtual_stages": virtual},
             "telemetry": {"enabled": False},
+            **({"tp": {"sequence_parallel": True}} if sequence_parallel else {}),
         },
         optimizer=factory,
-        plugins=Plugins.create(autoload=False, extra=[("op_counter", counter)]),
+        plugins=_plugins(counter),
     )
     return engine, optimizers[0], counter
 
@@ -130,6 +142,7 @@ def train(
             global_batch=global_batch,
             max_norm=max_norm,
             tp=run.get("tp", 1),
+            sequence_parallel=run.get("sequence_parallel", False),
         )
         names = {id(p): full_name(n) for n, p in engine.module.named_parameters()}
         dp_size, dp_rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
@@ -161,6 +174,7 @@ def train(
                 "plan": None if plan is None else [c.layers for c in plan.chunks],
                 "ops_per_step": {k: v / steps for k, v in counter.counts.items()},
                 "num_buckets": len(ddp_runtime.buckets) if ddp_runtime else 0,
+                "tp_rank": engine.mesh.coordinate("tp"),
             }
         )
         engine.close()
