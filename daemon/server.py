@@ -36,7 +36,8 @@ from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # largest request accepted (a rank's batch is ~2 MiB)
+MAX_RESPONSE_BYTES = 256 * 1024 * 1024  # a whole-window trace capture can be large
 HANG_CHECK_SECONDS = 1.0
 DAEMON_SERVICE = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
 SERVICE_NAMES = (
@@ -93,7 +94,7 @@ class DaemonServer:
             interceptors=[self.guard],
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max(max_message_bytes, MAX_MESSAGE_BYTES)),
+                ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
         )
