@@ -1,0 +1,233 @@
+"""Benchmark: plait's pipeline vs `torch.distributed.pipelining`, same model, same run; bubbles.
+
+    python tools/bench/pp.py [--steps 6] [--rounds 3] [--dim 256] [--layers 8] [--microbatches 8]
+
+Two Gloo ranks (pp = 2) train the same built-in Llama (plait kernels, name-keyed init, the
+same cost-balanced stage split) with `torch.optim.AdamW` and global-norm clipping, through
+plait's engine and through torch's `PipelineStage` with `ScheduleGPipe` / `Schedule1F1B`. All
+four contenders live in the same two processes and run in alternating rounds, so machine noise
+spreads evenly; the table gives tokens/s (median over rounds) and the plait/torch ratio per
+schedule, and the first-step loss of each side as a check that both train the same thing.
+
+The second table is plait's measured pipeline bubble (`1 - Σ busy / (P · makespan)` from the
+runtime's per-action timings) for every schedule against the closed forms: (p-1)/(m+p-1) for
+GPipe and 1F1B, (p-1)/(v·m+p-1) for interleaved 1F1B, and ZB-H1's (p-1)(F+I-W) bubble with the
+textbook costs F = I = W.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from plait.core.testing import run_distributed
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+LR = 1e-3
+
+
+def _config(args: argparse.Namespace, schedule: str, virtual: int = 1) -> dict[str, Any]:
+    return {
+        "model": {
+            "name": "llama",
+            "size": "tiny",
+            "overrides": {
+                "dim": args.dim,
+                "n_layers": args.layers,
+                "n_heads": 8,
+                "n_kv_heads": 4,
+                "vocab_size": 256,
+                "max_seq_len": args.seq_len,
+            },
+        },
+        "data": {"seq_len": args.seq_len},
+        "train": {
+            "global_batch_size": args.microbatches * args.micro_batch,
+            "micro_batch_size": args.micro_batch,
+            "max_grad_norm": 1.0,
+            "seed": 0,
+            "device": "cpu",
+        },
+        "parallel": {"pp": 2},
+        "schedule": {"name": schedule, "virtual_stages": virtual},
+        "telemetry": {"enabled": False},
+    }
+
+
+def _batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batch = args.microbatches * args.micro_batch
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, 256, (batch, args.seq_len + 1), generator=generator)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, foreach=True)
+
+
+def _plait_step(args: argparse.Namespace, schedule: str, virtual: int = 1) -> Any:
+    from plait.core.engine import Engine
+    from plait.core.plugins import Plugins
+
+    engine = Engine(
+        config=_config(args, schedule, virtual),
+        optimizer=_adamw,
+        plugins=Plugins.create(autoload=False),
+    )
+    return engine
+
+
+def _torch_step(args: argparse.Namespace, schedule: str) -> Callable[[Any], float]:
+    """One optimizer step of torch's pipelining on the stage plait would build for this rank."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    from plait.core.kernels import Kernels
+    from plait.core.plugins import Plugins
+    from plait.plugins.pipeline.split import build_chunk, plan_stages
+
+    rank = dist.get_rank()
+    plugins = Plugins.create(autoload=False)
+    record = plugins.model("llama")
+    config = _config(args, schedule)
+    assert record.make_config is not None
+    model_config = record.make_config("tiny", config["model"]["overrides"])
+    with torch.device("meta"):
+        full = record.build(model_config, Kernels(plugins, prefer=["torch"]))
+    plan = plan_stages(full, num_stages=2, virtual_stages=1, balance="flops", seq_len=args.seq_len)
+    stage_module = build_chunk(full, plan.for_rank(rank)[0])
+    stage_module.to_empty(device="cpu")
+    with torch.no_grad():
+        stage_module.init_weights(seed=0)  # type: ignore[operator]
+    stage = pipelining.PipelineStage(stage_module, rank, 2, torch.device("cpu"))
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    runner = getattr(pipelining, SCHEDULES[schedule])(
+        stage, n_microbatches=args.microbatches, loss_fn=loss_fn
+    )
+    optimizer = _adamw(stage_module.parameters())
+    params = list(stage_module.parameters())
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        inputs, targets = batch
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            runner.step(inputs)
+        else:
+            runner.step(target=targets, losses=losses)
+        # The same global-norm clipping plait does: one all-reduce of the squared norms.
+        squares = torch.stack([p.grad.pow(2).sum() for p in params if p.grad is not None]).sum()
+        dist.all_reduce(squares)
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, squares.sqrt())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = torch.stack(losses).detach().mean() if losses else torch.zeros(())
+        dist.all_reduce(mean)
+        return float(mean)
+
+    return step
+
+
+def compare(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every contender in these two processes, in alternating rounds."""
+    del world
+    steppers: dict[str, Callable[[Any], float]] = {}
+    for schedule in SCHEDULES:
+        engine = _plait_step(args, schedule)
+        steppers[f"plait {schedule}"] = engine.train_step
+        steppers[f"torch {schedule}"] = _torch_step(args, schedule)
+    batches = _batches(args, args.warmup + args.steps)
+    first_loss = {name: step(batches[0]) for name, step in steppers.items()}
+    for step in steppers.values():
+        for batch in batches[1 : args.warmup]:
+            step(batch)
+    tokens = args.steps * args.microbatches * args.micro_batch * args.seq_len
+    rates: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(args.rounds):
+        for name, step in steppers.items():
+            start = time.perf_counter()
+            for batch in batches[args.warmup :]:
+                step(batch)
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return {"rank": rank, "rates": rates, "first_loss": first_loss}
+
+
+def bubbles(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """plait's measured bubble per schedule and micro-batch count (median over steps)."""
+    del world
+    from plait.plugins.pipeline.runtime import PipelineRuntime
+
+    out: dict[str, Any] = {}
+    for microbatches in sorted({4, args.microbatches}):
+        sized = argparse.Namespace(**{**vars(args), "microbatches": microbatches})
+        for schedule in BUBBLE_SCHEDULES:
+            virtual = 2 if schedule == "interleaved_1f1b" else 1
+            engine = _plait_step(sized, schedule, virtual)
+            runtime = next(rt for rt in engine.runtimes if isinstance(rt, PipelineRuntime))
+            measured = []
+            for batch in _batches(sized, args.warmup + args.steps):
+                engine.train_step(batch)
+                measured.append(runtime.last_bubble_fraction)
+            out[f"{schedule} m={microbatches}"] = statistics.median(measured[args.warmup :])
+    return {"rank": rank, "bubbles": out}
+
+
+def main() -> None:
+    from plait.plugins.pipeline.timeline import theoretical_bubble_fraction
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--skip-bubbles", action="store_true")
+    args = parser.parse_args()
+
+    ranks = run_distributed(compare, 2, args, timeout=3600)
+    print(
+        f"pipeline benchmark: llama dim={args.dim} layers={args.layers} seq={args.seq_len}, "
+        f"pp=2 on 2 Gloo ranks, {args.microbatches} micro-batches of {args.micro_batch}, "
+        f"{args.steps} steps × {args.rounds} rounds (median tokens/s)"
+    )
+    print(f"{'schedule':10} {'plait tok/s':>12} {'torch tok/s':>12} {'ratio':>7}   first loss")
+    for schedule in SCHEDULES:
+        plait = statistics.median(ranks[0]["rates"][f"plait {schedule}"])
+        peer = statistics.median(ranks[0]["rates"][f"torch {schedule}"])
+        losses = ranks[0]["first_loss"]
+        print(
+            f"{schedule:10} {plait:12,.0f} {peer:12,.0f} {plait / peer:6.3f}×   "
+            f"plait {losses[f'plait {schedule}']:.4f} / torch {losses[f'torch {schedule}']:.4f}"
+        )
+    if args.skip_bubbles:
+        return
+    measured = run_distributed(bubbles, 2, args, timeout=3600)[0]["bubbles"]
+    print("\nmeasured bubble (plait runtime, pp=2) vs theory")
+    print(f"{'schedule':24} {'measured':>9} {'theory':>8}  formula")
+    for key, value in measured.items():
+        schedule, m = key.split(" m=")
+        theory, formula = theoretical_bubble_fraction(
+            schedule,
+            num_stages=2,
+            num_microbatches=int(m),
+            virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
+        ) or (float("nan"), "")
+        print(f"{key:24} {value:9.3f} {theory:8.3f}  {formula}")
+
+
+if __name__ == "__main__":
+    main()
