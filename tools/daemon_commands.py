@@ -332,7 +332,7 @@ def render_top(latest: dict[str, daemon_pb2.GetMetricsResponse | str]) -> Group:
         )
     ranks = Table(title="ranks")
     columns = ("host", "job", "rank", "step", "tokens/s", "MFU", "step time", "comm", "data")
-    for column in (*columns, "memory", "CPU"):
+    for column in (*columns, "memory", "CPU", "GPU"):
         ranks.add_column(column, justify="right")
     rows = sorted(
         (r for response in responses for r in response.ranks), key=lambda r: (r.job_id, r.rank)
@@ -351,6 +351,7 @@ def render_top(latest: dict[str, daemon_pb2.GetMetricsResponse | str]) -> Group:
             f"{r.data_wait_seconds * 1e3:.1f} ms",
             _bytes(memory),
             f"{r.cpu_percent:.0f}%" if r.cpu_percent >= 0 else "-",
+            f"{r.device_utilization:.0%}" if r.device_utilization >= 0 else "-",
         )
     hosts = Table(title="hosts")
     for column in ("host", "CPU", "memory", "net out", "net in"):

@@ -6,10 +6,13 @@ import types
 from collections import deque
 from typing import Any
 
+import grpc
 import pytest
 
+from plait.core import telemetry
 from plait.daemon.nvml import NvmlCollector, metric_points
 from plait.daemon.server import DaemonServer
+from plait.daemon.service import daemon_points
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 
 
@@ -145,8 +148,6 @@ def test_absent_library_driver_or_gpus_are_reported_not_raised(module: Any, expe
 
 
 def test_daemon_reports_gpu_collector_and_publishes_hw_metrics() -> None:
-    import grpc
-
     server = DaemonServer(
         "127.0.0.1:0", host_interval=0.2, nvml=NvmlCollector(nvml=fake_pynvml(gpus=1))
     ).start()
@@ -154,9 +155,19 @@ def test_daemon_reports_gpu_collector_and_publishes_hw_metrics() -> None:
         with grpc.insecure_channel(server.address) as channel:
             status = daemon_pb2_grpc.DaemonStub(channel).Status(daemon_pb2.StatusRequest())
         assert status.gpu_collector == "nvml: 1 GPU(s)"
-        from plait.daemon.service import daemon_points
-
         names = {p.name for p in daemon_points(server.service)}
         assert {"hw.gpu.utilization", "hw.power", "hw.energy", "hw.errors"} <= names
+        # A rank on this host using cuda:0 gets GPU 0's utilization in its metrics.
+        resource = {
+            telemetry.ATTR_JOB_ID: "gpu",
+            telemetry.ATTR_RANK: 0,
+            telemetry.ATTR_DEVICE: "cuda:0",
+            "host.name": server.host.hostname,
+        }
+        server.store.add_metric_points(resource, {"plait.train.loss": 1.0})
+        with grpc.insecure_channel(server.address) as channel:
+            metrics = daemon_pb2_grpc.DaemonStub(channel).GetMetrics(daemon_pb2.GetMetricsRequest())
+        (rank,) = metrics.ranks
+        assert rank.device_utilization == pytest.approx(0.40)
     finally:
         server.stop(grace=0.5)
