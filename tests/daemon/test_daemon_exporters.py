@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from plait.daemon.exporters import UpstreamTarget
 from plait.daemon.server import DaemonServer
+from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.daemon.daemon_fakes import FakeBackend, run_fake_rank
 from tests.daemon.otlp_sink import OtlpSink
 
@@ -78,3 +80,18 @@ def test_forwards_upstream_and_serves_prometheus(monkeypatch: pytest.MonkeyPatch
     assert classes["data"] == pytest.approx(0.1, abs=0.01)  # minus comm issued in step 0
     assert classes["compute"] == pytest.approx(0.2, abs=1e-6)
     assert families["plait_daemon_spans_received"].samples[0].value > 0
+
+
+def test_a_daemon_can_forward_to_another_daemon() -> None:
+    """Node daemons upstream of a central one: the central daemon sees every node's ranks."""
+    with DaemonServer("127.0.0.1:0", host_interval=0.2) as central:
+        node = DaemonServer(
+            "127.0.0.1:0", host_interval=0.2, otlp_endpoint=f"http://{central.address}"
+        ).start()
+        try:
+            run_fake_rank(node.address, rank=1, steps=2, backend=FakeBackend())
+        finally:
+            node.stop(grace=0.5)  # flushes the forwarding queue
+        with grpc.insecure_channel(central.address) as channel:
+            ranks = daemon_pb2_grpc.DaemonStub(channel).ListRanks(daemon_pb2.ListRanksRequest())
+        assert [(r.job_id, r.rank, r.steps_received) for r in ranks.ranks] == [("job-a", 1, 2)]
