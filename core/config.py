@@ -56,6 +56,9 @@ class TrainSection(Section):
     seed: int = 1234
     log_every: int = Field(1, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    collective_timeout_seconds: float = Field(
+        600.0, gt=0, description="a collective that takes longer fails (process-group timeout)"
+    )
 
 
 class ParallelSection(Section):
@@ -103,6 +106,35 @@ class TelemetrySection(Section):
     job_id: str = ""
 
 
+class FaultInjectionSection(Section):
+    """`[checkpoint_io.fault_injection]`: kill a rank on purpose, to test restarts."""
+
+    kill_after_step: int = Field(-1, description="SIGKILL after this many steps; -1 = never")
+    rank: int = Field(0, ge=0, description="the global rank that kills itself")
+    only_first_attempt: bool = Field(
+        True, description="only before the first torchrun restart (so the job can finish)"
+    )
+
+
+class CheckpointIOSection(Section):
+    """`[checkpoint_io]` section."""
+
+    dir: str = Field("", description="checkpoint root directory; '' disables checkpoints")
+    every: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
+    keep: int = Field(3, ge=0, description="keep the newest K checkpoints; 0 keeps all")
+    async_save: bool = Field(False, description="write in a background thread after a CPU copy")
+    resume: bool = Field(True, description="resume from the latest complete checkpoint in dir")
+    save_final: bool = Field(True, description="save after the last step")
+    init_from: str = Field(
+        "", description="checkpoint whose model weights start a fresh run (e.g. an HF import)"
+    )
+    verify_checksums: bool = Field(True, description="check CRC-32s (not only sizes) on resume")
+    max_consecutive_nonfinite: int = Field(
+        3, ge=0, description="stop after N steps in a row with NaN/Inf gradients; 0 = no guard"
+    )
+    fault_injection: FaultInjectionSection = Field(default_factory=FaultInjectionSection)
+
+
 class PluginsSection(Section):
     disable: list[str] = Field(default_factory=list, description="plugin names to block")
 
@@ -121,6 +153,7 @@ class PlaitConfig(BaseModel):
     kernels: KernelsSection = Field(default_factory=KernelsSection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     plugins: PluginsSection = Field(default_factory=PluginsSection)
+    checkpoint_io: CheckpointIOSection = Field(default_factory=CheckpointIOSection)
 
     @property
     def extensions(self) -> dict[str, dict[str, Any]]:

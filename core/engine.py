@@ -83,6 +83,7 @@ class Engine:
             pp=cfg.parallel.pp,
             cp=cfg.parallel.cp,
             device=cfg.train.device,
+            timeout_seconds=cfg.train.collective_timeout_seconds,
         )
         self.device = self.mesh.device
         self.kernels = Kernels(

@@ -38,10 +38,24 @@ def init_distributed(device: torch.device, *, timeout_seconds: float = 600.0) ->
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_seconds)
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    device_id = device if backend == "nccl" else None
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
+        # Under torchrun the ranks share the agent's store across restarts. The process group
+        # keys its rendezvous entries by group name only, so a restarted rank could read the
+        # address a dead rank of the previous attempt published and fail to connect: give every
+        # attempt its own key space.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
         dist.init_process_group(
-            backend, timeout=timeout, device_id=device if backend == "nccl" else None
+            backend,
+            store=dist.PrefixStore(f"plait/attempt-{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device_id,
         )
+    elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:
         # A single process outside torchrun: a one-rank group over an in-memory store, so the
         # same code path (collectives included) runs everywhere.
@@ -83,10 +97,17 @@ class Mesh:
 
     @classmethod
     def from_env(
-        cls, *, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto"
+        cls,
+        *,
+        dp: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        device: str = "auto",
+        timeout_seconds: float = 600.0,
     ) -> Mesh:
         torch_device = resolve_device(device)
-        init_distributed(torch_device)
+        init_distributed(torch_device, timeout_seconds=timeout_seconds)
         world_size = dist.get_world_size()
         degrees = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
         device_mesh = init_device_mesh(

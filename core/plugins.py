@@ -51,7 +51,11 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("kernels_triton", "plait.plugins.kernels_triton"),
     ("models", "plait.plugins.models"),
     ("ddp", "plait.plugins.ddp"),
+    ("zero", "plait.plugins.zero"),
     ("pipeline", "plait.plugins.pipeline"),
+    ("tensor_parallel", "plait.plugins.tensor_parallel"),
+    ("precision", "plait.plugins.precision"),
+    ("checkpointing", "plait.plugins.checkpointing"),
     # Communication algorithms: inert unless `[comm] algorithm` names one of them.
     ("collectives", "plait.plugins.collectives"),
     ("compression", "plait.plugins.compression"),

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from pydantic import Field
 
-from plait.core.config import PlaitConfig, Section
+from plait.core.config import CheckpointIOSection as CheckpointIOConfig
+from plait.core.config import PlaitConfig
 from plait.plugins.checkpoint.state import (
     LoadReport,
     engine_state_dict,
@@ -43,43 +43,9 @@ log = logging.getLogger(__name__)
 SECTION = "checkpoint_io"
 
 
-class FaultInjectionConfig(Section):
-    """`[checkpoint_io.fault_injection]`: kill a rank on purpose, to test restarts."""
-
-    kill_after_step: int = Field(-1, description="SIGKILL after this many steps; -1 = never")
-    rank: int = Field(0, ge=0, description="the global rank that kills itself")
-    only_first_attempt: bool = Field(
-        True, description="only before the first torchrun restart (so the job can finish)"
-    )
-
-
-class CheckpointIOConfig(Section):
-    """`[checkpoint_io]` section."""
-
-    dir: str = Field("", description="checkpoint root directory; '' disables checkpoints")
-    every: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
-    keep: int = Field(3, ge=0, description="keep the newest K checkpoints; 0 keeps all")
-    async_save: bool = Field(False, description="write in a background thread after a CPU copy")
-    resume: bool = Field(True, description="resume from the latest complete checkpoint in dir")
-    save_final: bool = Field(True, description="save after the last step")
-    init_from: str = Field(
-        "", description="checkpoint whose model weights start a fresh run (e.g. an HF import)"
-    )
-    verify_checksums: bool = Field(True, description="check CRC-32s (not only sizes) on resume")
-    max_consecutive_nonfinite: int = Field(
-        3, ge=0, description="stop after N steps in a row with NaN/Inf gradients; 0 = no guard"
-    )
-    fault_injection: FaultInjectionConfig = Field(default_factory=FaultInjectionConfig)
-
-
 def checkpoint_io_config(config: PlaitConfig) -> CheckpointIOConfig:
-    """The section, whether the core declares it as a field or it is a plugin section."""
-    value = getattr(config, SECTION, None)
-    if isinstance(value, CheckpointIOConfig):
-        return value
-    if value is not None and hasattr(value, "model_dump"):
-        return CheckpointIOConfig.model_validate(value.model_dump())
-    return config.section(SECTION, CheckpointIOConfig)
+    """The `[checkpoint_io]` section of a job's config."""
+    return config.checkpoint_io
 
 
 class Checkpointer:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from plait.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    from plait.core.config import FaultInjectionSection as FaultInjectionConfig
     from plait.core.step import StepReport
-    from plait.plugins.checkpoint.checkpointer import FaultInjectionConfig
 
 
 class FaultInjector:

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
+from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.engine import Engine
-from plait.plugins.checkpoint.checkpointer import Checkpointer, CheckpointIOConfig
+from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import build_batches
 
 STEPS = 10

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import sys
 
+from plait.core.config import CheckpointIOSection as CheckpointIOConfig
+from plait.core.config import FaultInjectionSection as FaultInjectionConfig
 from plait.core.engine import Engine
-from plait.plugins.checkpoint.checkpointer import (
-    Checkpointer,
-    CheckpointIOConfig,
-    FaultInjectionConfig,
-)
+from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import build_batches
 from tests.dist.checkpoint_workers import engine_config
 
