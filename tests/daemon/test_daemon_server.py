@@ -84,9 +84,9 @@ def test_stream_metrics_follows_new_steps(daemon_server: DaemonServer, daemon_st
 
 
 def test_error_statuses(daemon_stub) -> None:
-    with pytest.raises(grpc.RpcError) as unimplemented:
-        daemon_stub.GetBottleneck(daemon_pb2.GetBottleneckRequest())
-    assert unimplemented.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as invalid_window:
+        daemon_stub.GetBottleneck(daemon_pb2.GetBottleneckRequest(window_steps=-1))
+    assert invalid_window.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as invalid:
         daemon_stub.CaptureTrace(daemon_pb2.CaptureTraceRequest(seconds=-1))
     assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
