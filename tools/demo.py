@@ -86,11 +86,5 @@ def _final_report(address: str, console: Console) -> None:
         stub = daemon_pb2_grpc.DaemonStub(channel)
         metrics = stub.GetMetrics(daemon_pb2.GetMetricsRequest(), timeout=5.0)
         console.print(daemon_commands.render_top({address: metrics}))
-        render_bottleneck = getattr(daemon_commands, "render_bottleneck", None)
-        if render_bottleneck is not None:
-            try:
-                report = stub.GetBottleneck(daemon_pb2.GetBottleneckRequest(), timeout=5.0)
-            except grpc.RpcError as exc:
-                console.print(f"bottleneck report unavailable: {exc.details()}")
-            else:
-                console.print(render_bottleneck({address: report}))
+    console.rule("bottleneck report")
+    daemon_commands.bottleneck(hosts=[address], job="", window_steps=20, threshold=0.2, png=None)
