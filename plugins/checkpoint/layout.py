@@ -8,7 +8,9 @@ and the local chunks with their offsets. Saving writes those chunks; loading rea
 saved chunks overlap the chunks this rank holds, so any layout loads any other (resharding).
 
 A runtime that holds model or optimizer state in a layout other than "the module's parameters,
-replicated" implements `checkpoint_layout()` returning a `StateLayout`.
+replicated" implements `checkpoint_layout()` returning a `StateLayout`; the built-in
+runtimes (pipeline, tensor parallel, ZeRO) are described by the adapters in `layouts_*`, which
+read their public attributes.
 """
 
 from __future__ import annotations
@@ -153,22 +155,76 @@ class StateLayout(Protocol):
     def after_load(self) -> None: ...
 
 
-class ReplicatedLayout:
-    """The layout of a plain module (or DDP): every rank holds every parameter whole.
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a rank's local parameters sit in the original model.
 
-    Replicated chunks are written once: DCP's planner deduplicates identical write items across
-    ranks. Optimizer state is read from `optimizer.state[param]`.
+    `names`: id(parameter) -> original FQN, for runtimes that rename (pipeline chunks of a rank
+    with virtual stages live under `chunks.stage<k>.`); others keep their module name, wrapper
+    components stripped. `blocks`: id(parameter) -> (global shape, offsets) of a parameter that
+    holds a rectangular block of a larger tensor (a tensor-parallel slice); others are whole.
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    names: dict[int, str] = field(default_factory=dict)
+    blocks: dict[int, tuple[torch.Size, tuple[int, ...]]] = field(default_factory=dict)
+
+    def name(self, param: torch.Tensor, local_name: str) -> str:
+        return self.names.get(id(param)) or normalised_name(local_name)
+
+    def block(
+        self, param: torch.Tensor, local_shape: torch.Size | None = None
+    ) -> tuple[torch.Size, tuple[int, ...]]:
+        """(global shape, offsets of the local block) of `param`."""
+        found = self.blocks.get(id(param))
+        if found is not None:
+            return found
+        shape = torch.Size(local_shape if local_shape is not None else param.shape)
+        return shape, (0,) * len(shape)
+
+    def whole(self, param: torch.Tensor, local: torch.Tensor) -> TensorPieces:
+        """`local` (the parameter's local values, or state shaped like them) as global pieces."""
+        global_shape, offsets = self.block(param, local.shape)
+        return TensorPieces(global_shape, [TensorChunk(offsets, local)])
+
+    def flat_range(
+        self, param: torch.Tensor, flat: torch.Tensor, start: int, local_shape: torch.Size
+    ) -> list[TensorChunk]:
+        """Chunks of `flat`, elements `[start, start + flat.numel())` of the flattened local
+        parameter, in global coordinates: a rectangle of the local block, shifted by its
+        offsets, is a rectangle of the global tensor."""
+        _, offsets = self.block(param, local_shape)
+        chunks = flat_range_chunks(flat, start, local_shape)
+        if not any(offsets):
+            return chunks
+        return [
+            TensorChunk(tuple(o + b for o, b in zip(c.offsets, offsets, strict=True)), c.tensor)
+            for c in chunks
+        ]
+
+
+class ReplicatedLayout:
+    """The layout of a module whose parameters are whole on every rank that holds them (plain,
+    DDP, pipeline stages), or tensor-parallel blocks as `placement` says.
+
+    Chunks several ranks hold identically (replicas) are written once: DCP's planner deduplicates
+    identical write items across ranks. Optimizer state is read from `optimizer.state[param]`.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        placement: Placement | None = None,
+    ) -> None:
         self.module = module
         self.optimizer = optimizer
+        self.placement = placement or Placement()
         self.params: dict[str, nn.Parameter] = {}
         for name, param in module.named_parameters():
-            self.params.setdefault(normalised_name(name), param)
+            self.params.setdefault(self.placement.name(param, name), param)
 
     def model_pieces(self) -> dict[str, TensorPieces]:
-        return {name: TensorPieces.whole(p.detach()) for name, p in self.params.items()}
+        return {name: self.placement.whole(p, p.detach()) for name, p in self.params.items()}
 
     def optimizer_pieces(self, create: bool = False) -> dict[str, dict[str, Any]]:
         if self.optimizer is None:
@@ -183,7 +239,7 @@ class ReplicatedLayout:
             entry: dict[str, Any] = {}
             for key, value in state.items():
                 if key in TENSOR_STATE_KEYS and isinstance(value, torch.Tensor):
-                    entry[key] = TensorPieces.whole(value)
+                    entry[key] = self.placement.whole(param, value)
                 elif key == "step":
                     entry[key] = value
             pieces[name] = entry
@@ -193,15 +249,19 @@ class ReplicatedLayout:
         """Restore a step count in the optimizer's own convention (int or 0-d tensor)."""
         if self.optimizer is None or self.params[name] not in self.optimizer.state:
             return
-        state = self.optimizer.state[self.params[name]]
-        current = state.get("step")
-        if isinstance(current, torch.Tensor):
-            state["step"] = torch.tensor(float(step), dtype=current.dtype, device=current.device)
-        else:
-            state["step"] = int(step)
+        set_step_count(self.optimizer.state[self.params[name]], step)
 
     def after_load(self) -> None:
         pass
+
+
+def set_step_count(state: dict[str, Any], step: float | int) -> None:
+    """Store `step` in `state` the way the optimizer keeps it (Python int or 0-d tensor)."""
+    current = state.get("step")
+    if isinstance(current, torch.Tensor):
+        state["step"] = torch.tensor(float(step), dtype=current.dtype, device=current.device)
+    else:
+        state["step"] = int(step)
 
 
 def empty_adam_state(optimizer: torch.optim.Optimizer, like: torch.Tensor) -> dict[str, Any]:
@@ -220,12 +280,31 @@ def empty_adam_state(optimizer: torch.optim.Optimizer, like: torch.Tensor) -> di
 
 
 def layout_for(engine: Any) -> StateLayout:
-    """The layout of an engine: the first runtime (data parallel first) that describes one, else
-    the module's own parameters, replicated."""
+    """The layout of an engine.
+
+    A runtime may describe its own (`checkpoint_layout()`, data parallel asked first). Otherwise
+    the built-in runtimes are read here: the pipeline's chunks give original names, tensor
+    parallelism the blocks its slices hold, and a ZeRO runtime the flat shards that hold the
+    weights and optimizer state; without ZeRO, the module's parameters hold them.
+    """
     for runtime in reversed(engine.runtimes):
         describe = getattr(runtime, "checkpoint_layout", None)
         if describe is not None:
             layout = describe()
             if layout is not None:
                 return layout
-    return ReplicatedLayout(engine.module, engine.optimizer)
+    from plait.plugins.checkpoint.layouts_pipeline import pipeline_names
+    from plait.plugins.checkpoint.layouts_tp import tensor_parallel_blocks
+    from plait.plugins.checkpoint.layouts_zero import zero_layout
+
+    names: dict[int, str] = {}
+    blocks: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}
+    for runtime in engine.runtimes:
+        names.update(pipeline_names(runtime))
+        blocks.update(tensor_parallel_blocks(runtime, engine.module))
+    placement = Placement(names=names, blocks=blocks)
+    for runtime in reversed(engine.runtimes):
+        layout = zero_layout(runtime, engine.module, engine.optimizer, placement)
+        if layout is not None:
+            return layout
+    return ReplicatedLayout(engine.module, engine.optimizer, placement)

@@ -1,0 +1,71 @@
+"""Rank functions for the resharding tests: train on one layout, save, resume on another."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.core.config import CheckpointIOSection
+from plait.core.engine import Engine
+from plait.plugins.checkpoint.checkpointer import Checkpointer
+from plait.plugins.data import build_batches
+from tests.dist.checkpoint_workers import engine_config
+
+# Layouts by name: the `parallel` and `schedule` sections that select them.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ddp": {"parallel": {"dp_strategy": "ddp"}},
+    "zero2": {"parallel": {"dp_strategy": "zero2"}},
+    "zero3": {"parallel": {"dp_strategy": "zero3"}},
+    "tp2": {"parallel": {"tp": 2}},
+    "pp2": {"parallel": {"pp": 2}, "schedule": {"name": "1f1b"}},
+}
+
+
+def layout_config(layout: str, steps: int) -> dict[str, Any]:
+    config = engine_config()
+    config["parallel"] = {**config["parallel"], **LAYOUTS[layout]["parallel"]}
+    if "schedule" in LAYOUTS[layout]:
+        config["schedule"] = LAYOUTS[layout]["schedule"]
+    config["train"] = {**config["train"], "steps": steps}
+    return config
+
+
+def train_on_layout(
+    rank: int,
+    world_size: int,
+    layout: str,
+    ckpt_dir: str,
+    steps: int,
+    save_at: tuple[int, ...],
+    resume: bool,
+) -> dict[str, Any]:
+    """Train `steps` steps on `layout` (after resuming from `ckpt_dir`'s latest checkpoint if
+    asked), saving after the steps in `save_at`; return the losses by step."""
+    del world_size
+    engine = Engine(config=layout_config(layout, steps))
+    batches = build_batches(
+        engine.config.data,
+        seq_len=engine.config.data.seq_len,
+        global_batch_size=engine.config.train.global_batch_size,
+        dp_rank=engine.mesh.coordinate("dp"),
+        dp_size=engine.mesh.size("dp"),
+        seed=engine.config.train.seed,
+    )
+    checkpointer = Checkpointer(
+        engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
+    )
+    start = checkpointer.maybe_resume()
+    losses: dict[int, float] = {}
+    for step in range(start, steps):
+        losses[step] = engine.train_step(batches.next_batch())
+        if step + 1 in save_at:
+            checkpointer.save(step + 1)
+    checkpointer.close()
+    engine.close()
+    return {
+        "rank": rank,
+        "start": start,
+        "losses": losses,
+        "runtimes": [runtime.name for runtime in engine.runtimes],
+        "degrees": dict(engine.mesh.degrees),
+        "local_numel": sum(p.numel() for p in engine.module.parameters()),
+    }
