@@ -104,10 +104,23 @@ def _format_stats(report: StepReport, peak: float) -> str:
     tokens_per_second = report.tokens / report.step_seconds if report.step_seconds else 0.0
     flops_per_second = report.model_flops / report.step_seconds if report.step_seconds else 0.0
     utilisation = mfu(flops_per_second, peak) if peak else 0.0
-    return (
+    stats = (
         f"loss {report.loss:.4f} | {tokens_per_second:,.0f} tok/s | MFU {utilisation:.1%} | "
         f"lr {report.lr:.2e} | {report.step_seconds * 1e3:.0f} ms"
     )
+    bubble = next(
+        (
+            s.attributes["bubble_fraction"]
+            for s in report.spans
+            if "bubble_fraction" in s.attributes
+        ),
+        None,
+    )
+    if bubble is not None:
+        stats += f" | bubble {bubble:.0%}"
+    if report.skipped:
+        stats += " | step skipped"
+    return stats
 
 
 def _print_header(console: Console, engine: Engine, peak: float) -> None:
@@ -120,6 +133,9 @@ def _print_header(console: Console, engine: Engine, peak: float) -> None:
         f"dp strategy {cfg.parallel.dp_strategy} · schedule {cfg.schedule.name}",
         highlight=False,
     )
+    plan = engine.context.notes.get("pipeline_plan")
+    if plan is not None:
+        console.print(f"pipeline stages: {plan.describe()}", highlight=False)
     console.print(
         f"model FLOPs/token {engine.flops_per_token:,.0f} · job peak {peak / 1e9:,.1f} GFLOP/s "
         "(CPU: measured GEMM rate)"
