@@ -114,6 +114,8 @@ class Plugins:
             plugin = module.make_plugin() if hasattr(module, "make_plugin") else module
             plugins._register(plugin, name, "plait")
         for name, plugin in extra:
+            if manager.get_plugin(name) is plugin:
+                continue  # already registered as a built-in
             plugins._register(plugin, name, "<registered in code>")
         if autoload is None:
             autoload = not os.environ.get("PLAIT_DISABLE_PLUGIN_AUTOLOAD")
