@@ -1,0 +1,100 @@
+"""Rank functions for the collective-timeout test: one rank stalls before a gradient all-reduce."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from plait.core.comm import Work
+from plait.core.engine import Engine
+from plait.core.hookspecs import hookimpl
+from plait.core.plugins import Plugins
+from plait.core.records import CommRequest
+from plait.plugins.checkpoint import timeouts
+from plait.plugins.data import build_batches
+from tests.dist.checkpoint_workers import engine_config
+
+REPORTED_KEY = "test/timeout_reported"
+
+
+class Stalled(Exception):
+    """Raised on the stalling rank once its peer has reported the timeout."""
+
+
+class StallBeforeGradientAllReduce:
+    """On the stalling rank, the first gradient all-reduce of step `step` is never entered: the
+    rank waits (outside the op) until its peer has reported the timeout, then gives up."""
+
+    def __init__(self, *, active: bool, step: int) -> None:
+        self.active = active
+        self.step = step
+        self.engine: Engine | None = None
+        self.stalled_seq: int | None = None
+
+    # tryfirst: the outermost wrapper, so the op is stopped before the reporter records it.
+    @hookimpl(wrapper=True, tryfirst=True)
+    def plait_communicate(self, request: CommRequest) -> Generator[None, Work, Work]:
+        if (
+            self.active
+            and self.stalled_seq is None
+            and self.engine is not None
+            and self.engine.step == self.step
+            and request.op == "all_reduce"
+            and request.purpose == "grad_bucket"
+        ):
+            self.stalled_seq = request.seq
+            store = dist.distributed_c10d._get_default_store()
+            store.wait([REPORTED_KEY], timedelta(seconds=60))
+            raise Stalled(f"stalled before {request.op} seq {request.seq}")
+        return (yield)
+
+
+def stall_one_rank(
+    rank: int, world_size: int, stall_rank: int, stall_step: int, timeout_seconds: float
+) -> dict[str, Any]:
+    del world_size
+    stall = StallBeforeGradientAllReduce(active=rank == stall_rank, step=stall_step)
+    plugins = Plugins.create(
+        autoload=False,
+        extra=[("collective_timeouts", timeouts.make_plugin()), ("stall", stall)],
+    )
+    config = engine_config()
+    config["train"] = {**config["train"], "collective_timeout_seconds": timeout_seconds}
+    engine = Engine(config=config, plugins=plugins)
+    stall.engine = engine
+    # The test harness initialised the default group before the engine existed (the engine
+    # applies the timeout to groups it initialises itself): apply the configured timeout to it,
+    # which the dp group of a one-axis mesh is.
+    dist.distributed_c10d._set_pg_timeout(
+        timedelta(seconds=engine.config.train.collective_timeout_seconds)
+    )
+    batches = build_batches(
+        engine.config.data,
+        seq_len=engine.config.data.seq_len,
+        global_batch_size=engine.config.train.global_batch_size,
+        dp_rank=engine.mesh.coordinate("dp"),
+        dp_size=engine.mesh.size("dp"),
+        seed=engine.config.train.seed,
+    )
+    result: dict[str, Any] = {"rank": rank, "error": None, "stalled_seq": None}
+    try:
+        for _ in range(stall_step + 1):
+            engine.train_step(batches.next_batch())
+    except timeouts.CollectiveTimeoutError as exc:
+        result.update(
+            error=str(exc),
+            op=exc.op,
+            group=exc.group,
+            seq=exc.seq,
+            missing_ranks=exc.missing_ranks,
+        )
+        dist.distributed_c10d._get_default_store().set(REPORTED_KEY, "1")
+    except Exception as exc:
+        if stall.stalled_seq is None:
+            raise
+        result["stalled_seq"] = stall.stalled_seq
+        result["stall_error"] = f"{type(exc).__name__}: {exc}"
+    return result
