@@ -204,15 +204,45 @@ def _set_optimizer_steps(layout: StateLayout, steps: dict[str, Any]) -> None:
         setter(fqn, step)
 
 
+# LR scheduler state entries with one value per optimizer parameter group.
+_PER_GROUP_SCHEDULER_KEYS = ("base_lrs", "_last_lr", "lr_lambdas")
+
+
+def fit_scheduler_state(state: dict[str, Any], num_groups: int) -> dict[str, Any]:
+    """A scheduler state for an optimizer of `num_groups` groups.
+
+    The number of groups can differ between layouts (a ZeRO rank has only the groups its shard
+    has parameters in); a per-group list whose values are all equal fits any count.
+    """
+    fitted = dict(state)
+    for key in _PER_GROUP_SCHEDULER_KEYS:
+        values = state.get(key)
+        if not isinstance(values, list) or len(values) == num_groups:
+            continue
+        if not values or any(v != values[0] for v in values):
+            raise CheckpointError(
+                f"the checkpoint's LR scheduler has {len(values)} parameter group(s) with "
+                f"different {key} {values}; this optimizer has {num_groups} group(s)"
+            )
+        fitted[key] = [copy.deepcopy(values[0]) for _ in range(num_groups)]
+    return fitted
+
+
 def _apply_training_state(
     engine: Any, state: dict[str, Any], *, batches: Any, rank: int, notes: list[str]
 ) -> None:
     groups = state.get("optim.param_groups")
-    if groups is not None and len(groups) == len(engine.optimizer.param_groups):
-        for saved, group in zip(groups, engine.optimizer.param_groups, strict=True):
+    if groups is not None:
+        # Group i means the same on every layout (plait's factory puts the decayed group first
+        # and adds the undecayed one only if it has parameters), but under ZeRO a rank whose
+        # shard holds no vector has one group fewer than the job that saved.
+        for saved, group in zip(groups, engine.optimizer.param_groups, strict=False):
             group.update(saved)
     if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        scheduler_state = fit_scheduler_state(
+            state["lr_scheduler"], len(engine.optimizer.param_groups)
+        )
+        engine.lr_scheduler.load_state_dict(scheduler_state)
         # The scheduler's state does not include the optimizer's current lr: set it.
         for group, lr in zip(
             engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr(), strict=False

@@ -17,11 +17,17 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "zero3": {"parallel": {"dp_strategy": "zero3"}},
     "tp2": {"parallel": {"tp": 2}},
     "pp2": {"parallel": {"pp": 2}, "schedule": {"name": "1f1b"}},
+    # Two chunks per rank: parameters live under `chunks.stage<k>.` in the rank's module.
+    "pp2_interleaved": {
+        "parallel": {"pp": 2},
+        "schedule": {"name": "interleaved_1f1b", "virtual_stages": 2},
+    },
 }
 
 
-def layout_config(layout: str, steps: int) -> dict[str, Any]:
+def layout_config(layout: str, steps: int, n_layers: int = 2) -> dict[str, Any]:
     config = engine_config()
+    config["model"]["overrides"]["n_layers"] = n_layers
     config["parallel"] = {**config["parallel"], **LAYOUTS[layout]["parallel"]}
     if "schedule" in LAYOUTS[layout]:
         config["schedule"] = LAYOUTS[layout]["schedule"]
@@ -37,11 +43,12 @@ def train_on_layout(
     steps: int,
     save_at: tuple[int, ...],
     resume: bool,
+    n_layers: int = 2,
 ) -> dict[str, Any]:
     """Train `steps` steps on `layout` (after resuming from `ckpt_dir`'s latest checkpoint if
     asked), saving after the steps in `save_at`; return the losses by step."""
     del world_size
-    engine = Engine(config=layout_config(layout, steps))
+    engine = Engine(config=layout_config(layout, steps, n_layers))
     batches = build_batches(
         engine.config.data,
         seq_len=engine.config.data.seq_len,
