@@ -14,9 +14,9 @@ from typing import Any
 from plait.core.errors import ConfigError
 from plait.core.hookspecs import hookimpl
 from plait.core.records import ModelRecord
-from plait.plugins.models.common import ModelConfig, TransformerBase
-from plait.plugins.models.gpt2 import GPT2, GPT2Config, build_gpt2, gpt2_flops_per_token
-from plait.plugins.models.llama import Llama, LlamaConfig, build_llama, llama_flops_per_token
+from plait.plugins.models.common import ModelConfig, TransformerBase, flops_per_token
+from plait.plugins.models.gpt2 import GPT2, GPT2Config, build_gpt2
+from plait.plugins.models.llama import Llama, LlamaConfig, build_llama
 
 __all__ = [
     "GPT2",
@@ -54,7 +54,7 @@ def plait_register_models() -> Sequence[ModelRecord]:
             name="llama",
             config_cls=LlamaConfig,
             build=build_llama,
-            flops_per_token=llama_flops_per_token,
+            flops_per_token=flops_per_token,
             presets=tuple(LlamaConfig.presets),
             make_config=LlamaConfig.from_preset,
             description="Llama 2 architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU",
@@ -63,7 +63,7 @@ def plait_register_models() -> Sequence[ModelRecord]:
             name="gpt2",
             config_cls=GPT2Config,
             build=build_gpt2,
-            flops_per_token=gpt2_flops_per_token,
+            flops_per_token=flops_per_token,
             presets=tuple(GPT2Config.presets),
             make_config=GPT2Config.from_preset,
             description="GPT-2 architecture (untied embeddings): LayerNorm, learned positions",

@@ -27,6 +27,7 @@ from torch import nn
 
 from plait.core.config import Section
 from plait.core.errors import ConfigError
+from plait.core.flops import transformer_flops_per_token
 from plait.plugins.models.init import init_parameter, normalised_name
 
 if TYPE_CHECKING:
@@ -228,3 +229,15 @@ class TransformerBase(UsesKernels):
                 continue
             total += param.numel()
         return total
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of a built-in family: 6·N (N without the embedding tables, the
+    output projection included) plus the causal attention term (`plait.core.flops`)."""
+    return transformer_flops_per_token(
+        num_params_dense=config.num_params(exclude_embeddings=True),
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        head_dim=config.head_dim,
+        seq_len=seq_len,
+    )

@@ -16,7 +16,6 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from plait.core.flops import transformer_flops_per_token
 from plait.plugins.models.common import (
     Attention,
     LayerNorm,
@@ -172,14 +171,3 @@ class GPT2(TransformerBase):
 
 def build_gpt2(config: GPT2Config, kernels: Kernels) -> GPT2:
     return GPT2(config, kernels)
-
-
-def gpt2_flops_per_token(config: GPT2Config, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N (N without token/position tables) + causal attention."""
-    return transformer_flops_per_token(
-        num_params_dense=config.num_params(exclude_embeddings=True),
-        n_layers=config.n_layers,
-        n_heads=config.n_heads,
-        head_dim=config.head_dim,
-        seq_len=seq_len,
-    )

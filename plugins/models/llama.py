@@ -15,7 +15,6 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from plait.core.flops import transformer_flops_per_token
 from plait.plugins.models.common import (
     Attention,
     ModelConfig,
@@ -207,14 +206,3 @@ class Llama(TransformerBase):
 
 def build_llama(config: LlamaConfig, kernels: Kernels) -> Llama:
     return Llama(config, kernels)
-
-
-def llama_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N (N without the embedding table) + causal attention."""
-    return transformer_flops_per_token(
-        num_params_dense=config.num_params(exclude_embeddings=True),
-        n_layers=config.n_layers,
-        n_heads=config.n_heads,
-        head_dim=config.head_dim,
-        seq_len=seq_len,
-    )
