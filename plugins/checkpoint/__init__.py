@@ -5,14 +5,18 @@
     start = checkpointer.maybe_resume()
     ...  checkpointer.maybe_save(step + 1)  ...
 
-- `layout`: the canonical layout (original FQN, global shape, rectangular chunks) and the
-  `StateLayout` protocol a runtime returns from `checkpoint_layout()`.
+- `layout`: the canonical layout (original FQN, global shape, rectangular chunks), the
+  `StateLayout` protocol a runtime returns from `checkpoint_layout()`, and `layout_for(engine)`;
+  `layouts_zero`, `layouts_tp`, `layouts_pipeline` describe the built-in runtimes' state (flat
+  ZeRO shards, tensor-parallel slices, pipeline chunks), so any layout loads any other.
 - `planner`: DCP planners for chunked values; `state`: what a checkpoint holds;
   `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
 - `checkpointer`: the training-loop policy and the `[checkpoint_io]` section.
 - `guard`: skip steps with NaN/Inf gradients; `fault_injection`: SIGKILL a rank for restart
   tests.
 - `hf`: Hugging Face safetensors export/import of Llama weights.
+- `timeouts`: the `plait_communicate` wrapper that turns a collective timeout into an error
+  naming the op, its sequence number and the ranks that did not arrive.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
         checkpoint_io_config,
     )
     from plait.plugins.checkpoint.layout import (
+        Placement,
         ReplicatedLayout,
         StateLayout,
         TensorChunk,
@@ -41,6 +46,7 @@ _EXPORTS = {
     "CheckpointIOConfig": "checkpointer",
     "checkpoint_io_config": "checkpointer",
     "CheckpointError": "storage",
+    "Placement": "layout",
     "ReplicatedLayout": "layout",
     "StateLayout": "layout",
     "TensorChunk": "layout",
@@ -51,6 +57,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIOConfig",
     "Checkpointer",
+    "Placement",
     "ReplicatedLayout",
     "StateLayout",
     "TensorChunk",

@@ -15,6 +15,9 @@ that did not arrive. This `wrapper=True` `plait_communicate` plugin provides it:
   `CollectiveTimeoutError` naming the op, group, sequence number and the ranks whose count shows
   they never entered it, chained to the backend's error.
 
+On NCCL a timed-out op raises only with `TORCH_NCCL_BLOCKING_WAIT=1`; otherwise the watchdog
+ends the process (its log names the op), and the published progress is still in the store.
+
 Point-to-point ops are not matched by count (the two sides number their sends and receives
 differently): a timed-out send or receive names its peer. Sub-ops of a communication algorithm
 (purpose `algorithm/…`) are numbered by the algorithm; only the top-level op is counted.
@@ -190,7 +193,11 @@ class CollectiveTimeoutReporter:
             if not dist.is_initialized() or dist.get_world_size() == 1:
                 self._thread = threading.current_thread()  # nobody to tell: mark as started
                 return
-            self._store = dist.distributed_c10d._get_default_store()
+            try:
+                self._store = dist.distributed_c10d._get_default_store()
+            except (RuntimeError, ValueError):  # a group initialised without a store
+                self._thread = threading.current_thread()
+                return
             self._rank = dist.get_rank()
         self._stop.clear()
         self._publish()  # peers can tell "not arrived" from "never reported" from the start
