@@ -24,6 +24,7 @@ from plait.core.sharding import OptimizerFactory
 from plait.plugins.zero.config import OffloadConfig
 from plait.plugins.zero.flat_buffer import Run, Segment
 from plait.plugins.zero.offload import FileOffload, empty_on, master_device
+from plait.plugins.zero.reduction import ensure_allocated, release
 
 
 def _run_view(chunk: torch.Tensor, run: Run) -> torch.Tensor:
@@ -90,7 +91,13 @@ class ShardedMaster:
         if self.files is not None:
             self.files.prefetch()
 
+    def _ensure_gradients(self) -> None:
+        for gc in self.grad_chunks:
+            if ensure_allocated(gc):  # released, and no backward reduced into it since
+                gc.zero_()
+
     def _before_step(self) -> None:
+        self._ensure_gradients()
         for k, run, param in self.runs:
             if param.grad is None:  # a user's optimizer.zero_grad(set_to_none=True)
                 param.grad = _run_view(self.master_grads[k], run)
@@ -136,6 +143,7 @@ class ShardedMaster:
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the full gradient from the shards; scale them to `max_norm`."""
+        self._ensure_gradients()
         device = self.grad_chunks[0].device
         total = torch.zeros((), dtype=torch.float32, device=device)
         by_weight: dict[float, list[torch.Tensor]] = {}
@@ -152,9 +160,14 @@ class ShardedMaster:
             torch._foreach_mul_(self.grad_chunks, coef)
         return norm
 
-    def zero_grad(self) -> None:
+    def release_gradients(self) -> None:
+        """Free the gradient chunks until the next backward reduces into them: like FSDP2,
+        sharded gradients exist only from backward to the optimizer step."""
         for gc in self.grad_chunks:
-            gc.zero_()
+            release(gc)
+
+    def gradient_bytes(self) -> int:
+        return storage_bytes(self.grad_chunks)
 
     # -- accounting and state --------------------------------------------------------------------
 
@@ -245,6 +258,27 @@ class ShardedMaster:
     def close(self) -> None:
         if self.files is not None:
             self.files.close()
+
+
+def model_state_report(
+    *, parameters: int, gradients_at_step: int, resident_gradients: int, optimizer_state: int
+) -> dict[str, int]:
+    """A ZeRO runtime's `memory_report()`: bytes of parameters, gradients and optimizer state.
+
+    `gradients` and `total` describe the optimizer step, when all three exist: the ZeRO paper's
+    per-rank model state. Stages 2 and 3 release the gradient chunks after the step (until the
+    next backward reduces into them), so between steps only `resident_gradients` and
+    `resident_total` are held.
+    """
+    report = {
+        "parameters": parameters,
+        "gradients": gradients_at_step,
+        "optimizer_state": optimizer_state,
+    }
+    report["total"] = sum(report.values())
+    report["resident_gradients"] = resident_gradients
+    report["resident_total"] = parameters + resident_gradients + optimizer_state
+    return report
 
 
 def _clone(value: Any) -> Any:

@@ -17,7 +17,7 @@ After the optimizer step each segment's updated chunks are all-gathered into the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +30,8 @@ from plait.core.sharding import OptimizerFactory, ParallelRuntime
 from plait.plugins.ddp.buckets import assign_buckets
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
-from plait.plugins.zero.optimizer import ShardedMaster
+from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
+from plait.plugins.zero.reduction import PendingReduction, ensure_allocated, launch_reduction
 
 # Stage 2: buckets whose full gradient buffer may be alive at once (being reduce-scattered).
 MAX_IN_FLIGHT = 2
@@ -40,10 +41,15 @@ MAX_IN_FLIGHT = 2
 class BucketState:
     segment: Segment
     ready: int = 0
-    buffer: torch.Tensor | None = None  # stage 2: the full gradient bucket while it is reduced
-    received: torch.Tensor | None = None  # stage 2: reduced chunk to add on completion
-    work: Work | None = None
+    buffer: torch.Tensor | None = None  # stage 2: the full gradient bucket while it is filled
+    has_grad: list[bool] = field(default_factory=list)  # stage 2: per slot, this backward
+    work: Work | None = None  # stage 1: the all-reduce in flight
+    pending: PendingReduction | None = None  # stage 2: the reduction in flight
     launched: bool = False
+
+    def __post_init__(self) -> None:
+        self.slot_index = {id(s.param): i for i, s in enumerate(self.segment.slots)}
+        self.has_grad = [False] * len(self.segment.slots)
 
 
 def broadcast_module(module: nn.Module, comm: Comm, group: Group) -> None:
@@ -111,6 +117,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         self._first_microbatch = True
         self._next_to_launch = 0
         self._in_flight: list[BucketState] = []
+        self._gradient_bytes_at_step = self._gradient_bytes()
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -134,9 +141,8 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         if not self._reduce_this_backward:
             return
         bucket = self._bucket_of[id(param)]
-        if self.stage == 2:
-            self._move_into_bucket(bucket, param)
-        bucket.ready += 1
+        if self.stage == 1 or self._move_into_bucket(bucket, param):
+            bucket.ready += 1
         if bucket.ready == len(bucket.segment.slots):
             while self._next_to_launch < len(self.buckets):
                 candidate = self.buckets[self._next_to_launch]
@@ -144,16 +150,28 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                     break
                 self._launch(candidate)
 
-    def _move_into_bucket(self, bucket: BucketState, param: nn.Parameter) -> None:
+    def _move_into_bucket(self, bucket: BucketState, param: nn.Parameter) -> bool:
+        """Copy `param.grad` into the bucket and drop it; True if it is the parameter's first
+        gradient this backward (a second one, e.g. from a reentrant recompute, is added)."""
         segment = bucket.segment
         if bucket.buffer is None:
-            bucket.buffer = torch.zeros(
+            # Not zero-filled: each slot is overwritten by its gradient; `_launch` zeroes the
+            # padding and the slots of parameters that got none.
+            bucket.buffer = torch.empty(
                 segment.padded_numel, dtype=segment.dtype, device=segment.device
             )
-        slot = next(s for s in segment.slots if s.param is param)
+        index = bucket.slot_index[id(param)]
+        slot = segment.slots[index]
         assert param.grad is not None
-        bucket.buffer[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        target = bucket.buffer[slot.offset : slot.offset + slot.numel]
+        first = not bucket.has_grad[index]
+        if first:
+            target.copy_(param.grad.reshape(-1))
+            bucket.has_grad[index] = True
+        else:
+            target.add_(param.grad.reshape(-1))
         param.grad = None  # the only full-size copy is the bucket's, freed after reduction
+        return first
 
     def _launch(self, bucket: BucketState) -> None:
         index = bucket.segment.index
@@ -173,19 +191,21 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                 bucket.buffer = torch.zeros(
                     segment.padded_numel, dtype=segment.dtype, device=segment.device
                 )
-            if self._first_microbatch:
-                output = self.grad_chunks[index]
             else:
-                bucket.received = torch.empty_like(self.grad_chunks[index])
-                output = bucket.received
-            bucket.work = self.comm.reduce_scatter(
-                output,
+                bucket.buffer[segment.numel :].zero_()
+                for slot, filled in zip(segment.slots, bucket.has_grad, strict=True):
+                    if not filled:
+                        bucket.buffer[slot.offset : slot.offset + slot.numel].zero_()
+            ensure_allocated(self.grad_chunks[index])
+            bucket.pending = launch_reduction(
+                self.comm,
+                self.group,
+                segment,
                 bucket.buffer,
-                group=self.group,
-                op="avg",
-                async_op=True,
-                purpose="grad_bucket",
+                self.grad_chunks[index],
+                accumulate=not self._first_microbatch,
             )
+            bucket.buffer = None  # the pending reduction holds it until it completes
             self._in_flight.append(bucket)
             if len(self._in_flight) > MAX_IN_FLIGHT:
                 self._complete(self._in_flight.pop(0))
@@ -207,10 +227,11 @@ class ShardedOptimizerRuntime(ParallelRuntime):
     def _complete(self, bucket: BucketState) -> None:
         if bucket.work is not None:
             bucket.work.wait()
-        if bucket.received is not None:
-            self.grad_chunks[bucket.segment.index].add_(bucket.received)
-        bucket.work, bucket.buffer, bucket.received = None, None, None
+        if bucket.pending is not None:
+            bucket.pending.complete()
+        bucket.work, bucket.buffer, bucket.pending = None, None, None
         bucket.launched, bucket.ready = False, 0
+        bucket.has_grad = [False] * len(bucket.segment.slots)
 
     def _finish_backward(self) -> None:
         """Reduce buckets left incomplete (parameters without gradients count as zero), wait for
@@ -239,6 +260,11 @@ class ShardedOptimizerRuntime(ParallelRuntime):
     def sync_gradients(self) -> None:
         self._finish_backward()
         self._reduce_this_backward = True
+        self._gradient_bytes_at_step = self._gradient_bytes()
+
+    def _gradient_bytes(self) -> int:
+        buffers = [b.buffer for b in self.buckets if b.buffer is not None]
+        return storage_bytes([*self.flat_grads, *self.grad_chunks, *buffers])
 
     def build_optimizer(
         self, module: nn.Module, factory: OptimizerFactory
@@ -268,19 +294,18 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                 flat.zero_()
                 self._restore_grad_views(bucket)
         else:
-            self.master.zero_grad()
+            self.master.release_gradients()
         return True
 
     def memory_report(self) -> dict[str, int] | None:
         if self.master.files is not None:
             self.master.files.wait()  # count what is really resident, not what is in flight
-        buffers = [b.buffer for b in self.buckets if b.buffer is not None]
-        report = {
-            "parameters": storage_bytes(self.flat_params) + self.master.master_bytes(),
-            "gradients": storage_bytes([*self.flat_grads, *self.grad_chunks, *buffers]),
-            "optimizer_state": self.master.optimizer_state_bytes(),
-        }
-        report["total"] = sum(report.values())
+        report = model_state_report(
+            parameters=storage_bytes(self.flat_params) + self.master.master_bytes(),
+            gradients_at_step=self._gradient_bytes_at_step,
+            resident_gradients=self._gradient_bytes(),
+            optimizer_state=self.master.optimizer_state_bytes(),
+        )
         if self.master.files is not None:
             report["offloaded_optimizer_state"] = self.master.files.offloaded_bytes
         return report

@@ -36,7 +36,8 @@ from plait.core.sharding import OptimizerFactory, ParallelRuntime
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
 from plait.plugins.zero.offload import master_device
-from plait.plugins.zero.optimizer import ShardedMaster
+from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
+from plait.plugins.zero.reduction import PendingReduction, ensure_allocated, launch_reduction
 from plait.plugins.zero.stage12 import MAX_IN_FLIGHT, broadcast_module
 
 ROOT = "<root>"
@@ -133,13 +134,12 @@ class Unit:
         for slot, view in zip(segment.slots, segment.views(self.full), strict=True):
             slot.param.data = view
         self.grad_chunk = torch.zeros(segment.chunk_numel, dtype=segment.dtype, device=device)
-        self.slot_of = {id(s.param): s for s in segment.slots}
+        self.slot_index = {id(s.param): i for i, s in enumerate(segment.slots)}
         self.gathered = True
         self.gather_work: Work | None = None
         self.gather_input: torch.Tensor | None = None
         self.grad_bucket: torch.Tensor | None = None
-        self.received: torch.Tensor | None = None
-        self.reduce_work: Work | None = None
+        self.has_grad = [False] * len(segment.slots)
         self.ready = 0
         self.reduced = False
         self.backward_prepared = False
@@ -197,9 +197,10 @@ class FullyShardedRuntime(ParallelRuntime):
         )
         self._forward_order: list[Unit] = list(self.units)
         self._recording: list[Unit] = []
-        self._in_flight: list[Unit] = []
+        self._in_flight: list[PendingReduction] = []
         self._first_microbatch = True
         self.peak_gathered_bytes = 0
+        self._gradient_bytes_at_step = self.master.gradient_bytes()
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward)
         for unit in self.units:
@@ -304,49 +305,53 @@ class FullyShardedRuntime(ParallelRuntime):
         return ([self.root] if self.root is not None else []) + rest
 
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
+        segment = unit.segment
         if unit.grad_bucket is None:
-            segment = unit.segment
-            unit.grad_bucket = torch.zeros(
+            # Not zero-filled: every slot is overwritten by its gradient, and `_reduce` zeroes
+            # the padding and the slots of parameters that got none.
+            unit.grad_bucket = torch.empty(
                 segment.padded_numel, dtype=segment.dtype, device=segment.device
             )
-        slot = unit.slot_of[id(param)]
+        index = unit.slot_index[id(param)]
+        slot = segment.slots[index]
         assert param.grad is not None
-        unit.grad_bucket[slot.offset : slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        target = unit.grad_bucket[slot.offset : slot.offset + slot.numel]
+        if unit.has_grad[index]:  # a second gradient this backward (e.g. reentrant recompute)
+            target.add_(param.grad.reshape(-1))
+        else:
+            target.copy_(param.grad.reshape(-1))
+            unit.has_grad[index] = True
+            unit.ready += 1
         param.grad = None
-        unit.ready += 1
-        if unit.ready == len(unit.segment.slots):
+        if unit.ready == len(segment.slots):
             self._reshard(unit)
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
+        segment = unit.segment
         if unit.grad_bucket is None:  # the unit got no gradient at all this backward
             unit.grad_bucket = torch.zeros(
-                unit.segment.padded_numel, dtype=unit.segment.dtype, device=unit.segment.device
+                segment.padded_numel, dtype=segment.dtype, device=segment.device
             )
-        if self._first_microbatch:
-            output = unit.grad_chunk
         else:
-            unit.received = torch.empty_like(unit.grad_chunk)
-            output = unit.received
-        unit.reduce_work = self.comm.reduce_scatter(
-            output,
+            unit.grad_bucket[segment.numel :].zero_()
+            for slot, filled in zip(segment.slots, unit.has_grad, strict=True):
+                if not filled:
+                    unit.grad_bucket[slot.offset : slot.offset + slot.numel].zero_()
+        ensure_allocated(unit.grad_chunk)
+        pending = launch_reduction(
+            self.comm,
+            self.group,
+            segment,
             unit.grad_bucket,
-            group=self.group,
-            op="avg",
-            async_op=True,
-            purpose="grad_bucket",
+            unit.grad_chunk,
+            accumulate=not self._first_microbatch,
         )
+        unit.grad_bucket = None  # the pending reduction holds it until it completes
         unit.reduced = True
-        self._in_flight.append(unit)
+        self._in_flight.append(pending)
         if len(self._in_flight) > MAX_IN_FLIGHT:
-            self._complete(self._in_flight.pop(0))
-
-    def _complete(self, unit: Unit) -> None:
-        if unit.reduce_work is not None:
-            unit.reduce_work.wait()
-        if unit.received is not None:
-            unit.grad_chunk.add_(unit.received)
-        unit.reduce_work, unit.received, unit.grad_bucket = None, None, None
+            self._in_flight.pop(0).complete()
 
     def _finish_backward(self) -> None:
         """Reduce units whose gradients did not all arrive (unused parameters count as zero),
@@ -354,11 +359,12 @@ class FullyShardedRuntime(ParallelRuntime):
         for unit in self.units:
             if not unit.reduced:
                 self._reduce(unit)
-        for unit in self._in_flight:
-            self._complete(unit)
+        for pending in self._in_flight:
+            pending.complete()
         self._in_flight.clear()
         for unit in self.units:
             unit.ready, unit.reduced, unit.backward_prepared = 0, False, False
+            unit.has_grad = [False] * len(unit.segment.slots)
             if unit.gathered or unit.gather_work is not None:
                 self._reshard(unit)
 
@@ -373,6 +379,7 @@ class FullyShardedRuntime(ParallelRuntime):
 
     def sync_gradients(self) -> None:
         self._finish_backward()
+        self._gradient_bytes_at_step = self.master.gradient_bytes()
 
     def build_optimizer(
         self, module: nn.Module, factory: OptimizerFactory
@@ -384,21 +391,21 @@ class FullyShardedRuntime(ParallelRuntime):
         return self.master.clip_gradients(max_norm)
 
     def zero_grad(self) -> bool:
-        self.master.zero_grad()
+        self.master.release_gradients()
         return True
 
     def memory_report(self) -> dict[str, int] | None:
         if self.master.files is not None:
             self.master.files.wait()  # count what is really resident, not what is in flight
         gathered = [u.full for u in self.units if u.gathered]
-        buckets = [u.grad_bucket for u in self.units if u.grad_bucket is not None]
-        report = {
-            "parameters": storage_bytes([*(u.shard for u in self.units), *gathered])
+        report = model_state_report(
+            parameters=storage_bytes([*(u.shard for u in self.units), *gathered])
             + self.master.master_bytes(),
-            "gradients": storage_bytes([*(u.grad_chunk for u in self.units), *buckets]),
-            "optimizer_state": self.master.optimizer_state_bytes(),
-        }
-        report["total"] = sum(report.values())
+            gradients_at_step=self._gradient_bytes_at_step,
+            resident_gradients=self.master.gradient_bytes()
+            + storage_bytes(u.grad_bucket for u in self.units),
+            optimizer_state=self.master.optimizer_state_bytes(),
+        )
         report["peak_gathered_parameters"] = self.peak_gathered_bytes
         report["largest_unit_parameters"] = max(u.full_bytes for u in self.units)
         if self.master.files is not None:

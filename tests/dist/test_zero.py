@@ -118,7 +118,13 @@ def _check_memory(runs: list[dict[str, Any]], results: list[dict[str, Any]], d: 
             assert memory["offloaded_optimizer_state"] >= 8 * n / d, memory
             model_state += memory["offloaded_optimizer_state"]
         expected = paper_bytes(stage, n, d)
+        # Counted at the optimizer step, when parameters, gradients and optimizer state all exist.
         assert expected <= model_state <= expected * (1 + MEMORY_TOL), (run, memory, expected)
+        if stage in (2, 3):
+            # Between steps the gradient shards are released (FSDP2 keeps none either).
+            assert memory["resident_gradients"] == 0, memory
+            held = memory["parameters"] + memory["optimizer_state"]
+            assert memory["resident_total"] == held, memory
         if stage == 3:
             largest = memory["largest_unit_parameters"]
             prefetch = run.get("zero", {}).get("prefetch", 1)

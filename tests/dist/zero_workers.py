@@ -115,6 +115,11 @@ def _wipe_and_reload(engine: Engine) -> None:
     """Round-trip the sharded optimizer state; NaNs make a failed reload visible in the loss."""
     runtime = engine.runtimes[0]
     saved = runtime.state_dict()
+    files = runtime.master.files
+    if files is not None:
+        # state_dict() sends the moments back to their files in the background: bring them in
+        # before touching them, or the wipe races the writer releasing their memory.
+        files.fetch_all()
     for state in engine.optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.ndim > 0:
