@@ -1,18 +1,23 @@
 """Benchmark: plait zero3 vs torch FSDP2 (`fully_shard` per block), and zero1/zero2 vs plait DDP.
 
-    python tools/bench/zero.py [--world-size 2] [--steps 10] [--dim 256] [--layers 4]
+    python tools/bench/zero.py [--rounds 3] [--steps 10] [--only zero3,fsdp2] [--dim 256]
 
 Every contender trains the same built-in Llama (plait kernels, name-keyed init) with AdamW and
-global-norm clipping on Gloo ranks spawned by this script, each in fresh processes; rounds
-alternate to spread machine noise. FSDP2 wraps each `model.layers` entry and then the root, like
-plait's default stage 3 units, and uses torch's foreach AdamW.
+global-norm clipping on Gloo ranks spawned by this script, each in fresh processes. Each run
+takes `--warmup` untimed steps, then times `--steps`; rounds run the contenders in alternating
+order (forward, then reversed) so a burst of load on a shared machine does not always hit the
+same one, and the table shows the median over rounds. FSDP2 wraps each `model.layers` entry and
+then the root, like plait's default stage 3 units, and uses torch's foreach AdamW.
+
+Besides wall-clock tokens/s the table shows CPU seconds per step (all threads of a rank, so the
+Gloo threads' work counts), which a busy machine disturbs much less than wall-clock time.
 
 Peak memory per rank is measured from the CPU allocator, not estimated: model-state bytes held
-before a step (storage accounting, `plait.core.memory.storage_bytes` over parameters, gradients
-and optimizer state; FSDP2's local shards) plus the highest net allocation during one profiled
-step (`torch.profiler` with `profile_memory=True`: the running sum of each op's own allocations
-minus frees, in start order). Storage freed during the step that was allocated before it (e.g.
-stage 3 resharding) is not seen by the profiler, so the figure errs high, never low.
+between steps (storage accounting, `plait.core.memory.storage_bytes` over parameters, gradients
+and optimizer state; plait's `resident_total`, FSDP2's local shards) plus the highest net
+allocation during a profiled step (`torch.profiler` with `profile_memory=True`: the running sum
+of each op's own allocations minus frees, in start order). Two steps are profiled and the second
+one is measured, so every buffer a step frees was allocated while the profiler watched.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def _batches(args: argparse.Namespace, rank: int, world: int) -> list[tuple[torc
     gen = torch.Generator().manual_seed(0)
     local = args.global_batch // world
     out = []
-    for _ in range(args.steps + args.warmup + 1):
+    for _ in range(args.steps + args.warmup + 2):
         tokens = torch.randint(0, 256, (args.global_batch, args.seq_len + 1), generator=gen)
         mine = tokens[rank * local : (rank + 1) * local]
         out.append((mine[:, :-1], mine[:, 1:]))
@@ -57,17 +62,25 @@ def _batches(args: argparse.Namespace, rank: int, world: int) -> list[tuple[torc
 
 
 def step_peak_bytes(step: Callable[[], None]) -> int:
-    """Highest net bytes allocated at any point during `step`: the running sum, in start-time
-    order, of every profiled op's own allocations minus frees (and of frees outside ops)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Highest net bytes allocated at any point during a call of `step`, above what was held
+    when it started: the running sum, in start-time order, of every profiled op's own
+    allocations minus frees. `step` runs twice and the second call is measured, so its frees
+    of buffers the first call left behind are seen too (the allocator reports a free only for
+    memory allocated while profiling)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+        with record_function("measured_step"):
+            step()
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    measured = next(e for e in events if e.name == "measured_step")
+    start, end = measured.time_range.start, measured.time_range.end
     live = peak = 0
     for event in events:
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
+        if event.time_range.start >= start and event.time_range.start <= end:
+            live += event.self_cpu_memory_usage
+            peak = max(peak, live)
     return peak
 
 
@@ -78,16 +91,19 @@ def _measure(
     batches = _batches(args, rank, world)
     for batch in batches[: args.warmup]:
         step(batch)
-    start = time.perf_counter()
-    for batch in batches[args.warmup : -1]:
+    torch.distributed.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for batch in batches[args.warmup : -2]:
         step(batch)
-    elapsed = time.perf_counter() - start
-    before = state_bytes()
-    peak = before + step_peak_bytes(lambda: step(batches[-1]))
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    held = state_bytes()  # what is held between steps, as at the start of the measured step
+    profiled = iter(batches[-2:])
+    peak = held + step_peak_bytes(lambda: step(next(profiled)))
     return {
         "tokens_per_second": args.steps * args.global_batch * args.seq_len / elapsed,
+        "cpu_seconds_per_step": cpu / args.steps,
         "peak_mib": peak / 2**20,
-        "state_mib": before / 2**20,
+        "state_mib": held / 2**20,
     }
 
 
@@ -99,7 +115,12 @@ def run_plait(rank: int, world: int, args: argparse.Namespace, strategy: str) ->
     del rank, world
     plugins = Plugins.create(autoload=False, extra=[("zero", zero)])
     engine = Engine(config=_config(args, strategy), plugins=plugins)
-    return _measure(args, engine.train_step, lambda: engine.memory_report()["total"])
+
+    def state_bytes() -> int:
+        report = engine.memory_report()
+        return report.get("resident_total", report["total"])
+
+    return _measure(args, engine.train_step, state_bytes)
 
 
 def run_fsdp2(rank: int, world: int, args: argparse.Namespace) -> dict[str, float]:
@@ -151,7 +172,10 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--only", default="", help="comma-separated subset: zero1,zero2,zero3,fsdp2,ddp"
+    )
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -165,13 +189,20 @@ def main() -> None:
         "plait zero1": (run_plait, ("zero1",)),
         "plait zero2": (run_plait, ("zero2",)),
     }
+    if args.only:
+        wanted = {f"plait {n}" if n != "fsdp2" else "torch fsdp2" for n in args.only.split(",")}
+        contenders = {name: c for name, c in contenders.items() if name in wanted}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name, (fn, extra) in contenders.items():
+    for round_index in range(args.rounds):
+        order = list(contenders.items())
+        for name, (fn, extra) in order if round_index % 2 == 0 else reversed(order):
             per_rank = run_distributed(fn, args.world_size, args, *extra, timeout=1800)
             results[name].append(
                 {
                     "tokens_per_second": statistics.mean(r["tokens_per_second"] for r in per_rank),
+                    "cpu_seconds_per_step": statistics.mean(
+                        r["cpu_seconds_per_step"] for r in per_rank
+                    ),
                     "peak_mib": max(r["peak_mib"] for r in per_rank),
                     "state_mib": max(r["state_mib"] for r in per_rank),
                 }
@@ -183,22 +214,28 @@ def main() -> None:
     print(
         f"ZeRO benchmark: llama dim={args.dim} layers={args.layers} seq={args.seq_len} "
         f"global batch={args.global_batch} micro={MICRO_BATCH}, {args.world_size} Gloo ranks, "
-        f"{args.steps} steps × {args.rounds} rounds (median)"
+        f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} alternating rounds "
+        "(median)"
     )
-    print(f"{'':12} {'tokens/s':>10} {'peak MiB/rank':>14} {'state MiB/rank':>15}")
+    print(
+        f"{'':12} {'tokens/s':>10} {'CPU s/step':>11} {'peak MiB/rank':>14} {'held MiB/rank':>14}"
+    )
     for name, row in summary.items():
         print(
-            f"{name:12} {row['tokens_per_second']:10,.0f} {row['peak_mib']:14,.2f} "
-            f"{row['state_mib']:15,.2f}"
+            f"{name:12} {row['tokens_per_second']:10,.0f} {row['cpu_seconds_per_step']:11.3f} "
+            f"{row['peak_mib']:14,.2f} {row['state_mib']:14,.2f}"
         )
     for ours, peer in (
         ("plait zero3", "torch fsdp2"),
         ("plait zero1", "plait ddp"),
         ("plait zero2", "plait ddp"),
     ):
+        if ours not in summary or peer not in summary:
+            continue
         a, b = summary[ours], summary[peer]
         print(
             f"{ours} / {peer}: throughput {a['tokens_per_second'] / b['tokens_per_second']:.3f}×,"
+            f" CPU per step {a['cpu_seconds_per_step'] / b['cpu_seconds_per_step']:.3f}×,"
             f" peak memory {a['peak_mib'] / b['peak_mib']:.3f}×"
         )
 
