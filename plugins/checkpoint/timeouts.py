@@ -29,8 +29,7 @@ import json
 import threading
 import time
 from collections.abc import Generator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -66,9 +65,8 @@ class CollectiveTimeoutError(PlaitError):
         self.missing_ranks = missing_ranks
 
 
-@dataclass(frozen=True, slots=True)
-class Entered:
-    """The last group collective a rank entered on one group."""
+class Entered(NamedTuple):
+    """The last group collective a rank entered on one group (a tuple: cheap on the op path)."""
 
     count: int  # group collectives entered so far on this group, this one included
     seq: int
@@ -90,12 +88,10 @@ def group_label(key: GroupKey) -> str:
     return f"{name}[{','.join(map(str, ranks))}]"
 
 
-def _is_group_collective(request: CommRequest) -> bool:
-    return request.op not in _POINT_TO_POINT and "/" not in request.purpose
-
-
 class ReportingWork:
     """A `Work` whose `wait()` turns a backend timeout into a `CollectiveTimeoutError`."""
+
+    __slots__ = ("_inner", "_reporter", "_request")
 
     def __init__(self, inner: Any, reporter: CollectiveTimeoutReporter, request: _OpSummary):
         self._inner = inner
@@ -114,8 +110,7 @@ class ReportingWork:
         return getattr(self._inner, name)
 
 
-@dataclass(frozen=True, slots=True)
-class _OpSummary:
+class _OpSummary(NamedTuple):
     """What a report needs of a request (not its tensors, which must not be kept alive)."""
 
     key: GroupKey
@@ -124,6 +119,10 @@ class _OpSummary:
     purpose: str
     peer: int | None
     count: int | None  # None for point-to-point and algorithm sub-ops
+
+
+def _summary(request: CommRequest, key: GroupKey, count: int | None) -> _OpSummary:
+    return _OpSummary(key, request.op, request.seq, request.purpose, request.peer, count)
 
 
 class CollectiveTimeoutReporter:
@@ -168,23 +167,22 @@ class CollectiveTimeoutReporter:
     def plait_communicate(self, request: CommRequest) -> Generator[None, Work, Work]:
         key: GroupKey = (request.group_name, request.group_ranks)
         count = None
-        if _is_group_collective(request):
+        if request.op not in _POINT_TO_POINT and "/" not in request.purpose:
             previous = self._entered.get(key)
-            count = previous.count + 1 if previous is not None else 1
+            count = previous[0] + 1 if previous is not None else 1
             self._entered[key] = Entered(count, request.seq, request.op, request.purpose)
             self._version += 1
         if self._thread is None:
             self._start_publisher()
-        summary = _OpSummary(key, request.op, request.seq, request.purpose, request.peer, count)
         try:
             work = yield
         except Exception as exc:
             if not is_timeout(exc):
                 raise
-            raise self.timeout_error(summary, exc) from exc
+            raise self.timeout_error(_summary(request, key, count), exc) from exc
         if not request.async_op or isinstance(work, CompletedWork):
             return work
-        return ReportingWork(work, self, summary)
+        return ReportingWork(work, self, _summary(request, key, count))
 
     # -- publishing -----------------------------------------------------------------------------
 
