@@ -10,9 +10,11 @@ All three read the `[zero]` section (`plait.plugins.zero.config.ZeroConfig`): bu
 stage 3 prefetch depth and unit rule, and offload of the optimizer state to CPU memory or to
 files (`offload = {device = "nvme", path = "/local/nvme"}`).
 
-Per-rank model-state bytes for fp32 AdamW with N parameters on d ranks (`memory_report()`):
-stage 1: 4N params + 4N grads + 8N/d Adam; stage 2: 4N + 12N/d; stage 3: 16N/d plus the units
-gathered at a time.
+Per-rank model-state bytes for fp32 AdamW with N parameters on d ranks, as held at the optimizer
+step (`memory_report()["total"]`): stage 1: 4N params + 4N grads + 8N/d Adam; stage 2: 4N +
+12N/d; stage 3: 16N/d plus the units gathered at a time. Stages 2 and 3 release their gradient
+shards after the step, as FSDP2 does, so between steps they hold 4N/d less
+(`resident_total`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ strictly in bucket order so every rank issues the same collective sequence.
   bucket on the last micro-batch only; the optimizer reads this rank's chunk of each.
 - Stage 2 keeps only this rank's gradient chunks. A bucket's full buffer exists just while the
   bucket is being filled and reduce-scattered (at most `MAX_IN_FLIGHT` buckets at once); each
-  micro-batch's gradients are reduce-scattered and summed into the chunks (sharded accumulation).
+  micro-batch's gradients are reduce-scattered and summed into the chunks (sharded accumulation;
+  on Gloo an all-reduce stands in for the reduce-scatter, see `plait.plugins.zero.reduction`).
+  The chunks are released after the optimizer step, until the next backward.
 
 After the optimizer step each segment's updated chunks are all-gathered into the flat buffers.
 """

@@ -13,9 +13,10 @@ what the user built while holding no memory.
   the unit's backward: the unit is gathered again and the next units in reverse order are
   prefetched. As each parameter's gradient is accumulated it is copied into the unit's gradient
   bucket and released; once the unit's last gradient arrived the unit is resharded and its bucket
-  reduce-scattered (asynchronously) into this rank's gradient chunk.
+  reduced (asynchronously, `plait.plugins.zero.reduction`) into this rank's gradient chunk.
 - Gradient accumulation is sharded: every micro-batch's gradients are reduce-scattered and summed
-  into the chunks, so no full gradient outlives its unit's backward.
+  into the chunks, so no full gradient outlives its unit's backward. The chunks themselves are
+  released after the optimizer step and exist again from the next backward.
 """
 
 from __future__ import annotations
