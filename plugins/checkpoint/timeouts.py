@@ -126,7 +126,10 @@ def _summary(request: CommRequest, key: GroupKey, count: int | None) -> _OpSumma
 
 
 class CollectiveTimeoutReporter:
-    """The plugin object: progress per group, its publisher thread and the timeout reports."""
+    """The plugin object: progress per group, its publisher thread and the timeout reports.
+
+    One per plugin manager (`make_plugin`), so per engine: every rank counts the same ops.
+    """
 
     def __init__(
         self,
@@ -152,12 +155,6 @@ class CollectiveTimeoutReporter:
     @hookimpl
     def plait_configure(self, config: Any) -> None:
         self.timeout_seconds = float(config.train.collective_timeout_seconds)
-
-    @hookimpl
-    def plait_job_start(self) -> None:
-        # Comm numbers ops per engine: start counting with it.
-        self._entered.clear()
-        self._version += 1
 
     @hookimpl
     def plait_job_end(self) -> None:
