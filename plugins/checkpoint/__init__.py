@@ -7,8 +7,8 @@
 
 - `layout`: the canonical layout (original FQN, global shape, rectangular chunks), the
   `StateLayout` protocol a runtime returns from `checkpoint_layout()`, and `layout_for(engine)`;
-  `layouts_zero`, `layouts_tp`, `layouts_pipeline` describe the built-in runtimes' state (flat
-  ZeRO shards, tensor-parallel slices, pipeline chunks), so any layout loads any other.
+  `placements` (tensor-parallel slices, pipeline chunk names) and `layouts_zero` (flat ZeRO
+  shards) describe the built-in runtimes' state, so any layout loads any other.
 - `planner`: DCP planners for chunked values; `state`: what a checkpoint holds;
   `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
 - `checkpointer`: the training-loop policy and the `[checkpoint_io]` section.

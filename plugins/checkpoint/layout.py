@@ -9,8 +9,8 @@ saved chunks overlap the chunks this rank holds, so any layout loads any other (
 
 A runtime that holds model or optimizer state in a layout other than "the module's parameters,
 replicated" implements `checkpoint_layout()` returning a `StateLayout`; the built-in
-runtimes (pipeline, tensor parallel, ZeRO) are described by the adapters in `layouts_*`, which
-read their public attributes.
+runtimes are described by adapters that read their public attributes: `placements` (pipeline
+chunk names, tensor-parallel blocks) and `layouts_zero` (flat ZeRO shards).
 """
 
 from __future__ import annotations
@@ -293,9 +293,8 @@ def layout_for(engine: Any) -> StateLayout:
             layout = describe()
             if layout is not None:
                 return layout
-    from plait.plugins.checkpoint.layouts_pipeline import pipeline_names
-    from plait.plugins.checkpoint.layouts_tp import tensor_parallel_blocks
     from plait.plugins.checkpoint.layouts_zero import zero_layout
+    from plait.plugins.checkpoint.placements import pipeline_names, tensor_parallel_blocks
 
     names: dict[int, str] = {}
     blocks: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}
