@@ -56,6 +56,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("tensor_parallel", "plait.plugins.tensor_parallel"),
     ("precision", "plait.plugins.precision"),
     ("checkpointing", "plait.plugins.checkpointing"),
+    ("collective_timeouts", "plait.plugins.checkpoint.timeouts"),
     # Communication algorithms: inert unless `[comm] algorithm` names one of them.
     ("collectives", "plait.plugins.collectives"),
     ("compression", "plait.plugins.compression"),

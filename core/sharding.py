@@ -45,6 +45,10 @@ class ParallelRuntime:
     """Step callbacks of one applied strategy. Every method has a do-nothing default."""
 
     name: str = "runtime"
+    # True when the runtime moves `.grad` out (and clears it) after every micro-batch's backward
+    # instead of letting gradients accumulate in `.grad` (ZeRO-2/3): a hook that acts on the
+    # accumulated gradient must then act on every micro-batch.
+    gradients_consumed_each_microbatch: bool = False
 
     def action_handlers(self, step: StepState) -> dict[type, Callable[[Any], None]]:
         """Handlers to add or replace in the executor (e.g. pipeline send/recv), per step."""

@@ -82,9 +82,16 @@ class TensorParallelRuntime(ParallelRuntime):
 
     name = NAME
 
-    def __init__(self, *, tp: TensorParallelGroup, layout: TensorParallelLayout) -> None:
+    def __init__(
+        self,
+        *,
+        tp: TensorParallelGroup,
+        layout: TensorParallelLayout,
+        notes: dict[str, Any] | None = None,
+    ) -> None:
         self.tp = tp
         self.layout = layout
+        self.notes = notes if notes is not None else {}
         self._final_backward = True
         if tp.size > 1:
             for param in layout.tp_reduced_params:
@@ -94,7 +101,8 @@ class TensorParallelRuntime(ParallelRuntime):
     def _sum_over_tp(self, param: torch.Tensor) -> None:
         # NOTE: synchronous, and in a hook registered before any data-parallel strategy's, so
         # a gradient is complete before DDP/ZeRO bucket it; on the last micro-batch only, when
-        # the accumulated gradient holds every micro-batch's local part.
+        # the accumulated gradient holds every micro-batch's local part — or on every
+        # micro-batch when a data-parallel runtime takes `.grad` away each time (ZeRO-2/3).
         if self._final_backward and param.grad is not None:
             self.tp.comm.all_reduce(param.grad, group=self.tp.group, op="sum", purpose="tp_grad")
 
@@ -109,7 +117,10 @@ class TensorParallelRuntime(ParallelRuntime):
         return loss
 
     def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
-        self._final_backward = microbatch == num_microbatches - 1
+        every_microbatch = any(
+            rt.gradients_consumed_each_microbatch for rt in self.notes.get("runtimes", ())
+        )
+        self._final_backward = every_microbatch or microbatch == num_microbatches - 1
 
     def sync_gradients(self) -> None:
         self._final_backward = True
@@ -156,4 +167,6 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
         loss_parallel=config.loss_parallel,
     )
     context.notes["tp"] = {"sequence_parallel": config.sequence_parallel, "layout": layout}
-    return Sharded(module=model, runtime=TensorParallelRuntime(tp=tp, layout=layout))
+    return Sharded(
+        module=model, runtime=TensorParallelRuntime(tp=tp, layout=layout, notes=context.notes)
+    )

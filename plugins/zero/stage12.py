@@ -77,6 +77,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizerRuntime implements stages 1 and 2, not {stage}")
         self.name = f"zero{stage}"
+        self.gradients_consumed_each_microbatch = stage == 2
         self.stage, self.comm, self.group = stage, comm, group
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
         if not named:

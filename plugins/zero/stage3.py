@@ -151,6 +151,7 @@ class Unit:
 
 
 class FullyShardedRuntime(ParallelRuntime):
+    gradients_consumed_each_microbatch = True
     """The runtime of `zero3`."""
 
     name = "zero3"
