@@ -21,7 +21,8 @@ what the user built while holding no memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -413,6 +414,22 @@ class FullyShardedRuntime(ParallelRuntime):
         if self.master.files is not None:
             report["offloaded_optimizer_state"] = self.master.files.offloaded_bytes
         return report
+
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Gather every unit so the module's parameters can be read (like FSDP's
+        `summon_full_params`). Between steps stage 3 holds only shards: a parameter's storage is
+        released, so reading it outside this context is not allowed. Collective: call on every
+        rank of the data-parallel group."""
+        was_gathered = [unit.gathered for unit in self.units]
+        for unit in self.units:
+            self._unshard(unit)
+        try:
+            yield
+        finally:
+            for unit, keep in zip(self.units, was_gathered, strict=True):
+                if not keep:
+                    self._reshard(unit)
 
     def state_dict(self) -> dict[str, Any]:
         return self.master.state_dict()

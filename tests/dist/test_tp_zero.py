@@ -30,6 +30,6 @@ def test_tp2_with_each_dp_strategy_matches_ddp() -> None:
                 rtol=1e-5, atol=1e-5, msg=lambda m, s=strategy: f"{s}: {m}",
             )  # fmt: skip
     # The replicated KV projection stays identical on the two tp ranks of a replica.
-    for strategy in ("ddp", "zero1", "zero2"):
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
         by_tp = {r[strategy]["tp"]: r[strategy]["wk"] for r in ranks[:2]}
         torch.testing.assert_close(by_tp[0], by_tp[1], rtol=0, atol=1e-7)

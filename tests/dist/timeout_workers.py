@@ -57,9 +57,10 @@ def stall_one_rank(
 ) -> dict[str, Any]:
     del world_size
     stall = StallBeforeGradientAllReduce(active=rank == stall_rank, step=stall_step)
-    plugins = Plugins.create(
-        autoload=False,
-        extra=[("collective_timeouts", timeouts.make_plugin()), ("stall", stall)],
+    # The reporter is a built-in plugin: every engine has one.
+    plugins = Plugins.create(autoload=False, extra=[("stall", stall)])
+    assert isinstance(
+        plugins.manager.get_plugin("collective_timeouts"), timeouts.CollectiveTimeoutReporter
     )
     config = engine_config()
     config["train"] = {**config["train"], "collective_timeout_seconds": timeout_seconds}

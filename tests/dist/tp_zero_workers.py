@@ -34,7 +34,9 @@ def train_each_dp_strategy(rank: int, world_size: int, strategies: list[str]) ->
         for step in range(STEPS):
             batch = tokens[step, dp * 4 : (dp + 1) * 4]
             losses.append(engine.train_step((batch[:, :-1], batch[:, 1:])))
-        out[strategy] = {"losses": losses, "tp": engine.mesh.coordinate("tp")}
-        if strategy != "zero3":  # zero3 frees its gathered parameters between steps
-            out[strategy]["wk"] = engine.module.layers["0"].attention.wk.weight.detach().clone()
+        wk = engine.module.layers["0"].attention.wk.weight
+        if strategy == "zero3":  # between steps zero3 holds shards only: gather to read
+            with engine.runtimes[-1].full_parameters():
+                wk = wk.detach().clone()
+        out[strategy] = {"losses": losses, "tp": engine.mesh.coordinate("tp"), "wk": wk.clone()}
     return out
