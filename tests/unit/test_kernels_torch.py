@@ -46,7 +46,10 @@ def test_facade_resolves_each_op_to_the_reference(kernels: Kernels, op: str) -> 
 
 def test_answers_only_for_its_own_provider_name(plugins) -> None:
     assert plugins.kernel(name="rms_norm", device="cpu", dtype="float32", provider="torch")
-    assert plugins.kernel(name="rms_norm", device="cpu", dtype="float32", provider="no-such-provider") is None
+    assert (
+        plugins.kernel(name="rms_norm", device="cpu", dtype="float32", provider="no-such-provider")
+        is None
+    )
     assert plugins.kernel(name="no_such_op", device="cpu", dtype="float32", provider=None) is None
 
 
