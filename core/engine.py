@@ -128,6 +128,9 @@ class Engine:
         self._loss_group = self.mesh.group("pp", "dp")
         self._actions: dict[int, list[Action]] = {}
         self.step = 0
+        self.last_report: StepReport | None = None
+        self._last_grad_norm = torch.tensor(float("nan"))
+        self._skipped = False
         self.plugins.job_start(self._job_info())
 
     # -- construction ---------------------------------------------------------------------------
