@@ -11,6 +11,7 @@ import contextlib
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -86,8 +87,6 @@ def run_distributed(
         ]
         for p in procs:
             p.start()
-        import time
-
         deadline = time.monotonic() + timeout
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
