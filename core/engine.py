@@ -382,8 +382,11 @@ class Engine:
 
     def _mean_loss(self, state: StepState) -> float:
         """Mean over micro-batches and over the ranks that hold losses (last pipeline stage)."""
-        held = [loss for loss in state.losses if loss is not None]
-        totals = torch.tensor([float(sum(loss.float().item() for loss in held)), float(len(held))])
+        # One tensor on the compute device (NCCL reduces device tensors) and one host sync.
+        held = [loss.detach().float().reshape(()) for loss in state.losses if loss is not None]
+        loss_sum = torch.stack(held).sum() if held else torch.zeros((), device=self.device)
+        count = torch.tensor(float(len(held)), device=loss_sum.device)
+        totals = torch.stack([loss_sum, count])
         if self._loss_group.size > 1:
             self.comm.all_reduce(totals, group=self._loss_group, op="sum", purpose="metrics")
         return (totals[0] / totals[1]).item()
