@@ -24,6 +24,7 @@ from plait.core.grad_norm import clip_grads_, global_grad_norm
 from plait.core.kernels import Kernels
 from plait.core.memory import memory_report
 from plait.core.mesh import Mesh
+from plait.core.microbatch import MicrobatchRunner
 from plait.core.optim import default_optimizer_factory, warmup_cosine
 from plait.core.plugins import Plugins
 from plait.core.records import SHARD_ORDER
@@ -31,9 +32,11 @@ from plait.core.schedule import (
     Action,
     Backward,
     Forward,
+    MicrobatchPosition,
     OptimizerStep,
     ScheduleRequest,
     SyncGradients,
+    microbatch_positions,
 )
 from plait.core.sharding import ParallelRuntime, ShardContext, StepState
 from plait.core.step import JobInfo, PhaseSpan, StepReport
@@ -90,8 +93,7 @@ class Engine:
             self.plugins, prefer=cfg.kernels.prefer, overrides=cfg.kernels.overrides
         )
         self.comm = Comm(self.plugins)
-        if cfg.telemetry.enabled:
-            self._register_telemetry()
+        self._drop_disabled_telemetry()
         self.plugins.configure(cfg)
         torch.manual_seed(cfg.train.seed)
 
@@ -113,9 +115,6 @@ class Engine:
         self.runtimes: list[ParallelRuntime] = []
         self.module = self._shard(model)
         self.loss_fn = self._choose_loss_fn(loss_fn)
-        # A runtime that runs the compute itself (pipeline stages) needs the loss and the other
-        # runtimes' step callbacks.
-        self.context.notes.update(loss_fn=self.loss_fn, runtimes=tuple(self.runtimes))
         self.optimizer = self._build_optimizer(optimizer)
         self.lr_scheduler = (
             torch.optim.lr_scheduler.LambdaLR(
@@ -127,6 +126,7 @@ class Engine:
         # Groups used every step are created now: creating a group is collective.
         self._loss_group = self.mesh.group("pp", "dp")
         self._actions: dict[int, list[Action]] = {}
+        self._positions: dict[int, dict[Action, MicrobatchPosition]] = {}
         self.step = 0
         self.last_report: StepReport | None = None
         self._last_grad_norm = torch.tensor(float("nan"))
@@ -138,17 +138,11 @@ class Engine:
     def _check_plugin_sections(self) -> None:
         check_config(self.config, self.plugins, with_model=False)
 
-    def _register_telemetry(self) -> None:
-        if self.plugins.manager.has_plugin("telemetry") or self.plugins.manager.is_blocked(
-            "telemetry"
-        ):
-            return
-        try:
-            from plait.plugins import telemetry
-        except ImportError:  # the telemetry plugin is optional
-            return
-        plugin = telemetry.make_plugin() if hasattr(telemetry, "make_plugin") else telemetry
-        self.plugins.register(plugin, "telemetry")
+    def _drop_disabled_telemetry(self) -> None:
+        """The telemetry plugin wraps every comm op: with telemetry off it is not registered."""
+        manager = self.plugins.manager
+        if not self.config.telemetry.enabled and manager.has_plugin("telemetry"):
+            manager.unregister(name="telemetry")
 
     def _build_builtin_model(self) -> nn.Module:
         cfg = self.config
@@ -239,12 +233,19 @@ class Engine:
             coordinates=self.mesh.coordinates(),
             device=str(device),
             device_name=device_name,
-            compute_dtype=str(next(self.module.parameters()).dtype).removeprefix("torch."),
+            compute_dtype=str(self._compute_dtype()).removeprefix("torch."),
             model_name=cfg.model.name if self.model_record else type(self.module).__name__,
             num_params=num_params,
             flops_per_token=self.flops_per_token,
             tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
         )
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in: the precision policy's (autocast keeps fp32 parameters
+        but computes in bf16/fp16), else the parameters'."""
+        if self.context.precision is not None:
+            return self.context.precision.compute_dtype
+        return next(self.module.parameters()).dtype
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -260,6 +261,18 @@ class Engine:
                 )
             )
         return self._actions[num_microbatches]
+
+    def positions(self, num_microbatches: int) -> dict[Action, MicrobatchPosition]:
+        """Where each compute action of the step sits, from the schedule's own action list."""
+        if num_microbatches not in self._positions:
+            self._positions[num_microbatches] = microbatch_positions(
+                self.actions(num_microbatches),
+                num_microbatches=num_microbatches,
+                gradients_consumed_each_microbatch=any(
+                    rt.gradients_consumed_each_microbatch for rt in self.runtimes
+                ),
+            )
+        return self._positions[num_microbatches]
 
     def _split(self, batch: Any) -> tuple[list[Any], list[Any]]:
         inputs, targets = batch
@@ -277,24 +290,19 @@ class Engine:
         return list(inputs.split(micro)), list(targets.split(micro))
 
     def _handlers(self, state: StepState) -> dict[type, Callable[[Any], None]]:
-        runtimes, n = self.runtimes, state.num_microbatches
+        runtimes, runner = self.runtimes, state.runner
+        awaiting_backward: dict[int, torch.Tensor] = {}  # micro-batch -> scaled loss
 
         def forward(action: Forward) -> None:
-            for rt in runtimes:
-                rt.before_forward(microbatch=action.microbatch, num_microbatches=n)
+            runner.before_forward(action)
             output = self.module(state.inputs[action.microbatch])
-            state.losses[action.microbatch] = self.loss_fn(output, state.targets[action.microbatch])
+            awaiting_backward[action.microbatch] = runner.loss(state, action.microbatch, output)
 
         def backward(action: Backward) -> None:
-            for rt in runtimes:
-                rt.before_backward(microbatch=action.microbatch, num_microbatches=n)
-            loss = state.losses[action.microbatch]
-            assert loss is not None, f"backward of micro-batch {action.microbatch} before forward"
-            scaled = loss / n
-            for rt in runtimes:
-                scaled = rt.scale_loss(scaled)
+            runner.before_backward(action)
+            scaled = awaiting_backward.pop(action.microbatch, None)
+            assert scaled is not None, f"backward of micro-batch {action.microbatch} before forward"
             scaled.backward()
-            state.losses[action.microbatch] = loss.detach()
 
         def sync(_: SyncGradients) -> None:
             for rt in runtimes:
@@ -350,11 +358,19 @@ class Engine:
         self.plugins.step_start(self.step)
         inputs, targets = self._split(batch)
         n = len(inputs)
-        state = StepState(inputs=inputs, targets=targets, losses=[None] * n, num_microbatches=n)
+        runner = MicrobatchRunner(
+            runtimes=self.runtimes,
+            loss_fn=self.loss_fn,
+            positions=self.positions(n),
+            num_microbatches=n,
+        )
+        state = StepState(
+            inputs=inputs, targets=targets, losses=[None] * n, num_microbatches=n, runner=runner
+        )
         lr = self.optimizer.param_groups[0]["lr"]
         spans = Executor(self._handlers(state)).run(self.actions(n))
         # Spans a runtime timed inside its actions (a pipeline stage's waits for a peer: "idle").
-        spans = sorted([*spans, *state.outputs.pop("spans", ())], key=lambda s: s.start_ns)
+        spans = sorted([*spans, *state.extra_spans], key=lambda s: s.start_ns)
         loss = self._mean_loss(state)
         end_ns = time.time_ns()
         if data_start_ns is not None:

@@ -117,3 +117,66 @@ def format_action(action: Action) -> str:
         case OptimizerStep():
             return "step"
     raise TypeError(f"not a schedule action: {action!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# step structure: what the executor tells runtimes about each compute action
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicrobatchPosition:
+    """Where one forward, or one backward that produces weight gradients, sits in its step.
+
+    Derived from the schedule's action list alone (`microbatch_positions`), never from
+    micro-batch numbers: a schedule may run micro-batches in any order that respects the
+    dependencies, and `first` / `last` still name the first and last such action of the chunk.
+    Runtimes receive it in `ParallelRuntime.before_forward` / `before_backward`.
+    """
+
+    microbatch: int
+    chunk: int
+    num_microbatches: int
+    index: int  # how many actions of the same kind on the same chunk ran before this one
+    first: bool  # the chunk's first forward (or weight-producing backward) of the step
+    last: bool  # the chunk's last one: after it, the chunk's gradients are complete
+    # True when the gradients accumulated in `.grad` by this backward are handed on to data
+    # parallelism right after it: on the chunk's last backward, or on every backward when a
+    # runtime consumes `.grad` each micro-batch (ZeRO-2/3). Hooks that act on the accumulated
+    # gradient (tensor parallel's sum of partial gradients) act exactly then.
+    gradients_final: bool = False
+
+
+def produces_weight_gradients(action: Action) -> bool:
+    """A full backward or the weight half of a split one; the input half produces none."""
+    return isinstance(action, Backward) and action.kind != "input"
+
+
+def microbatch_positions(
+    actions: list[Action] | tuple[Action, ...],
+    *,
+    num_microbatches: int,
+    gradients_consumed_each_microbatch: bool = False,
+) -> dict[Action, MicrobatchPosition]:
+    """The position of every forward and weight-producing backward in `actions`, by action."""
+    counted: dict[tuple[str, int], list[Action]] = {}
+    for action in actions:
+        if isinstance(action, Forward):
+            counted.setdefault(("forward", action.chunk), []).append(action)
+        elif produces_weight_gradients(action):
+            assert isinstance(action, Backward)
+            counted.setdefault(("backward", action.chunk), []).append(action)
+    positions: dict[Action, MicrobatchPosition] = {}
+    for (kind, chunk), ordered in counted.items():
+        for index, action in enumerate(ordered):
+            last = index == len(ordered) - 1
+            positions[action] = MicrobatchPosition(
+                microbatch=action.microbatch,  # type: ignore[union-attr]
+                chunk=chunk,
+                num_microbatches=num_microbatches,
+                index=index,
+                first=index == 0,
+                last=last,
+                gradients_final=kind == "backward" and (last or gradients_consumed_each_microbatch),
+            )
+    return positions

@@ -19,8 +19,17 @@ if TYPE_CHECKING:
     from plait.core.config import PlaitConfig
     from plait.core.kernels import Kernels
     from plait.core.mesh import Mesh
+    from plait.core.microbatch import MicrobatchRunner
     from plait.core.plugins import Plugins
     from plait.core.records import ModelRecord
+    from plait.core.schedule import MicrobatchPosition
+    from plait.core.step import PhaseSpan
+    from plait.core.transforms import (
+        ActivationCheckpointing,
+        PipelineStages,
+        PrecisionPolicy,
+        TensorParallelism,
+    )
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -37,8 +46,12 @@ class ShardContext:
     device: torch.device
     model_record: ModelRecord | None = None
     model_config: Any = None
-    # Set by earlier transforms for later ones (e.g. the pipeline stage's layer range).
-    notes: dict[str, Any] = field(default_factory=dict)
+    # What earlier transforms established for later ones (`plait.core.transforms`); each is
+    # written by the transform that owns it and `None` when that transform is not applied.
+    pipeline: PipelineStages | None = None
+    tensor_parallel: TensorParallelism | None = None
+    precision: PrecisionPolicy | None = None
+    activation_checkpointing: ActivationCheckpointing | None = None
 
 
 class ParallelRuntime:
@@ -59,11 +72,13 @@ class ParallelRuntime:
         """A replacement loss (e.g. vocab-parallel cross-entropy), or `None` for the default."""
         return None
 
-    def before_forward(self, *, microbatch: int, num_microbatches: int) -> None:
-        """Called before each micro-batch's forward."""
+    def before_forward(self, position: MicrobatchPosition) -> None:
+        """Called before each micro-batch's forward (`position.first`: the chunk's first)."""
 
-    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
-        """Called before each micro-batch's backward (e.g. to skip gradient sync until the last)."""
+    def before_backward(self, position: MicrobatchPosition) -> None:
+        """Called before each backward that produces weight gradients. `position.last` is the
+        chunk's last one in the step (data parallelism reduces then), `position.first` its
+        first (sharded accumulation starts then), whatever order the schedule runs them in."""
 
     def sync_gradients(self) -> None:
         """Make gradients final: wait for (or start) reductions."""
@@ -110,13 +125,19 @@ class ParallelRuntime:
 
 @dataclass(kw_only=True)
 class StepState:
-    """The data of one optimizer step, shared by the executor's handlers."""
+    """The data of one optimizer step, shared by the executor's handlers.
+
+    A runtime that runs the compute itself (a pipeline stage) does it through `runner`, which
+    calls every runtime's per-micro-batch callbacks and computes the loss exactly as the
+    engine's own handlers do; spans it times inside its actions go to `extra_spans`.
+    """
 
     inputs: list[Any]  # per micro-batch
     targets: list[Any]
     losses: list[torch.Tensor | None]
     num_microbatches: int
-    outputs: dict[Any, Any] = field(default_factory=dict)  # pipeline: (mb, chunk) -> activation
+    runner: MicrobatchRunner
+    extra_spans: list[PhaseSpan] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,9 +133,9 @@ def _print_header(console: Console, engine: Engine, peak: float) -> None:
         f"dp strategy {cfg.parallel.dp_strategy} · schedule {cfg.schedule.name}",
         highlight=False,
     )
-    plan = engine.context.notes.get("pipeline_plan")
-    if plan is not None:
-        console.print(f"pipeline stages: {plan.describe()}", highlight=False)
+    pipeline = engine.context.pipeline
+    if pipeline is not None:
+        console.print(f"pipeline stages: {pipeline.summary}", highlight=False)
     console.print(
         f"model FLOPs/token {engine.flops_per_token:,.0f} · job peak {peak / 1e9:,.1f} GFLOP/s "
         "(CPU: measured GEMM rate)"

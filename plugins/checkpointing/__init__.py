@@ -35,6 +35,7 @@ from plait.core.errors import ConfigError
 from plait.core.hookspecs import hookimpl
 from plait.core.records import StrategyRecord
 from plait.core.sharding import ShardContext, Sharded
+from plait.core.transforms import ActivationCheckpointing
 from plait.plugins.checkpointing.wrap import CheckpointMode, apply_activation_checkpointing
 
 NAME = "checkpoint"
@@ -90,5 +91,7 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
         )
     except ValueError as exc:
         raise ConfigError(f"checkpoint: {exc}") from None
-    context.notes["activation_checkpointing"] = {"mode": config.mode, "wrapped": wrapped}
+    context.activation_checkpointing = ActivationCheckpointing(
+        mode=config.mode, wrapped=tuple(wrapped)
+    )
     return Sharded(module=model)

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.core.buckets import assign_buckets
 from plait.core.comm import Comm, Group, Work
+from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import ParallelRuntime
 
 
@@ -22,25 +24,6 @@ class Bucket:
     work: Work | None = None
     launched: bool = False
     views: list[torch.Tensor] = field(default_factory=list)
-
-
-def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Group parameters (already in expected gradient-ready order) into buckets by size,
-    never mixing dtypes or devices in one bucket."""
-    buckets: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        kind_changes = current and (p.dtype, p.device) != (current[0].dtype, current[0].device)
-        if current and (size + nbytes > bucket_bytes or kind_changes):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class BucketedAllReduce(ParallelRuntime):
@@ -135,8 +118,10 @@ class BucketedAllReduce(ParallelRuntime):
 
     # -- ParallelRuntime ---------------------------------------------------------------------
 
-    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
-        self._sync_this_backward = microbatch == num_microbatches - 1
+    def before_backward(self, position: MicrobatchPosition) -> None:
+        # Gradients accumulate locally; the chunk's last backward (by the schedule's order, not
+        # by micro-batch number) reduces the sum.
+        self._sync_this_backward = position.last
         for bucket in self.buckets:
             bucket.ready = 0
 

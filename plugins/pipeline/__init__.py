@@ -21,6 +21,7 @@ from plait.core.hookspecs import hookimpl
 from plait.core.records import ScheduleRecord, StrategyRecord
 from plait.core.schedule import Action, ScheduleRequest
 from plait.core.sharding import ShardContext, Sharded
+from plait.core.transforms import PipelineStages
 from plait.plugins.pipeline.runtime import PipelineRuntime
 from plait.plugins.pipeline.schedules import SCHEDULES, build_schedule
 from plait.plugins.pipeline.split import PipelineChunks, build_chunk, plan_stages
@@ -113,8 +114,9 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
     module: nn.Module = (
         chunks[0] if len(chunks) == 1 else PipelineChunks(chunks, [c.stage for c in mine])
     )
-    context.notes["pipeline_plan"] = plan
-    context.notes["pipeline_chunks"] = mine
+    context.pipeline = PipelineStages(
+        num_stages=plan.num_stages, virtual_stages=plan.virtual_stages, summary=plan.describe()
+    )
     runtime = PipelineRuntime(
         chunks=chunks,
         plan=plan,

@@ -48,10 +48,7 @@ from plait.core.step import PhaseSpan
 from plait.plugins.pipeline.split import StagePlan
 from plait.plugins.pipeline.topology import Layout
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MessageKey = tuple[str, int, int]  # ("activation" | "grad", micro-batch, local chunk)
-# Where the engine collects spans that handlers timed inside their actions.
-EXTRA_SPANS_KEY = "spans"
 
 
 @dataclass
@@ -94,8 +91,6 @@ class _StepRun:
     sends: list[tuple[Work, torch.Tensor]] = field(default_factory=list)
     idle_spans: list[PhaseSpan] = field(default_factory=list)
     times: StageTimes = field(default_factory=StageTimes)
-    forwards: dict[int, int] = field(default_factory=dict)  # per local chunk
-    weight_backwards: dict[int, int] = field(default_factory=dict)
 
 
 class PipelineRuntime(ParallelRuntime):
@@ -125,24 +120,6 @@ class PipelineRuntime(ParallelRuntime):
         self.last_stage_times: StageTimes | None = None
         self._run: _StepRun | None = None
 
-    # -- what the engine hands over ------------------------------------------------------------
-
-    def _other_runtimes(self) -> list[ParallelRuntime]:
-        runtimes = self.context.notes.get("runtimes", ())
-        return [rt for rt in runtimes if rt is not self]
-
-    def _loss_fn(self) -> LossFn:
-        loss_fn = self.context.notes.get("loss_fn")
-        if loss_fn is not None:
-            return loss_fn
-        kernels = self.context.kernels
-
-        def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            ce = kernels.get("softmax_cross_entropy", logits.device, logits.dtype)
-            return ce(logits.flatten(0, -2), targets.flatten())
-
-        return token_cross_entropy
-
     def _is_first(self, chunk: int) -> bool:
         return self.layout.global_stage(self.rank, chunk) == 0
 
@@ -165,7 +142,6 @@ class PipelineRuntime(ParallelRuntime):
             for p in chunk.parameters():
                 mark_sharded(p, ("pp",))
         run = _StepRun(state=step)
-        step.outputs.setdefault(EXTRA_SPANS_KEY, [])
         self._run = run
         return {
             Forward: lambda action: self._forward(run, action),
@@ -194,7 +170,7 @@ class PipelineRuntime(ParallelRuntime):
             self.last_bubble_fraction = self._pipeline_bubble(run.times)
             for span in run.idle_spans:
                 span.attributes["bubble_fraction"] = self.last_bubble_fraction
-        run.state.outputs[EXTRA_SPANS_KEY].extend(run.idle_spans)
+        run.state.extra_spans.extend(run.idle_spans)
 
     def _pipeline_bubble(self, times: StageTimes) -> float:
         """`1 - Σ busy / (P · makespan)` over the pipeline ranks of this rank's replica."""
@@ -221,10 +197,7 @@ class PipelineRuntime(ParallelRuntime):
 
     def _forward(self, run: _StepRun, action: Forward) -> None:
         mb, chunk = action.microbatch, action.chunk
-        done = run.forwards.get(chunk, 0)
-        for rt in self._other_runtimes():
-            rt.before_forward(microbatch=done, num_microbatches=run.state.num_microbatches)
-        run.forwards[chunk] = done + 1
+        run.state.runner.before_forward(action)
         start = time.time_ns()
         if self._is_first(chunk):
             stage_input = run.state.inputs[mb]
@@ -232,32 +205,19 @@ class PipelineRuntime(ParallelRuntime):
             stage_input = run.received.pop(("activation", mb, chunk)).requires_grad_()
         output = self.chunks[chunk](stage_input)
         if self._is_last(chunk):
-            loss = self._loss_fn()(output, run.state.targets[mb])
-            run.state.losses[mb] = loss.detach()
-            output = loss / run.state.num_microbatches
-            for rt in self._other_runtimes():
-                output = rt.scale_loss(output)
+            output = run.state.runner.loss(run.state, mb, output)
         else:
             run.outgoing[("activation", mb, chunk)] = output.detach().to(self._activation_dtype())
         run.saved[(mb, chunk)] = _Saved(stage_input=stage_input, output=output)
         self._timed(run, start)
-
-    def _before_weight_gradients(self, run: _StepRun, chunk: int) -> None:
-        """Tell the other runtimes a backward producing `chunk`'s weight gradients follows, as
-        the j-th of its n micro-batches: on the last one a chunk's gradients are final, so
-        data parallelism may reduce them and tensor parallelism sum its partial ones."""
-        done = run.weight_backwards.get(chunk, 0)
-        for rt in self._other_runtimes():
-            rt.before_backward(microbatch=done, num_microbatches=run.state.num_microbatches)
-        run.weight_backwards[chunk] = done + 1
 
     def _backward(self, run: _StepRun, action: Backward) -> None:
         mb, chunk = action.microbatch, action.chunk
         key = (mb, chunk)
         if action.kind != "weight" and not self._is_last(chunk):
             run.saved[key].output_grad = run.received.pop(("grad", mb, chunk))
+        run.state.runner.before_backward(action)
         if action.kind == "full":
-            self._before_weight_gradients(run, chunk)
             start = time.time_ns()
             saved = run.saved.pop(key)
             grads = None if saved.output_grad is None else [saved.output_grad]
@@ -277,7 +237,6 @@ class PipelineRuntime(ParallelRuntime):
                 self._check_weight_groups(chunk, params, saved.param_groups)
                 self._queue_input_grad(run, action, input_grads[0])
         else:
-            self._before_weight_gradients(run, chunk)
             start = time.time_ns()
             saved = run.saved.pop(key)
             if saved.param_groups is not None:
@@ -371,9 +330,9 @@ class PipelineRuntime(ParallelRuntime):
         """[micro_batch, seq, dim] of the hidden states between stages; under sequence
         parallelism the residual stream between blocks holds this rank's sequence shard."""
         batch, seq = tokens.shape[:2]
-        tensor_parallel = self.context.notes.get("tp") or {}
-        if tensor_parallel.get("sequence_parallel"):
-            seq //= self.context.mesh.size("tp")
+        tensor_parallel = self.context.tensor_parallel
+        if tensor_parallel is not None and tensor_parallel.sequence_parallel:
+            seq //= tensor_parallel.degree
         return batch, seq, self.hidden_dim
 
     def _recv(self, run: _StepRun, action: RecvActivation | RecvGrad, kind: str) -> None:

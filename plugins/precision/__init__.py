@@ -122,8 +122,8 @@ def apply_mixed_precision(
         AutocastHooks(model, device_type=context.device.type, dtype=policy.compute_dtype)
     if policy.reduce_dtype != policy.param_dtype:
         _register_reduce_cast(context, policy)
-    # Later transforms (ZeRO keeping fp32 master shards, say) read the policy from here.
-    context.notes["precision"] = policy
+    # Later transforms (ZeRO keeping fp32 master shards, say) and the engine's MFU read it.
+    context.precision = policy
     scaler = (
         DynamicLossScaler(
             initial_scale=config.initial_scale,
@@ -154,4 +154,3 @@ def _register_reduce_cast(context: ShardContext, policy: PrecisionPolicy) -> Non
         manager.unregister(existing)
     cast = ReduceDtypeCast(context.comm, policy.reduce_dtype)
     context.plugins.register(cast, name)
-    context.notes["precision.reduce_cast"] = cast

@@ -17,12 +17,13 @@ RoPE statistics and the cross-entropy in fp32, and the scaled loss is always fp3
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
+
+from plait.core.transforms import PrecisionPolicy
 
 DtypeName = Literal["bf16", "fp16", "fp32"]
 
@@ -31,40 +32,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrecisionPolicy:
-    """The three dtypes of a mixed-precision run (cf. FSDP's `MixedPrecision`)."""
-
-    compute_dtype: torch.dtype
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-
-    @property
-    def master_weights(self) -> bool:
-        """True when the optimizer must step fp32 copies of low-precision parameters."""
-        return self.param_dtype != torch.float32
-
-    @property
-    def autocast(self) -> bool:
-        """True when parameters stay fp32 and the forward runs under `torch.autocast`."""
-        return self.param_dtype == torch.float32 and self.compute_dtype != torch.float32
-
-    @property
-    def loss_scaling(self) -> bool:
-        """fp16's 5-bit exponent underflows small gradients; bf16 has fp32's range."""
-        return self.compute_dtype == torch.float16
-
-    def describe(self) -> dict[str, str]:
-        def short(dtype: torch.dtype) -> str:
-            return next(name for name, value in DTYPES.items() if value == dtype)
-
-        return {
-            "compute_dtype": short(self.compute_dtype),
-            "param_dtype": short(self.param_dtype),
-            "reduce_dtype": short(self.reduce_dtype),
-        }
 
 
 def make_policy(

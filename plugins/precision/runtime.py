@@ -14,7 +14,7 @@ runtime comes later in the engine's list):
 5. The optimizer steps the masters; `after_optimizer_step` casts them back into the parameters.
 
 When another runtime builds the optimizer (ZeRO keeps its own shards; it can read the policy from
-`context.notes["precision"]`), no masters are kept here and loss scaling works on the module's
+`context.precision`), no masters are kept here and loss scaling works on the module's
 gradients directly.
 """
 
@@ -30,7 +30,7 @@ from plait.core.grad_norm import SHARDED_AXES_ATTR, clip_grads_, global_grad_nor
 from plait.core.memory import memory_report, storage_bytes
 from plait.core.mesh import Mesh
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
-from plait.plugins.precision.policy import PrecisionPolicy
+from plait.core.transforms import PrecisionPolicy
 from plait.plugins.precision.scaler import DynamicLossScaler
 
 

@@ -34,7 +34,9 @@ from plait.core.config import Section
 from plait.core.errors import ConfigError
 from plait.core.hookspecs import hookimpl
 from plait.core.records import StrategyRecord
+from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
+from plait.core.transforms import TensorParallelism
 from plait.plugins.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from plait.plugins.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -87,11 +89,9 @@ class TensorParallelRuntime(ParallelRuntime):
         *,
         tp: TensorParallelGroup,
         layout: TensorParallelLayout,
-        notes: dict[str, Any] | None = None,
     ) -> None:
         self.tp = tp
         self.layout = layout
-        self.notes = notes if notes is not None else {}
         self._final_backward = True
         if tp.size > 1:
             for param in layout.tp_reduced_params:
@@ -116,11 +116,8 @@ class TensorParallelRuntime(ParallelRuntime):
 
         return loss
 
-    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
-        every_microbatch = any(
-            rt.gradients_consumed_each_microbatch for rt in self.notes.get("runtimes", ())
-        )
-        self._final_backward = every_microbatch or microbatch == num_microbatches - 1
+    def before_backward(self, position: MicrobatchPosition) -> None:
+        self._final_backward = position.gradients_final
 
     def sync_gradients(self) -> None:
         self._final_backward = True
@@ -166,7 +163,9 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
         output_module=config.output_module,
         loss_parallel=config.loss_parallel,
     )
-    context.notes["tp"] = {"sequence_parallel": config.sequence_parallel, "layout": layout}
-    return Sharded(
-        module=model, runtime=TensorParallelRuntime(tp=tp, layout=layout, notes=context.notes)
+    context.tensor_parallel = TensorParallelism(
+        degree=tp.size,
+        sequence_parallel=config.sequence_parallel,
+        vocab_parallel_output=layout.vocab_parallel_output,
     )
+    return Sharded(module=model, runtime=TensorParallelRuntime(tp=tp, layout=layout))

@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2: replicated parameters, sharded optimizer state (and, in stage 2, gradients).
 
 Parameters are packed into segments, one per gradient bucket (bucketed like DDP, by
-`plait.plugins.ddp.buckets.assign_buckets`, in reverse registration order so buckets complete
+`plait.core.buckets.assign_buckets`, in reverse registration order so buckets complete
 roughly in order during backward); every `param.data` becomes a view of its segment's flat buffer.
 Buckets are reduced asynchronously from post-accumulate-grad hooks while backward runs, launched
 strictly in bucket order so every rank issues the same collective sequence.
@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.core.buckets import assign_buckets
 from plait.core.comm import Comm, Group, Work
 from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
+from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
-from plait.plugins.ddp.buckets import assign_buckets
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
 from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
@@ -250,14 +251,14 @@ class ShardedOptimizerRuntime(ParallelRuntime):
 
     # -- ParallelRuntime -------------------------------------------------------------------------
 
-    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
-        if self.stage == 2 and microbatch > 0:
+    def before_backward(self, position: MicrobatchPosition) -> None:
+        if self.stage == 2 and not position.first:
             self._finish_backward()
-        self._first_microbatch = microbatch == 0
-        self._reduce_this_backward = self.stage == 2 or microbatch == num_microbatches - 1
+        self._first_microbatch = position.first
+        self._reduce_this_backward = self.stage == 2 or position.last
         for bucket in self.buckets:
             bucket.ready = 0
-        if microbatch == num_microbatches - 1:
+        if position.last:
             self.master.prefetch_state()
 
     def sync_gradients(self) -> None:

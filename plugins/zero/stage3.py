@@ -34,6 +34,7 @@ from plait.core.comm import Comm, Group, Work
 from plait.core.errors import ConfigError
 from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
+from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
@@ -373,11 +374,11 @@ class FullyShardedRuntime(ParallelRuntime):
 
     # -- ParallelRuntime -----------------------------------------------------------------------
 
-    def before_backward(self, *, microbatch: int, num_microbatches: int) -> None:
-        if microbatch > 0:
+    def before_backward(self, position: MicrobatchPosition) -> None:
+        if not position.first:
             self._finish_backward()
-        self._first_microbatch = microbatch == 0
-        if microbatch == num_microbatches - 1:
+        self._first_microbatch = position.first
+        if position.last:
             self.master.prefetch_state()
 
     def sync_gradients(self) -> None:

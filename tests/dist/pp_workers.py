@@ -162,7 +162,7 @@ def train(
             (rt for rt in engine.runtimes if isinstance(rt, BucketedAllReduce)), None
         )
         grads = [{names[i]: g for i, g in step.items()} for step in optimizer.seen]
-        plan = engine.context.notes.get("pipeline_plan")
+        plan = None if pipeline_runtime is None else pipeline_runtime.plan
         results.append(
             {
                 **run,

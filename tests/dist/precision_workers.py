@@ -90,9 +90,13 @@ def train_losses(
             "param_dtype": str(param.dtype),
             "grad_dtype": str(param.grad.dtype) if param.grad is not None else None,
             "memory": engine.memory_report(),
-            "checkpointed": engine.context.notes.get("activation_checkpointing", {}).get("wrapped"),
+            "checkpointed": (
+                list(engine.context.activation_checkpointing.wrapped)
+                if engine.context.activation_checkpointing is not None
+                else None
+            ),
             "reduce_casts": getattr(
-                engine.context.notes.get("precision.reduce_cast"), "casts", None
+                engine.plugins.manager.get_plugin("amp.reduce_dtype"), "casts", None
             ),
         }
         engine.close()
