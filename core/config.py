@@ -135,6 +135,46 @@ class CheckpointIOSection(Section):
     fault_injection: FaultInjectionSection = Field(default_factory=FaultInjectionSection)
 
 
+class CommSection(Section):
+    """`[comm]`: the communication algorithm that takes traffic over, and its options.
+
+    `algorithm` names one registered `CommAlgorithmRecord` ("torch" = none: the backend's
+    collectives as they are). Each algorithm's options live in its own sub-table, validated by
+    the record's `config_cls`::
+
+        [comm]
+        algorithm = "powersgd"
+
+        [comm.powersgd]
+        rank = 2
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    algorithm: str = Field(
+        "torch", description="torch (no algorithm), ring, tree, fp16, bf16, powersgd, …"
+    )
+
+    @model_validator(mode="after")
+    def _algorithm_is_a_name(self) -> CommSection:
+        if not self.algorithm.strip():
+            raise ValueError("comm.algorithm must name an algorithm, e.g. 'torch' or 'ring'")
+        return self
+
+    @property
+    def option_tables(self) -> dict[str, Any]:
+        """The `[comm.<name>]` sub-tables, as given."""
+        return dict(self.model_extra or {})
+
+    def options(self, name: str, cls: type[BaseModel]) -> Any:
+        """Algorithm `name`'s validated `[comm.<name>]` options (defaults when absent)."""
+        raw = self.option_tables.get(name, {})
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(_format_validation_error(exc, prefix=f"comm.{name}")) from None
+
+
 class PluginsSection(Section):
     disable: list[str] = Field(default_factory=list, description="plugin names to block")
 
@@ -154,6 +194,7 @@ class PlaitConfig(BaseModel):
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     plugins: PluginsSection = Field(default_factory=PluginsSection)
     checkpoint_io: CheckpointIOSection = Field(default_factory=CheckpointIOSection)
+    comm: CommSection = Field(default_factory=CommSection)
 
     @property
     def extensions(self) -> dict[str, dict[str, Any]]:

@@ -425,8 +425,6 @@ def check_config(config: PlaitConfig, plugins: Plugins, *, with_model: bool = Tr
     """Check the names a config gives against the installed plugins (before any rank starts)."""
     strategies = plugins.strategies()
     sections = {rec.config_section or rec.name for _, rec in strategies.values()}
-    if plugins.comm_algorithms():
-        sections.add("comm")
     unknown = sorted(set(config.extensions) - sections)
     if unknown:
         raise ConfigError(
@@ -448,17 +446,60 @@ def check_config(config: PlaitConfig, plugins: Plugins, *, with_model: bool = Tr
         if record.config_cls is not None and (record.config_section or name) in config.extensions:
             config.section(record.config_section or name, record.config_cls)
     plugins.schedule_record(config.schedule.name)
-    algorithm = config.extensions.get("comm", {}).get("algorithm")
-    algorithms = plugins.comm_algorithms()
-    if algorithm not in (None, "", "torch") and algorithm not in algorithms:
-        raise PluginError(
-            f"comm.algorithm = {algorithm!r} is not provided by any installed plugin; installed: "
-            + (", ".join(f"{n!r} ({p})" for n, (p, _) in sorted(algorithms.items())) or "(none)")
-        )
+    _check_comm(config, plugins)
+    _check_kernels(config, plugins)
     if with_model:
         record = plugins.model(config.model.name)
         if record.make_config is not None:
             record.make_config(config.model.size, config.model.overrides)
+
+
+def _check_comm(config: PlaitConfig, plugins: Plugins) -> None:
+    """`comm.algorithm` names an installed algorithm; each `[comm.<name>]` table belongs to an
+    installed algorithm and passes its `config_cls`."""
+    algorithms = plugins.comm_algorithms()
+    installed = ", ".join(
+        ["'torch' (no algorithm)"]
+        + [f"{n!r} from {plugins.describe(p)}" for n, (p, _) in sorted(algorithms.items())]
+    )
+    algorithm = config.comm.algorithm
+    if algorithm != "torch" and algorithm not in algorithms:
+        raise PluginError(
+            f"comm.algorithm = {algorithm!r} is not provided by any installed plugin; "
+            f"installed: {installed}"
+        )
+    for name, table in config.comm.option_tables.items():
+        record = algorithms.get(name, (None, None))[1]
+        if not isinstance(table, dict) or record is None:
+            raise ConfigError(
+                f"comm.{name}: not a field of [comm] (fields: algorithm) nor the options table "
+                f"of an installed algorithm; installed: {installed}"
+            )
+        if record.config_cls is None:
+            if table:
+                raise ConfigError(f"comm.{name}: algorithm {name!r} takes no options")
+            continue
+        config.comm.options(name, record.config_cls)
+
+
+def _check_kernels(config: PlaitConfig, plugins: Plugins) -> None:
+    """Every provider named in `kernels.prefer` / `kernels.overrides` is registered, and every
+    op in `overrides` is one some provider answers."""
+    records = [record for _, record in plugins.kernel_records()]
+    providers = sorted({r.provider for r in records})
+    ops = sorted({r.op for r in records})
+    named = [("kernels.prefer", p) for p in config.kernels.prefer] + [
+        (f"kernels.overrides.{op}", p) for op, p in config.kernels.overrides.items()
+    ]
+    for field, provider in named:
+        if provider not in providers:
+            raise ConfigError(
+                f"{field}: no installed plugin provides kernels as {provider!r}; providers: "
+                f"{providers}"
+            )
+    for op in config.kernels.overrides:
+        if op not in ops:
+            raise ConfigError(f"kernels.overrides: unknown op {op!r}; ops: {ops}")
 
 
 def _phase_totals(spans: Sequence[PhaseSpan]) -> dict[str, float]:

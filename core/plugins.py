@@ -12,6 +12,7 @@ distribution.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 import os
 import sys
@@ -57,6 +58,9 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("precision", "plait.plugins.precision"),
     ("checkpointing", "plait.plugins.checkpointing"),
     ("collective_timeouts", "plait.plugins.checkpoint.timeouts"),
+    # Spans and metrics of steps and comm ops; the engine unregisters it when
+    # `telemetry.enabled` is false, so a run without telemetry pays nothing per op.
+    ("telemetry", "plait.plugins.telemetry"),
     # Communication algorithms: inert unless `[comm] algorithm` names one of them.
     ("collectives", "plait.plugins.collectives"),
     ("compression", "plait.plugins.compression"),
@@ -86,6 +90,7 @@ class Plugins:
 
     def __init__(self, manager: pluggy.PluginManager) -> None:
         self.manager = manager
+        self._distributions: dict[str, str] = {}  # plugin name -> "dist version" or origin
 
     # -- construction --------------------------------------------------------------------------
 
@@ -110,10 +115,7 @@ class Plugins:
         for name, module_path in builtins:
             if manager.is_blocked(name):
                 continue
-            module = importlib.import_module(module_path)
-            # A module may hand out a fresh plugin object per manager (state per engine).
-            plugin = module.make_plugin() if hasattr(module, "make_plugin") else module
-            plugins._register(plugin, name, "plait")
+            plugins._register(plugin_object(importlib.import_module(module_path)), name, "plait")
         for name, plugin in extra:
             if manager.get_plugin(name) is plugin:
                 continue  # already registered as a built-in
@@ -134,6 +136,7 @@ class Plugins:
 
     def _register(self, plugin: object, name: str, distribution: str) -> None:
         _reject_keyword_only_hookimpls(plugin, name, distribution)
+        self._distributions[name] = distribution
         try:
             self.manager.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
@@ -144,18 +147,22 @@ class Plugins:
             raise PluginError(f"plugin {name!r} from {distribution}: {exc}") from exc
 
     def _load_entry_points(self) -> None:
-        try:
-            self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(
-                f"plugin {exc.plugin_name!r} ({self.distribution_of(exc.plugin)}) from the "
-                f"{ENTRY_POINT_GROUP!r} entry-point group has an invalid hook: {exc}"
-            ) from exc
-        except Exception as exc:
-            raise PluginError(
-                f"loading the {ENTRY_POINT_GROUP!r} entry-point group failed: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        """Register every `plait` entry point exactly as a built-in: a module (or object) with
+        `make_plugin()` hands out a fresh plugin per manager, anything else is the plugin."""
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            name = entry_point.name
+            if self.manager.is_blocked(name) or self.manager.has_plugin(name):
+                continue
+            dist = entry_point.dist
+            where = f"{dist.name} {dist.version}" if dist is not None else entry_point.value
+            try:
+                plugin = plugin_object(entry_point.load())
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {name!r} ({where}) from the {ENTRY_POINT_GROUP!r} entry-point group "
+                    f"failed to load: {type(exc).__name__}: {exc}"
+                ) from exc
+            self._register(plugin, name, where)
 
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object at run time (tests, user code)."""
@@ -176,12 +183,12 @@ class Plugins:
     # -- naming plugins in errors -------------------------------------------------------------
 
     def distribution_of(self, plugin: object) -> str:
-        for plugin_obj, dist in self.manager.list_plugin_distinfo():
-            if plugin_obj is plugin:
-                return f"{dist.project_name} {dist.version}"
         name = self.manager.get_name(plugin) if plugin is not None else None
         if name and any(name == builtin for builtin, _ in BUILTIN_PLUGINS):
             return "plait (built-in)"
+        origin = self._distributions.get(name or "")
+        if origin and not origin.startswith("<"):
+            return origin
         return "registered in code"
 
     def describe(self, plugin_name: str) -> str:
@@ -354,6 +361,13 @@ class Plugins:
                 )
             )
         return infos
+
+
+def plugin_object(loaded: object) -> object:
+    """The plugin a module or entry point stands for: `make_plugin()` when it defines one (a
+    fresh object per manager, so per-engine state is not shared), else the object itself."""
+    factory = getattr(loaded, "make_plugin", None)
+    return factory() if callable(factory) else loaded
 
 
 def _reject_keyword_only_hookimpls(plugin: object, name: str, distribution: str) -> None:

@@ -52,7 +52,9 @@ class CompressionPlugin(CommBinding):
 
     @hookimpl
     def plait_configure(self, config: PlaitConfig) -> None:
-        self.config = config.section("comm", CommConfig)
+        self.config = CommConfig.model_validate(
+            {"algorithm": config.comm.algorithm, **config.comm.option_tables}
+        )
 
     @hookimpl
     def plait_register_comm_algorithms(self) -> Sequence[CommAlgorithmRecord]:

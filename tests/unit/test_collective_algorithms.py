@@ -17,10 +17,12 @@ import torch
 
 from plait.core.comm import CompletedWork, Group
 from plait.core.config import load_config
+from plait.core.engine import check_config
 from plait.core.errors import ConfigError, PluginError
+from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
 from plait.plugins.collectives import CollectivesPlugin
-from plait.plugins.collectives.config import CommConfig, check_algorithm
+from plait.plugins.collectives.config import check_algorithm
 from plait.plugins.collectives.ring import ring_all_reduce
 from plait.plugins.collectives.tree import halving_doubling_all_reduce
 
@@ -184,10 +186,13 @@ def test_plugin_takes_over_only_what_it_is_configured_for() -> None:
 
 
 def test_config_errors_name_the_field_and_the_alternatives() -> None:
+    plugins = Plugins.create(autoload=False)
     with pytest.raises(ConfigError, match=r"comm\.powersgd\.rank"):
-        load_config({"comm": {"powersgd": {"rank": 0}}}).section("comm", CommConfig)
+        check_config(load_config({"comm": {"powersgd": {"rank": 0}}}), plugins, with_model=False)
     with pytest.raises(ConfigError, match=r"comm\.topk\.ratios"):
-        load_config({"comm": {"topk": {"ratios": 0.1}}}).section("comm", CommConfig)
+        check_config(load_config({"comm": {"topk": {"ratios": 0.1}}}), plugins, with_model=False)
+    with pytest.raises(ConfigError, match=r"comm\.anything: not a field"):
+        check_config(load_config({"comm": {"anything": 1}}), plugins, with_model=False)
     check_algorithm("ring", {"ring": None, "tree": None})
     check_algorithm("torch", {})
     with pytest.raises(ConfigError, match=r"'rnig'.*ring, torch, tree"):
