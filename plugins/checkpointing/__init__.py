@@ -24,7 +24,6 @@ layer index), so every pipeline stage applies the same every-k pattern as the fu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field
@@ -32,9 +31,8 @@ from torch import nn
 
 from plait.core.config import Section
 from plait.core.errors import ConfigError
-from plait.core.hookspecs import hookimpl
-from plait.core.records import StrategyRecord
 from plait.core.sharding import ShardContext, Sharded
+from plait.core.strategy import Strategies
 from plait.core.transforms import ActivationCheckpointing
 from plait.plugins.checkpointing.wrap import CheckpointMode, apply_activation_checkpointing
 
@@ -64,23 +62,18 @@ class CheckpointConfig(Section):
     )
 
 
-@hookimpl
-def plait_register_strategies() -> Sequence[StrategyRecord]:
-    return [
-        StrategyRecord(
-            name=NAME,
-            axis="ac",
-            config_cls=CheckpointConfig,
-            description="activation checkpointing of transformer blocks: full, every-k, selective",
-        )
-    ]
+strategies = Strategies()
 
 
-@hookimpl
-def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
-    if axis != "ac" or name != NAME:
-        return None
-    config = context.config.section(NAME, CheckpointConfig)
+@strategies.provide(
+    name=NAME,
+    axis="ac",
+    config_cls=CheckpointConfig,
+    description="activation checkpointing of transformer blocks: full, every-k, selective",
+)
+def checkpoint_activations(
+    model: nn.Module, *, context: ShardContext, config: CheckpointConfig
+) -> Sharded:
     try:
         wrapped = apply_activation_checkpointing(
             model,
@@ -95,3 +88,7 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
         mode=config.mode, wrapped=tuple(wrapped)
     )
     return Sharded(module=model)
+
+
+plait_register_strategies = strategies.plait_register_strategies
+plait_shard = strategies.plait_shard

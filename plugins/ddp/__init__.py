@@ -9,15 +9,12 @@ Reductions are skipped on all but the last micro-batch of a step (gradient accum
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from pydantic import Field
 from torch import nn
 
 from plait.core.config import Section
-from plait.core.hookspecs import hookimpl
-from plait.core.records import StrategyRecord
 from plait.core.sharding import ShardContext, Sharded
+from plait.core.strategy import Strategies
 from plait.plugins.ddp.buckets import BucketedAllReduce
 
 NAME = "ddp"
@@ -32,23 +29,16 @@ class DDPConfig(Section):
     )
 
 
-@hookimpl
-def plait_register_strategies() -> Sequence[StrategyRecord]:
-    return [
-        StrategyRecord(
-            name=NAME,
-            axis="dp",
-            config_cls=DDPConfig,
-            description="replicated parameters, overlapped bucketed gradient all-reduce",
-        )
-    ]
+strategies = Strategies()
 
 
-@hookimpl
-def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
-    if axis != "dp" or name != NAME:
-        return None
-    config = context.config.section(NAME, DDPConfig)
+@strategies.provide(
+    name=NAME,
+    axis="dp",
+    config_cls=DDPConfig,
+    description="replicated parameters, overlapped bucketed gradient all-reduce",
+)
+def shard_ddp(model: nn.Module, *, context: ShardContext, config: DDPConfig) -> Sharded:
     runtime = BucketedAllReduce(
         model,
         comm=context.comm,
@@ -57,3 +47,7 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
         broadcast_parameters=config.broadcast_parameters,
     )
     return Sharded(module=model, runtime=runtime)
+
+
+plait_register_strategies = strategies.plait_register_strategies
+plait_shard = strategies.plait_shard

@@ -18,9 +18,10 @@ from torch import nn
 from plait.core.config import Section
 from plait.core.errors import ConfigError
 from plait.core.hookspecs import hookimpl
-from plait.core.records import ScheduleRecord, StrategyRecord
+from plait.core.records import ScheduleRecord
 from plait.core.schedule import Action, ScheduleRequest
 from plait.core.sharding import ShardContext, Sharded
+from plait.core.strategy import Strategies
 from plait.core.transforms import PipelineStages
 from plait.plugins.pipeline.runtime import PipelineRuntime
 from plait.plugins.pipeline.schedules import SCHEDULES, build_schedule
@@ -47,18 +48,6 @@ class PipelineConfig(Section):
 
 
 @hookimpl
-def plait_register_strategies() -> Sequence[StrategyRecord]:
-    return [
-        StrategyRecord(
-            name=NAME,
-            axis="pp",
-            config_cls=PipelineConfig,
-            description="cost-balanced stage split with virtual chunks, P2P schedule runtime",
-        )
-    ]
-
-
-@hookimpl
 def plait_register_schedules() -> Sequence[ScheduleRecord]:
     return [
         ScheduleRecord(
@@ -78,11 +67,16 @@ def plait_schedule(request: ScheduleRequest) -> list[Action] | None:
     return build_schedule(request)
 
 
-@hookimpl
-def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
-    if axis != "pp" or name != NAME:
-        return None
-    config = context.config.section(NAME, PipelineConfig)
+strategies = Strategies()
+
+
+@strategies.provide(
+    name=NAME,
+    axis="pp",
+    config_cls=PipelineConfig,
+    description="cost-balanced stage split with virtual chunks, P2P schedule runtime",
+)
+def split_pipeline(model: nn.Module, *, context: ShardContext, config: PipelineConfig) -> Sharded:
     schedule = context.config.schedule
     if not context.plugins.schedule_record(schedule.name).pipelined:
         pipelined = sorted(n for n, (_, r) in context.plugins.schedules().items() if r.pipelined)
@@ -135,3 +129,7 @@ def _hidden_dim(model: nn.Module) -> int:
     embeddings = model.tok_embeddings
     assert isinstance(embeddings, nn.Embedding)
     return embeddings.embedding_dim
+
+
+plait_register_strategies = strategies.plait_register_strategies
+plait_shard = strategies.plait_shard

@@ -14,7 +14,6 @@ gradient buckets from the low-precision parameters. See `runtime.py` for how a s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -23,9 +22,8 @@ from torch import nn
 from plait.core.comm import world_group
 from plait.core.config import Section
 from plait.core.errors import ConfigError
-from plait.core.hookspecs import hookimpl
-from plait.core.records import StrategyRecord
 from plait.core.sharding import ShardContext, Sharded
+from plait.core.strategy import Strategies
 from plait.plugins.precision.policy import (
     AutocastHooks,
     PrecisionPolicy,
@@ -83,23 +81,16 @@ class AmpConfig(Section):
         return self
 
 
-@hookimpl
-def plait_register_strategies() -> Sequence[StrategyRecord]:
-    return [
-        StrategyRecord(
-            name=NAME,
-            axis="precision",
-            config_cls=AmpConfig,
-            description="bf16/fp16 mixed precision with fp32 master weights and fp16 loss scaling",
-        )
-    ]
+strategies = Strategies()
 
 
-@hookimpl
-def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
-    if axis != "precision" or name != NAME:
-        return None
-    config = context.config.section(NAME, AmpConfig)
+@strategies.provide(
+    name=NAME,
+    axis="precision",
+    config_cls=AmpConfig,
+    description="bf16/fp16 mixed precision with fp32 master weights and fp16 loss scaling",
+)
+def apply_amp(model: nn.Module, *, context: ShardContext, config: AmpConfig) -> Sharded:
     runtime = apply_mixed_precision(model, config=config, context=context)
     return Sharded(module=model, runtime=runtime)
 
@@ -154,3 +145,7 @@ def _register_reduce_cast(context: ShardContext, policy: PrecisionPolicy) -> Non
         manager.unregister(existing)
     cast = ReduceDtypeCast(context.comm, policy.reduce_dtype)
     context.plugins.register(cast, name)
+
+
+plait_register_strategies = strategies.plait_register_strategies
+plait_shard = strategies.plait_shard

@@ -23,7 +23,7 @@ summed over the tp group as soon as their gradient is final, before any data-par
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,10 +32,9 @@ from torch import nn
 
 from plait.core.config import Section
 from plait.core.errors import ConfigError
-from plait.core.hookspecs import hookimpl
-from plait.core.records import StrategyRecord
 from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
+from plait.core.strategy import Strategies
 from plait.core.transforms import TensorParallelism
 from plait.plugins.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from plait.plugins.tensor_parallel.layers import (
@@ -126,25 +125,20 @@ class TensorParallelRuntime(ParallelRuntime):
         return {"tp": self.tp.size, "styles": dict(self.layout.styles)}
 
 
-@hookimpl
-def plait_register_strategies() -> Sequence[StrategyRecord]:
-    return [
-        StrategyRecord(
-            name=NAME,
-            axis="tp",
-            config_cls=TensorParallelConfig,
-            config_section=SECTION,
-            description="Megatron tensor parallelism (column/row/vocab-parallel layers, "
-            "vocab-parallel cross-entropy) with optional sequence parallelism",
-        )
-    ]
+strategies = Strategies()
 
 
-@hookimpl
-def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
-    if axis != "tp" or name != NAME:
-        return None
-    config: TensorParallelConfig = context.config.section(SECTION, TensorParallelConfig)
+@strategies.provide(
+    name=NAME,
+    axis="tp",
+    config_cls=TensorParallelConfig,
+    config_section=SECTION,
+    description="Megatron tensor parallelism (column/row/vocab-parallel layers, "
+    "vocab-parallel cross-entropy) with optional sequence parallelism",
+)
+def shard_tensor_parallel(
+    model: nn.Module, *, context: ShardContext, config: TensorParallelConfig
+) -> Sharded:
     mesh = context.mesh
     group = mesh.group("tp")
     tp = TensorParallelGroup(comm=context.comm, group=group, rank=mesh.coordinate("tp"))
@@ -169,3 +163,7 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
         vocab_parallel_output=layout.vocab_parallel_output,
     )
     return Sharded(module=model, runtime=TensorParallelRuntime(tp=tp, layout=layout))
+
+
+plait_register_strategies = strategies.plait_register_strategies
+plait_shard = strategies.plait_shard

@@ -19,13 +19,12 @@ shards after the step, as FSDP2 does, so between steps they hold 4N/d less
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from functools import partial
 
 from torch import nn
 
-from plait.core.hookspecs import hookimpl
-from plait.core.records import StrategyRecord
 from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
+from plait.core.strategy import Strategies
 from plait.plugins.zero.config import OffloadConfig, ZeroConfig
 from plait.plugins.zero.offload import check_writable
 
@@ -40,28 +39,14 @@ DESCRIPTIONS = {
 }
 
 
-@hookimpl
-def plait_register_strategies() -> Sequence[StrategyRecord]:
-    return [
-        StrategyRecord(
-            name=name,
-            axis="dp",
-            config_cls=ZeroConfig,
-            config_section=SECTION,
-            description=DESCRIPTIONS[name],
-        )
-        for name in STAGES
-    ]
+strategies = Strategies()
 
 
-@hookimpl
-def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -> Sharded | None:
-    if axis != "dp" or name not in STAGES:
-        return None
-    config: ZeroConfig = context.config.section(SECTION, ZeroConfig)
+def shard_zero(
+    model: nn.Module, *, context: ShardContext, config: ZeroConfig, stage: int
+) -> Sharded:
     if config.offload.device == "nvme":
         check_writable(config.offload.path)
-    stage = STAGES[name]
     group = context.mesh.group("dp")
     runtime: ParallelRuntime
     if stage == 3:
@@ -77,3 +62,16 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
             model, stage=stage, comm=context.comm, group=group, mesh=context.mesh, config=config
         )
     return Sharded(module=model, runtime=runtime)
+
+
+for _name, _stage in STAGES.items():
+    strategies.provide(
+        name=_name,
+        axis="dp",
+        config_cls=ZeroConfig,
+        config_section=SECTION,
+        description=DESCRIPTIONS[_name],
+    )(partial(shard_zero, stage=_stage))
+
+plait_register_strategies = strategies.plait_register_strategies
+plait_shard = strategies.plait_shard
