@@ -125,12 +125,19 @@ def overlap_probe(rank: int, world_size: int) -> dict[str, Any]:
         },
         plugins=plugins,
     )
+    # A tensor hook fires when the parameter's gradient is computed, before it is accumulated
+    # into `.grad` and so before DDP's post-accumulate hook can launch anything for it.
+    ready_ns: dict[int, int] = {}
+    for p in engine.module.parameters():
+        p.register_hook(lambda _grad, key=id(p): ready_ns.__setitem__(key, time.time_ns()))
     ((inputs, targets),) = global_batches(1, 4 * world_size)
     engine.train_step((inputs[:4], targets[:4]))
     backward = [s for s in engine.last_report.spans if s.name == "backward"]
+    buckets = engine.runtimes[0].buckets
     return {
         "issued_ns": recorder.issued_ns,
         "backward_start_ns": backward[0].start_ns,
         "backward_end_ns": backward[0].end_ns,
-        "num_buckets": len(engine.runtimes[0].buckets),
+        "num_buckets": len(buckets),
+        "last_bucket_ready_ns": [ready_ns[id(p)] for p in buckets[-1].params],
     }

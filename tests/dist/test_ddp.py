@@ -51,3 +51,10 @@ def test_first_bucket_all_reduce_issued_during_backward() -> None:
         assert r["backward_start_ns"] < first < r["backward_end_ns"], (
             "the first bucket must be reduced while backward is still running"
         )
+        # The overlap itself: the first bucket is on the wire before the last bucket has any
+        # of its gradients, so a variant that launches buckets only once backward is done (or
+        # once every gradient is ready) fails here.
+        assert first < max(r["last_bucket_ready_ns"]), (
+            "the first bucket's all-reduce must be issued before the last bucket's gradients "
+            "are ready"
+        )
