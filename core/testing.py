@@ -1,6 +1,8 @@
-"""Helpers for tests of plait and of plait plugins: run a function on several Gloo ranks.
+"""Helpers for tests of plait and of plait plugins: run a function on several Gloo ranks, and
+train the tiny built-in model under any layout to compare it with one process.
 
-Ranks rendezvous through a `FileStore` in a temporary directory, so tests never need a network
+Plugin authors' pytest suites use these through `plait.testing`, which adds fixtures. Ranks
+rendezvous through a `FileStore` in a temporary directory, so tests never need a network
 port and cannot collide with each other. Every run has a timeout: a hung rank fails the test
 with the ranks that did not finish instead of stalling the suite.
 """
@@ -13,7 +15,8 @@ import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +122,258 @@ def run_distributed(
                 + "\n".join(errors)
             )
         return results
+
+
+# --------------------------------------------------------------------------------------------
+# training the tiny built-in model under several layouts, and comparing with one process
+# --------------------------------------------------------------------------------------------
+
+# The smallest built-in model and batch that still exercise every layout on two to four ranks:
+# 8 sequences per step split into micro-batches of 2, so every data-parallel rank accumulates
+# over at least two micro-batches.
+TINY_CONFIG: dict[str, Any] = {
+    "model": {"name": "llama", "size": "tiny"},
+    "data": {"seq_len": 16},
+    "train": {"global_batch_size": 8, "micro_batch_size": 2, "seed": 0, "device": "cpu"},
+    "optimizer": {"warmup_steps": 0},
+    "telemetry": {"enabled": False},
+}
+VOCAB_SIZE = 256  # the tiny preset is byte-level
+
+# A plugin to register in every rank, by importable module path: "pkg.mod" (registered under its
+# last dotted part) or ("name", "pkg.mod"). Paths rather than objects, because they cross into
+# spawned ranks, where modules cannot be pickled.
+PluginSpec = str | tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainTrace:
+    """What one configuration produced, step by step (identical on every rank)."""
+
+    losses: tuple[float, ...]
+    grad_norms: tuple[float, ...]  # the global gradient norm before clipping, per step
+    degrees: dict[str, int]
+
+
+def merged_config(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`TINY_CONFIG` with `overrides` merged in, table by table."""
+    return _merge(TINY_CONFIG, overrides)
+
+
+def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _plugin_pairs(plugins: Sequence[PluginSpec]) -> list[tuple[str, object]]:
+    import importlib
+
+    from plait.core.plugins import plugin_object
+
+    pairs = []
+    for spec in plugins:
+        name, path = (spec.rsplit(".", 1)[-1], spec) if isinstance(spec, str) else spec
+        pairs.append((name, plugin_object(importlib.import_module(path))))
+    return pairs
+
+
+def train_configs_on_rank(
+    rank: int,
+    world_size: int,
+    configs: Mapping[str, Mapping[str, Any]],
+    steps: int,
+    plugins: Sequence[PluginSpec],
+    autoload: bool,
+) -> dict[str, TrainTrace]:
+    """Rank function: train the tiny model under each config in turn, on the same ranks.
+
+    Every rank feeds its data-parallel share of the same global batches, so any layout sees
+    exactly the data one process would.
+    """
+    del rank, world_size
+    import torch
+
+    from plait.core.engine import Engine
+    from plait.core.plugins import Plugins
+
+    traces: dict[str, TrainTrace] = {}
+    for name, overrides in configs.items():
+        config = merged_config(overrides)
+        train = config["train"]
+        seq_len = config["data"]["seq_len"]
+        tokens = torch.randint(
+            0,
+            VOCAB_SIZE,
+            (steps, train["global_batch_size"], seq_len + 1),
+            generator=torch.Generator().manual_seed(train["seed"]),
+        )
+        engine = Engine(
+            config=config,
+            plugins=Plugins.create(autoload=autoload, extra=_plugin_pairs(plugins)),
+        )
+        dp, dp_size = engine.mesh.coordinate("dp"), engine.mesh.size("dp")
+        share = train["global_batch_size"] // dp_size
+        losses, grad_norms = [], []
+        for step in range(steps):
+            batch = tokens[step, dp * share : (dp + 1) * share]
+            losses.append(engine.train_step((batch[:, :-1], batch[:, 1:])))
+            report = engine.last_report
+            norm = None if report is None else report.grad_norm
+            grad_norms.append(float("nan") if norm is None else norm)
+        engine.close()
+        traces[name] = TrainTrace(
+            losses=tuple(losses), grad_norms=tuple(grad_norms), degrees=dict(engine.mesh.degrees)
+        )
+    return traces
+
+
+def train_configs(
+    configs: Mapping[str, Mapping[str, Any]],
+    *,
+    world_size: int,
+    steps: int = 4,
+    plugins: Sequence[PluginSpec] = (),
+    autoload: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> dict[str, TrainTrace]:
+    """Train the tiny model under each of `configs` (merged over `TINY_CONFIG`) on
+    `world_size` Gloo ranks, all in one spawn; return each config's trace.
+
+    `autoload=True` also loads the `plait` entry-point group in every rank (installed plugin
+    packages); `plugins` are registered by module path either way.
+    """
+    ranks = run_distributed(
+        train_configs_on_rank,
+        world_size,
+        dict(configs),
+        steps,
+        list(plugins),
+        autoload,
+        timeout=timeout,
+    )
+    for rank, traces in enumerate(ranks[1:], start=1):
+        for name, trace in traces.items():
+            if trace.losses != ranks[0][name].losses:
+                raise AssertionError(
+                    f"{name}: rank {rank} reports losses {trace.losses}, rank 0 "
+                    f"{ranks[0][name].losses}; every rank must report the same mean loss"
+                )
+    return ranks[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """Losses (and gradient norms) of a layout against one process, step by step."""
+
+    world_size: int
+    reference: TrainTrace
+    candidate: TrainTrace
+    tolerance: float
+    compare_gradients: bool
+
+    @property
+    def max_loss_difference(self) -> float:
+        return _max_difference(self.reference.losses, self.candidate.losses)
+
+    @property
+    def max_grad_norm_difference(self) -> float:
+        return _max_difference(self.reference.grad_norms, self.candidate.grad_norms)
+
+    @property
+    def ok(self) -> bool:
+        if not self.max_loss_difference <= self.tolerance:
+            return False
+        return not self.compare_gradients or self.max_grad_norm_difference <= self.tolerance
+
+    def __str__(self) -> str:
+        degrees = " ".join(f"{axis}={n}" for axis, n in self.candidate.degrees.items())
+        lines = [
+            f"{self.world_size} ranks ({degrees}) against one process, tolerance "
+            f"{self.tolerance:g}: {'ok' if self.ok else 'MISMATCH'}",
+            f"{'step':>4}  {'loss, 1 process':>16}  {'loss, layout':>16}  {'difference':>10}"
+            + (f"  {'grad norm difference':>20}" if self.compare_gradients else ""),
+        ]
+        rows = zip(
+            self.reference.losses,
+            self.candidate.losses,
+            self.reference.grad_norms,
+            self.candidate.grad_norms,
+            strict=True,
+        )
+        for step, (ref, got, ref_norm, got_norm) in enumerate(rows):
+            line = f"{step:>4}  {ref:>16.8f}  {got:>16.8f}  {abs(ref - got):>10.2e}"
+            if self.compare_gradients:
+                line += f"  {abs(ref_norm - got_norm):>20.2e}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def assert_ok(self) -> None:
+        """Raise an `AssertionError` carrying the step-by-step table unless `ok`."""
+        if not self.ok:
+            raise AssertionError(str(self))
+
+
+def _max_difference(a: Sequence[float], b: Sequence[float]) -> float:
+    import math
+
+    differences = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return math.inf if any(math.isnan(d) for d in differences) else max(differences, default=0.0)
+
+
+def single_process_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The reference for a layout: the same config without the `[parallel]` degrees and
+    strategies (model transforms such as precision are kept) and without a pipelined schedule."""
+    reference = {key: value for key, value in overrides.items() if key != "parallel"}
+    transforms = dict(overrides.get("parallel", {})).get("transforms")
+    if transforms:
+        reference["parallel"] = {"transforms": transforms}
+    if dict(overrides.get("parallel", {})).get("pp", 1) > 1:
+        reference.pop("schedule", None)
+    return reference
+
+
+def compare_with_single_process(
+    config_overrides: Mapping[str, Any],
+    *,
+    world_size: int = 2,
+    steps: int = 4,
+    extra_plugins: Sequence[PluginSpec] = (),
+    autoload: bool = False,
+    compare_gradients: bool = False,
+    tolerance: float = 1e-5,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Comparison:
+    """Train the tiny built-in model under `config_overrides` on `world_size` Gloo ranks and in
+    one process, and compare the losses step by step (and, with `compare_gradients`, the global
+    gradient norms before clipping, which no layout may change).
+
+    Both runs see the same global batches. Call `.assert_ok()` on the result, or print it.
+    """
+    reference = train_configs(
+        {"reference": single_process_overrides(config_overrides)},
+        world_size=1,
+        steps=steps,
+        plugins=extra_plugins,
+        autoload=autoload,
+        timeout=timeout,
+    )["reference"]
+    candidate = train_configs(
+        {"layout": config_overrides},
+        world_size=world_size,
+        steps=steps,
+        plugins=extra_plugins,
+        autoload=autoload,
+        timeout=timeout,
+    )["layout"]
+    return Comparison(
+        world_size=world_size,
+        reference=reference,
+        candidate=candidate,
+        tolerance=tolerance,
+        compare_gradients=compare_gradients,
+    )

@@ -10,13 +10,16 @@ import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from plait.core.errors import PlaitError
+
+if TYPE_CHECKING:
+    from plait.core.plugins import Plugins
 
 app = typer.Typer(
     name="plait",
@@ -131,7 +134,11 @@ def config_validate(
 
 
 @app.command()
-def plugins() -> None:
+def plugins(
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print a JSON list instead of a table")
+    ] = False,
+) -> None:
     """List every plugin: its distribution, the hooks it implements, the names it registers."""
     from plait.core.plugins import Plugins
 
@@ -139,6 +146,9 @@ def plugins() -> None:
         manager = Plugins.create()
     except PlaitError as exc:
         _fail(exc)
+    if as_json:
+        print(json.dumps(plugin_listing(manager), indent=2))
+        return
     table = Table(title="plait plugins")
     for column in ("plugin", "distribution", "hooks", "provides"):
         table.add_column(column, overflow="fold")
@@ -146,6 +156,44 @@ def plugins() -> None:
         hooks = ", ".join(h.removeprefix("plait_") for h in info.hooks)
         table.add_row(info.name, info.distribution, hooks, ", ".join(info.provides))
     console.print(table)
+
+
+def plugin_listing(manager: Plugins) -> list[dict[str, object]]:
+    """`plait plugins --json`: one object per plugin, in registration order.
+
+    `provides` lists what its registration hooks return, each as `{"kind", "name", …}` where
+    `kind` is `model`, `schedule`, `comm`, `kernel` or a shard axis (`dp`, `tp`, …); kernels
+    add their `provider` and `device_types`, communication algorithms their `ops`.
+    """
+    provides: dict[str, list[dict[str, object]]] = {}
+    for plugin, model in manager.models().values():
+        provides.setdefault(plugin, []).append({"kind": "model", "name": model.name})
+    for plugin, strategy in manager.strategies().values():
+        provides.setdefault(plugin, []).append({"kind": strategy.axis, "name": strategy.name})
+    for plugin, schedule in manager.schedules().values():
+        provides.setdefault(plugin, []).append({"kind": "schedule", "name": schedule.name})
+    for plugin, algorithm in manager.comm_algorithms().values():
+        provides.setdefault(plugin, []).append(
+            {"kind": "comm", "name": algorithm.name, "ops": list(algorithm.ops)}
+        )
+    for plugin, kernel in manager.kernel_records():
+        provides.setdefault(plugin, []).append(
+            {
+                "kind": "kernel",
+                "name": kernel.op,
+                "provider": kernel.provider,
+                "device_types": list(kernel.device_types),
+            }
+        )
+    return [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "hooks": list(info.hooks),
+            "provides": provides.get(info.name, []),
+        }
+        for info in manager.info()
+    ]
 
 
 @app.command()
