@@ -171,6 +171,7 @@ def train(
                 "grads": grads,
                 "bubbles": bubbles,
                 "idle_spans": idle_spans,
+                "num_microbatches": global_batch // dp_size,
                 "plan": None if plan is None else [c.layers for c in plan.chunks],
                 "ops_per_step": {k: v / steps for k, v in counter.counts.items()},
                 "num_buckets": len(ddp_runtime.buckets) if ddp_runtime else 0,

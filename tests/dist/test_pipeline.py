@@ -17,6 +17,7 @@ from plait.core.errors import ConfigError
 from plait.core.testing import run_distributed
 from plait.plugins.models.llama import Llama, LlamaConfig
 from plait.plugins.pipeline.split import build_chunk, partition, plan_stages
+from plait.plugins.pipeline.timeline import theoretical_bubble_fraction
 from tests.dist import pp_workers
 
 TOL = 1e-5
@@ -77,7 +78,16 @@ def _assert_matches(run: dict[str, Any], reference: dict[str, Any], *, covered: 
                 msg=lambda m, s=step, n=name: f"{what} step {s} {n}: {m}",
             )
         covered.update(got)
-    assert all(0.0 <= b < 1.0 for b in run["bubbles"]), run["bubbles"]
+    # The measured bubble can exceed the schedule's theory (P2P latency, uneven stages), but it
+    # cannot be much below it: the dependencies force that much idle time on some rank. A
+    # measurement that counted waits as work, or timed the wrong window, falls under this.
+    theory, _ = theoretical_bubble_fraction(
+        run["schedule"],
+        num_stages=run["pp"],
+        num_microbatches=run["num_microbatches"],
+        virtual_stages=run.get("virtual", 1),
+    )
+    assert all(0.5 * theory <= b < 1.0 for b in run["bubbles"]), (what, theory, run["bubbles"])
     assert run["idle_spans"] > 0, f"{what}: waits for peers must appear as 'idle' spans"
 
 
