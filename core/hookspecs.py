@@ -86,6 +86,9 @@ def plait_register_models() -> Sequence[ModelRecord]:
 def plait_register_strategies() -> Sequence[StrategyRecord]:
     """Return the strategies (one per shard axis each) this plugin implements in `plait_shard`.
 
+    `plait.core.strategy.Strategies.plait_register_strategies` returns the records of the
+    strategies declared with `Strategies.provide`.
+
     Example::
 
         @hookimpl
@@ -144,11 +147,39 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
     """Turn `model` into its parallel form for one shard axis, if `name` is yours.
 
     The core calls this once per configured axis, in the order of `records.SHARD_ORDER`
-    (pp, tp, cp, ep, precision, ac, compile, dp). Return `None` for names you do not own.
-    The returned `Sharded.runtime` receives the step callbacks (gradient sync, optimizer
-    construction, clipping) the executor makes.
+    (pp, tp, cp, ep, precision, ac, compile, dp). Return `None` for names you do not own;
+    `plait.core.strategy.Strategies` writes that guard (and validates your config section)
+    for you. The returned `Sharded.runtime` (a `ParallelRuntime`) receives the step callbacks:
+
+    - `before_forward(position)` / `before_backward(position)` with a `MicrobatchPosition`
+      computed from the schedule's action list: `position.last` is the chunk's last backward
+      of the step whatever order the schedule runs micro-batches in (reduce gradients then),
+      `position.first` its first (start sharded accumulation then), `position.gradients_final`
+      whether `.grad` is handed on after this backward. Never infer these from numbering.
+    - `sync_gradients()`, `build_optimizer()`, `clip_gradients()`, `skip_step()`,
+      `after_optimizer_step()`, `zero_grad()`, `scale_loss()`, `loss_fn()`.
+    - `action_handlers(step)` for a runtime that runs the compute itself (a pipeline stage):
+      it calls `step.runner.before_forward(action)`, `step.runner.loss(step, mb, output)` and
+      `step.runner.before_backward(action)` around its own compute, so every runtime sees the
+      same calls as under the engine's handlers, and appends timed spans to `step.extra_spans`.
+
+    What a transform establishes for later ones is a typed field of the context
+    (`context.pipeline`, `context.tensor_parallel`, `context.precision`,
+    `context.activation_checkpointing`; see `plait.core.transforms`): write yours there,
+    read the earlier ones from there.
 
     Example::
+
+        strategies = Strategies()
+
+        @strategies.provide(name="my_dp", axis="dp", config_cls=MyDPConfig)
+        def shard_my_dp(model, *, context, config):
+            return Sharded(module=model, runtime=MyDataParallel(model, context, config))
+
+        plait_register_strategies = strategies.plait_register_strategies
+        plait_shard = strategies.plait_shard
+
+    or, by hand::
 
         @hookimpl
         def plait_shard(axis, name, model, context):
@@ -179,6 +210,12 @@ def plait_communicate(request: CommRequest) -> Work | None:
 @hookspec(firstresult=True)
 def plait_schedule(request: ScheduleRequest) -> list[Action] | None:
     """Return the action list one rank runs in one optimizer step, if `request.name` is yours.
+
+    Any order that respects the dependencies is valid (a micro-batch's forward before its
+    backward, a receive before the compute that needs it, `SyncGradients` after the last
+    backward, `OptimizerStep` last): runtimes learn which backward is a chunk's first and last
+    from the list itself (`plait.core.schedule.microbatch_positions`), so running
+    micro-batches last-first gives the same gradients as the default order.
 
     Example::
 
