@@ -143,6 +143,7 @@ class Comm:
         op: str = "sum",
         async_op: bool = False,
         purpose: str = "generic",
+        attributes: dict[str, Any] | None = None,
     ) -> Work:
         """`output` receives this rank's 1/size chunk of the reduction of `input` (dim 0)."""
         return self._issue(
@@ -152,6 +153,7 @@ class Comm:
             async_op=async_op,
             purpose=purpose,
             reduce_op=op,
+            attributes=attributes,
         )
 
     def all_gather(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from plait.core.comm import Comm, world_group
+from plait.core.comm_algorithms import GRAD_NORM
 from plait.core.mesh import Mesh
 
 SHARDED_AXES_ATTR = "_plait_sharded_axes"
@@ -45,7 +46,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, mesh: Mesh, comm: Comm) 
             contribution = contribution * (shards / mesh.world_size)
         total += contribution
     if any_sharded and mesh.world_size > 1:
-        comm.all_reduce(total, group=world_group(), op="sum", purpose="grad_norm")
+        comm.all_reduce(total, group=world_group(), op="sum", purpose=GRAD_NORM)
     return total.sqrt()
 
 

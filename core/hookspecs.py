@@ -197,13 +197,49 @@ def plait_communicate(request: CommRequest) -> Work | None:
     an algorithm plugin returns a `Work` for the requests it takes over and `None` otherwise.
     Telemetry is a `wrapper=True` implementation that sees every op.
 
+    Being selected: an algorithm registers a `CommAlgorithmRecord` (with its options class as
+    `config_cls`) in `plait_register_comm_algorithms`, and learns in `plait_configure` whether
+    `config.comm.algorithm` names it; its options are `config.comm.options(name, config_cls)`
+    (the `[comm.<name>]` table). An algorithm that is not selected returns `None` for everything.
+
+    What to take over: `request.purpose` says what an op is for; the purposes plait's built-ins
+    use are constants in `plait.core.comm_algorithms` (`GRAD_BUCKET` for data-parallel gradient
+    buckets, all-reduce under DDP/ZeRO-1 and on Gloo, reduce-scatter under ZeRO-2/3 on GPU;
+    `PARAM_GATHER`, `PARAM_SYNC`, `ACTIVATION`, `ACTIVATION_GRAD`, `TP_GRAD`, `METRICS`, …).
+    A plugin selected for gradient traffic must handle both the all-reduce and the
+    reduce-scatter form, or the engine's config check must refuse the combination.
+
+    Sub-ops: carry the op out through `request.issuer` (the issuing `Comm`; `issuer_of`), with
+    `sub_purpose(name, request.purpose)` as purpose, so telemetry sees the real traffic and no
+    plugin takes the sub-op over again (`is_sub_op`). `group_of(request)` rebuilds the `Group`.
+
+    Completion rule: when `request.async_op` is true, return at once a `Work` whose `wait()`
+    completes the op (the gradient hooks issue buckets during backward and wait at the sync
+    boundary: work that is already finished when the hook returns removes that overlap). When
+    it is false, the op must be complete when the hook returns. `AlgorithmRunner.run` does both:
+    it runs the steps on one worker thread per group, in issue order, over a process group of
+    their own that `AlgorithmRunner.dedicate_for(config)` creates in `plait_configure`
+    (creating a group is collective: every rank, same order, never lazily in this hook).
+
     Example::
 
         @hookimpl
+        def plait_configure(config):
+            plugin.selected = config.comm.algorithm == "my_ring"
+            if plugin.selected:
+                plugin.options = config.comm.options("my_ring", MyRingConfig)
+                plugin.runner.dedicate_for(config)
+
+        @hookimpl
         def plait_communicate(request):
-            if request.op != "all_reduce" or request.purpose != "grad_bucket":
+            if not plugin.selected or request.op != "all_reduce" or is_sub_op(request.purpose):
                 return None
-            return ring_all_reduce(request)
+            purpose = sub_purpose("my_ring", request.purpose)
+
+            def steps(comm, group):  # sends/recvs via comm.send(..., purpose=purpose)
+                my_ring_all_reduce(comm, request.tensors[0], group=group, purpose=purpose)
+
+            return plugin.runner.run(request, steps, issuer_of(request))
     """
 
 

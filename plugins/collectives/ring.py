@@ -37,30 +37,14 @@ def ring_all_reduce(
         return
     flat = flat_working_copy(tensor)
     me = group.rank_of(rank)
-    right = group.ranks[(me + 1) % size]
-    left = group.ranks[(me - 1) % size]
     chunks = flat.tensor_split(size)
-    scratch = torch.empty(chunks[0].numel(), dtype=flat.dtype, device=flat.device)
-
-    for step in range(size - 1):
-        send_index = (me - step) % size
-        recv_index = (me - step - 1) % size
-        incoming = scratch[: chunks[recv_index].numel()]
-        exchange(
-            comm,
-            group=group,
-            purpose=purpose,
-            send=chunks[send_index],
-            dst=right,
-            recv=incoming,
-            src=left,
-        )
-        reduce_into(chunks[recv_index], incoming, reduce_op)
-
-    owned = chunks[(me + 1) % size]
+    owned = _reduce_scatter_steps(
+        comm, chunks, group=group, me=me, reduce_op=reduce_op, purpose=purpose, shift=0
+    )
     if reduce_op == "avg":
-        owned.div_(size)
+        chunks[owned].div_(size)
 
+    right, left = _neighbours(group, me)
     for step in range(size - 1):
         exchange(
             comm,
@@ -72,3 +56,68 @@ def ring_all_reduce(
             src=left,
         )
     write_back(tensor, flat)
+
+
+def ring_reduce_scatter(
+    comm: Comm,
+    output: torch.Tensor,
+    source: torch.Tensor,
+    *,
+    group: Group,
+    rank: int,
+    reduce_op: str,
+    purpose: str,
+) -> None:
+    """Reduce `source` over `group` and write this rank's 1/size chunk (group order) to `output`.
+
+    Only the first phase of the ring all-reduce, shifted by one chunk so that group rank `i`
+    ends with chunk `i`: each rank sends `(size - 1) / size` of `source`. `source` is kept.
+    """
+    size = group.size
+    me = group.rank_of(rank)
+    flat = source.detach().reshape(-1).clone()
+    chunks = flat.tensor_split(size)
+    if size > 1 and flat.numel() > 0:
+        _reduce_scatter_steps(
+            comm, chunks, group=group, me=me, reduce_op=reduce_op, purpose=purpose, shift=1
+        )
+    if reduce_op == "avg":
+        chunks[me].div_(size)
+    output.copy_(chunks[me].view(output.shape))
+
+
+def _neighbours(group: Group, me: int) -> tuple[int, int]:
+    size = group.size
+    return group.ranks[(me + 1) % size], group.ranks[(me - 1) % size]
+
+
+def _reduce_scatter_steps(
+    comm: Comm,
+    chunks: tuple[torch.Tensor, ...],
+    *,
+    group: Group,
+    me: int,
+    reduce_op: str,
+    purpose: str,
+    shift: int,
+) -> int:
+    """`size - 1` steps that leave chunk `(me + 1 - shift) % size` fully reduced on this rank
+    (unscaled for avg); returns that index."""
+    size = group.size
+    right, left = _neighbours(group, me)
+    scratch = torch.empty(chunks[0].numel(), dtype=chunks[0].dtype, device=chunks[0].device)
+    for step in range(size - 1):
+        send_index = (me - step - shift) % size
+        recv_index = (me - step - 1 - shift) % size
+        incoming = scratch[: chunks[recv_index].numel()]
+        exchange(
+            comm,
+            group=group,
+            purpose=purpose,
+            send=chunks[send_index],
+            dst=right,
+            recv=incoming,
+            src=left,
+        )
+        reduce_into(chunks[recv_index], incoming, reduce_op)
+    return (me + 1 - shift) % size

@@ -1,9 +1,15 @@
-"""Gradient compression for data-parallel bucket all-reduces: fp16, bf16, PowerSGD, top-k.
+"""Gradient compression for data-parallel bucket reductions: fp16, bf16, PowerSGD, top-k.
 
 Selected with `[comm] algorithm = "fp16" | "bf16" | "powersgd" | "topk"` and configured in the
-matching `[comm.<name>]` sub-table (see `plait.plugins.collectives.config`). The plugin takes over
-only all-reduces with purpose `"grad_bucket"` and reduce op sum or avg; everything else (loss
-averaging, parameter broadcasts, its own sub-ops tagged `"<name>/grad_bucket"`) passes through.
+matching `[comm.<name>]` table (`plait.plugins.compression.config`). The plugin takes over only
+all-reduces and reduce-scatters (ZeRO-2/3's path on GPU) with purpose `GRAD_BUCKET` and reduce
+op sum or avg; everything else (loss averaging, parameter broadcasts, its own sub-ops tagged
+`"<name>/grad_bucket"`) passes through. A reduce-scatter is carried out as the compressed
+all-reduce of a copy of the bucket, of which this rank keeps its chunk.
+
+Asynchronous requests return at once and run on the group's worker thread over a dedicated
+process group (`plait.core.comm_algorithms.AlgorithmRunner`), so backward keeps running while
+buckets are compressed and reduced; synchronous ones are complete on return.
 
 PowerSGD and top-k keep state per bucket (error feedback, the warm-start `Q`), keyed by the
 group and the `bucket_index` the data-parallel strategy puts in `CommRequest.attributes`; a
@@ -14,29 +20,42 @@ plugin object per plugin manager, so two engines in one process never share resi
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
+from pydantic import BaseModel
 
-from plait.core.comm import CompletedWork, Work
+from plait.core.comm import Comm, Group, Work
+from plait.core.comm_algorithms import (
+    GRAD_BUCKET,
+    AlgorithmRunner,
+    CommBinding,
+    reduce_scatter_by_all_reduce,
+    sub_purpose,
+)
 from plait.core.config import PlaitConfig
 from plait.core.hookspecs import hookimpl
 from plait.core.records import CommAlgorithmRecord, CommRequest
-from plait.plugins.collectives.config import (
-    CastConfig,
-    CommConfig,
-    PowerSGDConfig,
-    TopKConfig,
-)
-from plait.plugins.collectives.p2p import CommBinding, group_of, sub_purpose
 from plait.plugins.compression.cast import cast_all_reduce
+from plait.plugins.compression.config import CastConfig, PowerSGDConfig, TopKConfig
 from plait.plugins.compression.powersgd import PowerSGDState, powersgd_all_reduce
 from plait.plugins.compression.topk import TopKState, topk_all_reduce
 
-__all__ = ["CompressionPlugin", "make_plugin"]
+__all__ = [
+    "CastConfig",
+    "CompressionPlugin",
+    "PowerSGDConfig",
+    "TopKConfig",
+    "make_plugin",
+]
 
-GRAD_BUCKET = "grad_bucket"
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-ALGORITHMS = ("fp16", "bf16", "powersgd", "topk")
+CONFIG_CLASSES: dict[str, type[BaseModel]] = {
+    "fp16": CastConfig,
+    "bf16": CastConfig,
+    "powersgd": PowerSGDConfig,
+    "topk": TopKConfig,
+}
 
 
 class CompressionPlugin(CommBinding):
@@ -44,117 +63,142 @@ class CompressionPlugin(CommBinding):
 
     plugin_name = "compression"
 
-    def __init__(self, config: CommConfig | None = None) -> None:
+    def __init__(self, algorithm: str = "torch", options: BaseModel | None = None) -> None:
         super().__init__()
-        self.config = config or CommConfig()
+        self.algorithm = algorithm
+        default = CONFIG_CLASSES.get(algorithm)
+        self.options: Any = options if options is not None else (default() if default else None)
+        self.runner = AlgorithmRunner(algorithm)
         self.powersgd_states: dict[Hashable, PowerSGDState] = {}
         self.topk_states: dict[Hashable, TopKState] = {}
 
     @hookimpl
     def plait_configure(self, config: PlaitConfig) -> None:
-        self.config = CommConfig.model_validate(
-            {"algorithm": config.comm.algorithm, **config.comm.option_tables}
-        )
+        self.algorithm = config.comm.algorithm
+        if self.algorithm not in CONFIG_CLASSES:
+            return
+        self.options = config.comm.options(self.algorithm, CONFIG_CLASSES[self.algorithm])
+        self.runner = AlgorithmRunner(self.algorithm)
+        self.runner.dedicate_for(config)
 
     @hookimpl
     def plait_register_comm_algorithms(self) -> Sequence[CommAlgorithmRecord]:
         return [
             CommAlgorithmRecord(
                 name="fp16",
-                ops=("all_reduce",),
+                ops=("all_reduce", "reduce_scatter"),
                 config_cls=CastConfig,
                 description="gradient buckets all-reduced in float16 (2x fewer bytes)",
             ),
             CommAlgorithmRecord(
                 name="bf16",
-                ops=("all_reduce",),
+                ops=("all_reduce", "reduce_scatter"),
                 config_cls=CastConfig,
                 description="gradient buckets all-reduced in bfloat16 (2x fewer bytes)",
             ),
             CommAlgorithmRecord(
                 name="powersgd",
-                ops=("all_reduce",),
+                ops=("all_reduce", "reduce_scatter"),
                 config_cls=PowerSGDConfig,
                 description="rank-r PowerSGD with error feedback and warm start",
             ),
             CommAlgorithmRecord(
                 name="topk",
-                ops=("all_reduce",),
+                ops=("all_reduce", "reduce_scatter"),
                 config_cls=TopKConfig,
                 description="top-k sparsification with error feedback",
             ),
         ]
 
-    @hookimpl
-    def plait_communicate(self, request: CommRequest) -> Work | None:
-        algorithm = self.config.algorithm
+    def takes_over(self, request: CommRequest) -> bool:
         if (
-            algorithm not in ALGORITHMS
-            or request.op != "all_reduce"
+            self.algorithm not in CONFIG_CLASSES
+            or request.op not in ("all_reduce", "reduce_scatter")
             or request.purpose != GRAD_BUCKET
             or request.reduce_op not in ("sum", "avg")
         ):
+            return False
+        bucket = request.tensors[-1]  # the all-reduced tensor, or the reduce-scatter's input
+        return bucket.is_floating_point() and bucket.numel() > 0
+
+    @hookimpl
+    def plait_communicate(self, request: CommRequest) -> Work | None:
+        if not self.takes_over(request):
             return None
-        (tensor,) = request.tensors
-        if not tensor.is_floating_point() or tensor.numel() == 0:
-            return None
-        comm = self.comm_for(request)
-        group = group_of(request)
-        purpose = sub_purpose(algorithm, request.purpose)
         key = bucket_key(request)
 
+        def steps(comm: Comm, group: Group) -> None:
+            if request.op == "all_reduce":
+                self.all_reduce(comm, group, request.tensors[0], request=request, key=key)
+            else:
+                reduce_scatter_by_all_reduce(
+                    request,
+                    group,
+                    lambda bucket: self.all_reduce(comm, group, bucket, request=request, key=key),
+                )
+
+        return self.runner.run(request, steps, self.comm_for(request))
+
+    def all_reduce(
+        self,
+        comm: Comm,
+        group: Group,
+        tensor: torch.Tensor,
+        *,
+        request: CommRequest,
+        key: Hashable,
+    ) -> None:
+        """The configured codec's all-reduce of `tensor`, in place, complete on return."""
+        algorithm, options = self.algorithm, self.options
+        purpose = sub_purpose(algorithm, request.purpose)
         if algorithm == "powersgd":
-            settings = self.config.powersgd
             powersgd_all_reduce(
                 comm,
                 tensor,
                 state=self.powersgd_states.setdefault(key, PowerSGDState()),
-                rank=settings.rank,
-                warm_start=settings.warm_start,
-                error_feedback=settings.error_feedback,
-                start_step=settings.start_step,
-                seed=settings.seed,
+                rank=options.rank,
+                warm_start=options.warm_start,
+                error_feedback=options.error_feedback,
+                start_step=options.start_step,
+                seed=options.seed,
                 group=group,
                 reduce_op=request.reduce_op,
                 purpose=purpose,
             )
-            return CompletedWork()
-
-        if algorithm == "topk":
-            work = topk_all_reduce(
+        elif algorithm == "topk":
+            topk_all_reduce(
                 comm,
                 tensor,
                 state=self.topk_states.setdefault(key, TopKState()),
-                ratio=self.config.topk.ratio,
-                error_feedback=self.config.topk.error_feedback,
+                ratio=options.ratio,
+                error_feedback=options.error_feedback,
                 group=group,
                 reduce_op=request.reduce_op,
                 purpose=purpose,
-            )
+            ).wait()
         else:
-            cast_settings: CastConfig = getattr(self.config, algorithm)
-            work = cast_all_reduce(
+            cast_all_reduce(
                 comm,
                 tensor,
                 wire_dtype=WIRE_DTYPES[algorithm],
-                prescale=cast_settings.prescale,
+                prescale=options.prescale,
                 group=group,
                 reduce_op=request.reduce_op,
                 purpose=purpose,
-            )
-        if request.async_op:
-            return work
-        work.wait()
-        return CompletedWork()
+            ).wait()
+
+    @hookimpl
+    def plait_job_end(self) -> None:
+        self.runner.close()
 
 
 def bucket_key(request: CommRequest) -> Hashable:
     """Which bucket's state a request uses: its `bucket_index`, else its shape and dtype."""
-    (tensor,) = request.tensors
+    bucket = request.tensors[-1]
     index = request.attributes.get("bucket_index")
     if index is not None:
-        return (request.group_name, "bucket", index)
-    return (request.group_name, "shape", tuple(tensor.shape), str(tensor.dtype))
+        return (request.group_name, request.op, "bucket", index)
+    return (request.group_name, request.op, "shape", tuple(bucket.shape), str(bucket.dtype))
 
 
 def make_plugin() -> CompressionPlugin:

@@ -10,6 +10,7 @@ from torch import nn
 
 from plait.core.buckets import assign_buckets
 from plait.core.comm import Comm, Group, Work
+from plait.core.comm_algorithms import GRAD_BUCKET, PARAM_SYNC
 from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import ParallelRuntime
 
@@ -73,7 +74,7 @@ class BucketedAllReduce(ParallelRuntime):
         src = self.group.ranks[0]
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
-                self.comm.broadcast(tensor.data, src=src, group=self.group, purpose="param_sync")
+                self.comm.broadcast(tensor.data, src=src, group=self.group, purpose=PARAM_SYNC)
 
     # -- hooks and launches ------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ class BucketedAllReduce(ParallelRuntime):
             group=self.group,
             op="avg",
             async_op=True,
-            purpose="grad_bucket",
+            purpose=GRAD_BUCKET,
             attributes={"bucket_index": bucket.index},
         )
         bucket.launched = True

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 
 from plait.core.comm import ChainedWork, Comm, Group, Work
+from plait.core.comm_algorithms import GRADIENT_PURPOSES
 from plait.core.hookspecs import hookimpl
 from plait.core.records import CommRequest
-
-GRADIENT_PURPOSES = frozenset({"grad_bucket", "grad_shard"})
 
 
 class ReduceDtypeCast:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from plait.core.comm import Comm, Group
+from plait.core.comm_algorithms import LOSS_SCALE
 
 
 class DynamicLossScaler:
@@ -68,7 +69,7 @@ class DynamicLossScaler:
             )
             found_inf = torch.maximum(found_inf, flag.to(device))
         if comm is not None and group is not None and group.size > 1:
-            comm.all_reduce(found_inf, group=group, op="max", purpose="loss_scale")
+            comm.all_reduce(found_inf, group=group, op="max", purpose=LOSS_SCALE)
         return bool(found_inf.item() > 0)
 
     def update(self, *, overflowed: bool) -> None:

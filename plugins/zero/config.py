@@ -38,6 +38,11 @@ class ZeroConfig(Section):
     broadcast_parameters: bool = Field(
         True, description="copy dp rank 0's parameters to every rank before sharding"
     )
+    gradient_reduction: Literal["auto", "reduce_scatter"] = Field(
+        "auto",
+        description="stages 2 and 3: auto = reduce-scatter on GPU, a summing all-reduce on "
+        "Gloo (faster there); reduce_scatter = always, e.g. to test the GPU path on CPU",
+    )
 
     @field_validator("prefetch")
     @classmethod

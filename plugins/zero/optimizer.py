@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from plait.core.comm import Comm, Group, world_group
+from plait.core.comm_algorithms import GRAD_NORM, OPTIMIZER_STATE
 from plait.core.grad_norm import sharded_axes
 from plait.core.memory import optimizer_state_tensors, storage_bytes
 from plait.core.mesh import Mesh
@@ -153,7 +154,7 @@ class ShardedMaster:
             norms = torch._foreach_norm([v.float() for v in views])
             total += torch.stack(norms).pow(2).sum() * weight
         if self.mesh.world_size > 1:
-            self.comm.all_reduce(total, group=world_group(), op="sum", purpose="grad_norm")
+            self.comm.all_reduce(total, group=world_group(), op="sum", purpose=GRAD_NORM)
         norm = total.sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -209,7 +210,7 @@ class ShardedMaster:
                         value = opt_state[param][key].reshape(-1)
                         chunk[run.start : run.start + run.numel].copy_(value)
                 whole = torch.empty(seg.padded_numel, dtype=torch.float32, device=comm_device)
-                self.comm.all_gather(whole, chunk, group=self.group, purpose="optimizer_state")
+                self.comm.all_gather(whole, chunk, group=self.group, purpose=OPTIMIZER_STATE)
                 per_key[key] = whole
             for slot in seg.slots:
                 entry = {key: _clone(v) for key, v in scalars.items()}

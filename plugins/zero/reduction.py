@@ -8,6 +8,11 @@ thread, i.e. blocking backward. The sum is also cheaper than a mean there: Gloo 
 of the input before it sends, again in the calling thread, so plait sums and folds the `1/d`
 into the copy or addition that moves the chunk out of the bucket. The bucket is full-size either
 way, so the peak memory is the same. NCCL keeps the real reduce-scatter with a mean.
+`[zero] gradient_reduction = "reduce_scatter"` takes the reduce-scatter path on Gloo too, so the
+path GPUs always take (and every comm algorithm's handling of it) is tested on CPU.
+
+Both carry purpose `GRAD_BUCKET` and the segment's `bucket_index`, so a comm algorithm that
+keeps per-bucket state (PowerSGD, top-k, a parameter server) tells the buckets apart.
 
 Gradient accumulation is sharded: the first micro-batch's reduction writes the chunk, later
 ones are added to it.
@@ -20,12 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from plait.core.comm import Comm, Group, Work
+from plait.core.comm_algorithms import GRAD_BUCKET
 from plait.plugins.zero.flat_buffer import Segment
 
 
-def reduces_by_all_reduce(device: torch.device) -> bool:
-    """Whether buckets on `device` are reduced by all-reduce rather than reduce-scatter (Gloo)."""
-    return device.type == "cpu"
+def reduces_by_all_reduce(device: torch.device, method: str = "auto") -> bool:
+    """Whether buckets on `device` are reduced by all-reduce rather than reduce-scatter: on
+    Gloo (CPU tensors) unless `method` is "reduce_scatter"."""
+    return method == "auto" and device.type == "cpu"
 
 
 @dataclass(eq=False, slots=True)
@@ -63,13 +70,24 @@ def launch_reduction(
     grad_chunk: torch.Tensor,
     *,
     accumulate: bool,
+    method: str = "auto",
 ) -> PendingReduction:
     """Start reducing the whole-segment `bucket` (this rank's unreduced gradients) across
-    `group` into `grad_chunk`, overwriting it or, with `accumulate`, adding to it."""
+    `group` into `grad_chunk`, overwriting it or, with `accumulate`, adding to it.
+
+    `method` is `[zero] gradient_reduction`."""
     if group.size == 1:
         return PendingReduction(segment, bucket, grad_chunk, accumulate, None, None, 1.0)
-    if reduces_by_all_reduce(bucket.device):
-        work = comm.all_reduce(bucket, group=group, op="sum", async_op=True, purpose="grad_bucket")
+    attributes = {"bucket_index": segment.index}
+    if reduces_by_all_reduce(bucket.device, method):
+        work = comm.all_reduce(
+            bucket,
+            group=group,
+            op="sum",
+            async_op=True,
+            purpose=GRAD_BUCKET,
+            attributes=attributes,
+        )
         return PendingReduction(segment, bucket, grad_chunk, accumulate, work, None, 1 / group.size)
     received = torch.empty_like(grad_chunk) if accumulate else None
     work = comm.reduce_scatter(
@@ -78,7 +96,8 @@ def launch_reduction(
         group=group,
         op="avg",
         async_op=True,
-        purpose="grad_bucket",
+        purpose=GRAD_BUCKET,
+        attributes=attributes,
     )
     return PendingReduction(segment, bucket, grad_chunk, accumulate, work, received)
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from plait.core.buckets import assign_buckets
 from plait.core.comm import Comm, Group, Work
+from plait.core.comm_algorithms import GRAD_BUCKET, PARAM_GATHER, PARAM_SYNC
 from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
 from plait.core.schedule import MicrobatchPosition
@@ -59,7 +60,7 @@ def broadcast_module(module: nn.Module, comm: Comm, group: Group) -> None:
     """Copy the group's first rank's parameters and buffers to every rank of the group."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.data, src=group.ranks[0], group=group, purpose="param_sync")
+            comm.broadcast(tensor.data, src=group.ranks[0], group=group, purpose=PARAM_SYNC)
 
 
 class ShardedOptimizerRuntime(ParallelRuntime):
@@ -80,6 +81,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         self.name = f"zero{stage}"
         self.gradients_consumed_each_microbatch = stage == 2
         self.stage, self.comm, self.group = stage, comm, group
+        self.gradient_reduction = config.gradient_reduction
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
         if not named:
             raise ValueError(f"{self.name}: the module has no trainable parameters")
@@ -186,7 +188,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                 group=self.group,
                 op="avg",
                 async_op=True,
-                purpose="grad_bucket",
+                purpose=GRAD_BUCKET,
                 attributes={"bucket_index": index},
             )
         else:
@@ -208,6 +210,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                 bucket.buffer,
                 self.grad_chunks[index],
                 accumulate=not self._first_microbatch,
+                method=self.gradient_reduction,
             )
             bucket.buffer = None  # the pending reduction holds it until it completes
             self._in_flight.append(bucket)
@@ -286,7 +289,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         for flat, updated in zip(self.flat_params, self.master.param_chunks, strict=True):
             chunk = updated.clone()  # the input of an all-gather must not alias its output
             work = self.comm.all_gather(
-                flat, chunk, group=self.group, async_op=True, purpose="param_gather"
+                flat, chunk, group=self.group, async_op=True, purpose=PARAM_GATHER
             )
             pending.append((chunk, work))
         for _, work in pending:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from plait.core.comm import Comm, Group, Work
+from plait.core.comm_algorithms import PARAM_GATHER
 from plait.core.errors import ConfigError
 from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
@@ -168,6 +169,7 @@ class FullyShardedRuntime(ParallelRuntime):
         config: ZeroConfig,
     ) -> None:
         self.comm, self.group = comm, group
+        self.gradient_reduction = config.gradient_reduction
         self.prefetch = config.prefetch_count
         selected = find_units(model, config.unit)
         by_unit = unit_parameters(model, selected)
@@ -228,7 +230,7 @@ class FullyShardedRuntime(ParallelRuntime):
         # not a modification it must detect.
         with torch.autograd._unsafe_preserve_version_counter(unit.full):
             unit.gather_work = self.comm.all_gather(
-                unit.full, source, group=self.group, async_op=True, purpose="param_gather"
+                unit.full, source, group=self.group, async_op=True, purpose=PARAM_GATHER
             )
         unit.gather_input = source
         held = sum(u.full_bytes for u in self.units if u.gathered or u.gather_work is not None)
@@ -350,6 +352,7 @@ class FullyShardedRuntime(ParallelRuntime):
             unit.grad_bucket,
             unit.grad_chunk,
             accumulate=not self._first_microbatch,
+            method=self.gradient_reduction,
         )
         unit.grad_bucket = None  # the pending reduction holds it until it completes
         unit.reduced = True

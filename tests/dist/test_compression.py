@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from plait.core.comm import Comm, world_group
+from plait.core.comm_algorithms import GRAD_BUCKET
+from plait.core.config import load_config
 from plait.core.plugins import Plugins
 from plait.core.testing import run_distributed
-from plait.plugins.collectives.config import CommConfig, PowerSGDConfig, TopKConfig
 from plait.plugins.collectives.metering import TrafficMeter
 from plait.plugins.collectives.testing import train_data_parallel_mlp
 from plait.plugins.compression import CompressionPlugin
@@ -25,36 +26,34 @@ BACKEND_ONLY = (("torch_comm", "plait.plugins.torch_comm"),)
 STEPS = 40
 POWERSGD_RANK = 2
 TOPK_RATIO = 0.05
-CONFIGS = {
-    "torch": CommConfig(),
-    "fp16": CommConfig(algorithm="fp16"),
-    "bf16": CommConfig(algorithm="bf16"),
-    "powersgd": CommConfig(algorithm="powersgd", powersgd=PowerSGDConfig(rank=POWERSGD_RANK)),
-    "topk": CommConfig(algorithm="topk", topk=TopKConfig(ratio=TOPK_RATIO)),
-    "topk_no_feedback": CommConfig(
-        algorithm="topk", topk=TopKConfig(ratio=TOPK_RATIO, error_feedback=False)
-    ),
+# name -> (algorithm, its [comm.<algorithm>] table)
+CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
+    "torch": ("torch", {}),
+    "fp16": ("fp16", {}),
+    "bf16": ("bf16", {}),
+    "powersgd": ("powersgd", {"rank": POWERSGD_RANK}),
+    "topk": ("topk", {"ratio": TOPK_RATIO}),
+    "topk_no_feedback": ("topk", {"ratio": TOPK_RATIO, "error_feedback": False}),
 }
 
 
-def make_comm(config: CommConfig) -> tuple[Comm, TrafficMeter]:
-    plugin, meter = CompressionPlugin(config), TrafficMeter()
+def make_comm(algorithm: str, table: dict[str, object] | None = None) -> tuple[Comm, TrafficMeter]:
+    plugin, meter = CompressionPlugin(), TrafficMeter()
     plugins = Plugins.create(
         autoload=False, builtins=BACKEND_ONLY, extra=[("meter", meter), ("compression", plugin)]
     )
-    comm = Comm(plugins)
-    plugin.bind(comm)
-    return comm, meter
+    # The engine's path: options from [comm.<name>], dedicated groups for the dp axis.
+    plugins.configure(load_config({"comm": {"algorithm": algorithm, algorithm: table or {}}}))
+    return Comm(plugins), meter
 
 
 def train_with_every_codec(rank: int, world_size: int) -> dict[str, object]:
     results: dict[str, object] = {}
-    for name, config in CONFIGS.items():
-        comm, meter = make_comm(config)
+    for name, (algorithm, table) in CONFIGS.items():
+        comm, meter = make_comm(algorithm, table)
         run = train_data_parallel_mlp(comm, world_group(), rank=rank, steps=STEPS)
-        algorithm = config.algorithm
         wire = meter.bytes_for(lambda p, a=algorithm: p.startswith(f"{a}/"))
-        plain = meter.bytes_for(lambda p: p == "grad_bucket", op="all_reduce")
+        plain = meter.bytes_for(lambda p: p == GRAD_BUCKET, op="all_reduce")
         results[name] = {
             "losses": run.losses,
             "buckets": run.bucket_numels,
@@ -76,12 +75,11 @@ def topk_cumulative_error(rank: int) -> dict[bool, float]:
     errors = {}
     gradient = torch.randn(1000, generator=torch.Generator().manual_seed(7))
     for feedback in (True, False):
-        config = CommConfig(algorithm="topk", topk=TopKConfig(ratio=0.05, error_feedback=feedback))
-        comm, _ = make_comm(config)
+        comm, _ = make_comm("topk", {"ratio": 0.05, "error_feedback": feedback})
         total = torch.zeros(1000)
         for _ in range(40):
             bucket = gradient.clone()
-            comm.all_reduce(bucket, group=world_group(), op="avg", purpose="grad_bucket").wait()
+            comm.all_reduce(bucket, group=world_group(), op="avg", purpose=GRAD_BUCKET).wait()
             total += bucket
         errors[feedback] = float(torch.linalg.norm(total - 40 * gradient) / (40 * gradient.norm()))
     return errors
@@ -99,11 +97,11 @@ def powersgd_error_after_steps(rank: int) -> dict[str, float]:
     matrix = left @ torch.diag(torch.tensor([1.0, 0.8])) @ right.t()
     errors = {"best": 0.8 / float(torch.linalg.norm(matrix))}
     for warm in (True, False):
-        config = PowerSGDConfig(rank=1, warm_start=warm, error_feedback=False, seed=3)
-        comm, _ = make_comm(CommConfig(algorithm="powersgd", powersgd=config))
+        table = {"rank": 1, "warm_start": warm, "error_feedback": False, "seed": 3}
+        comm, _ = make_comm("powersgd", table)
         for _ in range(12):
             bucket = matrix.reshape(-1).clone()
-            comm.all_reduce(bucket, group=world_group(), op="avg", purpose="grad_bucket").wait()
+            comm.all_reduce(bucket, group=world_group(), op="avg", purpose=GRAD_BUCKET).wait()
         relative = torch.linalg.norm(bucket - matrix.reshape(-1)) / torch.linalg.norm(matrix)
         errors["warm" if warm else "cold"] = float(relative)
     return errors
@@ -111,11 +109,11 @@ def powersgd_error_after_steps(rank: int) -> dict[str, float]:
 
 def powersgd_recovers_a_rank_one_gradient(rank: int) -> float:
     """A bucket whose square view has rank 1 on every rank is all-reduced exactly at r = 1."""
-    comm, _ = make_comm(CommConfig(algorithm="powersgd", powersgd=PowerSGDConfig(rank=1)))
+    comm, _ = make_comm("powersgd", {"rank": 1})
     u, v = torch.linspace(-1, 1, 30), torch.linspace(0.5, 2, 30)
     local = torch.outer(u, v).reshape(-1) * (rank + 1)
     expected = torch.outer(u, v).reshape(-1) * 1.5  # the average of (1, 2) × the outer product
-    comm.all_reduce(local, group=world_group(), op="avg", purpose="grad_bucket").wait()
+    comm.all_reduce(local, group=world_group(), op="avg", purpose=GRAD_BUCKET).wait()
     return float((local - expected).abs().max())
 
 

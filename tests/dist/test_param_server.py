@@ -8,12 +8,13 @@ import torch
 import torch.distributed as dist
 
 from plait.core.comm import Comm, world_group
+from plait.core.comm_algorithms import GRAD_BUCKET
+from plait.core.config import load_config
 from plait.core.plugins import Plugins
 from plait.core.testing import run_distributed
-from plait.plugins.collectives.config import CommConfig, ParamServerConfig
 from plait.plugins.collectives.metering import TrafficMeter
 from plait.plugins.collectives.testing import train_data_parallel_mlp
-from plait.plugins.param_server import ParamServerPlugin
+from plait.plugins.param_server import NAME, ParamServerPlugin
 
 pytestmark = pytest.mark.dist
 
@@ -22,15 +23,15 @@ STALENESS = 2
 STEPS = 40
 
 
-def make_comm(settings: ParamServerConfig | None) -> tuple[Comm, TrafficMeter, ParamServerPlugin]:
-    config = CommConfig(algorithm="param_server", param_server=settings) if settings else None
-    plugin, meter = ParamServerPlugin(config), TrafficMeter()
+def make_comm(table: dict[str, object] | None) -> tuple[Comm, TrafficMeter, ParamServerPlugin]:
+    """`table` is `[comm.param_server]`; None selects no algorithm (the backend's all-reduce)."""
+    plugin, meter = ParamServerPlugin(), TrafficMeter()
     plugins = Plugins.create(
         autoload=False, builtins=BACKEND_ONLY, extra=[("meter", meter), ("param_server", plugin)]
     )
-    comm = Comm(plugins)
-    plugin.bind(comm)
-    return comm, meter, plugin
+    comm = {"algorithm": "torch"} if table is None else {"algorithm": NAME, NAME: table}
+    plugins.configure(load_config({"comm": comm}))
+    return Comm(plugins), meter, plugin
 
 
 def exercise_parameter_server(rank: int, world_size: int) -> dict[str, object]:
@@ -39,24 +40,24 @@ def exercise_parameter_server(rank: int, world_size: int) -> dict[str, object]:
 
     # Synchronous mode equals the backend's all-reduce, with every rank or only two serving.
     for num_servers in (0, 2):
-        comm, meter, _ = make_comm(ParamServerConfig(mode="sync", num_servers=num_servers))
+        comm, meter, _ = make_comm({"mode": "sync", "num_servers": num_servers})
         for numel in (1, 7, 1001):
             local = torch.randn(numel, generator=torch.Generator().manual_seed(rank * 97 + numel))
             expected = local.clone()
             dist.all_reduce(expected)
             expected /= world_size
-            comm.all_reduce(local, group=group, op="avg", purpose="grad_bucket").wait()
+            comm.all_reduce(local, group=group, op="avg", purpose=GRAD_BUCKET).wait()
             torch.testing.assert_close(local, expected, rtol=1e-6, atol=1e-6)
         out[f"sync_push_bytes/{num_servers}"] = meter.bytes_for(lambda p: p.endswith("/push"))
         out[f"sync_pull_bytes/{num_servers}"] = meter.bytes_for(lambda p: p.endswith("/pull"))
 
     # Async mode: the pull at step t is the average of the pushes of step t - s, exactly.
-    comm, _, plugin = make_comm(ParamServerConfig(mode="async", staleness=STALENESS))
+    comm, _, plugin = make_comm({"mode": "async", "staleness": STALENESS})
     pulled = []
     for step in range(8):
         bucket = torch.full((10,), float(10 * step + rank))
         comm.all_reduce(
-            bucket, group=group, op="avg", purpose="grad_bucket", attributes={"bucket_index": 0}
+            bucket, group=group, op="avg", purpose=GRAD_BUCKET, attributes={"bucket_index": 0}
         ).wait()
         pulled.append(bucket.tolist())
     plugin.flush()
@@ -65,8 +66,8 @@ def exercise_parameter_server(rank: int, world_size: int) -> dict[str, object]:
     # Training: sync and bounded-staleness async against the plain all-reduce.
     for name, settings in (
         ("torch", None),
-        ("sync", ParamServerConfig(mode="sync")),
-        ("async", ParamServerConfig(mode="async", staleness=STALENESS)),
+        ("sync", {"mode": "sync"}),
+        ("async", {"mode": "async", "staleness": STALENESS}),
     ):
         comm, _, plugin = make_comm(settings)
         run = train_data_parallel_mlp(comm, group, rank=rank, steps=STEPS, lr=0.05)

@@ -8,22 +8,32 @@ tensor sizes in a second, without spawning processes; tests/dist checks the same
 from __future__ import annotations
 
 import queue
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from plait.core.comm import CompletedWork, Group
+from plait.core.comm_algorithms import (
+    GRAD_BUCKET,
+    PURPOSES,
+    AlgorithmRunner,
+    axis_rank_sets,
+    is_sub_op,
+    sub_purpose,
+)
 from plait.core.config import load_config
 from plait.core.engine import check_config
 from plait.core.errors import ConfigError, PluginError
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
 from plait.plugins.collectives import CollectivesPlugin
-from plait.plugins.collectives.config import check_algorithm
-from plait.plugins.collectives.ring import ring_all_reduce
+from plait.plugins.collectives.config import TreeConfig
+from plait.plugins.collectives.ring import ring_all_reduce, ring_reduce_scatter
 from plait.plugins.collectives.tree import halving_doubling_all_reduce
 
 SIZES = (0, 1, 2, 3, 7, 8, 64, 1001)
@@ -157,15 +167,41 @@ def test_bandwidth_optimal_algorithms_send_two_thirds_of_the_vector_at_three(
     assert network.sent_elements == [steps * numel] * world_size
 
 
-def _request(op: str = "all_reduce", purpose: str = "grad_bucket") -> CommRequest:
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_ring_reduce_scatter_leaves_rank_i_chunk_i_and_sends_one_phase(world_size: int) -> None:
+    numel = 6 * world_size
+    inputs = [torch.arange(numel, dtype=torch.float32) * (r + 1) for r in range(world_size)]
+    outputs = [torch.empty(6) for _ in range(world_size)]
+    network = ThreadNetwork(world_size)
+    group = Group(name="world", ranks=tuple(range(world_size)))
+
+    def rank_main(rank: int) -> None:
+        ring_reduce_scatter(
+            network.comm(rank), outputs[rank], inputs[rank], group=group, rank=rank,
+            reduce_op="avg", purpose="test/generic",
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(world_size) as pool:
+        for future in [pool.submit(rank_main, r) for r in range(world_size)]:
+            future.result(timeout=30)
+    mean = torch.stack(inputs).mean(0)
+    for rank, output in enumerate(outputs):
+        torch.testing.assert_close(output, mean[rank * 6 : (rank + 1) * 6])
+        assert torch.equal(inputs[rank], torch.arange(numel, dtype=torch.float32) * (rank + 1))
+    assert network.sent_elements == [(world_size - 1) * 6] * world_size
+
+
+def _request(op: str = "all_reduce", purpose: str = GRAD_BUCKET, **fields: Any) -> CommRequest:
+    tensors = (torch.ones(2), torch.ones(4)) if op == "reduce_scatter" else (torch.ones(3),)
     return CommRequest(
         op=op,  # type: ignore[arg-type]
-        tensors=(torch.ones(3),),
+        tensors=tensors,
         group=None,
         group_name="world",
         group_ranks=(0, 1),
         seq=0,
         purpose=purpose,
+        **fields,
     )
 
 
@@ -174,33 +210,84 @@ def test_plugin_takes_over_only_what_it_is_configured_for() -> None:
     assert plugin.plait_communicate(request=_request()) is None  # algorithm = "torch"
 
     plugin.plait_configure(config=load_config({"comm": {"algorithm": "ring"}}))
-    assert plugin.config.algorithm == "ring"
+    assert plugin.algorithm == "ring"
     assert plugin.plait_communicate(request=_request(op="broadcast")) is None
     assert plugin.plait_communicate(request=_request(purpose="ring/grad_bucket")) is None
+    # Reduce-scatters are taken over for gradients only (ZeRO-2/3 on GPU), not for tp.
+    assert plugin.takes_over(_request(op="reduce_scatter"))
+    assert not plugin.takes_over(_request(op="reduce_scatter", purpose="tp_activation"))
     with pytest.raises(PluginError, match="bind"):
         plugin.plait_communicate(request=_request())
 
-    config = load_config({"comm": {"algorithm": "tree", "tree": {"purposes": ["activation"]}}})
+    config = load_config(
+        {
+            "comm": {
+                "algorithm": "tree",
+                "tree": {"purposes": ["activation"], "small_message_bytes": 8},
+            }
+        }
+    )
     plugin.plait_configure(config=config)
+    assert plugin.options == TreeConfig(purposes=["activation"], small_message_bytes=8)
     assert plugin.plait_communicate(request=_request(purpose="grad_bucket")) is None
 
 
 def test_config_errors_name_the_field_and_the_alternatives() -> None:
     plugins = Plugins.create(autoload=False)
+
+    def check(comm: dict[str, Any]) -> None:
+        check_config(load_config({"comm": comm}), plugins, with_model=False)
+
     with pytest.raises(ConfigError, match=r"comm\.powersgd\.rank"):
-        check_config(load_config({"comm": {"powersgd": {"rank": 0}}}), plugins, with_model=False)
+        check({"powersgd": {"rank": 0}})
     with pytest.raises(ConfigError, match=r"comm\.topk\.ratios"):
-        check_config(load_config({"comm": {"topk": {"ratios": 0.1}}}), plugins, with_model=False)
+        check({"topk": {"ratios": 0.1}})
+    with pytest.raises(ConfigError, match=r"comm\.param_server\.mode"):
+        check({"param_server": {"mode": "later"}})
+    with pytest.raises(ConfigError, match=r"comm\.tree\.small_message_bytes"):
+        check({"tree": {"small_message_bytes": -1}})
     with pytest.raises(ConfigError, match=r"comm\.anything: not a field"):
-        check_config(load_config({"comm": {"anything": 1}}), plugins, with_model=False)
-    check_algorithm("ring", {"ring": None, "tree": None})
-    check_algorithm("torch", {})
-    with pytest.raises(ConfigError, match=r"'rnig'.*ring, torch, tree"):
-        check_algorithm("rnig", {"ring": None, "tree": None})
+        check({"anything": 1})
+    with pytest.raises(PluginError, match=r"'rnig'.*'ring'.*'tree'"):
+        check({"algorithm": "rnig"})
+    check({"algorithm": "ring", "ring": {"purposes": ["grad_bucket"]}})
 
 
 def test_registered_records_name_their_config_classes() -> None:
     records = {r.name: r for r in CollectivesPlugin().plait_register_comm_algorithms()}
     assert set(records) == {"ring", "tree"}
-    assert records["ring"].ops == ("all_reduce",)
-    assert records["tree"].config_cls is not None
+    assert records["ring"].ops == ("all_reduce", "reduce_scatter")
+    assert records["tree"].config_cls is TreeConfig
+
+
+def test_axis_rank_sets_follow_the_mesh_layout() -> None:
+    # Mesh axes are (pp, dp, cp, tp), row-major: tp varies fastest.
+    degrees = {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
+    assert axis_rank_sets(degrees, "dp") == [(0, 2), (1, 3)]
+    assert axis_rank_sets(degrees, "tp") == [(0, 1), (2, 3)]
+    degrees = {"pp": 2, "dp": 3, "cp": 1, "tp": 1}
+    assert axis_rank_sets(degrees, "dp") == [(0, 1, 2), (3, 4, 5)]
+    assert axis_rank_sets(degrees, "pp") == [(0, 3), (1, 4), (2, 5)]
+
+
+def test_a_group_without_a_dedicated_mirror_runs_inline_and_is_complete() -> None:
+    runner = AlgorithmRunner("demo")
+    ran: list[Group] = []
+    work = runner.run(_request(async_op=True), lambda comm, group: ran.append(group), comm=None)  # type: ignore[arg-type]
+    assert isinstance(work, CompletedWork)
+    assert ran == [Group(name="world", ranks=(0, 1))]
+
+
+def test_sub_purposes_are_never_taken_over_again() -> None:
+    assert sub_purpose("ring", GRAD_BUCKET) == "ring/grad_bucket"
+    assert is_sub_op("param_server/grad_bucket/push")
+    assert not is_sub_op(GRAD_BUCKET)
+
+
+def test_every_purpose_plait_issues_is_a_published_constant() -> None:
+    root = Path(__file__).resolve().parents[2]
+    literals = set()
+    for folder in ("core", "plugins"):
+        for path in (root / folder).rglob("*.py"):
+            literals |= set(re.findall(r'purpose="([a-z_]+)"', path.read_text()))
+    assert literals <= PURPOSES, sorted(literals - PURPOSES)
