@@ -52,6 +52,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from plait.core import telemetry_schema as schema
+
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
@@ -61,45 +63,45 @@ DEFAULT_DAEMON_ADDRESS = "127.0.0.1:7461"
 DAEMON_ENV = "PLAIT_DAEMON"
 INSTRUMENTATION_NAME = "plait.telemetry"
 
-# Resource attribute names: the daemon identifies a rank by (job id, rank).
-ATTR_JOB_ID = "plait.job.id"
-ATTR_RANK = "plait.rank"
-ATTR_LOCAL_RANK = "plait.local_rank"
-ATTR_WORLD_SIZE = "plait.world_size"
-ATTR_DEVICE = "plait.device"
-ATTR_DEVICE_NAME = "plait.device.name"
-ATTR_COMPUTE_DTYPE = "plait.compute_dtype"
-ATTR_PEAK_FLOPS = "plait.device.peak_flops"
-ATTR_PEAK_FLOPS_SOURCE = "plait.device.peak_flops.source"
-ATTR_MODEL_NAME = "plait.model.name"
-ATTR_NUM_PARAMS = "plait.model.num_params"
-ATTR_FLOPS_PER_TOKEN = "plait.model.flops_per_token"
-ATTR_TOKENS_PER_STEP = "plait.job.tokens_per_step"
-ATTR_MESH_COORD_PREFIX = "plait.mesh.coord."
-ATTR_MESH_DEGREE_PREFIX = "plait.mesh.degree."
+# The wire names live in `plait.core.telemetry_schema`; these aliases keep the names this module
+# has always exported.
+ATTR_JOB_ID = schema.RESOURCE_JOB_ID
+ATTR_RANK = schema.RESOURCE_RANK
+ATTR_LOCAL_RANK = schema.RESOURCE_LOCAL_RANK
+ATTR_WORLD_SIZE = schema.RESOURCE_WORLD_SIZE
+ATTR_DEVICE = schema.RESOURCE_DEVICE
+ATTR_DEVICE_NAME = schema.RESOURCE_DEVICE_NAME
+ATTR_COMPUTE_DTYPE = schema.RESOURCE_COMPUTE_DTYPE
+ATTR_PEAK_FLOPS = schema.RESOURCE_PEAK_FLOPS
+ATTR_PEAK_FLOPS_SOURCE = schema.RESOURCE_PEAK_FLOPS_SOURCE
+ATTR_MODEL_NAME = schema.RESOURCE_MODEL_NAME
+ATTR_NUM_PARAMS = schema.RESOURCE_NUM_PARAMS
+ATTR_FLOPS_PER_TOKEN = schema.RESOURCE_FLOPS_PER_TOKEN
+ATTR_TOKENS_PER_STEP = schema.RESOURCE_TOKENS_PER_STEP
+ATTR_MESH_COORD_PREFIX = schema.RESOURCE_MESH_COORD_PREFIX
+ATTR_MESH_DEGREE_PREFIX = schema.RESOURCE_MESH_DEGREE_PREFIX
 
-# Span attribute names.
-ATTR_STEP = "plait.step"
-ATTR_STEP_TOKENS = "plait.step.tokens"
-ATTR_STEP_MODEL_FLOPS = "plait.step.model_flops"
-ATTR_STEP_DATA_WAIT = "plait.step.data_wait_seconds"
-ATTR_STEP_LOSS = "plait.step.loss"
-ATTR_PHASE = "plait.phase"
-ATTR_COMM_OP = "plait.comm.op"
-ATTR_COMM_BYTES = "plait.comm.bytes"
-ATTR_COMM_DTYPE = "plait.comm.dtype"
-ATTR_COMM_GROUP = "plait.comm.group"
-ATTR_COMM_GROUP_RANKS = "plait.comm.group_ranks"
-ATTR_COMM_SEQ = "plait.comm.seq"
-ATTR_COMM_PURPOSE = "plait.comm.purpose"
-ATTR_COMM_PEER = "plait.comm.peer"
-ATTR_COMM_ASYNC = "plait.comm.async"
-STEP_SPAN_NAME = "step"
+ATTR_STEP = schema.SPAN_STEP
+ATTR_STEP_TOKENS = schema.SPAN_STEP_TOKENS
+ATTR_STEP_MODEL_FLOPS = schema.SPAN_STEP_MODEL_FLOPS
+ATTR_STEP_DATA_WAIT = schema.SPAN_STEP_DATA_WAIT
+ATTR_STEP_LOSS = schema.SPAN_STEP_LOSS
+ATTR_PHASE = schema.SPAN_PHASE
+ATTR_COMM_OP = schema.SPAN_COMM_OP
+ATTR_COMM_BYTES = schema.SPAN_COMM_BYTES
+ATTR_COMM_DTYPE = schema.SPAN_COMM_DTYPE
+ATTR_COMM_GROUP = schema.SPAN_COMM_GROUP
+ATTR_COMM_GROUP_RANKS = schema.SPAN_COMM_GROUP_RANKS
+ATTR_COMM_SEQ = schema.SPAN_COMM_SEQ
+ATTR_COMM_PURPOSE = schema.SPAN_COMM_PURPOSE
+ATTR_COMM_PEER = schema.SPAN_COMM_PEER
+ATTR_COMM_ASYNC = schema.SPAN_COMM_ASYNC
+STEP_SPAN_NAME = schema.STEP_SPAN_NAME
 
 # Comm heartbeat gauges (see `plait.daemon.hangs`).
-METRIC_COMM_HEARTBEAT = "plait.comm.heartbeat"
-METRIC_COMM_INFLIGHT = "plait.comm.inflight"
-METRIC_COMM_ENTERED = "plait.comm.entered"
+METRIC_COMM_HEARTBEAT = schema.METRIC_COMM_HEARTBEAT
+METRIC_COMM_INFLIGHT = schema.METRIC_COMM_INFLIGHT
+METRIC_COMM_ENTERED = schema.METRIC_COMM_ENTERED
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_ENV = "PLAIT_HEARTBEAT_INTERVAL_MS"
 
@@ -406,8 +408,8 @@ def resource_attributes(info: JobInfo, peak: PeakFlops) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         "service.name": "plait",
         "service.instance.id": f"{info.job_id}/{info.rank}",
-        "host.name": info.host,
-        "process.pid": os.getpid(),
+        schema.RESOURCE_HOST_NAME: info.host,
+        schema.RESOURCE_PROCESS_PID: os.getpid(),
         ATTR_JOB_ID: info.job_id,
         ATTR_RANK: info.rank,
         ATTR_LOCAL_RANK: info.local_rank,
@@ -487,23 +489,33 @@ class RankTelemetry:
         meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
         # Job-wide figures: every rank reports the same value for a step (aggregate with max).
         self.tokens = meter.create_counter(
-            "plait.job.tokens", unit="{token}", description="tokens processed by the whole job"
+            schema.METRIC_JOB_TOKENS,
+            unit=schema.UNIT_TOKEN,
+            description="tokens processed by the whole job",
         )
         self.model_flops = meter.create_counter(
-            "plait.job.model_flops", unit="{flop}", description="training FLOPs of the whole job"
+            schema.METRIC_JOB_MODEL_FLOPS,
+            unit=schema.UNIT_FLOP,
+            description="training FLOPs of the whole job",
         )
         self.step_duration = meter.create_histogram(
-            "plait.step.duration", unit="s", description="optimizer step wall time on this rank"
+            schema.METRIC_STEP_DURATION,
+            unit=schema.UNIT_SECONDS,
+            description="optimizer step wall time on this rank",
         )
         self.data_wait = meter.create_histogram(
-            "plait.data.wait", unit="s", description="time this rank waited for its batch"
+            schema.METRIC_DATA_WAIT,
+            unit=schema.UNIT_SECONDS,
+            description="time this rank waited for its batch",
         )
-        self.loss = meter.create_gauge("plait.train.loss", description="last step's mean loss")
+        self.loss = meter.create_gauge(
+            schema.METRIC_TRAIN_LOSS, description="last step's mean loss"
+        )
         if info.device.startswith("cuda"):
             meter.create_observable_gauge(
-                "plait.device.memory.used",
+                schema.METRIC_DEVICE_MEMORY_USED,
                 callbacks=[self._observe_device_memory],
-                unit="By",
+                unit=schema.UNIT_BYTES,
                 description="bytes allocated by torch on this rank's device",
             )
 

@@ -27,15 +27,15 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as schema
 
 Interval = tuple[int, int]
 
 CLASSES = ("compute", "exposed_comm", "data", "pipeline_bubble", "optimizer", "host_other")
-COMPUTE_PHASES = frozenset({"forward", "backward", "backward_input", "backward_weight"})
-BUBBLE_PHASES = frozenset({"idle", "recv", "send"})
-DATA_PHASES = frozenset({"data"})
-OPTIMIZER_PHASES = frozenset({"optimizer"})
+COMPUTE_PHASES = schema.COMPUTE_PHASES
+BUBBLE_PHASES = schema.BUBBLE_PHASES
+DATA_PHASES = schema.DATA_PHASES
+OPTIMIZER_PHASES = schema.OPTIMIZER_PHASES
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,24 +97,6 @@ class StepSpan:
     purpose: str = ""
     blocking: bool = False  # a synchronous collective
     nbytes: int = 0
-
-    @classmethod
-    def from_attributes(
-        cls, kind: str, name: str, start_ns: int, end_ns: int, attributes: Mapping[str, object]
-    ) -> StepSpan:
-        if kind == "comm":
-            op = str(attributes.get(names.ATTR_COMM_OP, name))
-            return cls(
-                kind="comm",
-                name=op,
-                start_ns=start_ns,
-                end_ns=end_ns,
-                purpose=str(attributes.get(names.ATTR_COMM_PURPOSE, "")),
-                blocking=not bool(attributes.get(names.ATTR_COMM_ASYNC, False)),
-                nbytes=int(attributes.get(names.ATTR_COMM_BYTES, 0) or 0),  # type: ignore[arg-type]
-            )
-        phase = str(attributes.get(names.ATTR_PHASE, name))
-        return cls(kind="phase", name=phase, start_ns=start_ns, end_ns=end_ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +161,7 @@ def step_breakdown(
         "optimizer": total_ns(optimizer) / 1e9,
         "host_other": (step_ns - total_ns(taken)) / 1e9,
     }
-    microbatches = sum(1 for s in spans if s.kind == "phase" and s.name == "forward")
+    microbatches = sum(1 for s in spans if s.kind == "phase" and s.name == schema.PHASE_FORWARD)
     return StepBreakdown(
         step=step,
         step_seconds=step_ns / 1e9,

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as names
 from plait.daemon.store import RankIdentity, SpanRecord
 
 STEP_TID = 0
@@ -50,7 +50,7 @@ def chrome_trace(spans: Iterable[tuple[RankIdentity, SpanRecord]]) -> dict[str, 
         pid = identity.rank
         processes.setdefault(pid, f"rank {identity.rank} ({identity.host}, job {identity.job_id})")
         if span.kind == "comm":
-            group = str(span.attributes.get(names.ATTR_COMM_GROUP, "?"))
+            group = str(span.attributes.get(names.SPAN_COMM_GROUP, "?"))
             tid = comm_tids.setdefault(group, FIRST_COMM_TID + len(comm_tids))
             thread_name = f"comm {group}"
             category = "comm"

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as names
+from plait.daemon.decoder import GaugePoint
 
 DEFAULT_HANG_TIMEOUT_SECONDS = 60.0
 # A rank whose last heartbeat is older than this no longer vouches for its in-flight ops
@@ -83,37 +83,27 @@ class Hang:
         )
 
 
-def _ranks(value: Any) -> tuple[int, ...]:
-    if isinstance(value, list | tuple):
-        return tuple(int(v) for v in value)
-    return ()
-
-
-def heartbeat_from_points(
-    points: Iterable[tuple[str, Mapping[str, Any], float]], received_ns: int
-) -> Heartbeat | None:
-    """A heartbeat from one metrics export's (name, attributes, value) points, if it is one."""
+def heartbeat_from_points(points: Iterable[GaugePoint], received_ns: int) -> Heartbeat | None:
+    """A heartbeat from one metrics export's decoded heartbeat gauges, if it holds one."""
     points = list(points)
-    if not any(name == names.METRIC_COMM_HEARTBEAT for name, _, _ in points):
+    if not any(p.name == names.METRIC_COMM_HEARTBEAT for p in points):
         return None
     inflight: list[InflightOp] = []
     entered: dict[GroupKey, int] = {}
-    for name, attrs, value in points:
-        group = str(attrs.get(names.ATTR_COMM_GROUP, ""))
-        ranks = _ranks(attrs.get(names.ATTR_COMM_GROUP_RANKS))
-        if name == names.METRIC_COMM_INFLIGHT:
+    for point in points:
+        if point.name == names.METRIC_COMM_INFLIGHT:
             inflight.append(
                 InflightOp(
-                    group=group,
-                    group_ranks=ranks,
-                    op=str(attrs.get(names.ATTR_COMM_OP, "")),
-                    seq=int(attrs.get(names.ATTR_COMM_SEQ, -1)),
-                    purpose=str(attrs.get(names.ATTR_COMM_PURPOSE, "")),
-                    start_ns=int(value * 1e9),
+                    group=point.group,
+                    group_ranks=point.group_ranks,
+                    op=point.op,
+                    seq=point.seq,
+                    purpose=point.purpose,
+                    start_ns=int(point.value * 1e9),
                 )
             )
-        elif name == names.METRIC_COMM_ENTERED:
-            entered[(group, ranks)] = int(value)
+        elif point.name == names.METRIC_COMM_ENTERED:
+            entered[(point.group, point.group_ranks)] = int(point.value)
     return Heartbeat(received_ns=received_ns, inflight=tuple(inflight), entered=entered)
 
 

@@ -50,7 +50,7 @@ EMPTY = Throughput(0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 def mfu(achieved_flops_per_second: float, peak_flops_per_second: float) -> float:
     """Achieved over peak; 0 when the peak is unknown."""
-    if peak_flops_per_second <= 0:
+    if not peak_flops_per_second > 0:  # also NaN
         return 0.0
     return achieved_flops_per_second / peak_flops_per_second
 
@@ -60,8 +60,9 @@ def rank_throughput(samples: Sequence[StepSample], peak_flops: float) -> Through
     seconds = sum(s.seconds for s in samples)
     if not samples or seconds <= 0:
         return Throughput(len(samples), 0.0, 0.0, 0.0, peak_flops, 0.0)
-    flops = sum(s.model_flops / s.world_size for s in samples)
-    tokens = sum(s.tokens / s.world_size for s in samples)
+    # The decoder admits world_size >= 1 only; max() keeps a zero from any other caller harmless.
+    flops = sum(s.model_flops / max(s.world_size, 1) for s in samples)
+    tokens = sum(s.tokens / max(s.world_size, 1) for s in samples)
     achieved = flops / seconds
     return Throughput(
         steps=len(samples),
@@ -89,7 +90,7 @@ def job_throughput(
     if not steps:
         return Throughput(0, 0.0, 0.0, 0.0, peak, 0.0)
     world_size = next(iter(by_rank[next(iter(by_rank))].values())).world_size
-    share = len(by_rank) / world_size
+    share = len(by_rank) / max(world_size, 1)
     total_seconds = 0.0
     flops = tokens = 0.0
     for step in steps:

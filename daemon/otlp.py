@@ -2,7 +2,12 @@
 
 Ranks export with the stock OTLP/gRPC exporters, so any OpenTelemetry Collector could stand in
 for the daemon, and the daemon could receive from any OTLP source (spans without plait resource
-attributes are counted and dropped).
+attributes are counted as ignored and only forwarded).
+
+Every resource and span of a rank goes through `plait.daemon.decoder`. One that fails is
+rejected *alone*: the rest of the request is stored, the response is an OTLP partial success
+whose `error_message` names the first bad attribute, the reject is counted per reason, and the
+request forwarded upstream leaves the rejected items out.
 
 Ingest is bounded: at most `capacity` spans and metric points are being stored at any moment
 (`IngestLimiter`). A request that would exceed it is dropped whole, counted in the store's drop
@@ -17,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -26,9 +32,17 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as names
+from plait.daemon.decoder import (
+    GaugePoint,
+    Rejected,
+    check_metric_value,
+    decode_heartbeat_point,
+    decode_resource,
+    decode_span,
+)
 from plait.daemon.hangs import heartbeat_from_points
-from plait.daemon.store import SpanRecord, TelemetryStore
+from plait.daemon.store import TelemetryStore
 
 DEFAULT_INGEST_CAPACITY = 200_000
 HEARTBEAT_METRICS = frozenset(
@@ -97,16 +111,36 @@ def metric_points(metric: Metric) -> dict[str, float]:
     return {}
 
 
-def gauge_points(metric: Metric) -> list[tuple[str, dict[str, Any], float]]:
-    """Every data point of a gauge with its attributes (the heartbeat gauges)."""
+def heartbeat_points(metric: Metric) -> list[GaugePoint]:
+    """Every data point of a heartbeat gauge, decoded (`Rejected` if one is bad)."""
     if metric.WhichOneof("data") != "gauge":
         return []
     out = []
     for point in metric.gauge.data_points:
         kind = point.WhichOneof("value")
         value = float(getattr(point, kind)) if kind else 0.0
-        out.append((metric.name, attributes(point.attributes), value))
+        out.append(decode_heartbeat_point(metric.name, attributes(point.attributes), value))
     return out
+
+
+@dataclass
+class Outcome:
+    """What storing one request gave: items rejected, the first reason, and what to forward."""
+
+    rejected: int = 0
+    message: str = ""
+    # Indices of rejected resources, and of rejected spans per resource, to leave out upstream.
+    dropped_resources: set[int] = field(default_factory=set)
+    dropped_items: dict[int, set[tuple[int, int]]] = field(default_factory=dict)
+
+    def reject(self, error: Rejected, count: int) -> None:
+        self.rejected += count
+        if not self.message:
+            self.message = f"rejected by the plait daemon: {error}"
+
+    @property
+    def clean(self) -> bool:
+        return self.rejected == 0
 
 
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -133,28 +167,53 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             response.partial_success.error_message = "daemon ingest queue full; spans dropped"
             return response
         try:
-            self._store(request)
+            outcome = self._store(request)
         finally:
             self.limiter.release(count)
         if self.forward is not None:
-            self.forward(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
+            self.forward(request if outcome.clean else _without(request, outcome, "resource_spans"))
+        response = trace_service_pb2.ExportTraceServiceResponse()
+        if not outcome.clean:
+            response.partial_success.rejected_spans = outcome.rejected
+            response.partial_success.error_message = outcome.message
+        return response
 
-    def _store(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
-        for resource_spans in request.resource_spans:
-            resource = attributes(resource_spans.resource.attributes)
-            records = [
-                SpanRecord.classify(
-                    span.name,
-                    span.start_time_unix_nano,
-                    span.end_time_unix_nano,
-                    attributes(span.attributes),
-                    span.status.code == Status.STATUS_CODE_ERROR,
-                )
-                for scope_spans in resource_spans.scope_spans
-                for span in scope_spans.spans
+    def _store(self, request: trace_service_pb2.ExportTraceServiceRequest) -> Outcome:
+        outcome = Outcome()
+        for r, resource_spans in enumerate(request.resource_spans):
+            spans = [
+                (s, i, span)
+                for s, scope_spans in enumerate(resource_spans.scope_spans)
+                for i, span in enumerate(scope_spans.spans)
             ]
-            self.store.add_spans(resource, records)
+            try:
+                identity = decode_resource(attributes(resource_spans.resource.attributes))
+            except Rejected as error:
+                self.store.count_rejected(error, spans=len(spans))
+                outcome.reject(error, len(spans))
+                outcome.dropped_resources.add(r)
+                continue
+            if identity is None:
+                self.store.count_ignored(len(spans))
+                continue
+            records = []
+            for s, i, span in spans:
+                try:
+                    records.append(
+                        decode_span(
+                            span.name,
+                            span.start_time_unix_nano,
+                            span.end_time_unix_nano,
+                            attributes(span.attributes),
+                            span.status.code == Status.STATUS_CODE_ERROR,
+                        )
+                    )
+                except Rejected as error:
+                    self.store.count_rejected(error, spans=1)
+                    outcome.reject(error, 1)
+                    outcome.dropped_items.setdefault(r, set()).add((s, i))
+            self.store.add_spans(identity, records)
+        return outcome
 
 
 def _point_count(metric: Metric) -> int:
@@ -193,29 +252,85 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
             response.partial_success.error_message = "daemon ingest queue full; points dropped"
             return response
         try:
-            self._store(request)
+            outcome = self._store(request)
         finally:
             self.limiter.release(count)
         if self.forward is not None:
-            self.forward(request)
-        return metrics_service_pb2.ExportMetricsServiceResponse()
+            self.forward(
+                request if outcome.clean else _without(request, outcome, "resource_metrics")
+            )
+        response = metrics_service_pb2.ExportMetricsServiceResponse()
+        if not outcome.clean:
+            response.partial_success.rejected_data_points = outcome.rejected
+            response.partial_success.error_message = outcome.message
+        return response
 
-    def _store(self, request: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
-        for resource_metrics in request.resource_metrics:
-            resource = attributes(resource_metrics.resource.attributes)
+    def _store(self, request: metrics_service_pb2.ExportMetricsServiceRequest) -> Outcome:
+        outcome = Outcome()
+        for r, resource_metrics in enumerate(request.resource_metrics):
+            metrics = [
+                (s, i, metric)
+                for s, scope_metrics in enumerate(resource_metrics.scope_metrics)
+                for i, metric in enumerate(scope_metrics.metrics)
+            ]
+            try:
+                identity = decode_resource(attributes(resource_metrics.resource.attributes))
+            except Rejected as error:
+                count = sum(_point_count(m) for _, _, m in metrics)
+                self.store.count_rejected(error, metric_points=count)
+                outcome.reject(error, count)
+                outcome.dropped_resources.add(r)
+                continue
+            if identity is None:
+                continue
             points: dict[str, float] = {}
-            heartbeat_points: list[tuple[str, dict[str, Any], float]] = []
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
+            heartbeat: list[GaugePoint] = []
+            for s, i, metric in metrics:
+                # A metric is decoded whole, then kept or rejected whole.
+                try:
                     if metric.name in HEARTBEAT_METRICS:
-                        heartbeat_points.extend(gauge_points(metric))
+                        heartbeat.extend(heartbeat_points(metric))
                     else:
-                        points.update(metric_points(metric))
+                        values = metric_points(metric)
+                        for name, value in values.items():
+                            check_metric_value(name, value)
+                        points.update(values)
+                except Rejected as error:
+                    count = _point_count(metric)
+                    self.store.count_rejected(error, metric_points=count)
+                    outcome.reject(error, count)
+                    outcome.dropped_items.setdefault(r, set()).add((s, i))
             if points:
-                self.store.add_metric_points(resource, points)
-            heartbeat = heartbeat_from_points(heartbeat_points, time.time_ns())
-            if heartbeat is not None:
-                self.store.set_heartbeat(resource, heartbeat)
+                self.store.add_metric_points(identity, points)
+            beat = heartbeat_from_points(heartbeat, time.time_ns())
+            if beat is not None:
+                self.store.set_heartbeat(identity, beat)
+        return outcome
+
+
+def _without(request: Any, outcome: Outcome, field_name: str) -> Any:
+    """A copy of `request` without the items `outcome` rejected (what may go upstream)."""
+    kept = type(request)()
+    items_field = "spans" if field_name == "resource_spans" else "metrics"
+    scopes_field = "scope_spans" if field_name == "resource_spans" else "scope_metrics"
+    for r, resource in enumerate(getattr(request, field_name)):
+        if r in outcome.dropped_resources:
+            continue
+        dropped = outcome.dropped_items.get(r)
+        if not dropped:
+            getattr(kept, field_name).append(resource)
+            continue
+        copy = getattr(kept, field_name).add()
+        copy.resource.CopyFrom(resource.resource)
+        copy.schema_url = resource.schema_url
+        for s, scope in enumerate(getattr(resource, scopes_field)):
+            scope_copy = getattr(copy, scopes_field).add()
+            scope_copy.scope.CopyFrom(scope.scope)
+            scope_copy.schema_url = scope.schema_url
+            getattr(scope_copy, items_field).extend(
+                item for i, item in enumerate(getattr(scope, items_field)) if (s, i) not in dropped
+            )
+    return kept
 
 
 def add_receivers(

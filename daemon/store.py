@@ -18,100 +18,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.core import telemetry as names
 from plait.daemon.bottleneck import StepBreakdown, StepSpan, step_breakdown
+from plait.daemon.decoder import RankIdentity, RankKey, RejectCounts, Rejected, SpanRecord
 from plait.daemon.hangs import Heartbeat
 from plait.daemon.mfu import StepSample
 
 DEFAULT_WINDOW_STEPS = 512
 DEFAULT_WINDOW_SPANS = 50_000
 
-RankKey = tuple[str, int]  # (job id, rank)
-
-
-@dataclass(frozen=True, slots=True)
-class RankIdentity:
-    """Who a rank is, from its resource attributes."""
-
-    job_id: str
-    rank: int
-    local_rank: int
-    world_size: int
-    host: str
-    pid: int
-    device: str
-    device_name: str
-    compute_dtype: str
-    peak_flops: float
-    peak_flops_source: str
-    model_name: str
-    num_params: int
-    coordinates: dict[str, int]
-    degrees: dict[str, int]
-
-    @property
-    def key(self) -> RankKey:
-        return (self.job_id, self.rank)
-
-    @classmethod
-    def from_resource(cls, attributes: Mapping[str, Any]) -> RankIdentity | None:
-        """`None` for a resource that is not a plait rank (no job id or rank attribute)."""
-        if names.ATTR_RANK not in attributes or names.ATTR_JOB_ID not in attributes:
-            return None
-
-        def prefixed(prefix: str) -> dict[str, int]:
-            return {k[len(prefix) :]: int(v) for k, v in attributes.items() if k.startswith(prefix)}
-
-        return cls(
-            job_id=str(attributes[names.ATTR_JOB_ID]),
-            rank=int(attributes[names.ATTR_RANK]),
-            local_rank=int(attributes.get(names.ATTR_LOCAL_RANK, 0)),
-            world_size=int(attributes.get(names.ATTR_WORLD_SIZE, 1)),
-            host=str(attributes.get("host.name", "")),
-            pid=int(attributes.get("process.pid", 0)),
-            device=str(attributes.get(names.ATTR_DEVICE, "")),
-            device_name=str(attributes.get(names.ATTR_DEVICE_NAME, "")),
-            compute_dtype=str(attributes.get(names.ATTR_COMPUTE_DTYPE, "")),
-            peak_flops=float(attributes.get(names.ATTR_PEAK_FLOPS, 0.0)),
-            peak_flops_source=str(attributes.get(names.ATTR_PEAK_FLOPS_SOURCE, "")),
-            model_name=str(attributes.get(names.ATTR_MODEL_NAME, "")),
-            num_params=int(attributes.get(names.ATTR_NUM_PARAMS, 0)),
-            coordinates=prefixed(names.ATTR_MESH_COORD_PREFIX),
-            degrees=prefixed(names.ATTR_MESH_DEGREE_PREFIX),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class SpanRecord:
-    """One received span. `kind` is "step", "phase", "comm" or "other"."""
-
-    name: str
-    kind: str
-    start_ns: int
-    end_ns: int
-    step: int | None
-    attributes: dict[str, Any]
-    error: bool = False
-
-    @property
-    def seconds(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e9
-
-    @classmethod
-    def classify(
-        cls, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any], error: bool
-    ) -> SpanRecord:
-        if names.ATTR_COMM_OP in attributes:
-            kind = "comm"
-        elif names.ATTR_PHASE in attributes:
-            kind = "phase"
-        elif name == names.STEP_SPAN_NAME and names.ATTR_STEP_MODEL_FLOPS in attributes:
-            kind = "step"
-        else:
-            kind = "other"
-        step = attributes.get(names.ATTR_STEP)
-        return cls(name, kind, start_ns, end_ns, int(step) if step is not None else None,
-                   attributes, error)  # fmt: skip
+__all__ = ["RankIdentity", "RankKey", "RankWindow", "SpanRecord", "StepRecord", "TelemetryStore"]
+Resource = RankIdentity | Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,29 +83,42 @@ class RankWindow:
     def add_span(self, span: SpanRecord) -> None:
         self.spans.append(span)
         self.spans_received += 1
-        if span.kind == "step" and span.step is not None:
-            a = span.attributes
+        if span.step_figures is not None and span.step is not None:
+            figures = span.step_figures
             self.steps[span.step] = StepRecord(
                 step=span.step,
                 start_ns=span.start_ns,
                 end_ns=span.end_ns,
-                tokens=int(a.get(names.ATTR_STEP_TOKENS, 0)),
-                model_flops=float(a.get(names.ATTR_STEP_MODEL_FLOPS, 0.0)),
-                data_wait_seconds=float(a.get(names.ATTR_STEP_DATA_WAIT, 0.0)),
-                loss=float(a.get(names.ATTR_STEP_LOSS, 0.0)),
+                tokens=figures.tokens,
+                model_flops=figures.model_flops,
+                data_wait_seconds=figures.data_wait_seconds,
+                loss=figures.loss,
             )
             self.steps.move_to_end(span.step)
             self.steps_received += 1
             while len(self.steps) > self.window_steps:
                 self.steps.popitem(last=False)
         elif span.kind in ("comm", "phase") and span.step is not None:
-            if span.kind == "comm":
+            comm = span.comm
+            if comm is not None:
                 self.comm_intervals.setdefault(span.step, []).append((span.start_ns, span.end_ns))
-            self.step_spans.setdefault(span.step, []).append(
-                StepSpan.from_attributes(
-                    span.kind, span.name, span.start_ns, span.end_ns, span.attributes
+                step_span = StepSpan(
+                    kind="comm",
+                    name=comm.op,
+                    start_ns=span.start_ns,
+                    end_ns=span.end_ns,
+                    purpose=comm.purpose,
+                    blocking=comm.blocking,
+                    nbytes=comm.nbytes,
                 )
-            )
+            else:
+                step_span = StepSpan(
+                    kind="phase",
+                    name=span.phase or span.name,
+                    start_ns=span.start_ns,
+                    end_ns=span.end_ns,
+                )
+            self.step_spans.setdefault(span.step, []).append(step_span)
             # Spans may arrive before their step span; keep twice the window of steps.
             while len(self.comm_intervals) > 2 * self.window_steps:
                 self.comm_intervals.popitem(last=False)
@@ -236,6 +165,12 @@ class RankWindow:
         }
 
 
+def _identity(resource: Resource) -> RankIdentity | None:
+    if isinstance(resource, RankIdentity):
+        return resource
+    return RankIdentity.from_resource(resource)
+
+
 class TelemetryStore:
     """Every rank's window, behind one lock; the OTLP receivers write, the RPCs read."""
 
@@ -254,6 +189,7 @@ class TelemetryStore:
         self.metric_points_received = 0
         self.spans_dropped = 0
         self.metric_points_dropped = 0
+        self.rejected = RejectCounts()
 
     def _window(self, identity: RankIdentity) -> RankWindow:
         window = self._ranks.get(identity.key)
@@ -264,9 +200,12 @@ class TelemetryStore:
         window.last_seen_ns = time.time_ns()
         return window
 
-    def add_spans(self, resource: Mapping[str, Any], spans: Iterable[SpanRecord]) -> int:
-        """Store spans exported with `resource`; returns how many were kept."""
-        identity = RankIdentity.from_resource(resource)
+    def add_spans(self, resource: Resource, spans: Iterable[SpanRecord]) -> int:
+        """Store spans exported with `resource`; returns how many were kept.
+
+        `resource` is a decoded identity, or raw attributes (decoded here; `Rejected` if bad).
+        """
+        identity = _identity(resource)
         spans = list(spans)
         with self.lock:
             if identity is None:
@@ -278,16 +217,16 @@ class TelemetryStore:
             self.spans_received += len(spans)
         return len(spans)
 
-    def add_metric_points(self, resource: Mapping[str, Any], points: Mapping[str, float]) -> None:
-        identity = RankIdentity.from_resource(resource)
+    def add_metric_points(self, resource: Resource, points: Mapping[str, float]) -> None:
+        identity = _identity(resource)
         if identity is None:
             return
         with self.lock:
             self._window(identity).metrics.update(points)
             self.metric_points_received += len(points)
 
-    def set_heartbeat(self, resource: Mapping[str, Any], heartbeat: Heartbeat) -> None:
-        identity = RankIdentity.from_resource(resource)
+    def set_heartbeat(self, resource: Resource, heartbeat: Heartbeat) -> None:
+        identity = _identity(resource)
         if identity is None:
             return
         with self.lock:
@@ -296,6 +235,14 @@ class TelemetryStore:
     def heartbeats(self) -> dict[RankKey, Heartbeat | None]:
         with self.lock:
             return {key: w.heartbeat for key, w in self._ranks.items()}
+
+    def count_rejected(self, rejected: Rejected, *, spans: int = 0, metric_points: int = 0) -> None:
+        with self.lock:
+            self.rejected.add(rejected, spans=spans, metric_points=metric_points)
+
+    def count_ignored(self, spans: int) -> None:
+        with self.lock:
+            self.spans_ignored += spans
 
     def count_dropped(self, *, spans: int = 0, metric_points: int = 0) -> None:
         with self.lock:

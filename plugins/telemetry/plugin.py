@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as names
 from plait.core.comm import CompletedWork
 from plait.core.hookspecs import hookimpl
 from plait.core.telemetry import RankTelemetry, resolve_daemon_address
@@ -55,19 +55,19 @@ def _attribute_value(value: Any) -> Any:
 
 def comm_attributes(record: CommRecord) -> dict[str, Any]:
     attributes: dict[str, Any] = {
-        names.ATTR_COMM_OP: record.op,
-        names.ATTR_COMM_BYTES: record.nbytes,
-        names.ATTR_COMM_DTYPE: str(record.dtype).removeprefix("torch.") if record.dtype else "",
-        names.ATTR_COMM_GROUP: record.group_name,
-        names.ATTR_COMM_GROUP_RANKS: list(record.group_ranks),
-        names.ATTR_COMM_SEQ: record.seq,
-        names.ATTR_COMM_PURPOSE: record.purpose,
-        names.ATTR_COMM_ASYNC: record.async_op,
+        names.SPAN_COMM_OP: record.op,
+        names.SPAN_COMM_BYTES: record.nbytes,
+        names.SPAN_COMM_DTYPE: str(record.dtype).removeprefix("torch.") if record.dtype else "",
+        names.SPAN_COMM_GROUP: record.group_name,
+        names.SPAN_COMM_GROUP_RANKS: list(record.group_ranks),
+        names.SPAN_COMM_SEQ: record.seq,
+        names.SPAN_COMM_PURPOSE: record.purpose,
+        names.SPAN_COMM_ASYNC: record.async_op,
     }
     if record.peer is not None:
-        attributes[names.ATTR_COMM_PEER] = record.peer
+        attributes[names.SPAN_COMM_PEER] = record.peer
     if record.step is not None:
-        attributes[names.ATTR_STEP] = record.step
+        attributes[names.SPAN_STEP] = record.step
     return attributes
 
 
@@ -128,33 +128,34 @@ class TelemetryPlugin:
             return
         end_ns = report.end_ns or time.time_ns()
         start_ns = report.start_ns or end_ns - int(report.step_seconds * 1e9)
+        grad_norm = report.grad_norm if report.grad_norm is not None else -1.0
         step_span = telemetry.tracer.start_span(
             names.STEP_SPAN_NAME,
             start_time=start_ns,
             attributes={
-                names.ATTR_STEP: report.step,
-                names.ATTR_STEP_TOKENS: report.tokens,
-                names.ATTR_STEP_MODEL_FLOPS: float(report.model_flops),
-                names.ATTR_STEP_DATA_WAIT: report.data_wait_seconds,
-                names.ATTR_STEP_LOSS: report.loss,
-                "plait.step.lr": report.lr,
-                "plait.step.grad_norm": report.grad_norm if report.grad_norm is not None else -1.0,
-                "plait.step.skipped": report.skipped,
+                names.SPAN_STEP: report.step,
+                names.SPAN_STEP_TOKENS: report.tokens,
+                names.SPAN_STEP_MODEL_FLOPS: float(report.model_flops),
+                names.SPAN_STEP_DATA_WAIT: report.data_wait_seconds,
+                names.SPAN_STEP_LOSS: report.loss,
+                names.SPAN_STEP_LR: report.lr,
+                names.SPAN_STEP_GRAD_NORM: grad_norm,
+                names.SPAN_STEP_SKIPPED: report.skipped,
             },
         )
         parent = trace.set_span_in_context(step_span)
         tracer = telemetry.tracer
         for phase in report.spans:
             attributes: dict[str, Any] = {
-                names.ATTR_STEP: report.step,
-                names.ATTR_PHASE: phase.name,
+                names.SPAN_STEP: report.step,
+                names.SPAN_PHASE: phase.name,
             }
             if phase.microbatch is not None:
-                attributes["plait.microbatch"] = phase.microbatch
+                attributes[names.SPAN_MICROBATCH] = phase.microbatch
             if phase.chunk is not None:
-                attributes["plait.chunk"] = phase.chunk
+                attributes[names.SPAN_CHUNK] = phase.chunk
             for key, value in phase.attributes.items():
-                attributes[f"plait.{key}"] = _attribute_value(value)
+                attributes[names.SPAN_PHASE_ATTRIBUTE_PREFIX + key] = _attribute_value(value)
             span = tracer.start_span(
                 phase.name, context=parent, start_time=phase.start_ns, attributes=attributes
             )

@@ -1,0 +1,137 @@
+"""The telemetry wire schema: every attribute, span and metric name a rank sends the daemon.
+
+This module is the published contract between producers (plait's ranks, or any OpenTelemetry
+SDK configured by hand) and the node daemon. It imports nothing, so a producer can vendor it.
+The README's "Telemetry schema" section documents every constant here (a test checks it).
+
+A rank is an OpenTelemetry *resource* carrying `RESOURCE_*` attributes; the daemon keys it by
+(`plait.job.id`, `plait.rank`). Spans carry `SPAN_*` attributes and are classified by
+`classify_span`. Metrics are read by name (`METRIC_*`).
+"""
+
+from __future__ import annotations
+
+# --------------------------------------------------------------------------------------------
+# resource attributes (who the rank is)
+# --------------------------------------------------------------------------------------------
+
+RESOURCE_JOB_ID = "plait.job.id"  # str, non-empty
+RESOURCE_RANK = "plait.rank"  # int, 0 <= rank < world_size
+RESOURCE_LOCAL_RANK = "plait.local_rank"  # int, 0 <= local_rank < world_size
+RESOURCE_WORLD_SIZE = "plait.world_size"  # int >= 1
+RESOURCE_DEVICE = "plait.device"  # str: "cpu", "cuda:0"
+RESOURCE_DEVICE_NAME = "plait.device.name"  # str
+RESOURCE_COMPUTE_DTYPE = "plait.compute_dtype"  # str: "bfloat16", "float32", ...
+RESOURCE_PEAK_FLOPS = "plait.device.peak_flops"  # float FLOP/s, finite, >= 0 (0: unknown)
+RESOURCE_PEAK_FLOPS_SOURCE = "plait.device.peak_flops.source"  # str
+RESOURCE_MODEL_NAME = "plait.model.name"  # str
+RESOURCE_NUM_PARAMS = "plait.model.num_params"  # int >= 0
+RESOURCE_FLOPS_PER_TOKEN = "plait.model.flops_per_token"  # float FLOP, finite, >= 0
+RESOURCE_TOKENS_PER_STEP = "plait.job.tokens_per_step"  # int >= 0
+RESOURCE_MESH_COORD_PREFIX = "plait.mesh.coord."  # + axis: int, 0 <= coord < degree
+RESOURCE_MESH_DEGREE_PREFIX = "plait.mesh.degree."  # + axis: int >= 1
+# OpenTelemetry semantic conventions the daemon also reads.
+RESOURCE_HOST_NAME = "host.name"  # str
+RESOURCE_PROCESS_PID = "process.pid"  # int >= 0
+
+# --------------------------------------------------------------------------------------------
+# span attributes
+# --------------------------------------------------------------------------------------------
+
+SPAN_STEP = "plait.step"  # int >= 0, on step, phase and comm spans
+SPAN_STEP_TOKENS = "plait.step.tokens"  # int >= 0, whole job, this step
+SPAN_STEP_MODEL_FLOPS = "plait.step.model_flops"  # float FLOP, whole job, this step
+SPAN_STEP_DATA_WAIT = "plait.step.data_wait_seconds"  # float s >= 0
+SPAN_STEP_LOSS = "plait.step.loss"  # float (NaN and inf allowed: a diverging run)
+SPAN_STEP_LR = "plait.step.lr"  # float, informational
+SPAN_STEP_GRAD_NORM = "plait.step.grad_norm"  # float, -1 when not computed; informational
+SPAN_STEP_SKIPPED = "plait.step.skipped"  # bool, informational
+SPAN_PHASE = "plait.phase"  # str: one of PHASES (others are kept, classified as nothing)
+SPAN_MICROBATCH = "plait.microbatch"  # int, informational
+SPAN_CHUNK = "plait.chunk"  # int, informational
+SPAN_COMM_OP = "plait.comm.op"  # str: "all_reduce", "send", ...
+SPAN_COMM_BYTES = "plait.comm.bytes"  # int By >= 0
+SPAN_COMM_DTYPE = "plait.comm.dtype"  # str
+SPAN_COMM_GROUP = "plait.comm.group"  # str: mesh group name
+SPAN_COMM_GROUP_RANKS = "plait.comm.group_ranks"  # int[]: global ranks of the group
+SPAN_COMM_SEQ = "plait.comm.seq"  # int >= 0: per-group sequence number
+SPAN_COMM_PURPOSE = "plait.comm.purpose"  # str: "grad_bucket", "tp_activation", ...
+SPAN_COMM_PEER = "plait.comm.peer"  # int >= 0: point-to-point peer
+SPAN_COMM_ASYNC = "plait.comm.async"  # bool: issued with async_op (overlappable)
+# Prefix of the free-form attributes a phase carries (`plait.` + the phase's own key).
+SPAN_PHASE_ATTRIBUTE_PREFIX = "plait."
+
+# --------------------------------------------------------------------------------------------
+# span names and classes
+# --------------------------------------------------------------------------------------------
+
+STEP_SPAN_NAME = "step"
+# How the daemon classifies a span, first match wins (see `classify_span`).
+SPAN_KIND_COMM = "comm"  # has plait.comm.op
+SPAN_KIND_PHASE = "phase"  # has plait.phase
+SPAN_KIND_STEP = "step"  # named "step" and has plait.step.model_flops
+SPAN_KIND_OTHER = "other"  # anything else: stored, shown in traces, not analysed
+# Phase names the bottleneck analysis knows, by the class their time goes to.
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+PHASE_BACKWARD_INPUT = "backward_input"
+PHASE_BACKWARD_WEIGHT = "backward_weight"
+PHASE_IDLE = "idle"
+PHASE_SEND = "send"
+PHASE_RECV = "recv"
+PHASE_DATA = "data"
+PHASE_OPTIMIZER = "optimizer"
+COMPUTE_PHASES = frozenset({PHASE_FORWARD, PHASE_BACKWARD, PHASE_BACKWARD_INPUT,
+                            PHASE_BACKWARD_WEIGHT})  # fmt: skip
+BUBBLE_PHASES = frozenset({PHASE_IDLE, PHASE_RECV, PHASE_SEND})
+DATA_PHASES = frozenset({PHASE_DATA})
+OPTIMIZER_PHASES = frozenset({PHASE_OPTIMIZER})
+
+# --------------------------------------------------------------------------------------------
+# metrics a rank sends (name, unit)
+# --------------------------------------------------------------------------------------------
+
+METRIC_JOB_TOKENS = "plait.job.tokens"  # counter, {token}
+METRIC_JOB_MODEL_FLOPS = "plait.job.model_flops"  # counter, {flop}
+METRIC_STEP_DURATION = "plait.step.duration"  # histogram, s
+METRIC_DATA_WAIT = "plait.data.wait"  # histogram, s
+METRIC_TRAIN_LOSS = "plait.train.loss"  # gauge, no unit
+METRIC_DEVICE_MEMORY_USED = "plait.device.memory.used"  # gauge, By, 0 <= value < 2**63
+# Comm heartbeat gauges (hang detection, `plait.daemon.hangs`).
+METRIC_COMM_HEARTBEAT = "plait.comm.heartbeat"  # gauge, s: Unix time of the export
+METRIC_COMM_INFLIGHT = "plait.comm.inflight"  # gauge, s: an op in flight's start, Unix time
+METRIC_COMM_ENTERED = "plait.comm.entered"  # gauge, {seq}: last seq issued on a group
+# Attributes of the heartbeat points are the SPAN_COMM_* names: group, group_ranks, op, seq,
+# purpose.
+
+# UCUM units, as OpenTelemetry writes them.
+UNIT_SECONDS = "s"
+UNIT_BYTES = "By"
+UNIT_RATIO = "1"
+UNIT_FLOP = "{flop}"
+UNIT_FLOP_PER_SECOND = "{flop}/s"
+UNIT_TOKEN = "{token}"
+UNIT_TOKEN_PER_SECOND = "{token}/s"
+
+METRIC_UNITS: dict[str, str] = {
+    METRIC_JOB_TOKENS: UNIT_TOKEN,
+    METRIC_JOB_MODEL_FLOPS: UNIT_FLOP,
+    METRIC_STEP_DURATION: UNIT_SECONDS,
+    METRIC_DATA_WAIT: UNIT_SECONDS,
+    METRIC_DEVICE_MEMORY_USED: UNIT_BYTES,
+    METRIC_COMM_HEARTBEAT: UNIT_SECONDS,
+    METRIC_COMM_INFLIGHT: UNIT_SECONDS,
+    METRIC_COMM_ENTERED: "{seq}",
+}
+
+
+def classify_span(name: str, attributes: dict[str, object] | None) -> str:
+    """The span's kind: comm, phase, step or other (the daemon's rule, in this order)."""
+    attributes = attributes or {}
+    if SPAN_COMM_OP in attributes:
+        return SPAN_KIND_COMM
+    if SPAN_PHASE in attributes:
+        return SPAN_KIND_PHASE
+    if name == STEP_SPAN_NAME and SPAN_STEP_MODEL_FLOPS in attributes:
+        return SPAN_KIND_STEP
+    return SPAN_KIND_OTHER

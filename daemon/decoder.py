@@ -1,0 +1,412 @@
+"""The door: every attribute the daemon reads is decoded here, typed and range-checked.
+
+OTLP attributes are untyped on the wire (`AnyValue`), and any producer may send anything. The
+receivers turn each resource and each span into a typed record through this module and nothing
+else; a value of the wrong type or out of range raises `Rejected`, naming the attribute and
+why, and the receiver rejects that item alone (OTLP partial success). Everything downstream
+(store, MFU, bottlenecks, hangs, exporters) reads only typed fields of records that passed, so
+no later computation can divide by zero or fail to convert on received data.
+
+Rules, written once in the `_read_*` helpers:
+
+* integers are `int_value`s (a `double_value` with an integral value is accepted, since some
+  SDKs send every number as a double); booleans are never integers;
+* floats are `int_value`s or `double_value`s, finite unless stated otherwise;
+* strings are `string_value`s; booleans are `bool_value`s;
+* integers that end up in `int32` proto fields (ranks, sizes, mesh coordinates) fit in int32,
+  every other integer in int64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.core import telemetry_schema as schema
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_VALUE_REPR = 40
+
+RankKey = tuple[str, int]  # (job id, rank)
+
+
+class Rejected(ValueError):
+    """An item failed decoding: `attribute` is the name at fault, `reason` a short class."""
+
+    def __init__(self, attribute: str, reason: str, detail: str) -> None:
+        super().__init__(f"{attribute}: {detail}")
+        self.attribute = attribute
+        self.reason = reason
+
+    @property
+    def key(self) -> str:
+        """What the reject counters are keyed by: "plait.world_size: out of range"."""
+        return f"{self.attribute}: {self.reason}"
+
+
+WRONG_TYPE = "wrong type"
+OUT_OF_RANGE = "out of range"
+NOT_FINITE = "not finite"
+MISSING = "missing"
+INCONSISTENT = "inconsistent"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_VALUE_REPR else text[: MAX_VALUE_REPR - 3] + "..."
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise Rejected(name, WRONG_TYPE, f"expected an integer, got {_shown(value)}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise Rejected(name, WRONG_TYPE, f"expected an integer, got {_shown(value)}")
+        value = int(value)
+    return value
+
+
+def read_int(
+    attributes: Mapping[str, Any],
+    name: str,
+    default: int | None = None,
+    *,
+    low: int = 0,
+    high: int = INT64_MAX,
+) -> int:
+    """An integer attribute in [low, high]; `default` when absent (None: required)."""
+    if name not in attributes:
+        if default is None:
+            raise Rejected(name, MISSING, "required attribute is missing")
+        return default
+    value = _as_int(name, attributes[name])
+    if not low <= value <= high:
+        raise Rejected(name, OUT_OF_RANGE, f"{value} is outside [{low}, {high}]")
+    return value
+
+
+def read_float(
+    attributes: Mapping[str, Any],
+    name: str,
+    default: float = 0.0,
+    *,
+    low: float = 0.0,
+    finite: bool = True,
+) -> float:
+    """A float attribute, finite (unless `finite=False`) and >= low; `default` when absent."""
+    if name not in attributes:
+        return default
+    value = attributes[name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise Rejected(name, WRONG_TYPE, f"expected a number, got {_shown(value)}")
+    value = float(value)
+    if not finite:
+        return value
+    if not math.isfinite(value):
+        raise Rejected(name, NOT_FINITE, f"expected a finite number, got {value}")
+    if value < low:
+        raise Rejected(name, OUT_OF_RANGE, f"{value} is below {low}")
+    return value
+
+
+def read_str(
+    attributes: Mapping[str, Any], name: str, default: str = "", *, required: bool = False
+) -> str:
+    if name not in attributes:
+        if required:
+            raise Rejected(name, MISSING, "required attribute is missing")
+        return default
+    value = attributes[name]
+    if not isinstance(value, str):
+        raise Rejected(name, WRONG_TYPE, f"expected a string, got {_shown(value)}")
+    if required and not value:
+        raise Rejected(name, OUT_OF_RANGE, "must not be empty")
+    return value
+
+
+def read_bool(attributes: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    if name not in attributes:
+        return default
+    value = attributes[name]
+    if not isinstance(value, bool):
+        raise Rejected(name, WRONG_TYPE, f"expected a boolean, got {_shown(value)}")
+    return value
+
+
+def read_int_list(
+    attributes: Mapping[str, Any], name: str, *, high: int = INT32_MAX
+) -> tuple[int, ...]:
+    if name not in attributes:
+        return ()
+    value = attributes[name]
+    if not isinstance(value, list | tuple):
+        raise Rejected(name, WRONG_TYPE, f"expected a list of integers, got {_shown(value)}")
+    out = []
+    for item in value:
+        number = _as_int(name, item)
+        if not 0 <= number <= high:
+            raise Rejected(name, OUT_OF_RANGE, f"{number} is outside [0, {high}]")
+        out.append(number)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# resources
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankIdentity:
+    """Who a rank is, from its resource attributes (decoded by `decode_resource`)."""
+
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    pid: int
+    device: str
+    device_name: str
+    compute_dtype: str
+    peak_flops: float
+    peak_flops_source: str
+    model_name: str
+    num_params: int
+    coordinates: dict[str, int]
+    degrees: dict[str, int]
+
+    @property
+    def key(self) -> RankKey:
+        return (self.job_id, self.rank)
+
+    @classmethod
+    def from_resource(cls, attributes: Mapping[str, Any]) -> RankIdentity | None:
+        """`None` for a resource that is not a plait rank; raises `Rejected` for a bad one."""
+        return decode_resource(attributes)
+
+
+def is_rank_resource(attributes: Mapping[str, Any]) -> bool:
+    """A resource claims to be a plait rank when it names a job or a rank."""
+    return schema.RESOURCE_JOB_ID in attributes or schema.RESOURCE_RANK in attributes
+
+
+def _mesh(attributes: Mapping[str, Any], prefix: str, low: int) -> dict[str, int]:
+    return {
+        key[len(prefix) :]: read_int(attributes, key, low=low, high=INT32_MAX)
+        for key in attributes
+        if key.startswith(prefix)
+    }
+
+
+def decode_resource(attributes: Mapping[str, Any]) -> RankIdentity | None:
+    """A rank's identity; None when the resource is not a rank; `Rejected` when it is bad."""
+    if not is_rank_resource(attributes):
+        return None
+    job_id = read_str(attributes, schema.RESOURCE_JOB_ID, required=True)
+    world_size = read_int(attributes, schema.RESOURCE_WORLD_SIZE, 1, low=1, high=INT32_MAX)
+    # A rank or local rank at or past the world size would make every per-rank share wrong.
+    rank = read_int(attributes, schema.RESOURCE_RANK, high=world_size - 1)
+    local_rank = read_int(attributes, schema.RESOURCE_LOCAL_RANK, 0, high=world_size - 1)
+    degrees = _mesh(attributes, schema.RESOURCE_MESH_DEGREE_PREFIX, low=1)
+    coordinates = _mesh(attributes, schema.RESOURCE_MESH_COORD_PREFIX, low=0)
+    for axis, coordinate in coordinates.items():
+        degree = degrees.get(axis)
+        if degree is not None and coordinate >= degree:
+            raise Rejected(
+                schema.RESOURCE_MESH_COORD_PREFIX + axis,
+                OUT_OF_RANGE,
+                f"{coordinate} is not below the axis degree {degree}",
+            )
+    # Read for validation only: producers that send them must send them well-formed.
+    read_float(attributes, schema.RESOURCE_FLOPS_PER_TOKEN)
+    read_int(attributes, schema.RESOURCE_TOKENS_PER_STEP, 0)
+    return RankIdentity(
+        job_id=job_id,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        host=read_str(attributes, schema.RESOURCE_HOST_NAME),
+        pid=read_int(attributes, schema.RESOURCE_PROCESS_PID, 0),
+        device=read_str(attributes, schema.RESOURCE_DEVICE),
+        device_name=read_str(attributes, schema.RESOURCE_DEVICE_NAME),
+        compute_dtype=read_str(attributes, schema.RESOURCE_COMPUTE_DTYPE),
+        peak_flops=read_float(attributes, schema.RESOURCE_PEAK_FLOPS),
+        peak_flops_source=read_str(attributes, schema.RESOURCE_PEAK_FLOPS_SOURCE),
+        model_name=read_str(attributes, schema.RESOURCE_MODEL_NAME),
+        num_params=read_int(attributes, schema.RESOURCE_NUM_PARAMS, 0),
+        coordinates=coordinates,
+        degrees=degrees,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# spans
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepFigures:
+    """What a step span reports (job-wide figures for this step)."""
+
+    tokens: int
+    model_flops: float
+    data_wait_seconds: float
+    loss: float
+
+
+@dataclass(frozen=True, slots=True)
+class CommFigures:
+    """What a comm span reports."""
+
+    op: str
+    purpose: str
+    blocking: bool
+    nbytes: int
+    group: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRecord:
+    """One received span. `kind` is "step", "phase", "comm" or "other"."""
+
+    name: str
+    kind: str
+    start_ns: int
+    end_ns: int
+    step: int | None
+    attributes: dict[str, Any]
+    error: bool = False
+    step_figures: StepFigures | None = None
+    comm: CommFigures | None = None
+    phase: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+    @classmethod
+    def classify(
+        cls, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any], error: bool
+    ) -> SpanRecord:
+        """The decoded span; raises `Rejected` for a bad one."""
+        return decode_span(name, start_ns, end_ns, attributes, error)
+
+
+SPAN_TIME = "span.end_time_unix_nano"
+
+
+def decode_span(
+    name: str, start_ns: int, end_ns: int, attributes: dict[str, Any], error: bool = False
+) -> SpanRecord:
+    """A span of a rank, classified (`telemetry_schema.classify_span`) and decoded."""
+    if end_ns < start_ns:
+        raise Rejected(SPAN_TIME, OUT_OF_RANGE, f"ends before it starts ({end_ns} < {start_ns})")
+    kind = schema.classify_span(name, attributes)
+    step = read_int(attributes, schema.SPAN_STEP, -1)
+    figures = comm = None
+    phase = ""
+    if kind == schema.SPAN_KIND_STEP:
+        figures = StepFigures(
+            tokens=read_int(attributes, schema.SPAN_STEP_TOKENS, 0),
+            model_flops=read_float(attributes, schema.SPAN_STEP_MODEL_FLOPS),
+            data_wait_seconds=read_float(attributes, schema.SPAN_STEP_DATA_WAIT),
+            # NOTE: a diverging run reports NaN or inf losses; keep its step (and its MFU).
+            loss=read_float(attributes, schema.SPAN_STEP_LOSS, finite=False),
+        )
+    elif kind == schema.SPAN_KIND_COMM:
+        comm = CommFigures(
+            op=read_str(attributes, schema.SPAN_COMM_OP, required=True),
+            purpose=read_str(attributes, schema.SPAN_COMM_PURPOSE),
+            blocking=not read_bool(attributes, schema.SPAN_COMM_ASYNC),
+            nbytes=read_int(attributes, schema.SPAN_COMM_BYTES, 0),
+            group=read_str(attributes, schema.SPAN_COMM_GROUP),
+        )
+        read_int(attributes, schema.SPAN_COMM_SEQ, 0)
+        read_int(attributes, schema.SPAN_COMM_PEER, 0, high=INT32_MAX)
+        read_int_list(attributes, schema.SPAN_COMM_GROUP_RANKS)
+    elif kind == schema.SPAN_KIND_PHASE:
+        phase = read_str(attributes, schema.SPAN_PHASE)
+    return SpanRecord(
+        name=name,
+        kind=kind,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        step=step if step >= 0 else None,
+        attributes=attributes,
+        error=error,
+        step_figures=figures,
+        comm=comm,
+        phase=phase,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# metric points
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GaugePoint:
+    """A decoded heartbeat gauge point."""
+
+    name: str
+    value: float
+    group: str = ""
+    group_ranks: tuple[int, ...] = ()
+    op: str = ""
+    seq: int = -1
+    purpose: str = ""
+
+
+# Heartbeat values become nanosecond times and sequence numbers: keep them where int64 can hold
+# them after scaling (Unix seconds well past year 2200).
+MAX_HEARTBEAT_VALUE = 9.0e9
+
+
+def decode_heartbeat_point(name: str, attributes: Mapping[str, Any], value: float) -> GaugePoint:
+    if not math.isfinite(value) or not 0 <= value <= MAX_HEARTBEAT_VALUE:
+        raise Rejected(name, OUT_OF_RANGE, f"value {value} is not a time or sequence number")
+    if name == schema.METRIC_COMM_HEARTBEAT:
+        return GaugePoint(name, value)
+    return GaugePoint(
+        name,
+        value,
+        group=read_str(attributes, schema.SPAN_COMM_GROUP),
+        group_ranks=read_int_list(attributes, schema.SPAN_COMM_GROUP_RANKS),
+        op=read_str(attributes, schema.SPAN_COMM_OP),
+        seq=read_int(attributes, schema.SPAN_COMM_SEQ, -1, low=-1),
+        purpose=read_str(attributes, schema.SPAN_COMM_PURPOSE),
+    )
+
+
+# Metrics whose latest value the daemon converts or reports as a typed field, and their range.
+BOUNDED_METRICS: dict[str, tuple[float, float]] = {
+    schema.METRIC_DEVICE_MEMORY_USED: (0.0, float(INT64_MAX // 2)),
+}
+
+
+def check_metric_value(name: str, value: float) -> None:
+    """Values of metrics in `BOUNDED_METRICS` must be finite and in range; others are kept as
+    they are (NaN and inf are valid doubles in `otel_metrics` and Prometheus)."""
+    bounds = BOUNDED_METRICS.get(name)
+    if bounds is None:
+        return
+    if not (math.isfinite(value) and bounds[0] <= value <= bounds[1]):
+        raise Rejected(name, OUT_OF_RANGE, f"value {value} is outside [{bounds[0]}, {bounds[1]}]")
+
+
+@dataclass
+class RejectCounts:
+    """Rejected spans and data points, by reason ("plait.rank: out of range")."""
+
+    spans: int = 0
+    metric_points: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+    def add(self, rejected: Rejected, *, spans: int = 0, metric_points: int = 0) -> None:
+        self.spans += spans
+        self.metric_points += metric_points
+        self.by_reason[rejected.key] = self.by_reason.get(rejected.key, 0) + spans + metric_points
