@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from plait.core.plugins import Plugins
     from plait.core.records import ModelRecord
     from plait.core.schedule import MicrobatchPosition
+    from plait.core.state_layout import StateLayout
     from plait.core.step import PhaseSpan
     from plait.core.transforms import (
         ActivationCheckpointing,
@@ -115,6 +116,19 @@ class ParallelRuntime:
     def memory_report(self) -> dict[str, int] | None:
         """Bytes held in parameters / gradients / optimizer state on this rank, if known."""
         return None
+
+    def state_layout(self, previous: StateLayout) -> StateLayout:
+        """Declare how this runtime holds parameters and optimizer state (`core.state_layout`).
+
+        `previous` is what the transforms applied before this one declared (the first runtime
+        gets the module as it stands: every parameter whole under its original name, replicated
+        over every mesh axis, optimizer state from `optimizer.state[param]`). Return it refined:
+        rename to original names, place a slice in its global tensor, replace whole tensors by
+        the shards this rank keeps, add what must run after a load. Checkpoints, resharding and
+        weight export read only this description. The default changes nothing: right for a
+        runtime that keeps the module's parameters, replicated, and the optimizer's state as is.
+        """
+        return previous
 
     def state_dict(self) -> dict[str, Any]:
         return {}

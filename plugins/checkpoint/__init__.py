@@ -5,10 +5,9 @@
     start = checkpointer.maybe_resume()
     ...  checkpointer.maybe_save(step + 1)  ...
 
-- `layout`: the canonical layout (original FQN, global shape, rectangular chunks), the
-  `StateLayout` protocol a runtime returns from `checkpoint_layout()`, and `layout_for(engine)`;
-  `placements` (tensor-parallel slices, pipeline chunk names) and `layouts_zero` (flat ZeRO
-  shards) describe the built-in runtimes' state, so any layout loads any other.
+- `layout`: the canonical layout (original name, global shape, rectangular chunks), read from
+  the `plait.core.state_layout.StateLayout` the engine's runtimes declare (`state_layout()`),
+  so any layout — a third-party strategy's included — loads any other.
 - `planner`: DCP planners for chunked values; `state`: what a checkpoint holds;
   `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
 - `checkpointer`: the training-loop policy and the `[checkpoint_io]` section.
@@ -30,14 +29,7 @@ if TYPE_CHECKING:
         CheckpointIOConfig,
         checkpoint_io_config,
     )
-    from plait.plugins.checkpoint.layout import (
-        Placement,
-        ReplicatedLayout,
-        StateLayout,
-        TensorChunk,
-        TensorPieces,
-        flat_range_chunks,
-    )
+    from plait.plugins.checkpoint.layout import TensorChunk, TensorPieces, flat_range_chunks
     from plait.plugins.checkpoint.storage import CheckpointError
 
 # Resolved on first use: importing the package (e.g. for the timeouts plugin) stays cheap.
@@ -46,9 +38,6 @@ _EXPORTS = {
     "CheckpointIOConfig": "checkpointer",
     "checkpoint_io_config": "checkpointer",
     "CheckpointError": "storage",
-    "Placement": "layout",
-    "ReplicatedLayout": "layout",
-    "StateLayout": "layout",
     "TensorChunk": "layout",
     "TensorPieces": "layout",
     "flat_range_chunks": "layout",
@@ -57,9 +46,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointIOConfig",
     "Checkpointer",
-    "Placement",
-    "ReplicatedLayout",
-    "StateLayout",
     "TensorChunk",
     "TensorPieces",
     "checkpoint_io_config",

@@ -29,7 +29,15 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
-from plait.plugins.checkpoint.layout import StateLayout, TensorPieces, layout_for
+from plait.core.state_layout import StateLayout
+from plait.plugins.checkpoint.layout import (
+    Staging,
+    TensorPieces,
+    ensure_optimizer_state,
+    first_replica,
+    layout_for,
+    tensor_pieces,
+)
 from plait.plugins.checkpoint.planner import ChunkedValue, ChunkLoadPlanner, ChunkSavePlanner
 from plait.plugins.checkpoint.storage import CheckpointError
 
@@ -80,16 +88,18 @@ def engine_state_dict(
     """The flat state dict of an engine (and its data sampler) for `dcp.save`."""
     layout = layout_for(engine)
     rank = engine.mesh.rank
+    is_writer = first_replica(engine)
     state: dict[str, Any] = {}
-    for fqn, pieces in layout.model_pieces().items():
+    for fqn, entry in layout.by_name().items():
+        pieces = tensor_pieces(entry.value, is_writer=is_writer)
         pieces.check(fqn)
         state[model_key(fqn)] = ChunkedValue(_staged(pieces, stage_to_cpu))
-    for fqn, entries in layout.optimizer_pieces().items():
-        for entry, value in entries.items():
-            if isinstance(value, TensorPieces):
-                state[optim_key(fqn, entry)] = ChunkedValue(_staged(value, stage_to_cpu))
-            else:
-                state[optim_key(fqn, entry)] = _plain_step(value)
+        for key, tensor in entry.optimizer_state.items():
+            pieces = tensor_pieces(tensor, is_writer=is_writer)
+            pieces.check(optim_key(fqn, key))
+            state[optim_key(fqn, key)] = ChunkedValue(_staged(pieces, stage_to_cpu))
+        if entry.step is not None:
+            state[optim_key(fqn, "step")] = _plain_step(entry.step.get())
     state["optim.param_groups"] = [
         {k: v for k, v in group.items() if k in _GROUP_HYPERPARAMETERS}
         for group in engine.optimizer.param_groups
@@ -152,30 +162,32 @@ def load_engine_state(
     """
     reader = dcp.FileSystemReader(directory)
     saved = reader.read_metadata().state_dict_metadata
+    model_only = model_only or "train.step" not in saved
+    if not model_only:
+        # A job that has not stepped yet holds no optimizer state: make some to load into.
+        ensure_optimizer_state(engine.optimizer)
     layout = layout_for(engine)
     rank = engine.mesh.rank
     state: dict[str, Any] = {}
-    model = layout.model_pieces()
-    missing = [fqn for fqn in model if model_key(fqn) not in saved]
+    entries = layout.by_name()
+    missing = [fqn for fqn in entries if model_key(fqn) not in saved]
     if missing:
         raise CheckpointError(
             f"{directory} has no weights for {len(missing)} parameter(s) of this model, e.g. "
             f"{missing[:3]}; it holds {sum(k.startswith('model.') for k in saved)} parameters"
         )
-    for fqn, pieces in model.items():
-        state[model_key(fqn)] = ChunkedValue(pieces)
-    model_only = model_only or "train.step" not in saved
+    staging = Staging()
+    for fqn, entry in entries.items():
+        state[model_key(fqn)] = ChunkedValue(tensor_pieces(entry.value, staging=staging))
     steps: dict[str, Any] = {}
     if not model_only:
-        for fqn, entries in layout.optimizer_pieces(create=True).items():
-            for entry, value in entries.items():
-                key = optim_key(fqn, entry)
-                if key not in saved:
-                    continue
-                if isinstance(value, TensorPieces):
-                    state[key] = ChunkedValue(value)
-                else:
-                    steps[fqn] = state[key] = None
+        for fqn, entry in entries.items():
+            for entry_key, tensor in entry.optimizer_state.items():
+                key = optim_key(fqn, entry_key)
+                if key in saved:
+                    state[key] = ChunkedValue(tensor_pieces(tensor, staging=staging))
+            if entry.step is not None and optim_key(fqn, "step") in saved:
+                steps[fqn] = state[optim_key(fqn, "step")] = None
         for key in ("optim.param_groups", "lr_scheduler", "sampler", "train.step", "meta"):
             if key in saved:
                 state[key] = None
@@ -186,22 +198,23 @@ def load_engine_state(
             elif f"{prefix}.rank0" in saved:
                 state[f"{prefix}.rank0"] = None
     dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=process_group)
+    staging.write_back()
     notes: list[str] = []
     if model_only:
-        layout.after_load()
+        layout.finish_load()
         return LoadReport(directory, int(engine.step), True)
     _set_optimizer_steps(layout, {fqn: state[optim_key(fqn, "step")] for fqn in steps})
-    layout.after_load()
+    layout.finish_load()
     _apply_training_state(engine, state, batches=batches, rank=rank, notes=notes)
     return LoadReport(directory, int(engine.step), False, tuple(notes))
 
 
 def _set_optimizer_steps(layout: StateLayout, steps: dict[str, Any]) -> None:
-    setter = getattr(layout, "set_step", None)
-    if setter is None:
-        return
+    entries = layout.by_name()
     for fqn, step in steps.items():
-        setter(fqn, step)
+        counter = entries[fqn].step
+        if counter is not None:
+            counter.set(step)
 
 
 # LR scheduler state entries with one value per optimizer parameter group.

@@ -15,14 +15,8 @@ from typing import Literal
 
 import torch
 
-# Wrappers that insert a name component (activation checkpointing, torch.compile, FSDP1). They
-# are stripped so wrapping a block does not change how it is initialised.
-_WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
-
-
-def normalised_name(name: str) -> str:
-    """`name` without the components wrapper modules add (e.g. `_checkpoint_wrapped_module`)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
+# Re-exported: the name rule lives in the core, where checkpoints and exports use it too.
+from plait.core.names import normalised_name as normalised_name
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -44,7 +44,9 @@ from plait.core.schedule import (
     SendGrad,
 )
 from plait.core.sharding import ParallelRuntime, ShardContext, StepState
+from plait.core.state_layout import StateLayout
 from plait.core.step import PhaseSpan
+from plait.plugins.pipeline.layout import pipeline_layout
 from plait.plugins.pipeline.split import StagePlan
 from plait.plugins.pipeline.topology import Layout
 
@@ -171,6 +173,9 @@ class PipelineRuntime(ParallelRuntime):
             for span in run.idle_spans:
                 span.attributes["bubble_fraction"] = self.last_bubble_fraction
         run.state.extra_spans.extend(run.idle_spans)
+
+    def state_layout(self, previous: StateLayout) -> StateLayout:
+        return pipeline_layout(previous, self.chunks)
 
     def _pipeline_bubble(self, times: StageTimes) -> float:
         """`1 - Σ busy / (P · makespan)` over the pipeline ranks of this rank's replica."""

@@ -34,6 +34,7 @@ from plait.core.config import Section
 from plait.core.errors import ConfigError
 from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
+from plait.core.state_layout import StateLayout
 from plait.core.strategy import Strategies
 from plait.core.transforms import TensorParallelism
 from plait.plugins.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -42,6 +43,7 @@ from plait.plugins.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from plait.plugins.tensor_parallel.layout import tensor_parallel_layout
 from plait.plugins.tensor_parallel.plan import TensorParallelLayout, apply_plan, resolve_plan
 from plait.plugins.tensor_parallel.tp_communications import TensorParallelGroup
 
@@ -120,6 +122,9 @@ class TensorParallelRuntime(ParallelRuntime):
 
     def sync_gradients(self) -> None:
         self._final_backward = True
+
+    def state_layout(self, previous: StateLayout) -> StateLayout:
+        return tensor_parallel_layout(previous, size=self.tp.size, rank=self.tp.rank)
 
     def state_dict(self) -> dict[str, Any]:
         return {"tp": self.tp.size, "styles": dict(self.layout.styles)}

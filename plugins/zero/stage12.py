@@ -32,8 +32,10 @@ from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
 from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
+from plait.core.state_layout import StateLayout
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
+from plait.plugins.zero.layout import sharded_master_layout
 from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
 from plait.plugins.zero.reduction import PendingReduction, ensure_allocated, launch_reduction
 
@@ -316,6 +318,10 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         if self.master.files is not None:
             report["offloaded_optimizer_state"] = self.master.files.offloaded_bytes
         return report
+
+    def state_layout(self, previous: StateLayout) -> StateLayout:
+        # After a load, every rank's flat buffers get every rank's loaded chunk.
+        return sharded_master_layout(previous, self.master, publish=self.after_optimizer_step)
 
     def state_dict(self) -> dict[str, Any]:
         return self.master.state_dict()

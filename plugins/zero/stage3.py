@@ -37,8 +37,10 @@ from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
 from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
+from plait.core.state_layout import StateLayout
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
+from plait.plugins.zero.layout import regather_units, sharded_master_layout
 from plait.plugins.zero.offload import master_device
 from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
 from plait.plugins.zero.reduction import PendingReduction, ensure_allocated, launch_reduction
@@ -434,6 +436,10 @@ class FullyShardedRuntime(ParallelRuntime):
             for unit, keep in zip(self.units, was_gathered, strict=True):
                 if not keep:
                     self._reshard(unit)
+
+    def state_layout(self, previous: StateLayout) -> StateLayout:
+        publish = partial(regather_units, self.units, self.comm, self.group)
+        return sharded_master_layout(previous, self.master, publish=publish)
 
     def state_dict(self) -> dict[str, Any]:
         return self.master.state_dict()

@@ -1,12 +1,13 @@
-"""Placement of flat shards of tensor-parallel slices in the global tensor, and scheduler state
-fitted to another optimizer group count (single process)."""
+"""Regions of the declared state layout: flat shards of tensor-parallel slices land at their
+place in the global tensor; scheduler state fitted to another optimizer group count."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from plait.plugins.checkpoint.layout import Placement
+from plait.core.state_layout import Region, TensorLayout
+from plait.plugins.checkpoint.layout import region_chunks, tensor_pieces
 from plait.plugins.checkpoint.state import fit_scheduler_state
 from plait.plugins.checkpoint.storage import CheckpointError
 
@@ -22,13 +23,13 @@ def test_flat_range_of_a_slice_lands_at_its_global_position(
 ) -> None:
     full = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
     local = full.narrow(dim, start, stop - start).contiguous()
-    param = torch.nn.Parameter(local.clone())
     offsets = [0, 0]
     offsets[dim] = start
-    placement = Placement(blocks={id(param): (full.shape, tuple(offsets))})
+    block = Region.whole(full.shape).narrow(dim, start, stop - start)
+    assert block == Region.whole(local.shape).shifted(offsets)
 
     flat = local.reshape(-1)[flat_start:flat_end].clone()
-    chunks = placement.flat_range(param, flat, flat_start, local.shape)
+    chunks = region_chunks(block.flat_range(flat_start, flat_end), flat)
 
     rebuilt = torch.full_like(full, -1.0)
     for chunk in chunks:
@@ -49,11 +50,21 @@ def test_flat_range_of_a_slice_lands_at_its_global_position(
     assert torch.equal(flat, torch.zeros_like(flat))
 
 
-def test_unplaced_parameter_is_whole() -> None:
-    param = torch.nn.Parameter(torch.ones(3, 2))
-    pieces = Placement().whole(param, param.detach())
+def test_whole_tensor_is_one_chunk_and_replicas_are_written_once() -> None:
+    tensor = TensorLayout.whole(torch.ones(3, 2), replicated_over=("dp",))
+    pieces = tensor_pieces(tensor)
     assert pieces.global_shape == torch.Size([3, 2])
     assert [c.offsets for c in pieces.chunks] == [(0, 0)]
+
+    # Only the first rank along the replication axes writes a replicated tensor; a shard is
+    # written by every rank that holds one.
+    def second_dp_rank(axes: tuple[str, ...]) -> bool:
+        return "dp" not in axes
+
+    assert tensor_pieces(tensor, is_writer=second_dp_rank).chunks == []
+    sliced = tensor.sharded_along("dp", global_shape=(6, 2), offsets=(3, 0))
+    assert sliced.replicated_over == () and sliced.sharded_over == ("dp",)
+    assert [c.offsets for c in tensor_pieces(sliced, is_writer=second_dp_rank).chunks] == [(3, 0)]
 
 
 def test_scheduler_state_fits_another_group_count() -> None:
