@@ -51,8 +51,27 @@ class OptimizerSection(Section):
 class TrainSection(Section):
     steps: int = Field(50, gt=0)
     global_batch_size: int = Field(8, gt=0, description="sequences per optimizer step, all ranks")
-    micro_batch_size: int = Field(2, gt=0, description="sequences per forward pass on one rank")
-    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    micro_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="sequences per forward pass on one rank; unset = the whole batch a rank is "
+        "given is one micro-batch",
+    )
+    gradient_accumulation_steps: int = Field(
+        1,
+        gt=0,
+        description="micro-batches per optimizer step when the loop calls engine(batch), "
+        "engine.backward(loss), engine.step() itself",
+    )
+    max_grad_norm: float = Field(
+        0.0, ge=0, description="clip the global gradient norm to this; 0 = no clipping"
+    )
+    flops_per_token: float = Field(
+        0.0,
+        ge=0,
+        description="training FLOPs per token for MFU; 0 = the model family's formula, or "
+        "counted with torch's FlopCounterMode on the first step for any other model",
+    )
     seed: int = 1234
     log_every: int = Field(1, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"

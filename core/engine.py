@@ -6,22 +6,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
+from plait.core.batches import call_model, default_loss, input_tokens, split_batch
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
 from plait.core.errors import ConfigError, PlaitError, PluginError
 from plait.core.executor import Executor
+from plait.core.flops import register_cpu_attention_flops
 from plait.core.grad_norm import clip_grads_, global_grad_norm
 from plait.core.kernels import Kernels
+from plait.core.manual_loop import ManualLoop
 from plait.core.memory import memory_report
 from plait.core.mesh import Mesh
 from plait.core.microbatch import MicrobatchRunner
@@ -125,12 +131,18 @@ class Engine:
         )
         # Groups used every step are created now: creating a group is collective.
         self._loss_group = self.mesh.group("pp", "dp")
+        if cfg.train.flops_per_token > 0:
+            self.flops_per_token = cfg.train.flops_per_token
+        # A model without a FLOPs formula is counted on the first step, summed over the ranks
+        # that split one replica's work.
+        self._flops_group = self.mesh.group("pp", "tp") if self.flops_per_token == 0 else None
         self._actions: dict[int, list[Action]] = {}
         self._positions: dict[int, dict[Action, MicrobatchPosition]] = {}
         self.step = 0
         self.last_report: StepReport | None = None
         self._last_grad_norm = torch.tensor(float("nan"))
         self._skipped = False
+        self._manual: ManualLoop | None = None
         self.plugins.job_start(self._job_info())
 
     # -- construction ---------------------------------------------------------------------------
@@ -207,7 +219,7 @@ class Engine:
             ce = self.kernels.get("softmax_cross_entropy", logits.device, logits.dtype)
             return ce(logits.flatten(0, -2), targets.flatten())
 
-        return token_cross_entropy
+        return default_loss(token_cross_entropy)
 
     def _build_optimizer(self, optimizer: OptimizerArg | None) -> torch.optim.Optimizer:
         factory = optimizer or default_optimizer_factory(self.config.optimizer, self.kernels)
@@ -274,28 +286,13 @@ class Engine:
             )
         return self._positions[num_microbatches]
 
-    def _split(self, batch: Any) -> tuple[list[Any], list[Any]]:
-        inputs, targets = batch
-        micro = self.config.train.micro_batch_size
-        local = inputs.shape[0]
-        if local % micro and local > micro:
-            raise PlaitError(
-                f"the batch on this rank has {local} samples, not a multiple of "
-                f"train.micro_batch_size = {micro}"
-            )
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
-        if local <= micro:
-            return [inputs], [targets]
-        return list(inputs.split(micro)), list(targets.split(micro))
-
     def _handlers(self, state: StepState) -> dict[type, Callable[[Any], None]]:
         runtimes, runner = self.runtimes, state.runner
         awaiting_backward: dict[int, torch.Tensor] = {}  # micro-batch -> scaled loss
 
         def forward(action: Forward) -> None:
             runner.before_forward(action)
-            output = self.module(state.inputs[action.microbatch])
+            output = call_model(self.module, state.inputs[action.microbatch])
             awaiting_backward[action.microbatch] = runner.loss(state, action.microbatch, output)
 
         def backward(action: Backward) -> None:
@@ -305,11 +302,10 @@ class Engine:
             scaled.backward()
 
         def sync(_: SyncGradients) -> None:
-            for rt in runtimes:
-                rt.sync_gradients()
+            self.sync_gradients()
 
         def optimizer_step(_: OptimizerStep) -> None:
-            self._optimizer_step()
+            self.optimizer_step()
 
         handlers: dict[type, Callable[[Any], None]] = {
             Forward: forward,
@@ -321,7 +317,13 @@ class Engine:
             handlers.update(rt.action_handlers(state))
         return handlers
 
-    def _optimizer_step(self) -> None:
+    def sync_gradients(self) -> None:
+        """Make gradients final on every runtime (wait for or start the reductions)."""
+        for rt in self.runtimes:
+            rt.sync_gradients()
+
+    def optimizer_step(self) -> None:
+        """Clip, step the optimizer and the LR schedule, zero gradients (or skip on overflow)."""
         if any(rt.skip_step() for rt in self.runtimes):
             self._last_grad_norm = torch.tensor(float("nan"))
             self._skipped = True
@@ -347,17 +349,20 @@ class Engine:
         return norm
 
     def train_step(self, batch: Any, *, data_start_ns: int | None = None) -> float:
-        """Forward, backward, gradient sync and optimizer step over `batch` = (inputs, targets).
+        """Forward, backward, gradient sync and optimizer step over `batch`.
 
-        `batch` is this rank's share (dim 0 is split into micro-batches of
-        `train.micro_batch_size`). Returns the mean loss across micro-batches and data-parallel
-        ranks, identical on every rank.
+        `batch` is this rank's share: `(inputs, targets)`, a dict such as a Hugging Face batch
+        (`input_ids`, `labels`, …), or a tensor for a model that computes its own loss (see
+        `plait.core.batches`). Every tensor's dim 0 is split into micro-batches of
+        `train.micro_batch_size` (unset: one micro-batch). Returns the mean loss across
+        micro-batches and data-parallel ranks, identical on every rank.
         """
         start_ns = time.time_ns()
-        self._skipped = False
-        self.plugins.step_start(self.step)
-        inputs, targets = self._split(batch)
-        n = len(inputs)
+        self.begin_step()
+        microbatches = split_batch(
+            batch, micro_batch_size=self.config.train.micro_batch_size, device=self.device
+        )
+        inputs, targets, n = microbatches.inputs, microbatches.targets, len(microbatches)
         runner = MicrobatchRunner(
             runtimes=self.runtimes,
             loss_fn=self.loss_fn,
@@ -368,14 +373,61 @@ class Engine:
             inputs=inputs, targets=targets, losses=[None] * n, num_microbatches=n, runner=runner
         )
         lr = self.optimizer.param_groups[0]["lr"]
-        spans = Executor(self._handlers(state)).run(self.actions(n))
+        with self._flop_counter(sum(input_tokens(x).numel() for x in inputs)):
+            spans = Executor(self._handlers(state)).run(self.actions(n))
         # Spans a runtime timed inside its actions (a pipeline stage's waits for a peer: "idle").
         spans = sorted([*spans, *state.extra_spans], key=lambda s: s.start_ns)
-        loss = self._mean_loss(state)
+        return self.end_step(
+            losses=state.losses,
+            tokens=sum(input_tokens(x).numel() for x in inputs),
+            lr=lr,
+            spans=spans,
+            start_ns=start_ns,
+            data_start_ns=data_start_ns,
+        )
+
+    @contextlib.contextmanager
+    def _flop_counter(self, tokens: int) -> Iterator[None]:
+        """Count the step's FLOPs once, when the model has no formula: matmul and attention
+        FLOPs of forward and backward per token, summed over the pipeline stages and
+        tensor-parallel ranks of one replica. Activation recomputation is counted too, so
+        `train.flops_per_token` gives the exact figure for a checkpointed model."""
+        if self._flops_group is None:
+            yield
+            return
+        register_cpu_attention_flops()
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        per_token = torch.tensor(
+            [counter.get_total_flops() / max(tokens, 1)], dtype=torch.float64, device=self.device
+        )
+        if self._flops_group.size > 1:
+            self.comm.all_reduce(per_token, group=self._flops_group, op="sum", purpose="metrics")
+        self.flops_per_token = float(per_token)
+        self._flops_group = None
+
+    def begin_step(self) -> None:
+        """Start an optimizer step: tell the plugins (profilers, telemetry)."""
+        self._skipped = False
+        self.plugins.step_start(self.step)
+
+    def end_step(
+        self,
+        *,
+        losses: Sequence[torch.Tensor | None],
+        tokens: int,
+        lr: float,
+        spans: list[PhaseSpan],
+        start_ns: int,
+        data_start_ns: int | None = None,
+    ) -> float:
+        """Reduce the step's loss, report the step to the plugins and advance the step count."""
+        loss = self._mean_loss(losses)
         end_ns = time.time_ns()
         if data_start_ns is not None:
             spans.insert(0, PhaseSpan(name="data", start_ns=data_start_ns, end_ns=start_ns))
-        tokens = batch[0].numel() * self.mesh.size("dp")
+        tokens *= self.mesh.size("dp")
         report = StepReport(
             step=self.step,
             loss=loss,
@@ -396,16 +448,45 @@ class Engine:
         self.step += 1
         return loss
 
-    def _mean_loss(self, state: StepState) -> float:
+    def _mean_loss(self, losses: Sequence[torch.Tensor | None]) -> float:
         """Mean over micro-batches and over the ranks that hold losses (last pipeline stage)."""
         # One tensor on the compute device (NCCL reduces device tensors) and one host sync.
-        held = [loss.detach().float().reshape(()) for loss in state.losses if loss is not None]
+        held = [loss.detach().float().reshape(()) for loss in losses if loss is not None]
         loss_sum = torch.stack(held).sum() if held else torch.zeros((), device=self.device)
         count = torch.tensor(float(len(held)), device=loss_sum.device)
         totals = torch.stack([loss_sum, count])
         if self._loss_group.size > 1:
             self.comm.all_reduce(totals, group=self._loss_group, op="sum", purpose="metrics")
         return (totals[0] / totals[1]).item()
+
+    # -- a loop that calls forward, backward and step itself (DeepSpeed's engine API) ----------
+
+    def _manual_loop(self) -> ManualLoop:
+        if self._manual is None:
+            self._manual = ManualLoop(self)
+        return self._manual
+
+    def to_device(self, data: Any) -> Any:
+        """`data` with every tensor moved to this rank's device."""
+        return tree_map(
+            lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+            data,
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward one micro-batch, for loops that do more than `train_step` allows: returns the
+        model's output. Pair with `engine.backward(loss)` and `engine.step()`."""
+        return self._manual_loop().forward(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the micro-batch the last `engine(...)` call computed: the loss is divided
+        by `train.gradient_accumulation_steps` and scaled as the runtimes need (fp16)."""
+        self._manual_loop().backward(loss)
+
+    def optimizer_boundary_step(self) -> bool:
+        """Sync gradients and step the optimizer once every `gradient_accumulation_steps`
+        backwards; between boundaries it does nothing. True when the optimizer stepped."""
+        return self._manual_loop().step()
 
     # -- reporting and shutdown ----------------------------------------------------------------
 

@@ -77,3 +77,34 @@ def mfu(model_flops_per_second: float, peak_flops_per_second: float) -> float:
     if model_flops_per_second < 0:
         raise ValueError(f"model_flops_per_second must be >= 0, got {model_flops_per_second}")
     return model_flops_per_second / peak_flops_per_second
+
+
+_CPU_ATTENTION_REGISTERED = False
+
+
+def register_cpu_attention_flops() -> None:
+    """Teach torch's `FlopCounterMode` the CPU flash-attention kernels, which it does not count
+    (it knows the CUDA ones). Same accounting as torch's CUDA formulas: the full score square."""
+    global _CPU_ATTENTION_REGISTERED
+    if _CPU_ATTENTION_REGISTERED:
+        return
+    import torch
+    from torch.utils.flop_counter import (
+        register_flop_formula,
+        sdpa_backward_flop_count,
+        sdpa_flop_count,
+    )
+
+    aten = torch.ops.aten
+
+    @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
+    def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:  # type: ignore[no-untyped-def]
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    def _backward(  # type: ignore[no-untyped-def]
+        grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+    ) -> int:
+        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+    _CPU_ATTENTION_REGISTERED = True

@@ -53,7 +53,9 @@ class CheckpointConfig(Section):
         2, ge=1, description="mode = 'every': checkpoint the blocks whose index % every == 0"
     )
     blocks: str = Field(
-        "layers", description="attribute path of the module holding the transformer blocks"
+        "",
+        description="attribute path of the module holding the transformer blocks; '' = found "
+        "automatically (`_no_split_modules`, else the longest list of one block class)",
     )
     preserve_rng_state: bool = Field(
         True,

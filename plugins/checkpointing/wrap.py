@@ -15,26 +15,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
+from plait.core.blocks import find_block_container
 from plait.plugins.checkpointing.policy import selective_context_fn
 
 CheckpointMode = Literal["full", "every", "selective"]
-
-
-def block_container(model: nn.Module, path: str) -> nn.Module:
-    """The module at attribute path `path` (e.g. "layers", "transformer.h")."""
-    container: Any = model
-    for part in path.split("."):
-        container = getattr(container, part, None)
-        if container is None:
-            raise ValueError(
-                f"{type(model).__name__} has no block container {path!r} (set checkpoint.blocks)"
-            )
-    if not isinstance(container, nn.ModuleDict | nn.ModuleList | nn.Sequential):
-        raise ValueError(
-            f"{path!r} is a {type(container).__name__}; expected an nn.ModuleDict, "
-            "nn.ModuleList or nn.Sequential of blocks"
-        )
-    return container
 
 
 def _layer_index(key: str, position: int) -> int:
@@ -55,10 +39,11 @@ def apply_activation_checkpointing(
     *,
     mode: CheckpointMode,
     every: int = 2,
-    blocks: str = "layers",
+    blocks: str = "",
     preserve_rng_state: bool = True,
 ) -> list[str]:
-    """Replace the blocks of `model.<blocks>` in place by checkpointed ones; return their keys.
+    """Replace the model's blocks (at attribute path `blocks`, or found automatically when it
+    is empty, see `plait.core.blocks`) in place by checkpointed ones; return their keys.
 
     - `full`: every block recomputes its forward in backward;
     - `every`: only blocks whose layer index is a multiple of `every` do (a memory/compute
@@ -69,7 +54,7 @@ def apply_activation_checkpointing(
         raise ValueError(f"mode must be 'full', 'every' or 'selective', got {mode!r}")
     if every < 1:
         raise ValueError(f"every must be at least 1, got {every}")
-    container = block_container(model, blocks)
+    _, container = find_block_container(model, blocks, field="checkpoint.blocks")
     keys = (
         list(container.keys())
         if isinstance(container, nn.ModuleDict)

@@ -31,8 +31,9 @@ class ZeroConfig(Section):
     )
     unit: str | list[str] = Field(
         "block",
-        description="stage 3 units: 'block' = each entry of `model.layers`, or a list of "
-        "module class names; parameters outside every unit form the root unit",
+        description="stage 3 units: 'block' = each of the model's repeated blocks (its "
+        "`_no_split_modules`, else its longest list of one block class), or a list of module "
+        "class names; parameters outside every unit form the root unit",
     )
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     broadcast_parameters: bool = Field(

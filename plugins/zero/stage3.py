@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from plait.core.blocks import find_block_container
 from plait.core.comm import Comm, Group, Work
 from plait.core.comm_algorithms import PARAM_GATHER
 from plait.core.errors import ConfigError
@@ -52,14 +53,10 @@ ROOT = "<root>"
 def find_units(model: nn.Module, rule: str | list[str]) -> list[tuple[str, nn.Module]]:
     """The (qualified name, module) of every unit the rule selects, in registration order."""
     if rule == "block":
-        layers = getattr(model, "layers", None)
-        if not isinstance(layers, nn.ModuleDict | nn.ModuleList | nn.Sequential) or not len(layers):
-            raise ConfigError(
-                f"zero3: unit = 'block' wraps each entry of `model.layers`, but "
-                f"{type(model).__name__} has no non-empty `layers` container; set [zero] unit to "
-                "the class names of its blocks, e.g. unit = ['MyBlock']"
-            )
-        return [(f"layers.{name}", module) for name, module in layers.named_children()]
+        # The model's repeated blocks, found as `plait.core.blocks` does for every transform
+        # (`_no_split_modules`, else the longest list of one block class).
+        path, container = find_block_container(model, field="[zero] unit")
+        return [(f"{path}.{name}", module) for name, module in container.named_children()]
     wanted = set(rule)
     units: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from plait.core.errors import ConfigError
 from plait.core.kernels import Kernels
 from plait.plugins.checkpointing import apply_activation_checkpointing
 from plait.plugins.models import resolve_model_config
@@ -117,7 +118,7 @@ def test_applying_twice_wraps_once_and_bad_settings_are_errors(plugins: Any) -> 
     model = _model(plugins, "llama")
     assert apply_activation_checkpointing(model, mode="full") == ["0", "1"]
     assert apply_activation_checkpointing(model, mode="full") == []
-    with pytest.raises(ValueError, match="no block container 'blocks'"):
+    with pytest.raises(ConfigError, match=r"checkpoint\.blocks = 'blocks': Llama has nothing there"):
         apply_activation_checkpointing(model, mode="full", blocks="blocks")
     with pytest.raises(ValueError, match="mode must be"):
         apply_activation_checkpointing(model, mode="sometimes")  # type: ignore[arg-type]

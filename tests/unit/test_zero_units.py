@@ -136,7 +136,7 @@ def test_units_default_to_model_layers_plus_root() -> None:
 
 
 def test_models_stage3_cannot_wrap_get_clear_errors() -> None:
-    with pytest.raises(ConfigError, match=r"no non-empty `layers`.*unit = \['MyBlock'\]"):
+    with pytest.raises(ConfigError, match=r"no container of repeated blocks.*\[zero\] unit"):
         find_units(nn.Sequential(nn.Linear(2, 2)), "block")
     with pytest.raises(ConfigError, match=r"no module of class \['Missing'\].*Linear"):
         find_units(Stack([Block()]), ["Missing"])
