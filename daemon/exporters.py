@@ -1,8 +1,10 @@
 """Exporters: forward upstream over OTLP, and serve Prometheus text.
 
-**OTLP upstream** (`OtlpUpstream`): every request the ranks export is forwarded as received
-(the daemon is a pass-through hop, like an OpenTelemetry Collector's OTLP exporter), through a
-bounded queue drained by one thread; a full queue drops the request and counts it. The daemon's
+**OTLP upstream** (`OtlpUpstream`): every request the ranks export is forwarded as received,
+less the items the decoder rejected (the daemon is a pass-through hop, like an OpenTelemetry
+Collector's OTLP exporter), through `plait.daemon.forwarding.Forwarder`: a queue bounded in
+requests and bytes, drained by one thread that retries with exponential backoff where the OTLP
+specification allows; drops are counted per reason and shown by `plait status`. The daemon's
 own figures (per-rank and per-job MFU, bottleneck classes, straggler scores, NVML `hw.*`
 metrics, ingest counters) go through the OpenTelemetry SDK's OTLP metric exporter, and each
 detected hang as a span with a `hang.detected` event through its span exporter. The endpoint
@@ -12,15 +14,16 @@ and its settings follow the OpenTelemetry exporter variables, `OTEL_EXPORTER_OTL
 SDK, `http://` means plaintext, `https://` TLS, and no scheme TLS unless `…_INSECURE=true`.
 
 **Prometheus** (`PrometheusExporter`): a prometheus-client collector computes the same figures
-at scrape time; names are the OpenTelemetry names with dots as underscores.
+at scrape time. Names follow the OpenTelemetry-to-Prometheus rules: dots become underscores, the
+unit is appended as a word (`s` → `_seconds`, `By` → `_bytes`, a dimensionless gauge `1` →
+`_ratio`, `W` → `_watts`, `J` → `_joules`, `Hz` → `_hertz`) unless the name already ends with
+it, and counters end in `_total` (`prometheus_name`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,11 +46,12 @@ from opentelemetry.util.re import parse_env_headers
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from plait.core import telemetry_schema as schema
+from plait.daemon.forwarding import Forwarder, ForwarderStats, RetryPolicy, outgoing
 from plait.daemon.hangs import Hang
 
 logger = logging.getLogger(__name__)
 
-FORWARD_QUEUE_REQUESTS = 1024
 FORWARD_TIMEOUT_SECONDS = 5.0
 DAEMON_METRIC_INTERVAL_MS = 10_000
 
@@ -61,6 +65,10 @@ class DaemonPoint:
     attributes: dict[str, Any] = field(default_factory=dict)
     counter: bool = False  # monotonic since start (energy, errors, ingest counters)
     description: str = ""
+
+    @property
+    def unit(self) -> str:
+        return KNOWN_POINTS.get(self.name, (self.counter, ""))[1]
 
 
 PointSource = Callable[[], list[DaemonPoint]]
@@ -153,6 +161,8 @@ class OtlpUpstream:
         insecure: bool | None = None,
         hostname: str = "",
         metric_interval_ms: float = DAEMON_METRIC_INTERVAL_MS,
+        retry: RetryPolicy | None = None,
+        queue_bytes: int | None = None,
     ) -> None:
         traces = UpstreamTarget.resolve("TRACES", endpoint, insecure)
         metrics = UpstreamTarget.resolve("METRICS", endpoint, insecure)
@@ -166,15 +176,13 @@ class OtlpUpstream:
         metrics_channel = metrics.channel() if metrics != traces else next(iter(self._channels))
         self._channels.add(metrics_channel)
         self._metrics_stub = metrics_service_pb2_grpc.MetricsServiceStub(metrics_channel)
-        self._queue: queue.Queue[tuple[Callable[..., Any], Any, dict[str, str]]] = queue.Queue(
-            FORWARD_QUEUE_REQUESTS
+        limits = {"max_bytes": queue_bytes} if queue_bytes is not None else {}
+        self.forwarder = Forwarder(
+            traces.describe(),
+            policy=retry,
+            send_timeout_seconds=FORWARD_TIMEOUT_SECONDS,
+            **limits,
         )
-        self.forwarded = 0
-        self.dropped = 0
-        self.failed = 0
-        self._last_failure_log = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._drain, name="plait-otlp-forward", daemon=True)
 
         resource = Resource.create({"service.name": "plait-daemon", "host.name": hostname})
         self.meter_provider = MeterProvider(
@@ -202,34 +210,22 @@ class OtlpUpstream:
         return f"otlp {self.traces.describe()}"
 
     def start(self) -> None:
-        self._thread.start()
+        self.forwarder.start()
 
-    def _enqueue(self, call: Callable[..., Any], request: Any, headers: dict[str, str]) -> None:
-        try:
-            self._queue.put_nowait((call, request, headers))
-        except queue.Full:
-            self.dropped += 1
+    def stats(self) -> ForwarderStats:
+        return self.forwarder.snapshot()
 
     def forward_spans(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
-        self._enqueue(self._trace_stub.Export, request, self.traces.headers)
+        if len(request.resource_spans):
+            self.forwarder.put(
+                outgoing(self._trace_stub.Export, request, tuple(self.traces.headers.items()))
+            )
 
     def forward_metrics(self, request: Any) -> None:
-        self._enqueue(self._metrics_stub.Export, request, self.metrics.headers)
-
-    def _drain(self) -> None:
-        while not self._stop.is_set() or not self._queue.empty():
-            try:
-                call, request, headers = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            try:
-                call(request, timeout=FORWARD_TIMEOUT_SECONDS, metadata=tuple(headers.items()))
-                self.forwarded += 1
-            except grpc.RpcError as exc:
-                self.failed += 1
-                if time.monotonic() - self._last_failure_log > 60:
-                    self._last_failure_log = time.monotonic()
-                    logger.warning("forwarding to %s failed: %s", self.traces.describe(), exc)
+        if len(request.resource_metrics):
+            self.forwarder.put(
+                outgoing(self._metrics_stub.Export, request, tuple(self.metrics.headers.items()))
+            )
 
     def hang_event(self, hang: Hang) -> None:
         """A span covering the wait so far, with a `hang.detected` event naming the op."""
@@ -240,10 +236,8 @@ class OtlpUpstream:
         span.add_event("hang.detected", attributes=attributes)
         span.end()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=FORWARD_TIMEOUT_SECONDS + 1)
+    def stop(self, flush_seconds: float = FORWARD_TIMEOUT_SECONDS) -> None:
+        self.forwarder.stop(flush_seconds)
         self.tracer_provider.shutdown()
         self.meter_provider.shutdown(timeout_millis=FORWARD_TIMEOUT_SECONDS * 1000)
         for channel in self._channels:
@@ -252,12 +246,12 @@ class OtlpUpstream:
 
 def hang_attributes(hang: Hang) -> dict[str, Any]:
     return {
-        "plait.job.id": hang.job_id,
-        "plait.comm.group": hang.group,
-        "plait.comm.group_ranks": list(hang.group_ranks),
-        "plait.comm.op": hang.op,
-        "plait.comm.seq": hang.seq,
-        "plait.comm.purpose": hang.purpose,
+        schema.RESOURCE_JOB_ID: hang.job_id,
+        schema.SPAN_COMM_GROUP: hang.group,
+        schema.SPAN_COMM_GROUP_RANKS: list(hang.group_ranks),
+        schema.SPAN_COMM_OP: hang.op,
+        schema.SPAN_COMM_SEQ: hang.seq,
+        schema.SPAN_COMM_PURPOSE: hang.purpose,
         "plait.hang.entered_ranks": list(hang.entered_ranks),
         "plait.hang.missing_ranks": list(hang.missing_ranks),
         "plait.hang.unreported_ranks": list(hang.unreported_ranks),
@@ -288,48 +282,93 @@ def register_points(provider: MeterProvider, points: PointSource) -> None:
 
         return observe
 
-    for name, counter in sorted(KNOWN_POINT_NAMES.items()):
+    for name, (counter, unit) in sorted(KNOWN_POINTS.items()):
         create = meter.create_observable_counter if counter else meter.create_observable_gauge
-        create(name, callbacks=[callback_for(name)])
+        create(name, callbacks=[callback_for(name)], unit=unit)
 
 
-# Every name the daemon may publish and whether it is a monotonic counter.
-KNOWN_POINT_NAMES: dict[str, bool] = {
-    "hw.gpu.utilization": False,
-    "hw.gpu.memory.utilization": False,
-    "hw.gpu.memory.usage": False,
-    "hw.gpu.memory.limit": False,
-    "hw.power": False,
-    "hw.energy": True,
-    "hw.errors": True,
-    "plait.gpu.sm_clock": False,
-    "plait.gpu.throttled": False,
-    "plait.gpu.throttle_reason": False,
-    "plait.gpu.pcie.throughput": False,
-    "plait.gpu.nvlink.throughput": False,
-    "plait.rank.mfu": False,
-    "plait.rank.step.duration": False,
-    "plait.rank.tokens_per_second": False,
-    "plait.rank.bottleneck.seconds": False,
-    "plait.rank.straggler.score": False,
-    "plait.job.mfu": False,
-    "plait.job.tokens_per_second": False,
-    "plait.job.step.duration": False,
-    "plait.collective.hangs": False,
-    "plait.daemon.spans.received": True,
-    "plait.daemon.spans.dropped": True,
-    "plait.daemon.metric_points.dropped": True,
-    "plait.daemon.calls.rejected": True,
+# Every name the daemon may publish: (monotonic counter?, UCUM unit).
+KNOWN_POINTS: dict[str, tuple[bool, str]] = {
+    "hw.gpu.utilization": (False, "1"),
+    "hw.gpu.memory.utilization": (False, "1"),
+    "hw.gpu.memory.usage": (False, "By"),
+    "hw.gpu.memory.limit": (False, "By"),
+    "hw.power": (False, "W"),
+    "hw.energy": (True, "J"),
+    "hw.errors": (True, "{error}"),
+    "plait.gpu.sm_clock": (False, "Hz"),
+    "plait.gpu.throttled": (False, ""),  # 0 or 1: a flag, not a ratio
+    "plait.gpu.throttle_reason": (False, "{reason}"),
+    "plait.gpu.pcie.throughput": (False, "By/s"),
+    "plait.gpu.nvlink.throughput": (False, "By/s"),
+    "plait.rank.mfu": (False, "1"),
+    "plait.rank.step.duration": (False, "s"),
+    "plait.rank.tokens_per_second": (False, "{token}/s"),
+    "plait.rank.bottleneck.seconds": (False, "s"),
+    "plait.rank.straggler.score": (False, "1"),
+    "plait.job.mfu": (False, "1"),
+    "plait.job.tokens_per_second": (False, "{token}/s"),
+    "plait.job.step.duration": (False, "s"),
+    "plait.collective.hangs": (False, "{hang}"),
+    "plait.daemon.spans.received": (True, "{span}"),
+    "plait.daemon.spans.dropped": (True, "{span}"),
+    "plait.daemon.spans.rejected": (True, "{span}"),
+    "plait.daemon.metric_points.dropped": (True, "{point}"),
+    "plait.daemon.metric_points.rejected": (True, "{point}"),
+    "plait.daemon.forward.dropped": (True, "{request}"),
+    "plait.daemon.forward.queued": (False, "By"),
+    "plait.daemon.calls.rejected": (True, "{call}"),
 }
+KNOWN_POINT_NAMES: dict[str, bool] = {name: counter for name, (counter, _) in KNOWN_POINTS.items()}
 
 
 # --------------------------------------------------------------------------------------------
 # Prometheus
 # --------------------------------------------------------------------------------------------
 
+# UCUM unit -> Prometheus unit word (OpenTelemetry's Prometheus compatibility specification).
+PROMETHEUS_UNITS = {
+    "s": "seconds",
+    "ms": "milliseconds",
+    "By": "bytes",
+    "W": "watts",
+    "J": "joules",
+    "Hz": "hertz",
+    "Cel": "celsius",
+}
 
-def prometheus_name(name: str) -> str:
-    return name.replace(".", "_").replace("-", "_")
+
+PROMETHEUS_PER_UNITS = {"s": "second", "m": "minute", "h": "hour", "d": "day"}
+
+
+def _prometheus_unit(unit: str, counter: bool) -> str:
+    """The unit words for a name: "s" -> "seconds", "By/s" -> "bytes_per_second"."""
+    if unit == "1":
+        return "" if counter else "ratio"
+    numerator, _, denominator = unit.partition("/")
+    words = []
+    # Annotations in braces ("{token}") are counts of things, not units.
+    if numerator and not numerator.startswith("{"):
+        words.append(PROMETHEUS_UNITS.get(numerator, numerator))
+    if denominator:
+        words.append(f"per_{PROMETHEUS_PER_UNITS.get(denominator, denominator)}")
+    return "_".join(words)
+
+
+def prometheus_name(name: str, unit: str = "", counter: bool = False) -> str:
+    """`plait.rank.step.duration` (s) -> `plait_rank_step_duration_seconds`, and so on.
+
+    Counters get no `_total` here: prometheus-client adds it to counter samples itself.
+    """
+    base = name.replace(".", "_").replace("-", "_")
+    suffix = _prometheus_unit(unit, counter)
+    if suffix and not base.endswith(suffix):
+        base = f"{base}_{suffix}"
+    return base
+
+
+def _label(key: str) -> str:
+    return key.replace(".", "_").replace("-", "_")
 
 
 class _PointsCollector(Collector):
@@ -341,11 +380,16 @@ class _PointsCollector(Collector):
         for point in self.points():
             by_name.setdefault(point.name, []).append(point)
         for name, points in sorted(by_name.items()):
-            labels = sorted({prometheus_name(k) for p in points for k in p.attributes})
-            family_cls = CounterMetricFamily if points[0].counter else GaugeMetricFamily
-            family = family_cls(prometheus_name(name), points[0].description or name, labels=labels)
+            labels = sorted({_label(k) for p in points for k in p.attributes})
+            counter = points[0].counter
+            family_cls = CounterMetricFamily if counter else GaugeMetricFamily
+            family = family_cls(
+                prometheus_name(name, points[0].unit, counter),
+                points[0].description or name,
+                labels=labels,
+            )
             for point in points:
-                values = {prometheus_name(k): v for k, v in point.attributes.items()}
+                values = {_label(k): v for k, v in point.attributes.items()}
                 family.add_metric([str(values.get(label, "")) for label in labels], point.value)
             yield family
 

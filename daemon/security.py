@@ -8,8 +8,13 @@
   `authorization: Bearer <token>` (constant-time) on every method — receivers, queries,
   health and reflection alike — and answers UNAUTHENTICATED otherwise.
 * **Malformed requests** (bytes that are not the method's protobuf) get INVALID_ARGUMENT
-  instead of gRPC's generic INTERNAL; oversized ones get RESOURCE_EXHAUSTED from gRPC's own
-  message-size limit; long-lived calls (streams, trace captures) are capped so they cannot
+  instead of gRPC's generic INTERNAL. **Oversized** ones (over `max_request_bytes`) get
+  INVALID_ARGUMENT too, checked on the raw bytes before parsing: gRPC's own size limit answers
+  RESOURCE_EXHAUSTED, which the stock OTLP exporters retry although a request that is too large
+  never fits (the OTLP specification makes RESOURCE_EXHAUSTED without RetryInfo permanent, and
+  INVALID_ARGUMENT is permanent for every exporter). gRPC's transport limit is kept
+  `OVERSIZE_HEADROOM` times higher, so only requests beyond that still meet gRPC's own answer;
+  long-lived calls (streams, trace captures) are capped so they cannot
   take every worker thread from the receivers. Refused calls are counted (`Status`).
 """
 
@@ -30,6 +35,9 @@ from google.protobuf.message import DecodeError
 from plait.core.telemetry import TOKEN_ENV
 
 AUTHORIZATION = "authorization"
+# The transport accepts this many times `max_request_bytes`, so the guard (not gRPC) answers for
+# requests between the two; memory for one request stays bounded by the larger figure.
+OVERSIZE_HEADROOM = 4
 LONG_LIVED_METHODS = frozenset(
     {
         "/plait.v1.Daemon/StreamMetrics",
@@ -137,6 +145,7 @@ class CallCounters:
 
     unauthenticated: int = 0
     malformed: int = 0
+    oversize: int = 0
     over_limit: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -146,14 +155,25 @@ class CallCounters:
 
     @property
     def total(self) -> int:
-        return self.unauthenticated + self.malformed + self.over_limit
+        return self.unauthenticated + self.malformed + self.oversize + self.over_limit
+
+    def by_reason(self) -> dict[str, int]:
+        with self.lock:
+            reasons = {
+                "unauthenticated": self.unauthenticated,
+                "malformed": self.malformed,
+                "oversize": self.oversize,
+                "over_limit": self.over_limit,
+            }
+        return {reason: count for reason, count in reasons.items() if count}
 
 
 class _Malformed:
-    __slots__ = ("error",)
+    __slots__ = ("error", "reason")
 
-    def __init__(self, error: str) -> None:
+    def __init__(self, error: str, reason: str = "malformed") -> None:
         self.error = error
+        self.reason = reason
 
 
 def _refusing_handler(
@@ -177,12 +197,18 @@ class CallGuard(grpc.ServerInterceptor):
     """Token check, malformed-request status and the long-lived-call cap, for every method."""
 
     def __init__(
-        self, token: str = "", *, max_long_lived: int = 32, counters: CallCounters | None = None
+        self,
+        token: str = "",
+        *,
+        max_long_lived: int = 32,
+        counters: CallCounters | None = None,
+        max_request_bytes: int | None = None,
     ) -> None:
         self._expected = f"Bearer {token}".encode() if token else b""
         self._long_lived = threading.BoundedSemaphore(max_long_lived)
         self.max_long_lived = max_long_lived
         self.counters = counters or CallCounters()
+        self.max_request_bytes = max_request_bytes
 
     def _authorized(self, metadata: Any) -> bool:
         if not self._expected:
@@ -214,7 +240,15 @@ class CallGuard(grpc.ServerInterceptor):
         deserialize = handler.request_deserializer
         counters = self.counters
 
+        max_bytes = self.max_request_bytes
+
         def parse(data: bytes) -> Any:
+            if max_bytes is not None and len(data) > max_bytes:
+                return _Malformed(
+                    f"request of {len(data)} bytes is over the daemon's limit of {max_bytes} "
+                    "bytes; send smaller batches",
+                    reason="oversize",
+                )
             if deserialize is None:
                 return data
             try:
@@ -227,9 +261,9 @@ class CallGuard(grpc.ServerInterceptor):
 
         def check(request: Any, context: grpc.ServicerContext) -> None:
             if isinstance(request, _Malformed):
-                counters.count("malformed")
+                counters.count(request.reason)
                 context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}"
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{request.reason} request: {request.error}"
                 )
 
         def admit(context: grpc.ServicerContext) -> None:

@@ -24,11 +24,12 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS
 from plait.daemon.exporters import OtlpUpstream, PrometheusExporter
+from plait.daemon.forwarding import RetryPolicy
 from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang
 from plait.daemon.host import HostCollector
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.otlp import DEFAULT_INGEST_CAPACITY, IngestLimiter, add_receivers
-from plait.daemon.security import CallCounters, CallGuard, SecurityConfig
+from plait.daemon.security import OVERSIZE_HEADROOM, CallCounters, CallGuard, SecurityConfig
 from plait.daemon.service import DaemonExtras, DaemonService, daemon_points
 from plait.daemon.store import DEFAULT_WINDOW_SPANS, DEFAULT_WINDOW_STEPS, TelemetryStore
 from plait.daemon.stragglers import DEFAULT_THRESHOLD
@@ -67,6 +68,8 @@ class DaemonServer:
         straggler_threshold: float = DEFAULT_THRESHOLD,
         otlp_endpoint: str | None = None,
         otlp_insecure: bool | None = None,
+        otlp_retry: RetryPolicy | None = None,
+        otlp_queue_bytes: int | None = None,
         prometheus: str | None = None,
         nvml: NvmlCollector | None = None,
         gpu_interval: float = 1.0,
@@ -88,12 +91,19 @@ class DaemonServer:
         self.counters = CallCounters()
         # Long-lived calls hold a worker thread each; keep a quarter for receivers and queries.
         streams = max_streams if max_streams is not None else max(1, max_workers * 3 // 4)
-        self.guard = CallGuard(self.security.token, max_long_lived=streams, counters=self.counters)
+        self.guard = CallGuard(
+            self.security.token,
+            max_long_lived=streams,
+            counters=self.counters,
+            max_request_bytes=max_message_bytes,
+        )
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="plait-daemon"),
             interceptors=[self.guard],
             options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
+                # The guard refuses requests over max_message_bytes with a status exporters do
+                # not retry; gRPC's own limit (RESOURCE_EXHAUSTED) only applies beyond this.
+                ("grpc.max_receive_message_length", max_message_bytes * OVERSIZE_HEADROOM),
                 ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
@@ -131,9 +141,12 @@ class DaemonServer:
                 endpoint=otlp_endpoint,
                 insecure=otlp_insecure,
                 hostname=self.host.hostname,
+                retry=otlp_retry,
+                queue_bytes=otlp_queue_bytes,
             )
             self.extras.exporters.append(self.upstream.describe())
-            self.extras.exporter_drops = lambda: self.upstream.dropped if self.upstream else 0
+            self.extras.forwarder_stats = self.upstream.stats
+            self.extras.forwarder_endpoint = self.upstream.traces.describe()
         add_receivers(
             self.server,
             self.store,
@@ -186,7 +199,7 @@ class DaemonServer:
         if self.prometheus is not None:
             self.prometheus.stop()
         if self.upstream is not None:
-            self.upstream.stop()
+            self.upstream.stop(flush_seconds=max(grace, 1.0))
 
     def _watch_hangs(self) -> None:
         """Report each new hang once (log + OpenTelemetry event); forget it when it clears."""

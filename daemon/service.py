@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from plait import __version__
+from plait.core import telemetry_schema as schema
 from plait.daemon import mfu
 from plait.daemon.bottleneck import CLASSES, RankBreakdown, RankContext, advice, job_dominant
 from plait.daemon.bottleneck import rank_breakdown as summarise_steps
 from plait.daemon.chrome_trace import chrome_trace_json
 from plait.daemon.exporters import DaemonPoint
+from plait.daemon.forwarding import ForwarderStats
 from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang, find_hangs
 from plait.daemon.host import HostCollector, HostSample
 from plait.daemon.nvml import NvmlCollector, metric_points
@@ -96,7 +98,8 @@ def rank_metrics(
         loss=last.loss if last else 0.0,
         cpu_percent=process.cpu_percent if process else -1.0,
         memory_rss_bytes=process.rss_bytes if process else -1,
-        device_memory_bytes=int(window.metrics.get("plait.device.memory.used", -1)),
+        # The decoder bounds this metric, so the conversion cannot fail.
+        device_memory_bytes=int(window.metrics.get(schema.METRIC_DEVICE_MEMORY_USED, -1)),
         device_utilization=utilization,
         otel_metrics=window.metrics,
     )
@@ -280,7 +283,9 @@ class DaemonExtras:
     ingest_capacity: int = 0
     hang_timeout_seconds: float = DEFAULT_HANG_TIMEOUT_SECONDS
     straggler_threshold: float = DEFAULT_THRESHOLD
-    exporter_drops: Callable[[], int] = lambda: 0
+    # The upstream forwarder's counters and endpoint, when the daemon forwards.
+    forwarder_stats: Callable[[], ForwarderStats] | None = None
+    forwarder_endpoint: str = ""
 
 
 class DaemonService(daemon_pb2_grpc.DaemonServicer):
@@ -317,6 +322,8 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             ranks = len(store.windows())
             counters = (store.spans_received, store.metric_points_received, store.spans_ignored)
             drops = (store.spans_dropped, store.metric_points_dropped)
+            rejected = store.rejected
+            rejects = (rejected.spans, rejected.metric_points, dict(rejected.by_reason))
         extras = self.extras
         nvml = extras.nvml
         return daemon_pb2.StatusResponse(
@@ -339,6 +346,30 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             hang_timeout_seconds=extras.hang_timeout_seconds,
             gpu_collector=nvml.status if nvml is not None else "no GPU collector",
             exporters=extras.exporters,
+            spans_rejected=rejects[0],
+            metric_points_rejected=rejects[1],
+            rejected_by_reason=rejects[2],
+            calls_rejected_by_reason=extras.counters.by_reason(),
+            forwarder=self.forwarder_status(),
+        )
+
+    def forwarder_status(self) -> daemon_pb2.ForwarderStatus | None:
+        extras = self.extras
+        if extras.forwarder_stats is None:
+            return None
+        stats = extras.forwarder_stats()
+        return daemon_pb2.ForwarderStatus(
+            endpoint=extras.forwarder_endpoint,
+            queued_requests=stats.queued_requests,
+            queued_bytes=stats.queued_bytes,
+            queue_capacity_bytes=stats.capacity_bytes,
+            forwarded_requests=stats.forwarded_requests,
+            retries=stats.retries,
+            dropped_requests=stats.dropped_requests,
+            dropped_spans=stats.dropped_spans,
+            dropped_metric_points=stats.dropped_metric_points,
+            dropped_by_reason=stats.dropped_by_reason,
+            rejected_upstream_items=stats.rejected_upstream_items,
         )
 
     def ListRanks(
@@ -464,12 +495,13 @@ def daemon_points(
         )
     metrics = service._metrics("", window_steps)
     for r in metrics.ranks:
-        attrs = {"plait.job.id": r.job_id, "plait.rank": r.rank, "host.name": r.host}
+        attrs = {schema.RESOURCE_JOB_ID: r.job_id, schema.RESOURCE_RANK: r.rank,
+                 schema.RESOURCE_HOST_NAME: r.host}  # fmt: skip
         points.append(DaemonPoint("plait.rank.mfu", r.mfu, attrs))
         points.append(DaemonPoint("plait.rank.step.duration", r.step_seconds, attrs))
         points.append(DaemonPoint("plait.rank.tokens_per_second", r.tokens_per_second, attrs))
     for j in metrics.jobs:
-        attrs = {"plait.job.id": j.job_id}
+        attrs = {schema.RESOURCE_JOB_ID: j.job_id}
         points.append(DaemonPoint("plait.job.mfu", j.mfu, attrs))
         points.append(DaemonPoint("plait.job.tokens_per_second", j.tokens_per_second, attrs))
         points.append(DaemonPoint("plait.job.step.duration", j.step_seconds, attrs))
@@ -480,9 +512,11 @@ def daemon_points(
             service.store.spans_dropped,
             service.store.metric_points_dropped,
         )
+        rejects = (service.store.rejected.spans, service.store.rejected.metric_points)
     for a in analyses:
         job_id, rank, host = a.window_identity
-        attrs = {"plait.job.id": job_id, "plait.rank": rank, "host.name": host}
+        attrs = {schema.RESOURCE_JOB_ID: job_id, schema.RESOURCE_RANK: rank,
+                 schema.RESOURCE_HOST_NAME: host}  # fmt: skip
         for name in CLASSES:
             points.append(
                 DaemonPoint(
@@ -493,18 +527,29 @@ def daemon_points(
             )
     for score in straggler_scores(analyses, service.extras.straggler_threshold):
         t = score.timing
-        attrs = {"plait.job.id": t.job_id, "plait.rank": t.rank, "host.name": t.host}
+        attrs = {schema.RESOURCE_JOB_ID: t.job_id, schema.RESOURCE_RANK: t.rank,
+                 schema.RESOURCE_HOST_NAME: t.host}  # fmt: skip
         points.append(DaemonPoint("plait.rank.straggler.score", score.score, attrs))
     points.append(DaemonPoint("plait.collective.hangs", float(len(service.hangs()))))
     points.append(DaemonPoint("plait.daemon.spans.received", counts[0], counter=True))
+    forwarder = service.extras.forwarder_stats() if service.extras.forwarder_stats else None
+    forward_spans = forwarder.dropped_spans if forwarder else 0
+    forward_points = forwarder.dropped_metric_points if forwarder else 0
     points.append(
-        DaemonPoint(
-            "plait.daemon.spans.dropped",
-            counts[1] + service.extras.exporter_drops(),
-            counter=True,
-        )
+        DaemonPoint("plait.daemon.spans.dropped", counts[1] + forward_spans, counter=True)
     )
-    points.append(DaemonPoint("plait.daemon.metric_points.dropped", counts[2], counter=True))
+    points.append(
+        DaemonPoint("plait.daemon.metric_points.dropped", counts[2] + forward_points, counter=True)
+    )
+    # Rejects by reason; the totals are the sums over `reason`.
+    points.append(DaemonPoint("plait.daemon.spans.rejected", rejects[0], counter=True))
+    points.append(DaemonPoint("plait.daemon.metric_points.rejected", rejects[1], counter=True))
+    if forwarder is not None:
+        for reason, count in sorted(forwarder.dropped_by_reason.items()):
+            points.append(
+                DaemonPoint("plait.daemon.forward.dropped", count, {"reason": reason}, True)
+            )
+        points.append(DaemonPoint("plait.daemon.forward.queued", forwarder.queued_bytes))
     points.append(
         DaemonPoint("plait.daemon.calls.rejected", service.extras.counters.total, counter=True)
     )

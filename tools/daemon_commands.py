@@ -189,8 +189,14 @@ def status(hosts: Hosts = None, job: Annotated[str, typer.Option(help="job id")]
     results = _call_all(targets, query)
     daemons = Table(title="daemons")
     columns = ("host", "version", "uptime", "jobs", "ranks", "spans", "metric points", "dropped")
-    for column in (*columns, "GPUs", "exporters"):
+    for column in (*columns, "rejected", "GPUs", "exporters"):
         daemons.add_column(column)
+    rejects = Table(title="rejected at the door (bad attributes; not stored, not forwarded)")
+    for column in ("host", "reason", "items"):
+        rejects.add_column(column)
+    forwarding = Table(title="forwarding upstream")
+    for column in ("host", "endpoint", "forwarded", "retries", "queued", "dropped"):
+        forwarding.add_column(column)
     ranks = Table(title="ranks")
     for column in ("job", "rank", "host", "pid", "device", "peak TFLOP/s", "mesh", "steps"):
         ranks.add_column(column)
@@ -199,7 +205,7 @@ def status(hosts: Hosts = None, job: Annotated[str, typer.Option(help="job id")]
     for host, result in results.items():
         if isinstance(result, grpc.RpcError):
             failed = True
-            daemons.add_row(host, f"[red]{_error_text(result)}[/red]", *[""] * 8)
+            daemons.add_row(host, f"[red]{_error_text(result)}[/red]", *[""] * 9)
             continue
         state, listing = result  # type: ignore[misc]
         hang_reports.extend(hang_from_message(h) for h in state.hangs)
@@ -213,9 +219,25 @@ def status(hosts: Hosts = None, job: Annotated[str, typer.Option(help="job id")]
             str(state.metric_points_received),
             f"{state.spans_dropped} spans, {state.metric_points_dropped} points, "
             f"{state.calls_rejected} calls refused",
+            f"{state.spans_rejected} spans, {state.metric_points_rejected} points",
             state.gpu_collector,
             ", ".join(state.exporters) or "-",
         )
+        for reason, count in sorted(state.rejected_by_reason.items()):
+            rejects.add_row(host, reason, str(count))
+        if state.HasField("forwarder"):
+            f = state.forwarder
+            dropped = ", ".join(f"{r}: {n}" for r, n in sorted(f.dropped_by_reason.items()))
+            forwarding.add_row(
+                host,
+                f.endpoint,
+                f"{f.forwarded_requests} requests",
+                str(f.retries),
+                f"{f.queued_requests} ({_bytes(f.queued_bytes)} of "
+                f"{_bytes(f.queue_capacity_bytes)})",
+                f"{f.dropped_spans} spans, {f.dropped_metric_points} points"
+                + (f" ({dropped})" if dropped else ""),
+            )
         for info in listing.ranks:
             mesh = " ".join(f"{a}={c}" for a, c in sorted(info.coordinates.items()))
             ranks.add_row(
@@ -230,6 +252,10 @@ def status(hosts: Hosts = None, job: Annotated[str, typer.Option(help="job id")]
             )
     console.print(daemons)
     console.print(ranks)
+    if rejects.row_count:
+        console.print(rejects)
+    if forwarding.row_count:
+        console.print(forwarding)
     hangs = render_hangs(hang_reports)
     if hangs is not None:
         console.print(hangs)

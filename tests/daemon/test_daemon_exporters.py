@@ -70,7 +70,7 @@ def test_forwards_upstream_and_serves_prometheus(monkeypatch: pytest.MonkeyPatch
         finally:
             server.stop(grace=0.5)
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    (mfu,) = families["plait_job_mfu"].samples
+    (mfu,) = families["plait_job_mfu_ratio"].samples
     assert mfu.labels == {"plait_job_id": "job-a"} and mfu.value > 0
     classes = {
         s.labels["plait_bottleneck_class"]: s.value
@@ -79,7 +79,11 @@ def test_forwards_upstream_and_serves_prometheus(monkeypatch: pytest.MonkeyPatch
     # The fake rank's synthetic steps: 5 equal phases of 100 ms, data first.
     assert classes["data"] == pytest.approx(0.1, abs=0.01)  # minus comm issued in step 0
     assert classes["compute"] == pytest.approx(0.2, abs=1e-6)
-    assert families["plait_daemon_spans_received"].samples[0].value > 0
+    (received,) = families["plait_daemon_spans_received"].samples
+    assert received.name == "plait_daemon_spans_received_total" and received.value > 0
+    # Prometheus conventions: unit words and _total on counters.
+    assert "plait_rank_step_duration_seconds" in families
+    assert "plait_rank_mfu_ratio" in families and "plait_rank_mfu" not in families
 
 
 def test_a_daemon_can_forward_to_another_daemon() -> None:

@@ -180,11 +180,18 @@ def test_hostile_input_gets_statuses_and_the_daemon_stays_up() -> None:
                 status_code(lambda: raw_export(os.urandom(64) + b"\x0a\xff", timeout=5))
                 == grpc.StatusCode.INVALID_ARGUMENT
             )
-            # Over the message size limit.
+            # Over the message size limit: INVALID_ARGUMENT, which no OTLP exporter retries;
+            # past the transport's headroom, gRPC's own RESOURCE_EXHAUSTED.
             otlp = trace_service_pb2_grpc.TraceServiceStub(channel)
             assert (
                 status_code(
                     lambda: otlp.Export(otlp_request(1, attribute_bytes=200_000), timeout=5)
+                )
+                == grpc.StatusCode.INVALID_ARGUMENT
+            )
+            assert (
+                status_code(
+                    lambda: otlp.Export(otlp_request(1, attribute_bytes=300_000), timeout=5)
                 )
                 == grpc.StatusCode.RESOURCE_EXHAUSTED
             )
@@ -205,7 +212,12 @@ def test_hostile_input_gets_statuses_and_the_daemon_stays_up() -> None:
             status = stub.Status(daemon_pb2.StatusRequest(), timeout=5)
         assert (status.spans_received, status.spans_dropped) == (10, 60)
         assert status.ingest_queue_capacity == 50
-        assert status.calls_rejected >= 3  # two malformed, one over the stream limit
+        assert status.calls_rejected >= 4  # two malformed, one oversize, one over the streams
+        assert dict(status.calls_rejected_by_reason) == {
+            "malformed": 2,
+            "oversize": 1,
+            "over_limit": 1,
+        }
 
 
 def test_token_file_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,35 +26,49 @@ _sym_db = _symbol_database.Default()
 from plait.proto.plait.v1 import metrics_pb2 as plait_dot_v1_dot_metrics__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15plait/v1/daemon.proto\x12\x08plait.v1\x1a\x16plait/v1/metrics.proto\"\x0f\n\rStatusRequest\"\xda\x03\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x14\n\x0c\x62ind_address\x18\x03 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07job_ids\x18\x05 \x03(\t\x12\r\n\x05ranks\x18\x06 \x01(\x05\x12\x16\n\x0espans_received\x18\x07 \x01(\x03\x12\x1e\n\x16metric_points_received\x18\x08 \x01(\x03\x12\x15\n\rspans_ignored\x18\t \x01(\x03\x12\x14\n\x0cwindow_steps\x18\n \x01(\x05\x12\x14\n\x0cwindow_spans\x18\x0b \x01(\x05\x12\x1d\n\x15ingest_queue_capacity\x18\x0c \x01(\x03\x12\x15\n\rspans_dropped\x18\r \x01(\x03\x12\x1d\n\x15metric_points_dropped\x18\x0e \x01(\x03\x12\x16\n\x0e\x63\x61lls_rejected\x18\x0f \x01(\x03\x12\'\n\x05hangs\x18\x10 \x03(\x0b\x32\x18.plait.v1.CollectiveHang\x12\x1c\n\x14hang_timeout_seconds\x18\x11 \x01(\x01\x12\x15\n\rgpu_collector\x18\x12 \x01(\t\x12\x11\n\texporters\x18\x13 \x03(\t\"\"\n\x10ListRanksRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"6\n\x11ListRanksResponse\x12!\n\x05ranks\x18\x01 \x03(\x0b\x32\x12.plait.v1.RankInfo\"9\n\x11GetMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\"\x9f\x01\n\x12GetMetricsResponse\x12$\n\x05ranks\x18\x01 \x03(\x0b\x32\x15.plait.v1.RankMetrics\x12\"\n\x04jobs\x18\x02 \x03(\x0b\x32\x14.plait.v1.JobMetrics\x12#\n\x04host\x18\x03 \x01(\x0b\x32\x15.plait.v1.HostMetrics\x12\x1a\n\x12\x63omputed_unix_nano\x18\x04 \x01(\x03\"V\n\x14StreamMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x18\n\x10interval_seconds\x18\x03 \x01(\x01\"Y\n\x14GetBottleneckRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x1b\n\x13straggler_threshold\x18\x03 \x01(\x01\"\xb2\x01\n\x15GetBottleneckResponse\x12,\n\x05ranks\x18\x01 \x03(\x0b\x32\x1d.plait.v1.BottleneckBreakdown\x12\x0e\n\x06\x61\x64vice\x18\x02 \x01(\t\x12\x10\n\x08\x64ominant\x18\x03 \x01(\t\x12,\n\nstragglers\x18\x04 \x03(\x0b\x32\x18.plait.v1.StragglerScore\x12\x1b\n\x13straggler_threshold\x18\x05 \x01(\x01\"E\n\x13\x43\x61ptureTraceRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x03 \x03(\x05\"T\n\x14\x43\x61ptureTraceResponse\x12\x19\n\x11\x63hrome_trace_json\x18\x01 \x01(\x0c\x12\x12\n\nspan_count\x18\x02 \x01(\x03\x12\r\n\x05ranks\x18\x03 \x03(\x05\x32\xc6\x03\n\x06\x44\x61\x65mon\x12;\n\x06Status\x12\x17.plait.v1.StatusRequest\x1a\x18.plait.v1.StatusResponse\x12\x44\n\tListRanks\x12\x1a.plait.v1.ListRanksRequest\x1a\x1b.plait.v1.ListRanksResponse\x12G\n\nGetMetrics\x12\x1b.plait.v1.GetMetricsRequest\x1a\x1c.plait.v1.GetMetricsResponse\x12O\n\rStreamMetrics\x12\x1e.plait.v1.StreamMetricsRequest\x1a\x1c.plait.v1.GetMetricsResponse0\x01\x12P\n\rGetBottleneck\x12\x1e.plait.v1.GetBottleneckRequest\x1a\x1f.plait.v1.GetBottleneckResponse\x12M\n\x0c\x43\x61ptureTrace\x12\x1d.plait.v1.CaptureTraceRequest\x1a\x1e.plait.v1.CaptureTraceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15plait/v1/daemon.proto\x12\x08plait.v1\x1a\x16plait/v1/metrics.proto\"\x0f\n\rStatusRequest\"\xda\x06\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x14\n\x0c\x62ind_address\x18\x03 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07job_ids\x18\x05 \x03(\t\x12\r\n\x05ranks\x18\x06 \x01(\x05\x12\x16\n\x0espans_received\x18\x07 \x01(\x03\x12\x1e\n\x16metric_points_received\x18\x08 \x01(\x03\x12\x15\n\rspans_ignored\x18\t \x01(\x03\x12\x14\n\x0cwindow_steps\x18\n \x01(\x05\x12\x14\n\x0cwindow_spans\x18\x0b \x01(\x05\x12\x1d\n\x15ingest_queue_capacity\x18\x0c \x01(\x03\x12\x15\n\rspans_dropped\x18\r \x01(\x03\x12\x1d\n\x15metric_points_dropped\x18\x0e \x01(\x03\x12\x16\n\x0e\x63\x61lls_rejected\x18\x0f \x01(\x03\x12\'\n\x05hangs\x18\x10 \x03(\x0b\x32\x18.plait.v1.CollectiveHang\x12\x1c\n\x14hang_timeout_seconds\x18\x11 \x01(\x01\x12\x15\n\rgpu_collector\x18\x12 \x01(\t\x12\x11\n\texporters\x18\x13 \x03(\t\x12\x16\n\x0espans_rejected\x18\x14 \x01(\x03\x12\x1e\n\x16metric_points_rejected\x18\x15 \x01(\x03\x12J\n\x12rejected_by_reason\x18\x16 \x03(\x0b\x32..plait.v1.StatusResponse.RejectedByReasonEntry\x12U\n\x18\x63\x61lls_rejected_by_reason\x18\x17 \x03(\x0b\x32\x33.plait.v1.StatusResponse.CallsRejectedByReasonEntry\x12,\n\tforwarder\x18\x18 \x01(\x0b\x32\x19.plait.v1.ForwarderStatus\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a<\n\x1a\x43\x61llsRejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x91\x03\n\x0f\x46orwarderStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x03\x12\x14\n\x0cqueued_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12\x66orwarded_requests\x18\x05 \x01(\x03\x12\x0f\n\x07retries\x18\x06 \x01(\x03\x12\x18\n\x10\x64ropped_requests\x18\x07 \x01(\x03\x12\x15\n\rdropped_spans\x18\x08 \x01(\x03\x12\x1d\n\x15\x64ropped_metric_points\x18\t \x01(\x03\x12I\n\x11\x64ropped_by_reason\x18\n \x03(\x0b\x32..plait.v1.ForwarderStatus.DroppedByReasonEntry\x12\x1f\n\x17rejected_upstream_items\x18\x0b \x01(\x03\x1a\x36\n\x14\x44roppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\"\n\x10ListRanksRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"6\n\x11ListRanksResponse\x12!\n\x05ranks\x18\x01 \x03(\x0b\x32\x12.plait.v1.RankInfo\"9\n\x11GetMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\"\x9f\x01\n\x12GetMetricsResponse\x12$\n\x05ranks\x18\x01 \x03(\x0b\x32\x15.plait.v1.RankMetrics\x12\"\n\x04jobs\x18\x02 \x03(\x0b\x32\x14.plait.v1.JobMetrics\x12#\n\x04host\x18\x03 \x01(\x0b\x32\x15.plait.v1.HostMetrics\x12\x1a\n\x12\x63omputed_unix_nano\x18\x04 \x01(\x03\"V\n\x14StreamMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x18\n\x10interval_seconds\x18\x03 \x01(\x01\"Y\n\x14GetBottleneckRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x1b\n\x13straggler_threshold\x18\x03 \x01(\x01\"\xb2\x01\n\x15GetBottleneckResponse\x12,\n\x05ranks\x18\x01 \x03(\x0b\x32\x1d.plait.v1.BottleneckBreakdown\x12\x0e\n\x06\x61\x64vice\x18\x02 \x01(\t\x12\x10\n\x08\x64ominant\x18\x03 \x01(\t\x12,\n\nstragglers\x18\x04 \x03(\x0b\x32\x18.plait.v1.StragglerScore\x12\x1b\n\x13straggler_threshold\x18\x05 \x01(\x01\"E\n\x13\x43\x61ptureTraceRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x03 \x03(\x05\"T\n\x14\x43\x61ptureTraceResponse\x12\x19\n\x11\x63hrome_trace_json\x18\x01 \x01(\x0c\x12\x12\n\nspan_count\x18\x02 \x01(\x03\x12\r\n\x05ranks\x18\x03 \x03(\x05\x32\xc6\x03\n\x06\x44\x61\x65mon\x12;\n\x06Status\x12\x17.plait.v1.StatusRequest\x1a\x18.plait.v1.StatusResponse\x12\x44\n\tListRanks\x12\x1a.plait.v1.ListRanksRequest\x1a\x1b.plait.v1.ListRanksResponse\x12G\n\nGetMetrics\x12\x1b.plait.v1.GetMetricsRequest\x1a\x1c.plait.v1.GetMetricsResponse\x12O\n\rStreamMetrics\x12\x1e.plait.v1.StreamMetricsRequest\x1a\x1c.plait.v1.GetMetricsResponse0\x01\x12P\n\rGetBottleneck\x12\x1e.plait.v1.GetBottleneckRequest\x1a\x1f.plait.v1.GetBottleneckResponse\x12M\n\x0c\x43\x61ptureTrace\x12\x1d.plait.v1.CaptureTraceRequest\x1a\x1e.plait.v1.CaptureTraceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'plait.v1.daemon_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STATUSRESPONSE_REJECTEDBYREASONENTRY']._loaded_options = None
+  _globals['_STATUSRESPONSE_REJECTEDBYREASONENTRY']._serialized_options = b'8\001'
+  _globals['_STATUSRESPONSE_CALLSREJECTEDBYREASONENTRY']._loaded_options = None
+  _globals['_STATUSRESPONSE_CALLSREJECTEDBYREASONENTRY']._serialized_options = b'8\001'
+  _globals['_FORWARDERSTATUS_DROPPEDBYREASONENTRY']._loaded_options = None
+  _globals['_FORWARDERSTATUS_DROPPEDBYREASONENTRY']._serialized_options = b'8\001'
   _globals['_STATUSREQUEST']._serialized_start=59
   _globals['_STATUSREQUEST']._serialized_end=74
   _globals['_STATUSRESPONSE']._serialized_start=77
-  _globals['_STATUSRESPONSE']._serialized_end=551
-  _globals['_LISTRANKSREQUEST']._serialized_start=553
-  _globals['_LISTRANKSREQUEST']._serialized_end=587
-  _globals['_LISTRANKSRESPONSE']._serialized_start=589
-  _globals['_LISTRANKSRESPONSE']._serialized_end=643
-  _globals['_GETMETRICSREQUEST']._serialized_start=645
-  _globals['_GETMETRICSREQUEST']._serialized_end=702
-  _globals['_GETMETRICSRESPONSE']._serialized_start=705
-  _globals['_GETMETRICSRESPONSE']._serialized_end=864
-  _globals['_STREAMMETRICSREQUEST']._serialized_start=866
-  _globals['_STREAMMETRICSREQUEST']._serialized_end=952
-  _globals['_GETBOTTLENECKREQUEST']._serialized_start=954
-  _globals['_GETBOTTLENECKREQUEST']._serialized_end=1043
-  _globals['_GETBOTTLENECKRESPONSE']._serialized_start=1046
-  _globals['_GETBOTTLENECKRESPONSE']._serialized_end=1224
-  _globals['_CAPTURETRACEREQUEST']._serialized_start=1226
-  _globals['_CAPTURETRACEREQUEST']._serialized_end=1295
-  _globals['_CAPTURETRACERESPONSE']._serialized_start=1297
-  _globals['_CAPTURETRACERESPONSE']._serialized_end=1381
-  _globals['_DAEMON']._serialized_start=1384
-  _globals['_DAEMON']._serialized_end=1838
+  _globals['_STATUSRESPONSE']._serialized_end=935
+  _globals['_STATUSRESPONSE_REJECTEDBYREASONENTRY']._serialized_start=818
+  _globals['_STATUSRESPONSE_REJECTEDBYREASONENTRY']._serialized_end=873
+  _globals['_STATUSRESPONSE_CALLSREJECTEDBYREASONENTRY']._serialized_start=875
+  _globals['_STATUSRESPONSE_CALLSREJECTEDBYREASONENTRY']._serialized_end=935
+  _globals['_FORWARDERSTATUS']._serialized_start=938
+  _globals['_FORWARDERSTATUS']._serialized_end=1339
+  _globals['_FORWARDERSTATUS_DROPPEDBYREASONENTRY']._serialized_start=1285
+  _globals['_FORWARDERSTATUS_DROPPEDBYREASONENTRY']._serialized_end=1339
+  _globals['_LISTRANKSREQUEST']._serialized_start=1341
+  _globals['_LISTRANKSREQUEST']._serialized_end=1375
+  _globals['_LISTRANKSRESPONSE']._serialized_start=1377
+  _globals['_LISTRANKSRESPONSE']._serialized_end=1431
+  _globals['_GETMETRICSREQUEST']._serialized_start=1433
+  _globals['_GETMETRICSREQUEST']._serialized_end=1490
+  _globals['_GETMETRICSRESPONSE']._serialized_start=1493
+  _globals['_GETMETRICSRESPONSE']._serialized_end=1652
+  _globals['_STREAMMETRICSREQUEST']._serialized_start=1654
+  _globals['_STREAMMETRICSREQUEST']._serialized_end=1740
+  _globals['_GETBOTTLENECKREQUEST']._serialized_start=1742
+  _globals['_GETBOTTLENECKREQUEST']._serialized_end=1831
+  _globals['_GETBOTTLENECKRESPONSE']._serialized_start=1834
+  _globals['_GETBOTTLENECKRESPONSE']._serialized_end=2012
+  _globals['_CAPTURETRACEREQUEST']._serialized_start=2014
+  _globals['_CAPTURETRACEREQUEST']._serialized_end=2083
+  _globals['_CAPTURETRACERESPONSE']._serialized_start=2085
+  _globals['_CAPTURETRACERESPONSE']._serialized_end=2169
+  _globals['_DAEMON']._serialized_start=2172
+  _globals['_DAEMON']._serialized_end=2626
 # @@protoc_insertion_point(module_scope)

@@ -13,7 +13,21 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters")
+    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder")
+    class RejectedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class CallsRejectedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BIND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +47,11 @@ class StatusResponse(_message.Message):
     HANG_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GPU_COLLECTOR_FIELD_NUMBER: _ClassVar[int]
     EXPORTERS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    METRIC_POINTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    CALLS_REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    FORWARDER_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     bind_address: str
@@ -52,7 +71,45 @@ class StatusResponse(_message.Message):
     hang_timeout_seconds: float
     gpu_collector: str
     exporters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ...) -> None: ...
+    spans_rejected: int
+    metric_points_rejected: int
+    rejected_by_reason: _containers.ScalarMap[str, int]
+    calls_rejected_by_reason: _containers.ScalarMap[str, int]
+    forwarder: ForwarderStatus
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ...) -> None: ...
+
+class ForwarderStatus(_message.Message):
+    __slots__ = ("endpoint", "queued_requests", "queued_bytes", "queue_capacity_bytes", "forwarded_requests", "retries", "dropped_requests", "dropped_spans", "dropped_metric_points", "dropped_by_reason", "rejected_upstream_items")
+    class DroppedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARDED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SPANS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_METRIC_POINTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_UPSTREAM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    queued_requests: int
+    queued_bytes: int
+    queue_capacity_bytes: int
+    forwarded_requests: int
+    retries: int
+    dropped_requests: int
+    dropped_spans: int
+    dropped_metric_points: int
+    dropped_by_reason: _containers.ScalarMap[str, int]
+    rejected_upstream_items: int
+    def __init__(self, endpoint: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., queue_capacity_bytes: _Optional[int] = ..., forwarded_requests: _Optional[int] = ..., retries: _Optional[int] = ..., dropped_requests: _Optional[int] = ..., dropped_spans: _Optional[int] = ..., dropped_metric_points: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., rejected_upstream_items: _Optional[int] = ...) -> None: ...
 
 class ListRanksRequest(_message.Message):
     __slots__ = ("job_id",)
