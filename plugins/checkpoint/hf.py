@@ -5,10 +5,16 @@ half of each head against the second), as plait's `rope` kernel does, with the s
 (`theta^(-2i/head_dim)`), so q/k projections map across unchanged. (Meta's original checkpoints
 rotate interleaved pairs, which is why HF's conversion script permutes wq/wk; weights that are
 already in HF layout need no permutation.) The round-trip test checks logits, not just names.
+
+A running job exports and imports through the state layout its strategies declare
+(`plait.core.state_layout`), whatever they are: `export_hf_from` writes each rank's pieces of the
+weights (replicas once) and assembles them on rank 0; `load_hf_into` has every rank read from
+the safetensors files only the regions it holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -16,6 +22,13 @@ from typing import Any
 
 import torch
 
+from plait.plugins.checkpoint.layout import (
+    Staging,
+    first_replica,
+    layout_for,
+    region_chunks,
+    tensor_pieces,
+)
 from plait.plugins.checkpoint.storage import CheckpointError
 
 # plait name pattern -> HF name pattern (layer index as {i}).
@@ -137,3 +150,84 @@ def import_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             if name is not None:
                 weights[name] = tensor
     return weights, plait_model_overrides(json.loads(config_path.read_text()))
+
+
+def model_fields(model_config: Any) -> dict[str, Any]:
+    """The fields `hf_config` reads, from a resolved Llama config object."""
+    return {**model_config.model_dump(), "hidden_dim": model_config.hidden_dim}
+
+
+def export_hf_from(engine: Any, out_dir: Path, *, process_group: Any = None) -> Path:
+    """Write a running Llama job's weights as HF safetensors, however they are sharded.
+
+    Collective: every rank writes the pieces its strategies declare (DCP, replicas once) into a
+    staging directory under `out_dir`, which must be shared by the ranks; rank 0 reads them
+    back whole and writes `model.safetensors` and `config.json`.
+    """
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from plait.plugins.checkpoint.planner import ChunkedValue, ChunkSavePlanner
+
+    staging = out_dir / ".plait-export"
+    is_writer = first_replica(engine)
+    state = {
+        name: ChunkedValue(tensor_pieces(entry.value, is_writer=is_writer))
+        for name, entry in layout_for(engine).by_name().items()
+    }
+    dcp.save(
+        state,
+        storage_writer=dcp.FileSystemWriter(staging, single_file_per_rank=True),
+        planner=ChunkSavePlanner(),
+        process_group=process_group,
+    )
+    if engine.mesh.rank == 0:
+        from plait.plugins.checkpoint.offline import read_tensors
+
+        export_hf(read_tensors(staging), model_fields(engine.model_config), out_dir)
+        shutil.rmtree(staging)
+    if dist.is_initialized():
+        dist.barrier(group=process_group)
+    return out_dir
+
+
+@torch.no_grad()
+def load_hf_into(engine: Any, hf_dir: Path) -> int:
+    """Load HF Llama safetensors into a running job in place; each rank reads only the regions
+    of each tensor that its strategies declare it holds. Returns the number of tensors."""
+    from safetensors import safe_open
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{hf_dir} has no *.safetensors files")
+    layout = layout_for(engine)
+    entries = layout.by_name()
+    staging = Staging()
+    with contextlib.ExitStack() as stack:
+        where: dict[str, Any] = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            for hf_name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                where[hf_name] = handle
+        for name, entry in entries.items():
+            hf_name = plait_to_hf_name(name)
+            if hf_name not in where:
+                raise CheckpointError(f"{hf_dir} has no tensor {hf_name!r} (for {name!r})")
+            source = where[hf_name].get_slice(hf_name)
+            if tuple(source.get_shape()) != tuple(entry.value.global_shape):
+                raise CheckpointError(
+                    f"{hf_name}: shape {tuple(source.get_shape())} in {hf_dir}, this model has "
+                    f"{tuple(entry.value.global_shape)}"
+                )
+            for piece in entry.value.pieces:
+                for chunk in region_chunks(piece.region, staging.storage(piece)):
+                    index = tuple(
+                        slice(o, o + n)
+                        for o, n in zip(chunk.offsets, chunk.tensor.shape, strict=True)
+                    )
+                    chunk.tensor.copy_(source[index])
+    staging.write_back()
+    layout.finish_load()
+    return len(entries)

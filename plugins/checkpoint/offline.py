@@ -35,6 +35,11 @@ def read_checkpoint(path: Path, *, prefix: str = "", with_objects: bool = True) 
     verdict = verify(directory)
     if not verdict.ok:
         raise CheckpointError(f"checkpoint {directory} is unusable: {verdict.problem}")
+    return read_tensors(directory, prefix=prefix, with_objects=with_objects)
+
+
+def read_tensors(directory: Path, *, prefix: str = "", with_objects: bool = True) -> dict[str, Any]:
+    """Like `read_checkpoint`, from a DCP directory with no manifest (e.g. a staging one)."""
     reader = dcp.FileSystemReader(directory)
     state: dict[str, Any] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():

@@ -76,3 +76,24 @@ def train_on_layout(
         "degrees": dict(engine.mesh.degrees),
         "local_numel": sum(p.numel() for p in engine.module.parameters()),
     }
+
+
+def hf_export_then_import(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """A 2-way tensor-parallel job exports HF safetensors; a ZeRO-2 job initialised from another
+    seed imports them. Returns the ZeRO-2 job's parameters before and after the import."""
+    del rank, world_size
+    from pathlib import Path
+
+    from plait.plugins.checkpoint.hf import export_hf_from, load_hf_into
+
+    tp = Engine(config=layout_config("tp2", 1))
+    export_hf_from(tp, Path(out_dir))
+    tp.close()
+    config = layout_config("zero2", 1)
+    config["train"] = {**config["train"], "seed": 99}
+    zero = Engine(config=config)
+    before = {name: p.detach().clone() for name, p in zero.module.named_parameters()}
+    loaded = load_hf_into(zero, Path(out_dir))
+    after = {name: p.detach().clone() for name, p in zero.module.named_parameters()}
+    zero.close()
+    return {"before": before, "after": after, "loaded": loaded}

@@ -73,3 +73,22 @@ def test_zero3_to_interleaved_pp2(tmp_path: Path) -> None:
     assert all("zero3" in r["runtimes"] for r in zero3)
     assert all(r["degrees"]["pp"] == 2 and "pipeline" in r["runtimes"] for r in pipeline)
     assert_continues(zero3, pipeline, at=2)
+
+
+def test_hf_export_from_tp2_imports_into_zero2(tmp_path: Path) -> None:
+    """HF export and import of a running job go through the declared layout: tp slices are
+    assembled into whole tensors, and ZeRO-2 ranks read the flat ranges they hold."""
+    from safetensors.torch import load_file
+
+    from plait.plugins.checkpoint.hf import hf_to_plait_name
+
+    ranks = run_distributed(resharding_workers.hf_export_then_import, 2, str(tmp_path), timeout=150)
+    exported = {
+        hf_to_plait_name(k): v for k, v in load_file(str(tmp_path / "model.safetensors")).items()
+    }
+    assert not (tmp_path / ".plait-export").exists()
+    for result in ranks:
+        assert result["loaded"] == len(exported) == len(result["after"])
+        assert any(not torch.equal(result["before"][n], v) for n, v in exported.items())
+        for name, value in exported.items():
+            assert torch.equal(result["after"][name], value), name
