@@ -354,22 +354,25 @@ def compare_with_single_process(
 
     Both runs see the same global batches. Call `.assert_ok()` on the result, or print it.
     """
-    reference = train_configs(
-        {"reference": single_process_overrides(config_overrides)},
-        world_size=1,
-        steps=steps,
-        plugins=extra_plugins,
-        autoload=autoload,
-        timeout=timeout,
-    )["reference"]
-    candidate = train_configs(
-        {"layout": config_overrides},
-        world_size=world_size,
-        steps=steps,
-        plugins=extra_plugins,
-        autoload=autoload,
-        timeout=timeout,
-    )["layout"]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def train(overrides: Mapping[str, Any], ranks: int) -> TrainTrace:
+        traces = train_configs(
+            {"run": overrides},
+            world_size=ranks,
+            steps=steps,
+            plugins=extra_plugins,
+            autoload=autoload,
+            timeout=timeout,
+        )
+        return traces["run"]
+
+    # The two runs are independent jobs (separate rendezvous folders): start them together, so
+    # the one process's start-up overlaps the ranks'.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        single = pool.submit(train, single_process_overrides(config_overrides), 1)
+        candidate = train(config_overrides, world_size)
+        reference = single.result()
     return Comparison(
         world_size=world_size,
         reference=reference,

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
 from plait.core.hookspecs import hookimpl
 from plait.core.records import ScheduleRecord
 from plait.core.schedule import Action, Backward, Forward, OptimizerStep, SyncGradients
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytest_plugins = ["plait.testing"]
 
@@ -39,17 +33,15 @@ def plait_plugin_under_test() -> object:
     return ("one_microbatch", OneMicrobatch())
 
 
-def test_json_listing_parses_and_names_providers() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "plait.tools.cli", "plugins", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=dict(os.environ, PLAIT_DISABLE_PLUGIN_AUTOLOAD="1"),
-    )
-    assert result.returncode == 0, result.stderr
-    listing = {plugin["name"]: plugin for plugin in json.loads(result.stdout)}
+def test_json_listing_parses_and_names_providers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from plait.tools.cli import app
+
+    monkeypatch.setenv("PLAIT_DISABLE_PLUGIN_AUTOLOAD", "1")
+    result = CliRunner().invoke(app, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    listing = {plugin["name"]: plugin for plugin in json.loads(result.output)}
     assert listing["ddp"]["distribution"] == "plait (built-in)"
     assert listing["ddp"]["hooks"] == ["plait_register_strategies", "plait_shard"]
     assert {"kind": "dp", "name": "ddp"} in listing["ddp"]["provides"]
@@ -62,7 +54,7 @@ def test_json_listing_parses_and_names_providers() -> None:
         "device_types": ["cpu", "cuda"],
     }
     ring = next(p for p in listing["collectives"]["provides"] if p["name"] == "ring")
-    assert ring == {"kind": "comm", "name": "ring", "ops": ["all_reduce"]}
+    assert ring["kind"] == "comm" and "all_reduce" in ring["ops"]
 
 
 def test_plait_plugins_fixture_registers_the_plugin_under_test(plait_plugins) -> None:  # type: ignore[no-untyped-def]
