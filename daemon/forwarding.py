@@ -68,7 +68,8 @@ class RetryPolicy:
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after the `attempt`-th failure (1-based)."""
-        base = self.initial_backoff_seconds * self.multiplier ** (attempt - 1)
+        # The exponent is capped so a long outage cannot overflow the float.
+        base = self.initial_backoff_seconds * self.multiplier ** min(attempt - 1, 60)
         base = min(base, self.max_backoff_seconds)
         return base * random.uniform(1.0 - self.jitter, 1.0 + self.jitter)
 
@@ -235,7 +236,11 @@ class Forwarder:
                 if not self._queue:
                     return
                 item = self._queue[0]
-            outcome = self._deliver(item)
+            try:
+                outcome = self._deliver(item)
+            except Exception:  # never let one request end forwarding for good
+                logger.exception("forwarding to %s failed unexpectedly", self.describe)
+                outcome = "error"
             with self._lock:
                 self._dequeue()
                 if outcome is None:
@@ -269,8 +274,10 @@ class Forwarder:
                     return DROP_RETRIES_EXHAUSTED
                 with self._lock:
                     self.stats.retries += 1
-                # Woken early by stop(), which then bounds the rest by the flush deadline.
-                self._stop.wait(min(wait, max(self._flush_deadline - time.monotonic(), 0)))
+                if self._stop.is_set():  # flushing: back off too, within the deadline
+                    time.sleep(max(min(wait, self._flush_deadline - time.monotonic()), 0))
+                else:  # woken early by stop(), which then bounds the rest by its deadline
+                    self._stop.wait(wait)
                 continue
             rejected = rejected_items(response)
             if rejected:
