@@ -4,6 +4,8 @@ A plan maps module-name patterns to a style, the convention of Hugging Face's `t
 (`"layers.*.attention.wq": "colwise"`, where `*` stands for one dotted name component):
 
 - `colwise`: an `nn.Linear` split by output features (`ColumnParallelLinear`);
+- `colwise_gather`: the same, with the ranks' outputs gathered (a head whose loss the model
+  computes itself from full logits, as `transformers` models do);
 - `rowwise`: an `nn.Linear` split by input features (`RowParallelLinear`);
 - `vocab`: an `nn.Embedding` split by vocabulary rows (`VocabParallelEmbedding`);
 - `positions`: a replicated position-embedding table looked up with positions `0..s−1` of the
@@ -11,13 +13,19 @@ A plan maps module-name patterns to a style, the convention of Hugging Face's `t
 - `none`: remove an entry inherited from the model's own plan.
 
 Built-in models declare `tp_plan` (and `tp_param_plan` for loose parameters that follow a
-column-parallel output, such as GPT-2's `w1_bias`); `[tp] plan` / `[tp] param_plan` add or
-override entries. Structure is inferred from the result, Megatron's way: a module whose direct
-children include column- and row-parallel linears (an attention or MLP block) is a *parallel
-region* — its input goes through f (or the sequence all-gather) once, on entry, for all its
-column-parallel children. Attention modules exposing `head_dim` with `wq`/`wk`/`wv` children
-(the built-in `Attention`) are split by whole heads, with grouped-query KV heads split when the
+column-parallel output, such as GPT-2's `w1_bias`); a `transformers` model's own plan is
+translated (`hf_plan`); `[tp] plan` / `[tp] param_plan` add or override entries. Structure
+is inferred from the result, Megatron's way: a module whose direct children include column- and
+row-parallel linears (an attention or MLP block) is a *parallel region* — its input goes through
+f (or the sequence all-gather) once, on entry, for all its column-parallel children. Attention
+modules exposing `head_dim` with `wq`/`wk`/`wv` (built-in) or `q_proj`/`k_proj`/`v_proj`
+(`transformers`) children are split by whole heads, with grouped-query KV heads split when the
 TP degree divides them and replicated otherwise.
+
+Under sequence parallelism the built-in models enter sequence shards at the vocab-parallel
+embedding (reduce-scatter). A `transformers` model derives its positions and causal mask from
+the embeddings' length, so there the sequence is split at the entry of the first block instead
+and the embedding's output stays whole.
 """
 
 from __future__ import annotations
@@ -30,8 +38,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.core.blocks import find_block_container
 from plait.core.errors import ConfigError, MeshError
 from plait.core.grad_norm import sharded_axes
+from plait.plugins.tensor_parallel.hf_plan import (
+    declared_hf_plan,
+    hf_head_counts,
+    is_hf_model,
+    translate_hf_plan,
+)
 from plait.plugins.tensor_parallel.layers import (
     SEQUENCE_DIM,
     ColumnParallelLinear,
@@ -45,9 +60,10 @@ from plait.plugins.tensor_parallel.layers import (
 from plait.plugins.tensor_parallel.tp_communications import (
     TensorParallelGroup,
     copy_to_tensor_region,
+    scatter_to_sequence_region,
 )
 
-STYLES = ("colwise", "rowwise", "vocab", "positions", "none")
+STYLES = ("colwise", "colwise_gather", "rowwise", "vocab", "positions", "none")
 # Built-in position tables (GPT-2) that sequence parallelism must offset.
 DEFAULT_POSITION_MODULES = ("pos_embeddings",)
 
@@ -68,7 +84,13 @@ def resolve_plan(
     model: nn.Module, overrides: Mapping[str, str], *, attribute: str = "tp_plan"
 ) -> dict[str, str]:
     """The model's declared plan with `overrides` applied; `none` entries are dropped."""
-    plan = {**dict(getattr(model, attribute, {}) or {}), **dict(overrides)}
+    if is_hf_model(model):
+        # `transformers` models expose their own `tp_plan`, in transformers' style names.
+        hf_plan = declared_hf_plan(model) if attribute == "tp_plan" else None
+        declared = translate_hf_plan(hf_plan or {})
+    else:
+        declared = dict(getattr(model, attribute, {}) or {})
+    plan = {**declared, **dict(overrides)}
     bad = {k: v for k, v in plan.items() if v not in STYLES}
     if bad:
         raise ConfigError(f"tp.plan: unknown style(s) {bad}; allowed: {', '.join(STYLES)}")
@@ -106,8 +128,9 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
 def _head_layout(name: str, attention: nn.Module, tp: TensorParallelGroup) -> slice | None:
     """Check head counts; return the KV rows this rank uses if KV heads are replicated."""
     head_dim = attention.head_dim
-    n_heads = attention.wq.out_features // head_dim
-    n_kv_heads = attention.wk.out_features // head_dim
+    query, key, _ = _projections(attention)
+    n_heads = query.out_features // head_dim
+    n_kv_heads = key.out_features // head_dim
     if n_heads % tp.size:
         raise _indivisible("attention heads (n_heads)", name, n_heads, tp.size)
     if n_kv_heads % tp.size == 0:
@@ -124,10 +147,43 @@ def _head_layout(name: str, attention: nn.Module, tp: TensorParallelGroup) -> sl
     return slice(kv_head * head_dim, (kv_head + 1) * head_dim)
 
 
+# Query/key/value projection names: the built-in attention's, then the `transformers` ones.
+PROJECTION_NAMES = (("wq", "wk", "wv"), ("q_proj", "k_proj", "v_proj"))
+
+
+def _projection_names(module: nn.Module) -> tuple[str, str, str] | None:
+    if not isinstance(getattr(module, "head_dim", None), int):
+        return None
+    for names in PROJECTION_NAMES:
+        if all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+            return names
+    return None
+
+
+def _projections(module: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    names = _projection_names(module)
+    assert names is not None
+    return tuple(getattr(module, n) for n in names)  # type: ignore[return-value]
+
+
 def _is_attention(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "head_dim", None), int) and all(
-        isinstance(getattr(module, n, None), nn.Linear) for n in ("wq", "wk", "wv")
-    )
+    return _projection_names(module) is not None
+
+
+def _localise_head_counts(attention: nn.Module, tp: TensorParallelGroup, kv_split: bool) -> None:
+    """A `transformers` attention reads its head counts from attributes; make them this rank's
+    (query heads split; KV heads split or, when replicated, one per rank)."""
+    counts = hf_head_counts(attention)
+    if counts is None:
+        return
+    heads, kv_heads = counts
+    local_heads = heads // tp.size
+    local_kv_heads = kv_heads // tp.size if kv_split else 1
+    for attr, value in (("num_heads", local_heads), ("num_key_value_heads", local_kv_heads)):
+        if isinstance(getattr(attention, attr, None), int):
+            setattr(attention, attr, value)
+    if isinstance(getattr(attention, "num_key_value_groups", None), int):
+        attention.num_key_value_groups = local_heads // local_kv_heads
 
 
 class RegionEntry:
@@ -158,17 +214,24 @@ class RegionEntry:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         del module
-        x, *rest = args
+        # The hidden states come first, positionally or (as `transformers` layers pass them)
+        # by keyword.
+        key = None if args else _hidden_states_keyword(kwargs)
+        x = args[0] if key is None else kwargs[key]
+        rest = list(args[1:])
         if not self.sequence_parallel:
-            return (copy_to_tensor_region(x, self.tp), *rest), kwargs
-        local_seq = x.shape[SEQUENCE_DIM]
-        x, source = gather_sequence_shard(x, self.tp)
-        for column in self.columns:
-            column.sequence_source = source
-        full_seq = x.shape[SEQUENCE_DIM]
-        rest = [self._full_rope(v, local_seq, full_seq) for v in rest]
-        kwargs = {k: self._full_rope(v, local_seq, full_seq) for k, v in kwargs.items()}
-        return (x, *rest), kwargs
+            x = copy_to_tensor_region(x, self.tp)
+        else:
+            local_seq = x.shape[SEQUENCE_DIM]
+            x, source = gather_sequence_shard(x, self.tp)
+            for column in self.columns:
+                column.sequence_source = source
+            full_seq = x.shape[SEQUENCE_DIM]
+            rest = [self._full_rope(v, local_seq, full_seq) for v in rest]
+            kwargs = {k: self._full_rope(v, local_seq, full_seq) for k, v in kwargs.items()}
+        if key is None:
+            return (x, *rest), kwargs
+        return tuple(rest), {**kwargs, key: x}
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook: the shard is saved by the layers that used it; drop other references."""
@@ -177,6 +240,35 @@ class RegionEntry:
             if column.sequence_source is not None:
                 column.sequence_source.shard = None
             column.sequence_source = None
+
+
+def _hidden_states_keyword(kwargs: dict[str, Any]) -> str:
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "hidden_states"
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return key
+    raise ConfigError(
+        f"tensor parallelism: a parallel region was called with no tensor input "
+        f"(keywords: {sorted(kwargs)})"
+    )
+
+
+class SequenceEntry:
+    """Forward pre-hook of the first block of a `transformers` model under sequence
+    parallelism: keep this rank's shard of the (replicated) hidden states."""
+
+    def __init__(self, tp: TensorParallelGroup) -> None:
+        self.tp = tp
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        del module
+        if args:
+            return (scatter_to_sequence_region(args[0], self.tp, SEQUENCE_DIM), *args[1:]), kwargs
+        key = _hidden_states_keyword(kwargs)
+        return args, {**kwargs, key: scatter_to_sequence_region(kwargs[key], self.tp, SEQUENCE_DIM)}
 
 
 class PositionOffset:
@@ -205,6 +297,7 @@ def apply_plan(
     """Replace the planned modules of `model` (materialised, full) by their tp shards, in place."""
     layout = TensorParallelLayout()
     modules = dict(model.named_modules())
+    split_at_first_block = sequence_parallel and is_hf_model(model)
     styles = match_plan([n for n in modules if n], plan)
     if not any(s in ("colwise", "rowwise", "vocab") for s in styles.values()):
         raise ConfigError(
@@ -214,14 +307,16 @@ def apply_plan(
         )
     replicated_rows: dict[str, slice] = {}
     for name, module in modules.items():
-        if _is_attention(module) and styles.get(f"{name}.wq") == "colwise":
+        names = _projection_names(module)
+        if names is not None and styles.get(f"{name}.{names[0]}") == "colwise":
             rows = _head_layout(name, module, tp)
             if rows is not None:
-                replicated_rows[f"{name}.wk"] = replicated_rows[f"{name}.wv"] = rows
+                replicated_rows[f"{name}.{names[1]}"] = replicated_rows[f"{name}.{names[2]}"] = rows
+            _localise_head_counts(module, tp, kv_split=rows is None)
 
     for name, style in styles.items():
         module = modules[name]
-        if style in ("colwise", "rowwise") and not isinstance(module, nn.Linear):
+        if style in ("colwise", "colwise_gather", "rowwise") and not isinstance(module, nn.Linear):
             raise ConfigError(f"tp.plan: {name!r} is {style} but a {type(module).__name__}")
         if style in ("vocab", "positions") and not isinstance(module, nn.Embedding):
             raise ConfigError(f"tp.plan: {name!r} is {style} but a {type(module).__name__}")
@@ -232,6 +327,11 @@ def apply_plan(
             )
             layout.tp_reduced_params.extend(new.parameters())
             layout.replicated_kv_heads = True
+        elif style == "colwise_gather":
+            if module.out_features % tp.size:
+                raise _indivisible("output features", name, module.out_features, tp.size)
+            new = ColumnParallelLinear.from_linear(module, tp=tp)
+            new.gather_output = True
         elif style == "colwise":
             what = "vocabulary (vocab_size)" if name == output_module else "output features"
             if name.rpartition(".")[2] in ("w1", "w3"):
@@ -252,7 +352,7 @@ def apply_plan(
             if module.num_embeddings % tp.size:
                 raise _indivisible("vocabulary (vocab_size)", name, module.num_embeddings, tp.size)
             new = VocabParallelEmbedding.from_embedding(module, tp=tp)
-            if sequence_parallel:
+            if sequence_parallel and not split_at_first_block:
                 new.output_mode = "reduce_scatter_sequence"
         else:  # positions
             if sequence_parallel:
@@ -264,13 +364,17 @@ def apply_plan(
 
     _shard_loose_parameters(model, param_plan or {}, tp)
     _mark_regions(model, layout, tp, sequence_parallel)
-    if sequence_parallel:
+    if split_at_first_block:
+        _, blocks = find_block_container(model, field="tp.sequence_parallel")
+        next(iter(blocks.children())).register_forward_pre_hook(SequenceEntry(tp), with_kwargs=True)
+    elif sequence_parallel:
         _check_sequence_parallel_ends(model, layout, output_module)
         for name in DEFAULT_POSITION_MODULES:
             table = getattr(model, name, None)
             if isinstance(table, nn.Embedding) and name not in layout.styles:
                 table.register_forward_pre_hook(PositionOffset(tp))
                 layout.styles[name] = "positions"
+    if sequence_parallel:
         # Every replicated parameter now sees only this rank's sequence shard (norms, biases
         # added after a reduce-scatter, position tables): its gradient is partial.
         reduced = {id(p) for p in layout.tp_reduced_params}

@@ -1,0 +1,95 @@
+"""Rank functions: `transformers` models passed to `plait.initialize` unwrapped, against a plain
+single-process PyTorch loop over the same global batches.
+
+The models come from tiny configs (nothing is downloaded) and compute their own loss from
+`labels`; the batch is the dict a Hugging Face data collator makes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import plait
+
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR = 96, 16, 8, 5, 3e-3
+
+
+def build(family: str) -> nn.Module:
+    """A tiny `transformers` model of `family`, identically initialised on every rank."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        return transformers.LlamaForCausalLM(config)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return transformers.GPT2LMHeadModel(config)
+    raise ValueError(family)
+
+
+def batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+
+
+def plain_loop(family: str) -> list[float]:
+    """The reference: the user's own loop on one process, the whole global batch per step."""
+    model = build(family)
+    opt = optimizer(model.parameters())
+    losses = []
+    for tokens in batches():
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_layouts(rank: int, world_size: int, family: str, layouts: dict[str, dict]) -> dict:
+    """Every layout on these ranks, each from a fresh model; losses per step by layout."""
+    del rank
+    reference = plain_loop(family)
+    results: dict[str, Any] = {"reference": reference}
+    for name, overrides in layouts.items():
+        config = copy.deepcopy(overrides)
+        config.setdefault("telemetry", {"enabled": False})
+        config.setdefault("train", {}).setdefault("device", "cpu")
+        engine = plait.initialize(build(family), config=config, optimizer=optimizer)
+        dp, dp_rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+        share = GLOBAL_BATCH // dp
+        losses = []
+        for tokens in batches():
+            mine = tokens[dp_rank * share : (dp_rank + 1) * share]
+            losses.append(engine.train_step({"input_ids": mine, "labels": mine}))
+        results[name] = {"losses": losses, "flops_per_token": engine.flops_per_token}
+        engine.close()
+    return results

@@ -1,0 +1,41 @@
+"""`transformers` models through `plait.initialize`, unwrapped, against the user's plain loop.
+
+Llama and GPT-2 from tiny configs compute their own loss from `labels`; every layout runs 5
+steps on 2 Gloo ranks and must give the plain single-process loop's losses (fp32: only the
+summation order differs).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.core.testing import run_distributed
+from tests.dist import hf_workers
+
+pytest.importorskip("transformers")
+
+TOL = 1e-5
+
+COMMON = {
+    "ddp": {"parallel": {"dp_strategy": "ddp"}},
+    "zero1": {"parallel": {"dp_strategy": "zero1"}},
+    "zero2_accumulate": {"parallel": {"dp_strategy": "zero2"}, "train": {"micro_batch_size": 2}},
+    "zero3": {"parallel": {"dp_strategy": "zero3"}},
+}
+TENSOR_PARALLEL = {
+    "tp2": {"parallel": {"tp": 2}},
+    "tp2_sequence_parallel": {"parallel": {"tp": 2}, "tp": {"sequence_parallel": True}},
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_layouts_match_the_plain_loop(family: str) -> None:
+    layouts = {**COMMON, **(TENSOR_PARALLEL if family == "llama" else {})}
+    ranks = run_distributed(hf_workers.train_layouts, 2, family, layouts, timeout=240)
+    for results in ranks:
+        reference = results["reference"]
+        for name in layouts:
+            got = results[name]["losses"]
+            assert got == pytest.approx(reference, abs=TOL, rel=TOL), (family, name, got, reference)
+            assert results[name]["flops_per_token"] > 0, (family, name)
