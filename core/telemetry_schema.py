@@ -109,7 +109,6 @@ UNIT_SECONDS = "s"
 UNIT_BYTES = "By"
 UNIT_RATIO = "1"
 UNIT_FLOP = "{flop}"
-UNIT_FLOP_PER_SECOND = "{flop}/s"
 UNIT_TOKEN = "{token}"
 UNIT_TOKEN_PER_SECOND = "{token}/s"
 
