@@ -23,25 +23,29 @@ import torch
 import torch.distributed as dist
 
 from plait.core.comm import Comm, world_group
+from plait.core.comm_algorithms import GRAD_BUCKET
+from plait.core.config import load_config
 from plait.core.plugins import Plugins
 from plait.core.testing import run_distributed
-from plait.plugins.collectives import CollectivesPlugin
-from plait.plugins.collectives.config import CommConfig, PowerSGDConfig, TopKConfig
 from plait.plugins.collectives.metering import TrafficMeter
-from plait.plugins.compression import CompressionPlugin
-from plait.plugins.param_server import ParamServerPlugin
 
-ALGORITHMS: dict[str, CommConfig] = {
-    "torch": CommConfig(),
-    "ring": CommConfig(algorithm="ring"),
-    "tree": CommConfig(algorithm="tree"),
-    "fp16": CommConfig(algorithm="fp16"),
-    "bf16": CommConfig(algorithm="bf16"),
-    "powersgd": CommConfig(algorithm="powersgd", powersgd=PowerSGDConfig(rank=4)),
-    "topk": CommConfig(algorithm="topk", topk=TopKConfig(ratio=0.01)),
-    "param_server": CommConfig(algorithm="param_server"),
+# name -> the [comm] section that selects it (options in [comm.<algorithm>])
+ALGORITHMS: dict[str, dict[str, object]] = {
+    "torch": {"algorithm": "torch"},
+    "ring": {"algorithm": "ring"},
+    "tree": {"algorithm": "tree"},
+    "fp16": {"algorithm": "fp16"},
+    "bf16": {"algorithm": "bf16"},
+    "powersgd": {"algorithm": "powersgd", "powersgd": {"rank": 4}},
+    "topk": {"algorithm": "topk", "topk": {"ratio": 0.01}},
+    "param_server": {"algorithm": "param_server"},
 }
-BACKEND_ONLY = (("torch_comm", "plait.plugins.torch_comm"),)
+ALGORITHM_PLUGINS = (
+    ("collectives", "plait.plugins.collectives"),
+    ("compression", "plait.plugins.compression"),
+    ("param_server", "plait.plugins.param_server"),
+)
+BACKEND_AND_ALGORITHMS = (("torch_comm", "plait.plugins.torch_comm"), *ALGORITHM_PLUGINS)
 UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
 
 
@@ -59,22 +63,15 @@ def human_bytes(count: float) -> str:
     return f"{count:.0f} B"
 
 
-def build_comm(config: CommConfig) -> tuple[Comm, TrafficMeter]:
+def build_comm(comm_section: dict[str, object]) -> tuple[Comm, TrafficMeter, Plugins]:
+    """A `Comm` over the backend and the algorithm plugins, configured as an engine would be
+    (options validated from `[comm.<name>]`, the dp group given a dedicated process group)."""
     meter = TrafficMeter()
-    algorithm_plugins = [
-        CollectivesPlugin(config),
-        CompressionPlugin(config),
-        ParamServerPlugin(config),
-    ]
     plugins = Plugins.create(
-        autoload=False,
-        builtins=BACKEND_ONLY,
-        extra=[("traffic_meter", meter), *((p.plugin_name, p) for p in algorithm_plugins)],
+        autoload=False, builtins=BACKEND_AND_ALGORITHMS, extra=[("traffic_meter", meter)]
     )
-    comm = Comm(plugins)
-    for plugin in algorithm_plugins:
-        plugin.bind(comm)
-    return comm, meter
+    plugins.configure(load_config({"comm": comm_section}))
+    return Comm(plugins), meter, plugins
 
 
 def repetitions(nbytes: int) -> int:
@@ -90,7 +87,7 @@ def bench_rank(
     for nbytes in sizes:
         numel = max(1, nbytes // 4)
         for name in algorithms:
-            comm, meter = build_comm(ALGORITHMS[name])
+            comm, meter, plugins = build_comm(ALGORITHMS[name])
             generator = torch.Generator().manual_seed(rank)
             data = torch.randn(numel, generator=generator)
             reps = repetitions(nbytes)
@@ -104,7 +101,7 @@ def bench_rank(
                     group=group,
                     op="avg",
                     async_op=True,
-                    purpose="grad_bucket",
+                    purpose=GRAD_BUCKET,
                     attributes={"bucket_index": 0},
                 ).wait()
                 elapsed = time.perf_counter() - start
@@ -113,9 +110,10 @@ def bench_rank(
                 if rep >= 2:
                     samples.append(elapsed)
             # An algorithm's traffic is its sub-ops; the backend's is the request itself.
-            own = "grad_bucket" if name == "torch" else None
-            wire = meter.bytes_for(lambda p, own=own: p == own if own else p != "grad_bucket")
+            own = GRAD_BUCKET if name == "torch" else None
+            wire = meter.bytes_for(lambda p, own=own: p == own if own else p != GRAD_BUCKET)
             wire /= reps
+            plugins.job_end()  # drains the parameter server, stops the algorithm's worker
             rows.append((name, numel * 4, statistics.median(samples), wire))
     return rows
 
