@@ -138,7 +138,7 @@ class Engine:
         self._flops_group = self.mesh.group("pp", "tp") if self.flops_per_token == 0 else None
         self._actions: dict[int, list[Action]] = {}
         self._positions: dict[int, dict[Action, MicrobatchPosition]] = {}
-        self.step = 0
+        self.global_step = 0  # optimizer steps taken (restored by a checkpoint resume)
         self.last_report: StepReport | None = None
         self._last_grad_norm = torch.tensor(float("nan"))
         self._skipped = False
@@ -410,7 +410,7 @@ class Engine:
     def begin_step(self) -> None:
         """Start an optimizer step: tell the plugins (profilers, telemetry)."""
         self._skipped = False
-        self.plugins.step_start(self.step)
+        self.plugins.step_start(self.global_step)
 
     def end_step(
         self,
@@ -429,7 +429,7 @@ class Engine:
             spans.insert(0, PhaseSpan(name="data", start_ns=data_start_ns, end_ns=start_ns))
         tokens *= self.mesh.size("dp")
         report = StepReport(
-            step=self.step,
+            step=self.global_step,
             loss=loss,
             tokens=tokens,
             step_seconds=(end_ns - (data_start_ns or start_ns)) / 1e9,
@@ -445,7 +445,7 @@ class Engine:
         )
         self.last_report = report
         self.plugins.step_end(report)
-        self.step += 1
+        self.global_step += 1
         return loss
 
     def _mean_loss(self, losses: Sequence[torch.Tensor | None]) -> float:
@@ -483,7 +483,7 @@ class Engine:
         by `train.gradient_accumulation_steps` and scaled as the runtimes need (fp16)."""
         self._manual_loop().backward(loss)
 
-    def optimizer_boundary_step(self) -> bool:
+    def step(self) -> bool:
         """Sync gradients and step the optimizer once every `gradient_accumulation_steps`
         backwards; between boundaries it does nothing. True when the optimizer stepped."""
         return self._manual_loop().step()

@@ -92,7 +92,7 @@ class Checkpointer:
                 return report.step
         if self.config.init_from:
             self.load(resolve_checkpoint(Path(self.config.init_from)), model_only=True)
-        return int(self.engine.step)
+        return int(self.engine.global_step)
 
     def _find_resumable(self) -> str | None:
         assert self.root is not None

@@ -61,7 +61,7 @@ class NonFiniteGuard(ParallelRuntime):
             return False
         self.consecutive += 1
         self.skipped_total += 1
-        step = self.engine.step
+        step = self.engine.global_step
         log.warning(
             "step %d: non-finite gradients, optimizer step skipped (%d in a row, %d in total)",
             step,

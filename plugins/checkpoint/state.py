@@ -108,7 +108,7 @@ def engine_state_dict(
         state["lr_scheduler"] = copy.deepcopy(engine.lr_scheduler.state_dict())
     if batches is not None:
         state["sampler"] = dict(batches.state_dict())
-    state["train.step"] = int(engine.step)
+    state["train.step"] = int(engine.global_step)
     state[f"rng.rank{rank}"] = rng_state()
     plugin_state = engine.plugins.checkpoint_state(rank)
     if plugin_state:
@@ -202,11 +202,11 @@ def load_engine_state(
     notes: list[str] = []
     if model_only:
         layout.finish_load()
-        return LoadReport(directory, int(engine.step), True)
+        return LoadReport(directory, int(engine.global_step), True)
     _set_optimizer_steps(layout, {fqn: state[optim_key(fqn, "step")] for fqn in steps})
     layout.finish_load()
     _apply_training_state(engine, state, batches=batches, rank=rank, notes=notes)
-    return LoadReport(directory, int(engine.step), False, tuple(notes))
+    return LoadReport(directory, int(engine.global_step), False, tuple(notes))
 
 
 def _set_optimizer_steps(layout: StateLayout, steps: dict[str, Any]) -> None:
@@ -263,7 +263,7 @@ def _apply_training_state(
             group["lr"] = lr
     if batches is not None and state.get("sampler") is not None:
         batches.load_state_dict(state["sampler"])
-    engine.step = int(state["train.step"])
+    engine.global_step = int(state["train.step"])
     rng = state.get(f"rng.rank{rank}")
     if rng is None and state.get("rng.rank0") is not None:
         rng = state["rng.rank0"]

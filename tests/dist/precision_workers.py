@@ -114,7 +114,7 @@ class InjectInf(ParallelRuntime):
         self.steps = steps
 
     def sync_gradients(self) -> None:
-        if self.engine.mesh.rank == self.rank and self.engine.step in self.steps:
+        if self.engine.mesh.rank == self.rank and self.engine.global_step in self.steps:
             param = next(p for p in self.engine.module.parameters() if p.grad is not None)
             param.grad.view(-1)[0] = float("inf")
 

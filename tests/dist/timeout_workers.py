@@ -41,7 +41,7 @@ class StallBeforeGradientAllReduce:
             self.active
             and self.stalled_seq is None
             and self.engine is not None
-            and self.engine.step == self.step
+            and self.engine.global_step == self.step
             and request.op == "all_reduce"
             and request.purpose == "grad_bucket"
         ):

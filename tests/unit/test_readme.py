@@ -51,7 +51,7 @@ SETUP = textwrap.dedent(
 @pytest.mark.timeout(150)
 def test_initialize_snippet_trains(tmp_path: Path) -> None:
     snippet = next(b for b in _python_blocks() if "plait.initialize(" in b)
-    code = SETUP + snippet + "\nprint('first', engine.step, 'loss', loss)\n"
+    code = SETUP + snippet + "\nprint('first', engine.global_step, 'loss', loss)\n"
     code = code.replace(
         "for inputs, targets in my_loader:", "losses = []\nfor inputs, targets in my_loader:"
     )
