@@ -14,7 +14,7 @@ Ingest is bounded: at most `capacity` spans and metric points are being stored a
 counters (reported by `Status`), and answered with an OTLP *partial success* naming the
 rejected items, so the exporter does not retry into an overloaded daemon. Accepted requests
 are stored before the call returns, so a query after an export sees it. Received requests can
-also be handed to a forwarder (`plait.daemon.exporters.OtlpUpstream`) as they are.
+also be handed to a forwarder (`plait.daemon.exporters.OtlpUpstream`).
 """
 
 from __future__ import annotations
