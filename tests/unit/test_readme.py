@@ -88,3 +88,11 @@ def test_plugin_example_is_a_working_strategy(tmp_path: Path) -> None:
         """
     )
     assert _run(code, tmp_path).strip().endswith("ok")
+
+
+@pytest.mark.timeout(150)
+def test_your_own_model_snippet_trains_a_transformers_model(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    snippet = next(b for b in _python_blocks() if b.startswith("# your_own_model.py"))
+    out = _run(snippet.replace('"zero3"', '"zero3"}, "telemetry": {"enabled": False'), tmp_path)
+    assert "trained 6 steps" in out, out
