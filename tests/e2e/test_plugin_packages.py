@@ -10,14 +10,16 @@ hooks answered, so the test can tell that each plugin really ran.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from plait.core.testing import train_configs
+from plait.core.testing import TrainTrace, train_configs
 from tests.readme_blocks import write_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,8 +56,10 @@ PROBE = '''\
 """Records what the schedule, kernel and communicate hooks answered; written at job end."""
 
 import json
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 from plait import hookimpl
 from plait.core.schedule import format_action
@@ -195,30 +199,78 @@ LAYOUTS = {
     "zero1": {"parallel": {"dp_strategy": "zero1"}},
     "zero2": {"parallel": {"dp_strategy": "zero2"}},
     "zero3": {"parallel": {"dp_strategy": "zero3"}},
-    "tp2": {"parallel": {"tp": 2}},
+    # tp=2 leaves dp=1: four sequences make two micro-batches, so the two orders add the same
+    # two gradients (exactly commutative) and any difference is the order logic, not rounding.
+    "tp2": {"parallel": {"tp": 2}, "train": {"global_batch_size": 4}},
 }
+INT8 = {"algorithm": "int8", "int8": {"block_size": 64}}
+EXAMPLES = {
+    "my_dp": {"parallel": {"dp_strategy": "my_dp"}, "my_dp": {"average": True}},
+    "int8": {"parallel": {"dp_strategy": "ddp"}, "comm": INT8},
+    # ZeRO-2's reduce-scatter path (the GPU one), forced on Gloo: int8 takes it over too.
+    "int8 reduce-scatter": {
+        "parallel": {"dp_strategy": "zero2"},
+        "zero": {"gradient_reduction": "reduce_scatter"},
+        "comm": INT8,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_traces(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainTrace]:
+    """Every layout with each schedule order, and the README examples, in one 2-rank spawn.
+
+    The installed packages come in through the entry points (autoload on); the README's
+    strategy, which is not packaged, by module path.
+    """
+    strategy = tmp_path_factory.mktemp("strategy")
+    write_files(strategy, "my_package/")
+    (strategy / "my_package" / "__init__.py").write_text("")
+    cases: dict[str, dict[str, Any]] = dict(EXAMPLES)
+    for layout, overrides in LAYOUTS.items():
+        for schedule in ("accumulate", "reverse_accumulate"):
+            cases[f"{layout} {schedule}"] = {**overrides, "schedule": {"name": schedule}}
+    with pytest.MonkeyPatch.context() as patch:
+        for folder in (site, strategy):  # spawned ranks start from this sys.path
+            patch.syspath_prepend(str(folder))
+        return train_configs(
+            cases,
+            world_size=2,
+            steps=3,
+            plugins=[("my_dp", "my_package.my_dp")],
+            autoload=True,
+            timeout=280,
+        )
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_reverse_schedule_matches_the_default_order_under_every_layout(
-    site: Path, monkeypatch: pytest.MonkeyPatch
+    two_rank_traces: dict[str, TrainTrace],
 ) -> None:
-    monkeypatch.syspath_prepend(str(site))  # spawned ranks start from this sys.path
-    cases = {}
-    for layout, overrides in LAYOUTS.items():
-        for schedule in ("accumulate", "reverse_accumulate"):
-            cases[f"{layout} {schedule}"] = {**overrides, "schedule": {"name": schedule}}
-    traces = train_configs(cases, world_size=2, steps=3, autoload=True, timeout=280)
     report, failed = [], []
     for layout in LAYOUTS:
-        default, reverse = traces[f"{layout} accumulate"], traces[f"{layout} reverse_accumulate"]
+        default = two_rank_traces[f"{layout} accumulate"]
+        reverse = two_rank_traces[f"{layout} reverse_accumulate"]
         assert len(set(default.losses)) == len(default.losses), f"{layout}: the loss moves"
         difference = max(abs(a - b) for a, b in zip(default.losses, reverse.losses, strict=True))
         report.append(f"{layout}: {default.losses} vs {reverse.losses} ({difference:.1e})")
         if difference > 1e-6:
             failed.append(layout)
     assert not failed, f"reverse order changed the losses under {failed}:\n" + "\n".join(report)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_readme_strategy_and_int8_train_like_ddp(two_rank_traces: dict[str, TrainTrace]) -> None:
+    reference = two_rank_traces["ddp accumulate"].losses
+    my_dp = two_rank_traces["my_dp"].losses
+    assert max(abs(a - b) for a, b in zip(my_dp, reference, strict=True)) <= 1e-6
+    for name in ("int8", "int8 reduce-scatter"):
+        trace = two_rank_traces[name]
+        difference = max(abs(a - b) for a, b in zip(trace.losses, reference, strict=True))
+        assert 0 < difference < 2e-2, f"{name} takes the buckets over, stays close: {difference}"
+        assert all(math.isfinite(norm) for norm in trace.grad_norms)
 
 
 @pytest.mark.dist

@@ -1,10 +1,10 @@
 """The README's "Writing a plugin" examples work as written: each file block is written out and
-exercised — records, config validation, the int8 codec, and two-rank training against DDP."""
+exercised in this process — records, selection by name, config validation, the int8 codec, the
+fused kernel. Two-rank training with them is in `tests/e2e/test_plugin_packages.py`."""
 
 from __future__ import annotations
 
 import importlib
-import math
 import sys
 from pathlib import Path
 
@@ -17,7 +17,6 @@ from plait.core.errors import ConfigError
 from plait.core.kernels import Kernels
 from plait.core.plugins import Plugins, plugin_object
 from plait.core.schedule import ScheduleRequest, format_action
-from plait.core.testing import train_configs
 from tests.readme_blocks import readme_files, write_files
 
 EXAMPLES = {
@@ -103,39 +102,3 @@ def test_int8_codec_round_trip(examples: Plugins) -> None:
         error = (restored[start : start + block] - chunk).abs().max()
         assert error <= chunk.abs().max() / 254 * 1.0001  # half a quantisation step
     assert int8.quantise(tensor, block).numel() == 1000 + 24 + 8 * 4  # padded values + scales
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(240)
-def test_examples_train_on_two_ranks(examples: Plugins) -> None:
-    del examples
-    ddp = {"parallel": {"dp_strategy": "ddp"}}
-    traces = train_configs(
-        {
-            "ddp": ddp,
-            "my_dp": {"parallel": {"dp_strategy": "my_dp"}, "my_dp": {"average": True}},
-            "reverse": {**ddp, "schedule": {"name": "reverse_accumulate"}},
-            "int8": {**ddp, "comm": {"algorithm": "int8", "int8": {"block_size": 64}}},
-            # ZeRO-2's reduce-scatter path (the GPU one), forced on Gloo: int8 takes it too.
-            "int8 reduce-scatter": {
-                "parallel": {"dp_strategy": "zero2"},
-                "zero": {"gradient_reduction": "reduce_scatter"},
-                "comm": {"algorithm": "int8", "int8": {"block_size": 64}},
-            },
-        },
-        world_size=2,
-        steps=3,
-        plugins=[(name, module) for name, (module, _) in EXAMPLES.items()],
-        timeout=220,
-    )
-    reference = traces["ddp"].losses
-    assert len(set(reference)) == len(reference), "training moves the loss"
-    for name in ("my_dp", "reverse"):
-        assert (
-            max(abs(a - b) for a, b in zip(traces[name].losses, reference, strict=True)) <= 1e-6
-        ), name
-    for name in ("int8", "int8 reduce-scatter"):
-        losses = traces[name].losses
-        difference = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
-        assert 0 < difference < 2e-2, f"{name} takes the buckets over, stays close: {difference}"
-        assert all(math.isfinite(norm) for norm in traces[name].grad_norms)
