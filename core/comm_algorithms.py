@@ -195,6 +195,20 @@ class AlgorithmWork:
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def get_future(self) -> torch.futures.Future[None]:
+        """A torch future completed with the steps (telemetry times the op's end with it)."""
+        result: torch.futures.Future[None] = torch.futures.Future()
+
+        def settle(done: Future[Any]) -> None:
+            error = done.exception()
+            if error is None:
+                result.set_result(None)
+            else:
+                result.set_exception(error)
+
+        self._future.add_done_callback(settle)
+        return result
+
 
 @dataclass(slots=True)
 class _Channel:
