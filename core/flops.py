@@ -23,8 +23,9 @@ the same accounting as torchtitan and Megatron-LM):
   torchtitan count the full square (`causal=False`); their figures are higher by `6·L·H·d_head·T`.
   Grouped-query attention does not change this term: the work scales with query heads.
 
-MFU = achieved model FLOPs per second ÷ the devices' peak FLOPs per second (recomputation from
-activation checkpointing is not model FLOPs and is not counted).
+MFU itself (achieved model FLOPs per second ÷ the devices' peak FLOPs per second) lives in
+`plait.core.mfu`, the one module the ranks, the daemon, the CLI and the trainer use;
+recomputation from activation checkpointing is not model FLOPs and is not counted.
 """
 
 from __future__ import annotations
@@ -64,19 +65,6 @@ def transformer_flops_per_token(
     return 6.0 * num_params_dense + attention_flops_per_token(
         n_layers=n_layers, n_heads=n_heads, head_dim=head_dim, seq_len=seq_len, causal=causal
     )
-
-
-def mfu(model_flops_per_second: float, peak_flops_per_second: float) -> float:
-    """Model FLOPs utilisation: `model_flops_per_second / peak_flops_per_second` (0..1).
-
-    `model_flops_per_second` = flops_per_token × tokens processed per second, summed over the
-    devices whose `peak_flops_per_second` (also summed) is the denominator.
-    """
-    if peak_flops_per_second <= 0:
-        raise ValueError(f"peak_flops_per_second must be > 0, got {peak_flops_per_second}")
-    if model_flops_per_second < 0:
-        raise ValueError(f"model_flops_per_second must be >= 0, got {model_flops_per_second}")
-    return model_flops_per_second / peak_flops_per_second
 
 
 _CPU_ATTENTION_REGISTERED = False

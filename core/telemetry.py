@@ -6,10 +6,9 @@ mesh coordinates, device and the device's peak FLOP/s. Spans go through a batch 
 metrics through a periodic reader, both in background threads, so the training loop only pays
 for building the span objects.
 
-The daemon's MFU divides model FLOP/s by the peak this module puts in the resource:
-
-* on a known accelerator, the dense figure of `DEVICE_PEAK_TFLOPS` for the compute dtype;
-* on CPU, the FLOP/s of a timed GEMM measured at rank start (`calibrate_cpu_peak_flops`).
+The daemon's MFU divides model FLOP/s by the peak this module puts in the resource, from
+`plait.core.peak_flops`: the dense datasheet figure for the job's compute dtype on a known
+accelerator (exact device name), the host's cached GEMM calibration on CPU.
 
 A daemon that cannot be reached is not an error: `RankTelemetry.start` warns once and returns
 `None`, and export failures later in the run are reported once, not on every batch.
@@ -30,10 +29,8 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -53,6 +50,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from plait.core import telemetry_schema as schema
+from plait.core.peak_flops import PeakFlops, peak_flops_for
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -134,105 +132,6 @@ class InflightComm(Protocol):
     seq: int
     purpose: str
     start_ns: int
-
-
-# --------------------------------------------------------------------------------------------
-# peak FLOP/s
-# --------------------------------------------------------------------------------------------
-
-# Dense (no structured sparsity) peak TFLOP/s per device and dtype, from the vendors'
-# datasheets. Datasheets quote tensor-core figures "with sparsity"; those are halved here.
-# Matched by substring of the device name, first match wins, so specific names come first.
-#   H100 SXM / PCIe / NVL, H200: NVIDIA H100 and H200 Tensor Core GPU datasheets (2023-2024)
-#   A100: NVIDIA A100 Tensor Core GPU datasheet (2021); A10, L4, L40S: their product datasheets
-#   V100: NVIDIA Tesla V100 datasheet (2020); B200: NVIDIA HGX B200 datasheet, per GPU (÷ 8)
-#   MI300X: AMD Instinct MI300X data sheet (2023)
-DEVICE_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("H100 NVL", {"bfloat16": 835.5, "float16": 835.5, "tf32": 417.5, "float32": 60.0}),
-    ("H100 PCIe", {"bfloat16": 756.5, "float16": 756.5, "tf32": 378.0, "float32": 51.2}),
-    ("H100", {"bfloat16": 989.4, "float16": 989.4, "tf32": 494.7, "float32": 66.9}),
-    ("H200 NVL", {"bfloat16": 835.5, "float16": 835.5, "tf32": 417.5, "float32": 60.0}),
-    ("H200", {"bfloat16": 989.4, "float16": 989.4, "tf32": 494.7, "float32": 66.9}),
-    ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "tf32": 1100.0, "float32": 75.0}),
-    ("A100", {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}),
-    ("L40S", {"bfloat16": 362.05, "float16": 362.05, "tf32": 183.0, "float32": 91.6}),
-    ("L4", {"bfloat16": 121.0, "float16": 121.0, "tf32": 60.0, "float32": 30.3}),
-    ("A10", {"bfloat16": 125.0, "float16": 125.0, "tf32": 62.5, "float32": 31.2}),
-    ("V100", {"float16": 125.0, "float32": 15.7}),
-    ("MI300X", {"bfloat16": 1307.4, "float16": 1307.4, "tf32": 653.7, "float32": 163.4}),
-)
-
-
-@dataclass(frozen=True, slots=True)
-class PeakFlops:
-    """A device's peak FLOP/s for one dtype and where the figure comes from."""
-
-    flops: float
-    source: str
-
-
-def lookup_device_peak_flops(device_name: str, dtype: str) -> PeakFlops | None:
-    """The table's dense peak for `device_name` and `dtype`, or `None` if it is not listed."""
-    for pattern, by_dtype in DEVICE_PEAK_TFLOPS:
-        if pattern.lower() in device_name.lower():
-            tflops = by_dtype.get(dtype)
-            if tflops is None:
-                return None
-            return PeakFlops(flops=tflops * 1e12, source=f"table: {pattern} {dtype} dense")
-    return None
-
-
-@lru_cache(maxsize=8)
-def calibrate_cpu_peak_flops(
-    dtype: str = "float32", *, size: int = 512, min_seconds: float = 0.15, trials: int = 3
-) -> float:
-    """FLOP/s of a square GEMM on this process's CPU threads (the best of `trials` timings).
-
-    A GEMM of this size is compute-bound on any CPU, so its rate is the practical peak a
-    transformer's matmuls can reach here; every GEMM counts 2·n³ FLOPs.
-    """
-    import torch
-
-    torch_dtype = getattr(torch, dtype, torch.float32)
-    try:
-        a = torch.randn(size, size).to(torch_dtype)
-        b = torch.randn(size, size).to(torch_dtype)
-        torch.mm(a, b)
-    except RuntimeError:  # dtype without a CPU GEMM: measure float32 instead
-        a, b = torch.randn(size, size), torch.randn(size, size)
-    flops_per_gemm = 2.0 * size**3
-    best = 0.0
-    for _ in range(trials):
-        count, start = 0, time.perf_counter()
-        while True:
-            torch.mm(a, b)
-            count += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds / trials:
-                break
-        best = max(best, count * flops_per_gemm / elapsed)
-    return best
-
-
-def peak_flops_for(device: str, device_name: str, dtype: str) -> PeakFlops:
-    """Peak FLOP/s for a rank: the table on accelerators, a GEMM calibration on CPU."""
-    if not device.startswith("cpu"):
-        if dtype == "float32":
-            import torch
-
-            # float32 matmuls run on tensor cores as TF32 when torch allows it.
-            if torch.backends.cuda.matmul.allow_tf32:
-                dtype = "tf32"
-        found = lookup_device_peak_flops(device_name, dtype)
-        if found is not None:
-            return found
-        warnings.warn(
-            f"no peak FLOP/s known for {device_name!r} in {dtype}; MFU is reported as 0 for this "
-            "rank (add the device to plait.core.telemetry.DEVICE_PEAK_TFLOPS)",
-            stacklevel=2,
-        )
-        return PeakFlops(flops=0.0, source="unknown")
-    return PeakFlops(flops=calibrate_cpu_peak_flops(dtype), source="gemm-calibration")
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,6 +300,12 @@ def daemon_reachable(
         return False
     finally:
         channel.close()
+
+
+def peak_flops_for_job(info: JobInfo) -> PeakFlops:
+    """The rank's peak for the job's compute dtype (`JobInfo.compute_dtype`: under autocast the
+    precision policy's dtype, not the parameters')."""
+    return peak_flops_for(info.device, info.device_name, info.compute_dtype)
 
 
 def resource_attributes(info: JobInfo, peak: PeakFlops) -> dict[str, Any]:
@@ -591,8 +496,7 @@ class RankTelemetry:
                 DAEMON_ENV,
             )
             return None
-        peak = peak_flops_for(info.device, info.device_name, info.compute_dtype)
-        return cls(info, address, peak, auth)
+        return cls(info, address, peak_flops_for_job(info), auth)
 
     def flush(self, timeout_seconds: float = EXPORT_TIMEOUT_SECONDS) -> None:
         """Send everything buffered now (the daemon sees a run's last steps before it exits)."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from plait import __version__
+from plait.core import mfu
 from plait.core import telemetry_schema as schema
-from plait.daemon import mfu
 from plait.daemon.bottleneck import CLASSES, RankBreakdown, RankContext, advice, job_dominant
 from plait.daemon.bottleneck import rank_breakdown as summarise_steps
 from plait.daemon.chrome_trace import chrome_trace_json
@@ -497,12 +497,14 @@ def daemon_points(
     for r in metrics.ranks:
         attrs = {schema.RESOURCE_JOB_ID: r.job_id, schema.RESOURCE_RANK: r.rank,
                  schema.RESOURCE_HOST_NAME: r.host}  # fmt: skip
-        points.append(DaemonPoint("plait.rank.mfu", r.mfu, attrs))
+        if not mfu.is_calibration_error(r.mfu):  # a wrong peak publishes no MFU at all
+            points.append(DaemonPoint("plait.rank.mfu", r.mfu, attrs))
         points.append(DaemonPoint("plait.rank.step.duration", r.step_seconds, attrs))
         points.append(DaemonPoint("plait.rank.tokens_per_second", r.tokens_per_second, attrs))
     for j in metrics.jobs:
         attrs = {schema.RESOURCE_JOB_ID: j.job_id}
-        points.append(DaemonPoint("plait.job.mfu", j.mfu, attrs))
+        if not mfu.is_calibration_error(j.mfu):
+            points.append(DaemonPoint("plait.job.mfu", j.mfu, attrs))
         points.append(DaemonPoint("plait.job.tokens_per_second", j.tokens_per_second, attrs))
         points.append(DaemonPoint("plait.job.step.duration", j.step_seconds, attrs))
     with service.store.lock:

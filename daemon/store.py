@@ -18,10 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from plait.core.mfu import StepSample
 from plait.daemon.bottleneck import StepBreakdown, StepSpan, step_breakdown
 from plait.daemon.decoder import RankIdentity, RankKey, RejectCounts, Rejected, SpanRecord
 from plait.daemon.hangs import Heartbeat
-from plait.daemon.mfu import StepSample
 
 DEFAULT_WINDOW_STEPS = 512
 DEFAULT_WINDOW_SPANS = 50_000

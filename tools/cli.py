@@ -38,6 +38,7 @@ MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
     ("plait.tools.schedule_commands", "schedule"),
     ("plait.tools.kernels_commands", "kernels"),
     ("plait.tools.daemon_commands", None),
+    ("plait.tools.calibrate_commands", None),
     ("plait.tools.ckpt_commands", "ckpt"),
 )
 

@@ -25,6 +25,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from plait.core.mfu import CALIBRATION_ADVICE, format_mfu, is_calibration_error, mfu
 from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS, DaemonClientAuth, resolve_daemon_address
 from plait.daemon.hangs import Hang, merge_hangs
 from plait.daemon.service import hang_from_message, job_advice, rescore_stragglers
@@ -124,6 +125,10 @@ def daemon(
     prometheus: Annotated[
         str | None, typer.Option(help="serve Prometheus /metrics on host:port, e.g. 127.0.0.1:9464")
     ] = None,
+    calibrate: Annotated[
+        bool,
+        typer.Option(help="measure this host's CPU peak FLOP/s at start unless it is cached"),
+    ] = True,
 ) -> None:
     """Run the node daemon (OTLP receiver, plait.v1, health) until SIGTERM or Ctrl-C."""
     import os
@@ -160,6 +165,11 @@ def daemon(
     except (OSError, RuntimeError, SecurityError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
+    if calibrate:
+        # Before any rank starts, so ranks of this host read the cache instead of measuring.
+        from plait.tools.calibrate_commands import report_calibration
+
+        report_calibration(console)
     console.print(
         f"plait daemon listening on [bold]{server.address}[/bold] "
         f"(ranks export with telemetry.daemon = {server.address!r} or PLAIT_DAEMON); "
@@ -306,11 +316,11 @@ class JobSummary:
 
     @property
     def mfu(self) -> float:
-        return self.model_flops_per_second / self.peak_flops if self.peak_flops > 0 else 0.0
+        return mfu(self.model_flops_per_second, self.peak_flops)
 
 
 def aggregate_jobs(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[JobSummary]:
-    """Combine the per-daemon job figures of several hosts (see `plait.daemon.mfu`)."""
+    """Combine the per-daemon job figures of several hosts (see `plait.core.mfu`)."""
     by_job: dict[str, list] = {}
     for response in responses:
         for job in response.jobs:
@@ -353,7 +363,7 @@ def render_top(latest: dict[str, daemon_pb2.GetMetricsResponse | str]) -> Group:
             str(job.step),
             f"{job.tokens_per_second:,.0f}",
             f"{job.model_flops_per_second / 1e12:.3f}",
-            f"{job.mfu:.1%}",
+            format_mfu(job.mfu),
             f"{job.step_seconds * 1e3:.1f} ms",
         )
     ranks = Table(title="ranks")
@@ -371,7 +381,7 @@ def render_top(latest: dict[str, daemon_pb2.GetMetricsResponse | str]) -> Group:
             str(r.rank),
             str(r.step),
             f"{r.tokens_per_second:,.0f}",
-            f"{r.mfu:.1%}",
+            format_mfu(r.mfu),
             f"{r.step_seconds * 1e3:.1f} ms",
             f"{r.comm_share:.0%}",
             f"{r.data_wait_seconds * 1e3:.1f} ms",
@@ -394,6 +404,10 @@ def render_top(latest: dict[str, daemon_pb2.GetMetricsResponse | str]) -> Group:
             f"{_bytes(int(h.net_sent_bytes_per_second))}/s",
             f"{_bytes(int(h.net_recv_bytes_per_second))}/s",
         )
+    wrong_peaks = [f"{r.job_id}/{r.rank}" for r in rows if is_calibration_error(r.mfu)]
+    if any(is_calibration_error(job.mfu) for job in aggregate_jobs(responses)) or wrong_peaks:
+        advice = f"[red]calibration error[/red] ({', '.join(wrong_peaks) or 'job'}): "
+        return Group(jobs, ranks, hosts, advice + CALIBRATION_ADVICE)
     return Group(jobs, ranks, hosts)
 
 

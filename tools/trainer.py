@@ -19,7 +19,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from plait.core.config import PlaitConfig, load_config
 from plait.core.engine import Engine
 from plait.core.errors import PlaitError
-from plait.core.flops import mfu
+from plait.core.mfu import format_mfu, mfu
+from plait.core.peak_flops import PeakFlops
 from plait.core.step import StepReport
 
 
@@ -31,11 +32,11 @@ class TrainingSummary:
     memory: dict[str, int] = field(default_factory=dict)
 
 
-def _peak_flops(engine: Engine) -> float:
-    from plait.core.telemetry import peak_flops_for
+def _rank_peak(engine: Engine) -> PeakFlops:
+    """This rank's peak for the job's compute dtype: the same figure the daemon divides by."""
+    from plait.core.telemetry import peak_flops_for_job
 
-    info = engine._job_info()
-    return peak_flops_for(info.device, info.device_name, info.compute_dtype).flops
+    return peak_flops_for_job(engine._job_info())
 
 
 def run_training(config: PlaitConfig, *, console: Console | None = None) -> TrainingSummary:
@@ -57,10 +58,12 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     )
     checkpointer = Checkpointer.from_config(engine, batches, config)
     start_step = checkpointer.maybe_resume()
-    peak = _peak_flops(engine) * mesh.world_size if is_leader else 0.0
+    rank_peak = _rank_peak(engine) if is_leader else PeakFlops(0.0, "")
+    # Every rank of a job runs on the same kind of device, so the job's peak is W × the rank's.
+    peak = rank_peak.flops * mesh.world_size
     summary = TrainingSummary()
     if is_leader:
-        _print_header(console, engine, peak)
+        _print_header(console, engine, rank_peak)
     progress = Progress(
         TextColumn("[bold]step {task.completed}/{task.total}"),
         BarColumn(),
@@ -92,7 +95,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     checkpointer.close()
     elapsed = time.perf_counter() - start
     summary.tokens_per_second = tokens_done / elapsed
-    summary.mfu = mfu(engine.flops_per_token * summary.tokens_per_second, peak) if peak else 0.0
+    summary.mfu = mfu(engine.flops_per_token * summary.tokens_per_second, peak)
     summary.memory = engine.memory_report()
     if is_leader:
         _print_summary(console, summary)
@@ -103,9 +106,9 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
 def _format_stats(report: StepReport, peak: float) -> str:
     tokens_per_second = report.tokens / report.step_seconds if report.step_seconds else 0.0
     flops_per_second = report.model_flops / report.step_seconds if report.step_seconds else 0.0
-    utilisation = mfu(flops_per_second, peak) if peak else 0.0
+    utilisation = format_mfu(mfu(flops_per_second, peak))
     stats = (
-        f"loss {report.loss:.4f} | {tokens_per_second:,.0f} tok/s | MFU {utilisation:.1%} | "
+        f"loss {report.loss:.4f} | {tokens_per_second:,.0f} tok/s | MFU {utilisation} | "
         f"lr {report.lr:.2e} | {report.step_seconds * 1e3:.0f} ms"
     )
     bubble = next(
@@ -123,7 +126,7 @@ def _format_stats(report: StepReport, peak: float) -> str:
     return stats
 
 
-def _print_header(console: Console, engine: Engine, peak: float) -> None:
+def _print_header(console: Console, engine: Engine, rank_peak: PeakFlops) -> None:
     cfg = engine.config
     num_params = sum(p.numel() for p in engine.module.parameters())
     degrees = " ".join(f"{k}={v}" for k, v in engine.mesh.degrees.items())
@@ -136,20 +139,24 @@ def _print_header(console: Console, engine: Engine, peak: float) -> None:
     pipeline = engine.context.pipeline
     if pipeline is not None:
         console.print(f"pipeline stages: {pipeline.summary}", highlight=False)
+    world_size = engine.mesh.world_size
     console.print(
-        f"model FLOPs/token {engine.flops_per_token:,.0f} · job peak {peak / 1e9:,.1f} GFLOP/s "
-        "(CPU: measured GEMM rate)"
-        if engine.device.type == "cpu"
-        else "",
+        f"model FLOPs/token {engine.flops_per_token:,.0f} · peak used for MFU: "
+        f"{rank_peak.flops * world_size / 1e9:,.1f} GFLOP/s = {world_size} × "
+        f"{rank_peak.flops / 1e9:,.1f} per rank ({rank_peak.source})",
         highlight=False,
     )
+    if engine.device.type == "cpu":
+        from plait.core.peak_flops import calibration_path
+
+        console.print(f"CPU peak cached in {calibration_path()}", highlight=False)
 
 
 def _print_summary(console: Console, summary: TrainingSummary) -> None:
     first, last = summary.losses[0], summary.losses[-1]
     console.print(
         f"[bold]done[/bold]: loss {first:.4f} → {last:.4f} · {summary.tokens_per_second:,.0f} "
-        f"tok/s · MFU {summary.mfu:.1%}",
+        f"tok/s · MFU {format_mfu(summary.mfu)}",
         highlight=False,
     )
     mem = summary.memory

@@ -39,7 +39,7 @@ def test_status_lists_ranks_of_every_host(two_daemons) -> None:
     result = runner.invoke(app, ["status", "--host", a.address, "--host", b.address])
     assert result.exit_code == 0, result.output
     assert a.address in result.output and b.address in result.output
-    assert "gemm-calibration" in result.output
+    assert "cpu-calibration" in result.output
     assert result.output.count("job-a") >= 2
 
 

@@ -31,7 +31,8 @@ def test_two_rank_run_reports_to_the_daemon(daemon_server, daemon_stub) -> None:
         (0, 2, STEPS),
         (1, 2, STEPS),
     ]
-    assert all(r.peak_flops > 0 and r.peak_flops_source == "gemm-calibration" for r in ranks)
+    assert all(r.peak_flops > 0 for r in ranks)
+    assert all(r.peak_flops_source.startswith("cpu-calibration") for r in ranks)
     assert all(r.device == "cpu" and r.model_name == "llama" for r in ranks)
     peak = {r.rank: r.peak_flops for r in ranks}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core.telemetry import calibrate_cpu_peak_flops, lookup_device_peak_flops
-from plait.daemon.mfu import StepSample, job_throughput, rank_throughput
+from plait.core.mfu import CALIBRATION_ERROR, StepSample, job_throughput, rank_throughput
+from plait.core.peak_flops import lookup_device_peak_flops
 from plait.daemon.store import union_seconds
 
 
@@ -15,10 +15,10 @@ def samples(times: list[float], flops: float = 8e12, tokens: int = 4096, world: 
 
 
 def test_rank_mfu_is_its_share_of_model_flops_over_time_and_peak() -> None:
-    rate = rank_throughput(samples([1.0, 2.0, 1.0]), peak_flops=1e12)
-    # 3 steps × 8e12 / 4 ranks = 6e12 FLOPs in 4 s → 1.5e12 FLOP/s against 1e12 peak
+    rate = rank_throughput(samples([1.0, 2.0, 1.0]), peak_flops=3e12)
+    # 3 steps × 8e12 / 4 ranks = 6e12 FLOPs in 4 s → 1.5e12 FLOP/s against 3e12 peak
     assert rate.model_flops_per_second == pytest.approx(1.5e12)
-    assert rate.mfu == pytest.approx(1.5)
+    assert rate.mfu == pytest.approx(0.5)
     assert rate.tokens_per_second == pytest.approx(3 * 4096 / 4 / 4.0)
     assert rate.step_seconds == pytest.approx(4.0 / 3)
 
@@ -36,11 +36,11 @@ def test_job_mfu_uses_the_slowest_rank_and_the_sum_of_peaks() -> None:
 def test_job_mfu_window_and_partial_ranks() -> None:
     rank0 = samples([5.0, 1.0, 1.0, 1.0], world=4)
     rank1 = samples([5.0, 1.0, 2.0], world=4)  # has not finished step 3 yet
-    rate = job_throughput({0: rank0, 1: rank1}, {0: 1e12, 1: 1e12}, window_steps=2)
+    rate = job_throughput({0: rank0, 1: rank1}, {0: 2e12, 1: 2e12}, window_steps=2)
     # common steps {0,1,2}, last two: 1 s and 2 s; two of four ranks hold half the job
     assert rate.steps == 2
     assert rate.model_flops_per_second == pytest.approx(2 * 8e12 * 0.5 / 3.0)
-    assert rate.mfu == pytest.approx(rate.model_flops_per_second / 2e12)
+    assert rate.mfu == pytest.approx(rate.model_flops_per_second / 4e12)
 
 
 def test_unknown_peak_gives_zero_mfu_not_a_division_error() -> None:
@@ -75,6 +75,31 @@ def test_peak_table_misses() -> None:
     assert lookup_device_peak_flops("Some Future GPU", "bfloat16") is None
 
 
-def test_cpu_calibration_measures_a_plausible_rate() -> None:
-    flops = calibrate_cpu_peak_flops("float32", size=128, min_seconds=0.05)
-    assert 1e8 < flops < 1e14
+def test_rank_above_its_peak_is_a_calibration_error_not_a_figure() -> None:
+    rate = rank_throughput(samples([1.0, 2.0, 1.0]), peak_flops=1e12)  # 1.5e12 achieved
+    assert rate.model_flops_per_second == pytest.approx(1.5e12)
+    assert rate.mfu == CALIBRATION_ERROR
+
+
+def test_top_shows_a_calibration_error_and_never_its_percentage() -> None:
+    from rich.console import Console
+
+    from plait.proto.plait.v1 import daemon_pb2, metrics_pb2
+    from plait.tools.daemon_commands import render_top
+
+    rate = rank_throughput(samples([1.0]), peak_flops=1e12)  # 2e12 achieved: above the peak
+    response = daemon_pb2.GetMetricsResponse(
+        ranks=[metrics_pb2.RankMetrics(job_id="j", rank=0, host="h", mfu=rate.mfu)],
+        jobs=[
+            metrics_pb2.JobMetrics(
+                job_id="j", world_size=4, ranks_reporting=1,
+                model_flops_per_second=2e12, peak_flops=1e12, mfu=rate.mfu,
+            )
+        ],
+    )  # fmt: skip
+    console = Console(record=True, width=200)
+    console.print(render_top({"127.0.0.1:1": response}))
+    text = console.export_text()
+    assert text.count("calibration error") >= 3  # job row, rank row, advice line
+    assert "200.0%" not in text and "-100.0%" not in text
+    assert "plait calibrate --force" in text

@@ -31,7 +31,7 @@ def test_spans_metrics_and_mfu_reach_the_daemon(daemon_server: DaemonServer, dae
 
     (info,) = daemon_stub.ListRanks(daemon_pb2.ListRanksRequest()).ranks
     assert (info.job_id, info.rank, info.world_size, info.pid) == ("job-a", 0, 2, os.getpid())
-    assert info.peak_flops > 0 and info.peak_flops_source == "gemm-calibration"
+    assert info.peak_flops > 0 and info.peak_flops_source.startswith("cpu-calibration")
     assert dict(info.coordinates) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
     assert info.steps_received == 4
 
@@ -42,7 +42,7 @@ def test_spans_metrics_and_mfu_reach_the_daemon(daemon_server: DaemonServer, dae
     # this rank's share (1/world) of the job's FLOPs and tokens, over 0.5 s steps
     achieved = MODEL_FLOPS / 2 / 0.5
     assert rank.model_flops_per_second == pytest.approx(achieved)
-    assert rank.mfu == pytest.approx(achieved / info.peak_flops)
+    assert 0 < rank.mfu == pytest.approx(achieved / info.peak_flops)
     assert rank.tokens_per_second == pytest.approx(TOKENS / 2 / 0.5)
     assert rank.data_wait_seconds == pytest.approx(0.1)
     assert rank.loss == pytest.approx(1.7)

@@ -8,8 +8,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from plait.core.flops import attention_flops_per_token, mfu, transformer_flops_per_token
+from plait.core.flops import attention_flops_per_token, transformer_flops_per_token
 from plait.core.kernels import Kernels
+from plait.core.mfu import CALIBRATION_ERROR, format_mfu, mfu
 from plait.plugins.kernels_torch import ops
 from plait.plugins.models import resolve_model_config
 
@@ -48,10 +49,13 @@ def test_negative_sizes_are_rejected() -> None:
 def test_mfu() -> None:
     assert mfu(156e12, 312e12) == pytest.approx(0.5)
     assert mfu(0.0, 1.0) == 0.0
-    with pytest.raises(ValueError, match="peak"):
-        mfu(1.0, 0.0)
-    with pytest.raises(ValueError, match="model_flops"):
-        mfu(-1.0, 1.0)
+    assert mfu(1.0, 0.0) == 0.0  # peak unknown
+    assert mfu(1.0, float("nan")) == 0.0
+    assert mfu(-1.0, 1.0) == 0.0
+    assert mfu(312e12, 312e12) == pytest.approx(1.0)
+    assert mfu(313e12, 312e12) == CALIBRATION_ERROR  # above the peak: the peak is wrong
+    assert format_mfu(0.421) == "42.1%"
+    assert format_mfu(mfu(2.0, 1.0)) == "calibration error"
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
