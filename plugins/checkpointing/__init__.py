@@ -17,7 +17,7 @@ require grad.
 Parameter names: `named_parameters()` gains a `_checkpoint_wrapped_module.` component
 (`layers.0._checkpoint_wrapped_module.attention.wq.weight`), while `state_dict()` keys stay those
 of the unwrapped model (the wrapper strips and re-adds the component in its state-dict hooks), so
-checkpoints load into either form; `plait.plugins.models.init.normalised_name` strips the
+checkpoints load into either form; `plait.core.names.normalised_name` strips the
 component too. Which blocks are wrapped depends on the block's key in a `ModuleDict` (its global
 layer index), so every pipeline stage applies the same every-k pattern as the full model.
 """
