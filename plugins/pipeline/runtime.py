@@ -8,8 +8,14 @@ last of them, and a channel delivers in order, so this never waits longer than w
 compute would). Shapes are known in advance — `[micro_batch, seq, dim]` in the parameters'
 dtype — so no shape is ever exchanged.
 
-A rank's first global stage consumes token ids, its last computes the loss with the engine's
-loss function. Zero-bubble schedules split the backward: the input gradient (`Backward(kind=
+A rank's first global stage consumes the micro-batch's inputs, its last computes the loss with
+the engine's loss function. A built-in model's chunk is called as `chunk(tokens_or_hidden)`; a
+stage of any other model (`stages.ModelStage`) as `stage(hidden_or_None, batch)`, so it can read
+positions, masks and labels from the micro-batch. Parameters that two stages on different ranks
+share (tied input and output embeddings) get their gradients summed over the pipeline ranks at
+`SyncGradients`, so every copy takes the same optimizer step.
+
+Zero-bubble schedules split the backward: the input gradient (`Backward(kind=
 "input")`) runs autograd only towards the stage input and keeps the gradients of the
 intermediate tensors that weights hang off (torch's own zero-bubble helper
 `stage_backward_input` does this graph surgery); the weight gradient (`kind="weight"`) finishes
@@ -33,7 +39,9 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
+from plait.core.batches import input_tokens
 from plait.core.comm import Work
+from plait.core.comm_algorithms import GENERIC
 from plait.core.grad_norm import mark_sharded
 from plait.core.schedule import (
     Backward,
@@ -48,6 +56,7 @@ from plait.core.state_layout import StateLayout
 from plait.core.step import PhaseSpan
 from plait.plugins.pipeline.layout import pipeline_layout
 from plait.plugins.pipeline.split import StagePlan
+from plait.plugins.pipeline.stages import ModelStage
 from plait.plugins.pipeline.topology import Layout
 
 MessageKey = tuple[str, int, int]  # ("activation" | "grad", micro-batch, local chunk)
@@ -57,7 +66,7 @@ MessageKey = tuple[str, int, int]  # ("activation" | "grad", micro-batch, local 
 class _Saved:
     """What a forward leaves for its backward."""
 
-    stage_input: torch.Tensor
+    stage_input: Any  # the received activation, or the micro-batch's inputs on a first stage
     output: torch.Tensor  # the scaled loss on the last stage
     output_grad: torch.Tensor | None = None
     param_groups: list[dict[str, Any]] | None = None  # from the input-gradient half
@@ -108,6 +117,7 @@ class PipelineRuntime(ParallelRuntime):
         context: ShardContext,
         hidden_dim: int,
         measure_bubble: bool = True,
+        tied: Sequence[tuple[torch.Size, nn.Parameter | None]] = (),
     ) -> None:
         self.chunks = list(chunks)
         self.plan = plan
@@ -121,6 +131,9 @@ class PipelineRuntime(ParallelRuntime):
         self.last_bubble_fraction: float | None = None
         self.last_stage_times: StageTimes | None = None
         self._run: _StepRun | None = None
+        # (shape, this rank's copy or None) of every parameter stages on several ranks share,
+        # in the same order on every pipeline rank.
+        self.tied = list(tied)
 
     def _is_first(self, chunk: int) -> bool:
         return self.layout.global_stage(self.rank, chunk) == 0
@@ -140,9 +153,13 @@ class PipelineRuntime(ParallelRuntime):
         # Marked every step: later transforms or materialisation may have replaced the
         # Parameter objects since the split. One pipeline stage holds each parameter, so the
         # global gradient norm counts it once across the pp axis.
+        tied = {id(p) for _, p in self.tied if p is not None}
         for chunk in self.chunks:
             for p in chunk.parameters():
-                mark_sharded(p, ("pp",))
+                # A tied copy is held whole by two pipeline ranks (first and last stage): with
+                # pp = 2 it is replicated over pp, and its norm counts once per replica.
+                if id(p) not in tied:
+                    mark_sharded(p, ("pp",))
         run = _StepRun(state=step)
         self._run = run
         return {
@@ -161,6 +178,7 @@ class PipelineRuntime(ParallelRuntime):
         for work, _ in run.sends:
             work.wait()
         run.sends.clear()
+        self._sum_tied_gradients()
         if run.saved or run.received:
             raise RuntimeError(
                 f"pipeline rank {self.rank}: the step ended with {len(run.saved)} forwards "
@@ -173,6 +191,35 @@ class PipelineRuntime(ParallelRuntime):
             for span in run.idle_spans:
                 span.attributes["bubble_fraction"] = self.last_bubble_fraction
         run.state.extra_spans.extend(run.idle_spans)
+
+    def _sum_tied_gradients(self) -> None:
+        """Each copy of a shared parameter got the gradient of its own stage's use; the sum over
+        the pipeline ranks is the full model's gradient (ranks without a copy add zeros)."""
+        if not self.tied:
+            return
+        device = self.context.device
+        dtype = self._activation_dtype()
+        flat = torch.cat(
+            [
+                (
+                    p.grad.detach().reshape(-1).to(device, dtype)
+                    if p is not None and p.grad is not None
+                    else torch.zeros(shape.numel(), dtype=dtype, device=device)
+                )
+                for shape, p in self.tied
+            ]
+        )
+        self.comm.all_reduce(flat, group=self.group, op="sum", purpose=GENERIC)
+        offset = 0
+        for shape, p in self.tied:
+            piece = flat[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+            if p is None:
+                continue
+            if p.grad is None:
+                p.grad = piece.to(p.dtype).clone()
+            else:
+                p.grad.copy_(piece)
 
     def state_layout(self, previous: StateLayout) -> StateLayout:
         return pipeline_layout(previous, self.chunks)
@@ -204,11 +251,16 @@ class PipelineRuntime(ParallelRuntime):
         mb, chunk = action.microbatch, action.chunk
         run.state.runner.before_forward(action)
         start = time.time_ns()
+        batch = run.state.inputs[mb]
         if self._is_first(chunk):
-            stage_input = run.state.inputs[mb]
+            stage_input = batch
         else:
             stage_input = run.received.pop(("activation", mb, chunk)).requires_grad_()
-        output = self.chunks[chunk](stage_input)
+        module = self.chunks[chunk]
+        if isinstance(module, ModelStage):
+            output = module(None if self._is_first(chunk) else stage_input, batch)
+        else:
+            output = module(stage_input)
         if self._is_last(chunk):
             output = run.state.runner.loss(run.state, mb, output)
         else:
@@ -227,7 +279,9 @@ class PipelineRuntime(ParallelRuntime):
             saved = run.saved.pop(key)
             grads = None if saved.output_grad is None else [saved.output_grad]
             torch.autograd.backward([saved.output], grads)
-            self._queue_input_grad(run, action, saved.stage_input.grad)
+            # A first stage's input is the batch (token ids, or a dict of them): no gradient.
+            input_grad = None if self._is_first(chunk) else saved.stage_input.grad
+            self._queue_input_grad(run, action, input_grad)
         elif action.kind == "input":
             start = time.time_ns()
             saved = run.saved[key]
@@ -331,10 +385,10 @@ class PipelineRuntime(ParallelRuntime):
         # The tensor must outlive the send: it is released once the send completes.
         run.sends.append((work, tensor))
 
-    def _boundary_shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
+    def _boundary_shape(self, inputs: Any) -> tuple[int, int, int]:
         """[micro_batch, seq, dim] of the hidden states between stages; under sequence
         parallelism the residual stream between blocks holds this rank's sequence shard."""
-        batch, seq = tokens.shape[:2]
+        batch, seq = input_tokens(inputs).shape[:2]
         tensor_parallel = self.context.tensor_parallel
         if tensor_parallel is not None and tensor_parallel.sequence_parallel:
             seq //= tensor_parallel.degree

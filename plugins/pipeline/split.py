@@ -21,6 +21,7 @@ exactly one chunk.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,15 @@ def _span(layers: Sequence[str]) -> str:
     return layers[0] if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
 
 
+def is_builtin_layout(model: nn.Module) -> bool:
+    """True for a model laid out like plait's built-ins, which `build_chunk` copies and cuts."""
+    try:
+        check_splittable(model)
+    except ConfigError:
+        return False
+    return True
+
+
 def check_splittable(model: nn.Module) -> None:
     """The pipeline split needs the built-in models' layout; say what is missing otherwise."""
     missing = [
@@ -117,7 +127,7 @@ def embedding_modules(model: nn.Module) -> tuple[str, ...]:
     return tuple(n for n in names if isinstance(getattr(model, n, None), nn.Module))
 
 
-def _module_cost(module: nn.Module, balance: Balance) -> float:
+def module_cost(module: nn.Module, balance: Balance) -> float:
     if balance == "params":
         return float(sum(p.numel() for p in module.parameters()))
     flops = 0.0
@@ -135,18 +145,18 @@ def unit_costs(
     model: nn.Module, *, balance: Balance, seq_len: int
 ) -> tuple[float, list[float], float]:
     """(embeddings, per block in `model.layers` order, head) cost per training token."""
-    embeddings = sum(_module_cost(getattr(model, n), balance) for n in embedding_modules(model))
+    embeddings = sum(module_cost(getattr(model, n), balance) for n in embedding_modules(model))
     config: Any = getattr(model, "config", None)
     blocks = []
     for block in model.layers.values():
-        cost = _module_cost(block, balance)
+        cost = module_cost(block, balance)
         if balance == "flops" and config is not None and hasattr(config, "n_heads"):
             head_dim = getattr(config, "head_dim", config.dim // config.n_heads)
             cost += attention_flops_per_token(
                 n_layers=1, n_heads=config.n_heads, head_dim=head_dim, seq_len=seq_len
             )
         blocks.append(cost)
-    head = sum(_module_cost(getattr(model, n), balance) for n in HEAD_MODULES)
+    head = sum(module_cost(getattr(model, n), balance) for n in HEAD_MODULES)
     if balance == "flops":
         output = model.output
         assert isinstance(output, nn.Linear)
@@ -210,25 +220,94 @@ def plan_stages(
     balance: Balance,
     seq_len: int,
     layers_per_stage: Sequence[int] = (),
+    split_points: Sequence[str] = (),
 ) -> StagePlan:
-    """Split `model` (on any device, meta included) into `num_stages × virtual_stages` chunks."""
+    """Split a built-in `model` (on any device, meta included) into `num_stages ×
+    virtual_stages` chunks."""
     check_splittable(model)
     layer_names = list(model.layers.keys())
-    num_chunks = num_stages * virtual_stages
-    if len(layer_names) < num_chunks:
+    embeddings, blocks, head = unit_costs(model, balance=balance, seq_len=seq_len)
+    return plan_blocks(
+        layer_names,
+        qualified=[f"layers.{name}" for name in layer_names],
+        embeddings=embeddings,
+        blocks=blocks,
+        head=head,
+        num_stages=num_stages,
+        virtual_stages=virtual_stages,
+        balance=balance,
+        layers_per_stage=layer_sizes_or_split(layers_per_stage, split_points),
+    )
+
+
+def layer_sizes_or_split(
+    layers_per_stage: Sequence[int], split_points: Sequence[str]
+) -> Sequence[int] | SplitPoints:
+    if layers_per_stage and split_points:
         raise ConfigError(
-            f"pipeline: the model has {len(layer_names)} transformer blocks but pp="
+            "pipeline.layers_per_stage and pipeline.split_points both choose where stages "
+            "begin: give one of them"
+        )
+    return SplitPoints(tuple(split_points)) if split_points else layers_per_stage
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPoints:
+    """Module names at which a stage begins (`pipeline.split_points`)."""
+
+    names: tuple[str, ...]
+
+    def sizes(self, qualified: Sequence[str], num_chunks: int) -> list[int]:
+        """Blocks per chunk when a chunk begins at each named block."""
+        index = {name: i for i, name in enumerate(qualified)}
+        unknown = [n for n in self.names if n not in index]
+        if unknown:
+            shown = ", ".join(qualified[:3]) + (", …" if len(qualified) > 3 else "")
+            raise ConfigError(
+                f"pipeline.split_points = {list(self.names)}: {unknown} name no block of the "
+                f"model; a split point is the name of the block a stage begins with ({shown})"
+            )
+        starts = [index[n] for n in self.names]
+        if len(starts) != num_chunks - 1 or starts != sorted(set(starts)) or 0 in starts:
+            raise ConfigError(
+                f"pipeline.split_points = {list(self.names)} must name {num_chunks - 1} "
+                f"distinct blocks in model order, not the first one (pp × virtual_stages = "
+                f"{num_chunks} chunks)"
+            )
+        bounds = [0, *starts, len(qualified)]
+        return [end - start for start, end in itertools.pairwise(bounds)]
+
+
+def plan_blocks(
+    names: Sequence[str],
+    *,
+    qualified: Sequence[str],
+    embeddings: float,
+    blocks: Sequence[float],
+    head: float,
+    num_stages: int,
+    virtual_stages: int,
+    balance: Balance,
+    layers_per_stage: Sequence[int] | SplitPoints = (),
+) -> StagePlan:
+    """Split a run of blocks (`names`, full module names `qualified`, per-block `blocks` costs)
+    into chunks; the first chunk also carries `embeddings`, the last `head`."""
+    num_chunks = num_stages * virtual_stages
+    if len(names) < num_chunks:
+        raise ConfigError(
+            f"pipeline: the model has {len(names)} transformer blocks but pp="
             f"{num_stages} × virtual_stages={virtual_stages} needs {num_chunks} chunks of at "
             "least one block each; lower parallel.pp or schedule.virtual_stages, or use a model "
             "with more layers"
         )
-    embeddings, blocks, head = unit_costs(model, balance=balance, seq_len=seq_len)
-    if layers_per_stage:
+    if isinstance(layers_per_stage, SplitPoints):
+        sizes = layers_per_stage.sizes(qualified, num_chunks)
+    elif layers_per_stage:
         sizes = list(layers_per_stage)
-        if len(sizes) != num_chunks or sum(sizes) != len(layer_names) or min(sizes) < 1:
+        if len(sizes) != num_chunks or sum(sizes) != len(names) or min(sizes) < 1:
             raise ConfigError(
                 f"pipeline.layers_per_stage = {sizes} must give {num_chunks} positive counts "
-                f"(pp × virtual_stages) summing to the model's {len(layer_names)} layers"
+                f"(pp × virtual_stages) summing to the model's {len(names)} layers"
             )
     else:
         sizes = partition(blocks, num_chunks, first_extra=embeddings, last_extra=head)
@@ -244,14 +323,14 @@ def plan_stages(
                 stage=stage,
                 rank=layout.rank_of(stage),
                 chunk=layout.chunk_of(stage),
-                layers=tuple(layer_names[start:end]),
+                layers=tuple(names[start:end]),
                 has_embeddings=stage == 0,
                 has_head=stage == num_chunks - 1,
                 cost=cost,
             )
         )
         start = end
-    assert start == len(layer_names), "every block must land in exactly one chunk"
+    assert start == len(names), "every block must land in exactly one chunk"
     return StagePlan(
         chunks=tuple(chunks),
         balance=balance,

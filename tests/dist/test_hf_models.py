@@ -1,8 +1,8 @@
 """`transformers` models through `plait.initialize`, unwrapped, against the user's plain loop.
 
-Llama and GPT-2 from tiny configs compute their own loss from `labels`; every layout runs 5
-steps on 2 Gloo ranks and must give the plain single-process loop's losses (fp32: only the
-summation order differs).
+Llama (GQA) and GPT-2 (tied embeddings) from tiny configs compute their own loss from `labels`;
+every layout (data, tensor and pipeline parallel) runs 5 steps on 2 Gloo ranks and must give
+the plain single-process loop's losses (fp32: only the summation order differs).
 """
 
 from __future__ import annotations
@@ -22,6 +22,20 @@ COMMON = {
     "zero2_accumulate": {"parallel": {"dp_strategy": "zero2"}, "train": {"micro_batch_size": 2}},
     "zero3": {"parallel": {"dp_strategy": "zero3"}},
 }
+# Two pipeline stages (embeddings + block 0 | block 1 + norm + head), four micro-batches each;
+# GPT-2's tied embedding and head land on different ranks.
+PIPELINE = {
+    "pp2_1f1b": {
+        "parallel": {"pp": 2},
+        "schedule": {"name": "1f1b"},
+        "train": {"micro_batch_size": 2},
+    },
+    "pp2_gpipe": {
+        "parallel": {"pp": 2},
+        "schedule": {"name": "gpipe"},
+        "train": {"micro_batch_size": 2},
+    },
+}
 TENSOR_PARALLEL = {
     "tp2": {"parallel": {"tp": 2}},
     "tp2_sequence_parallel": {"parallel": {"tp": 2}, "tp": {"sequence_parallel": True}},
@@ -31,7 +45,7 @@ TENSOR_PARALLEL = {
 @pytest.mark.dist
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_layouts_match_the_plain_loop(family: str) -> None:
-    layouts = {**COMMON, **(TENSOR_PARALLEL if family == "llama" else {})}
+    layouts = {**COMMON, **PIPELINE, **(TENSOR_PARALLEL if family == "llama" else {})}
     ranks = run_distributed(hf_workers.train_layouts, 2, family, layouts, timeout=240)
     for results in ranks:
         reference = results["reference"]
