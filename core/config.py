@@ -90,7 +90,7 @@ class ParallelSection(Section):
     dp_strategy: str = Field("ddp", description="strategy for the dp axis: ddp, zero1, …")
     tp_strategy: str = "megatron"
     pp_strategy: str = "pipeline"
-    cp_strategy: str = "ring_attention"
+    cp_strategy: str = Field("ring", description="strategy for the cp axis (context parallel)")
     transforms: dict[str, str] = Field(
         default_factory=dict,
         description="model transforms by axis, e.g. {ac = 'checkpoint', precision = 'amp'}",

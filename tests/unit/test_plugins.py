@@ -107,22 +107,44 @@ PLUGIN_PACKAGE = {
 
         [project.entry-points.plait]
         greeting = "plait_greeting_plugin"
+        waving = "plait_greeting_plugin.objects:WAVER"
     """,
+    # The module form, with make_plugin() handing out a fresh object per plugin manager.
     "plait_greeting_plugin/__init__.py": """
         from plait.core.hookspecs import hookimpl
         from plait.core.records import StrategyRecord
         from plait.core.sharding import Sharded
 
-        @hookimpl
-        def plait_register_strategies():
-            return [StrategyRecord(name="greeting", axis="ac")]
+        class Greeter:
+            def __init__(self):
+                self.greeted = 0
 
-        @hookimpl
-        def plait_shard(axis, name, model):
-            if name != "greeting":
-                return None
-            model.greeted = True
-            return Sharded(module=model)
+            @hookimpl
+            def plait_register_strategies(self):
+                return [StrategyRecord(name="greeting", axis="ac")]
+
+            @hookimpl
+            def plait_shard(self, axis, name, model):
+                if name != "greeting":
+                    return None
+                self.greeted += 1
+                model.greeted = True
+                return Sharded(module=model)
+
+        def make_plugin():
+            return Greeter()
+    """,
+    # The instance form: the entry point names a plugin object.
+    "plait_greeting_plugin/objects.py": """
+        from plait.core.hookspecs import hookimpl
+        from plait.core.records import StrategyRecord
+
+        class Waver:
+            @hookimpl
+            def plait_register_strategies(self):
+                return [StrategyRecord(name="waving", axis="ac")]
+
+        WAVER = Waver()
     """,
 }
 
@@ -130,10 +152,14 @@ DISCOVER = """
 import torch
 from plait.core.plugins import Plugins
 plugins = Plugins.create(autoload=True)
-info = {i.name: i for i in plugins.info()}["greeting"]
+infos = {i.name: i for i in plugins.info()}
+info = infos["greeting"]
 module = torch.nn.Linear(2, 2)
 result = plugins.shard(axis="ac", name="greeting", model=module, context=None)
-print(info.distribution, "|", ",".join(info.provides), "|", result.module.greeted)
+again = Plugins.create(autoload=True).manager.get_plugin("greeting")
+mine = plugins.manager.get_plugin("greeting")
+print(info.distribution, "|", ",".join(info.provides), "|", ",".join(info.hooks), "|",
+      result.module.greeted, mine.greeted, again.greeted, "|", ",".join(infos["waving"].provides))
 """
 
 
@@ -164,4 +190,10 @@ def test_separately_installed_distribution_is_discovered(tmp_path: Path) -> None
     out = subprocess.run(
         [sys.executable, "-c", DISCOVER], check=True, capture_output=True, text=True, env=env
     ).stdout.strip()
-    assert out == "plait-greeting-plugin 1.2.3 | ac:greeting | True"
+    # make_plugin() was honoured (the hooks are the object's, and each manager has its own),
+    # and an entry point naming an object registers that object.
+    assert out == (
+        "plait-greeting-plugin 1.2.3 | ac:greeting | plait_register_strategies,plait_shard | "
+        "True 1 0 | "
+        "ac:waving"
+    )
