@@ -34,7 +34,6 @@ process is importable in its ranks.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,12 +103,13 @@ def plait_plugins(
 ) -> Iterator[Plugins]:
     """A fresh plugin manager: built-ins plus your plugin, the `plait` entry points not loaded
     (so other installed packages cannot change the outcome)."""
+    # Also for what the test builds itself: an Engine given no `plugins=` makes its own manager.
     monkeypatch.setenv("PLAIT_DISABLE_PLUGIN_AUTOLOAD", "1")
     yield plugins_with(plait_plugin_under_test)
 
 
 @pytest.fixture(name="run_distributed")
 def run_distributed_fixture() -> Callable[..., list[Any]]:
-    """`run_distributed(fn, world_size, *args, timeout=..., env=...)` on Gloo ranks."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    """`run_distributed(fn, world_size, *args, timeout=..., env=...)` on Gloo ranks (one
+    thread each, entry-point autoload off unless `env` turns it back on)."""
     return run_distributed
