@@ -142,7 +142,9 @@ def _chain_adapter(
     try:
         container = find_block_container(model, blocks_path, field="pipeline.blocks")
     except ConfigError:
-        if blocks_path or not split_points:
+        if blocks_path:
+            raise  # names the configured path and what is there
+        if not split_points:
             raise ConfigError(
                 f"the 'pipeline' strategy found no repeated blocks in {what} (no ModuleList of "
                 f"one block class); name the container with pipeline.blocks, or the modules "
@@ -211,10 +213,12 @@ def trace_chain(model: nn.Module, *, leaves: set[str], split_points: Sequence[st
         elif node.op == "output" and node.args == (previous,) and chain:
             return tuple(chain)
         else:
+            target = getattr(node.target, "__name__", node.target)
             raise ConfigError(
                 f"{what}.forward is not a plain chain x = module(x): after "
-                f"{[n for n, _ in chain] or 'its input'} it does {node.op} {node.target!r}; "
-                f"plait pipelines {SUPPORTED}"
+                f"{[n for n, _ in chain] or 'its input'} it does {node.op} {target!r}; move "
+                "that computation inside one of its modules (the embedding, a block or the "
+                f"head) so stages can be cut between them; plait pipelines {SUPPORTED}"
             )
     raise ConfigError(f"{what}.forward returns nothing plait can pipeline")
 
