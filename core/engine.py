@@ -32,6 +32,7 @@ from plait.core.memory import memory_report
 from plait.core.mesh import Mesh
 from plait.core.microbatch import MicrobatchRunner
 from plait.core.optim import default_optimizer_factory, warmup_cosine
+from plait.core.phase_timing import PhaseTimer
 from plait.core.plugins import Plugins
 from plait.core.records import SHARD_ORDER
 from plait.core.schedule import (
@@ -374,7 +375,10 @@ class Engine:
         )
         lr = self.optimizer.param_groups[0]["lr"]
         with self._flop_counter(sum(input_tokens(x).numel() for x in inputs)):
-            spans = Executor(self._handlers(state)).run(self.actions(n))
+            # On CUDA every action is also timed with device events, read after the step.
+            timer, handlers = PhaseTimer.for_device(self.device), self._handlers(state)
+            spans = Executor(timer.wrap(handlers) if timer else handlers).run(self.actions(n))
+            spans = timer.attach(spans) if timer else spans
         # Spans a runtime timed inside its actions (a pipeline stage's waits for a peer: "idle").
         spans = sorted([*spans, *state.extra_spans], key=lambda s: s.start_ns)
         return self.end_step(

@@ -2,9 +2,10 @@
 
 Each rank gets its own `TracerProvider` and `MeterProvider` (never the global ones, so several
 engines in one process stay apart) with a `Resource` that says who the rank is: job, rank, host,
-mesh coordinates, device and the device's peak FLOP/s. Spans go through a batch processor and
-metrics through a periodic reader, both in background threads, so the training loop only pays
-for building the span objects.
+mesh coordinates, device and the device's peak FLOP/s. Step, phase and comm spans are built
+and sent by the telemetry plugin's exporter thread (`plait.plugins.telemetry.exporter`) through
+`send_spans`, and metrics go through a periodic reader, so the training loop only queues
+records.
 
 The daemon's MFU divides model FLOP/s by the peak this module puts in the resource, from
 `plait.core.peak_flops`: the dense datasheet figure for the job's compute dtype on a known
@@ -38,6 +39,8 @@ import grpc
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
@@ -55,7 +58,7 @@ from plait.core.peak_flops import PeakFlops, peak_flops_for
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
-    from plait.core.step import JobInfo
+    from plait.core.step import JobInfo, StepReport
 
 DEFAULT_DAEMON_ADDRESS = "127.0.0.1:7461"
 DAEMON_ENV = "PLAIT_DAEMON"
@@ -378,6 +381,11 @@ class RankTelemetry:
             endpoint=address, timeout=EXPORT_TIMEOUT_SECONDS, **exporter_auth
         )
         self._warn = warn
+        self.resource_attributes = resource_attributes(info, peak)
+        # Step, phase and comm spans are built in protobuf by the telemetry plugin's exporter
+        # thread and sent through this stub; the SDK tracer above serves ad-hoc spans.
+        self._trace_channel = self.auth.channel(address)
+        self._trace_stub = trace_service_pb2_grpc.TraceServiceStub(self._trace_channel)
         self.metric_reader = PeriodicExportingMetricReader(
             _QuietMetricExporter(metric_exporter, warn),
             export_interval_millis=float(
@@ -498,6 +506,21 @@ class RankTelemetry:
             return None
         return cls(info, address, peak_flops_for_job(info), auth)
 
+    def send_spans(self, request: ExportTraceServiceRequest) -> None:
+        """Send one OTLP trace request (exporter thread); a failure is warned about once."""
+        try:
+            self._trace_stub.Export(request, timeout=EXPORT_TIMEOUT_SECONDS)
+        except grpc.RpcError:
+            self._warn("spans")
+
+    def record_step(self, report: StepReport) -> None:
+        """The step metrics (called off the training thread by the span exporter)."""
+        self.tokens.add(report.tokens)
+        self.model_flops.add(float(report.model_flops))
+        self.step_duration.record(report.step_seconds)
+        self.data_wait.record(report.data_wait_seconds)
+        self.loss.set(report.loss)
+
     def flush(self, timeout_seconds: float = EXPORT_TIMEOUT_SECONDS) -> None:
         """Send everything buffered now (the daemon sees a run's last steps before it exits)."""
         timeout_ms = int(timeout_seconds * 1000)
@@ -510,6 +533,7 @@ class RankTelemetry:
                 self._heartbeat_provider.shutdown(timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000)
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000)
+            self._trace_channel.close()
         finally:
             logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").removeFilter(
                 self._log_filter

@@ -4,71 +4,45 @@ Hooks:
 
 * `plait_configure` reads the daemon address (`telemetry.daemon`, else `$PLAIT_DAEMON`).
 * `plait_job_start` builds the rank's OpenTelemetry providers (`plait.core.telemetry`), with the
-  `JobInfo` as resource attributes; no daemon → one warning and every other hook is a no-op.
+  `JobInfo` as resource attributes, and the span exporter thread; no daemon → one warning and
+  every other hook is a no-op.
 * `plait_communicate` (`wrapper=True`) records every op the comm facade issues: op, bytes,
   dtype, group name and ranks, sequence number, purpose, start and end.
-* `plait_step_end` emits the step span, its phase spans (`StepReport.spans`, with their own
-  nanosecond times) and the step's communication spans as children, then the step metrics.
-* `plait_job_end` emits what is left, flushes and shuts the exporters down.
+* `plait_step_end` queues the step's report (its phase spans inside) and its finished comm
+  records to the exporter (`plait.plugins.telemetry.exporter`), which builds the step span, the
+  phase spans and the comm spans as its children, sends them and records the step metrics,
+  all off the training thread.
+* `plait_job_end` queues what is left, flushes and shuts the exporters down.
 
 A comm heartbeat (`RankTelemetry.start_heartbeat`) reports, from the metric reader's thread,
 the collectives this rank entered and has not finished and the last sequence number issued per
 group, which is what the daemon's hang detector needs while a collective is blocked.
-
-Spans are built at the end of the step rather than on the hot path: an op costs one small
-record while the step runs, and every span of a step gets the step span as its parent.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Generator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Generator
+from typing import TYPE_CHECKING
 
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
-
-from plait.core import telemetry_schema as names
 from plait.core.comm import CompletedWork
 from plait.core.hookspecs import hookimpl
-from plait.core.telemetry import RankTelemetry, resolve_daemon_address
+from plait.core.telemetry import (
+    EXPORT_TIMEOUT_SECONDS,
+    INSTRUMENTATION_NAME,
+    RankTelemetry,
+    resolve_daemon_address,
+)
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor, track_async_completion
+from plait.plugins.telemetry.exporter import SpanExporter
+from plait.plugins.telemetry.otlp_spans import comm_attributes
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
-
     from plait.core.comm import Work
     from plait.core.config import PlaitConfig
     from plait.core.records import CommRequest
     from plait.core.step import JobInfo, StepReport
 
-_PRIMITIVES = (str, bool, int, float)
-
-
-def _attribute_value(value: Any) -> Any:
-    if isinstance(value, _PRIMITIVES):
-        return value
-    if isinstance(value, list | tuple) and all(isinstance(v, _PRIMITIVES) for v in value):
-        return list(value)
-    return str(value)
-
-
-def comm_attributes(record: CommRecord) -> dict[str, Any]:
-    attributes: dict[str, Any] = {
-        names.SPAN_COMM_OP: record.op,
-        names.SPAN_COMM_BYTES: record.nbytes,
-        names.SPAN_COMM_DTYPE: str(record.dtype).removeprefix("torch.") if record.dtype else "",
-        names.SPAN_COMM_GROUP: record.group_name,
-        names.SPAN_COMM_GROUP_RANKS: list(record.group_ranks),
-        names.SPAN_COMM_SEQ: record.seq,
-        names.SPAN_COMM_PURPOSE: record.purpose,
-        names.SPAN_COMM_ASYNC: record.async_op,
-    }
-    if record.peer is not None:
-        attributes[names.SPAN_COMM_PEER] = record.peer
-    if record.step is not None:
-        attributes[names.SPAN_STEP] = record.step
-    return attributes
+__all__ = ["TelemetryPlugin", "comm_attributes"]
 
 
 def _is_group_collective(op: str, purpose: str) -> bool:
@@ -86,6 +60,7 @@ class TelemetryPlugin:
     def __init__(self) -> None:
         self.configured_address = ""
         self.telemetry: RankTelemetry | None = None
+        self.exporter: SpanExporter | None = None
         self.step: int | None = None
         self.records: list[CommRecord] = []
         self._cuda_anchor: CudaAnchor | None = None
@@ -104,9 +79,20 @@ class TelemetryPlugin:
         if self.telemetry is not None:
             return
         self._uses_cuda = info.device.startswith("cuda")
-        self.telemetry = RankTelemetry.start(info, resolve_daemon_address(self.configured_address))
-        if self.telemetry is not None:
-            self.telemetry.start_heartbeat(self.comm_in_flight)
+        telemetry = RankTelemetry.start(info, resolve_daemon_address(self.configured_address))
+        if telemetry is None:
+            return
+        from plait import __version__
+
+        self.exporter = SpanExporter(
+            send=telemetry.send_spans,
+            resource=telemetry.resource_attributes,
+            scope=(INSTRUMENTATION_NAME, __version__),
+            on_step=telemetry.record_step,
+            device=info.device,
+        )
+        self.telemetry = telemetry
+        telemetry.start_heartbeat(self.comm_in_flight)
 
     def comm_in_flight(self) -> tuple[list[CommRecord], dict[tuple[str, tuple[int, ...]], int]]:
         """Collectives issued and not finished, and the last seq per group (heartbeat thread)."""
@@ -122,64 +108,26 @@ class TelemetryPlugin:
 
     @hookimpl
     def plait_step_end(self, report: StepReport) -> None:
-        telemetry = self.telemetry
         self.step = None
-        if telemetry is None:
+        exporter = self.exporter
+        if exporter is None:
             return
-        end_ns = report.end_ns or time.time_ns()
-        start_ns = report.start_ns or end_ns - int(report.step_seconds * 1e9)
-        grad_norm = report.grad_norm if report.grad_norm is not None else -1.0
-        step_span = telemetry.tracer.start_span(
-            names.STEP_SPAN_NAME,
-            start_time=start_ns,
-            attributes={
-                names.SPAN_STEP: report.step,
-                names.SPAN_STEP_TOKENS: report.tokens,
-                names.SPAN_STEP_MODEL_FLOPS: float(report.model_flops),
-                names.SPAN_STEP_DATA_WAIT: report.data_wait_seconds,
-                names.SPAN_STEP_LOSS: report.loss,
-                names.SPAN_STEP_LR: report.lr,
-                names.SPAN_STEP_GRAD_NORM: grad_norm,
-                names.SPAN_STEP_SKIPPED: report.skipped,
-            },
-        )
-        parent = trace.set_span_in_context(step_span)
-        tracer = telemetry.tracer
-        for phase in report.spans:
-            attributes: dict[str, Any] = {
-                names.SPAN_STEP: report.step,
-                names.SPAN_PHASE: phase.name,
-            }
-            if phase.microbatch is not None:
-                attributes[names.SPAN_MICROBATCH] = phase.microbatch
-            if phase.chunk is not None:
-                attributes[names.SPAN_CHUNK] = phase.chunk
-            for key, value in phase.attributes.items():
-                attributes[names.SPAN_PHASE_ATTRIBUTE_PREFIX + key] = _attribute_value(value)
-            span = tracer.start_span(
-                phase.name, context=parent, start_time=phase.start_ns, attributes=attributes
-            )
-            span.end(end_time=phase.end_ns)
-        self._emit_comm_records(parent_by_step={report.step: parent})
-        step_span.end(end_time=end_ns)
-
-        telemetry.tokens.add(report.tokens)
-        telemetry.model_flops.add(float(report.model_flops))
-        telemetry.step_duration.record(report.step_seconds)
-        telemetry.data_wait.record(report.data_wait_seconds)
-        telemetry.loss.set(report.loss)
+        exporter.put_step(report)
+        exporter.put_comm(self._finished_comm_records(final=False))
 
     @hookimpl
     def plait_job_end(self) -> None:
-        telemetry, self.telemetry = self.telemetry, None
-        if telemetry is None:
+        telemetry, exporter = self.telemetry, self.exporter
+        self.telemetry = self.exporter = None
+        if telemetry is None or exporter is None:
             return
         if self._uses_cuda:
             import torch
 
             # Once, at shutdown: lets the last step's CUDA events be read.
             torch.cuda.synchronize()
-        self._emit_comm_records(parent_by_step={}, telemetry=telemetry, final=True)
+        exporter.put_comm(self._finished_comm_records(final=True))
+        exporter.shutdown(EXPORT_TIMEOUT_SECONDS)
         telemetry.flush()
         telemetry.shutdown()
 
@@ -208,17 +156,11 @@ class TelemetryPlugin:
         record.finish()
         return work
 
-    def _emit_comm_records(
-        self,
-        *,
-        parent_by_step: Mapping[int | None, Context],
-        telemetry: RankTelemetry | None = None,
-        final: bool = False,
-    ) -> None:
-        """Turn finished records into spans; unfinished ones wait for a later step."""
-        telemetry = telemetry or self.telemetry
-        assert telemetry is not None
+    def _finished_comm_records(self, *, final: bool) -> list[CommRecord]:
+        """Records that are done (device times read where timed on CUDA); the others wait for a
+        later step. At the end of the job every record is finished, unfinished ones as errors."""
         records, self.records = self.records, []
+        finished: list[CommRecord] = []
         keep: list[CommRecord] = []
         for record in records:
             if not (record.resolve_cuda() and record.done):
@@ -227,14 +169,7 @@ class TelemetryPlugin:
                     continue
                 record.finish()  # never completed: report it as open until shutdown
                 record.error = record.error or "not completed when the job ended"
-            span = telemetry.tracer.start_span(
-                record.op,
-                context=parent_by_step.get(record.step),
-                start_time=record.start_ns,
-                attributes=comm_attributes(record),
-            )
-            if record.error:
-                span.set_status(Status(StatusCode.ERROR, record.error))
-            span.end(end_time=record.end_ns)
+            finished.append(record)
         if keep:
             self.records[:0] = keep
+        return finished

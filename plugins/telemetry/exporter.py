@@ -1,0 +1,223 @@
+"""The span exporter: the training thread queues records, a background thread does the rest.
+
+What the training thread pays per step is two `deque.append`s of tuples holding records that
+are already immutable: `(STEP, report)` — the engine's frozen `StepReport` with its phase spans
+— and `(COMM, records)` — the step's finished comm records, which nothing mutates once done.
+Everything else happens on the exporter thread: span ids, attribute encoding, OTLP protobuf
+messages, batching (up to `max_batch` spans per request, at least every `batch_delay`
+seconds), sending, the step metrics (`on_step`), and waiting for phases timed with device
+events to complete (`plait.core.phase_timing`).
+
+Telemetry never stalls training: if the exporter falls `max_queue` records behind (a daemon
+answering slowly), new records are dropped and counted in `dropped`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from plait.core import telemetry_schema as names
+from plait.core.phase_timing import DEVICE_TIMING, DeviceInterval, device_interval
+from plait.core.step import PhaseSpan, StepReport
+from plait.plugins.telemetry import otlp_spans
+from plait.plugins.telemetry.comm_records import CommRecord
+
+STEP, COMM = 0, 1
+BATCH_DELAY_SECONDS = 0.5
+MAX_BATCH_SPANS = 4096
+MAX_QUEUE_RECORDS = 65536
+REMEMBERED_STEPS = 1024  # steps whose span ids late comm records can still name as parent
+
+Send = Callable[[ExportTraceServiceRequest], None]
+logger = logging.getLogger(__name__)
+
+
+class SpanExporter:
+    """Turns queued step and comm records into OTLP spans on its own thread."""
+
+    def __init__(
+        self,
+        *,
+        send: Send,
+        resource: Mapping[str, Any],
+        scope: tuple[str, str],
+        on_step: Callable[[StepReport], None] | None = None,
+        device: str = "cpu",
+        batch_delay: float = BATCH_DELAY_SECONDS,
+        max_batch: int = MAX_BATCH_SPANS,
+        max_queue: int = MAX_QUEUE_RECORDS,
+    ) -> None:
+        self._send = send
+        self._resource = otlp_spans.key_values(resource)
+        self._scope = InstrumentationScope(name=scope[0], version=scope[1])
+        self._on_step = on_step
+        self._device = device
+        self.batch_delay, self.max_batch, self.max_queue = batch_delay, max_batch, max_queue
+        self._queue: deque[tuple[int, Any]] = deque()
+        self._parents: OrderedDict[int, tuple[bytes, bytes]] = OrderedDict()
+        self._pending: list[tuple[bytes, bytes, int, PhaseSpan, DeviceInterval]] = []
+        self._wake = threading.Event()
+        self._cond = threading.Condition()
+        self._flush_requested = self._flush_done = 0
+        self._stopping = False
+        self.dropped = 0
+        self.spans_sent = 0
+        self._thread = threading.Thread(target=self._run, name="plait-span-export", daemon=True)
+        self._thread.start()
+
+    # -- the training thread ---------------------------------------------------------------------
+
+    def put_step(self, report: StepReport) -> None:
+        if len(self._queue) >= self.max_queue:
+            self.dropped += 1
+            return
+        self._queue.append((STEP, report))
+
+    def put_comm(self, records: Sequence[CommRecord]) -> None:
+        if not records:
+            return
+        if len(self._queue) >= self.max_queue:
+            self.dropped += len(records)
+            return
+        self._queue.append((COMM, records))
+
+    # -- any thread ------------------------------------------------------------------------------
+
+    def flush(self, timeout: float) -> bool:
+        """Export everything queued before this call; False if that took over `timeout`."""
+        with self._cond:
+            self._flush_requested += 1
+            target = self._flush_requested
+        self._wake.set()
+        with self._cond:
+            return self._cond.wait_for(lambda: self._flush_done >= target, timeout)
+
+    def shutdown(self, timeout: float) -> None:
+        """Export what is queued (phases still on the device with their host times), stop."""
+        self._stopping = True
+        self.flush(timeout)
+        self._thread.join(timeout)
+
+    # -- the exporter thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(self._device)  # device events are read on their device
+        while True:
+            self._wake.wait(self.batch_delay)
+            self._wake.clear()
+            with self._cond:
+                target = self._flush_requested
+            stopping = self._stopping
+            try:
+                self._drain(final=stopping)
+            except Exception:  # never let one bad record end the exporter
+                logger.exception("plait telemetry: building spans failed; records dropped")
+            with self._cond:
+                self._flush_done = target
+                self._cond.notify_all()
+            if stopping:
+                return
+
+    def _drain(self, *, final: bool) -> None:
+        spans: list[Span] = []
+        while self._queue:
+            kind, payload = self._queue.popleft()
+            if kind == STEP:
+                spans.extend(self._step_spans(payload))
+                if self._on_step is not None:
+                    self._on_step(payload)
+            else:
+                spans.extend(self._comm_span(record) for record in payload)
+            if len(spans) >= self.max_batch:
+                self._export(spans)
+                spans = []
+        spans.extend(self._ready_phases(final=final))
+        if spans:
+            self._export(spans)
+
+    def _export(self, spans: list[Span]) -> None:
+        for start in range(0, len(spans), self.max_batch):
+            batch = spans[start : start + self.max_batch]
+            self._send(otlp_spans.export_request(self._resource, self._scope, batch))
+            self.spans_sent += len(batch)
+
+    def _step_spans(self, report: StepReport) -> list[Span]:
+        trace_id, span_id = otlp_spans.new_trace_id(), otlp_spans.new_span_id()
+        self._parents[report.step] = (trace_id, span_id)
+        while len(self._parents) > REMEMBERED_STEPS:
+            self._parents.popitem(last=False)
+        spans = [
+            otlp_spans.span(
+                names.STEP_SPAN_NAME,
+                trace_id=trace_id,
+                span_id=span_id,
+                start_ns=report.start_ns,
+                end_ns=report.end_ns,
+                attributes=otlp_spans.step_attributes(report),
+            )
+        ]
+        for phase in report.spans:
+            interval = device_interval(phase)
+            if interval is not None and not interval.ready():
+                self._pending.append((trace_id, span_id, report.step, phase, interval))
+                continue
+            spans.append(self._phase_span(trace_id, span_id, report.step, phase, interval))
+        return spans
+
+    def _phase_span(
+        self,
+        trace_id: bytes,
+        parent: bytes,
+        step: int,
+        phase: PhaseSpan,
+        interval: DeviceInterval | None,
+    ) -> Span:
+        start_ns, end_ns = interval.times() if interval is not None else (0, 0)
+        return otlp_spans.span(
+            phase.name,
+            trace_id=trace_id,
+            span_id=otlp_spans.new_span_id(),
+            parent_span_id=parent,
+            start_ns=start_ns or phase.start_ns,
+            end_ns=end_ns or phase.end_ns,
+            attributes=otlp_spans.phase_attributes(step, phase, skip=DEVICE_TIMING),
+        )
+
+    def _ready_phases(self, *, final: bool) -> list[Span]:
+        """Phases whose device events have completed (all of them, host-timed, when `final`)."""
+        spans, waiting = [], []
+        for trace_id, parent, step, phase, interval in self._pending:
+            if interval.ready():
+                spans.append(self._phase_span(trace_id, parent, step, phase, interval))
+            elif final:
+                spans.append(self._phase_span(trace_id, parent, step, phase, None))
+            else:
+                waiting.append((trace_id, parent, step, phase, interval))
+        self._pending = waiting
+        return spans
+
+    def _comm_span(self, record: CommRecord) -> Span:
+        # A record of a step the exporter has not seen (or no step) starts its own trace.
+        step = record.step if record.step is not None else -1
+        trace_id, parent = self._parents.get(step, (b"", b""))
+        return otlp_spans.span(
+            record.op,
+            trace_id=trace_id or otlp_spans.new_trace_id(),
+            span_id=otlp_spans.new_span_id(),
+            parent_span_id=parent,
+            start_ns=record.start_ns,
+            end_ns=record.end_ns,
+            attributes=otlp_spans.comm_attributes(record),
+            error=record.error,
+        )
