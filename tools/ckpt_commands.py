@@ -6,8 +6,9 @@ know how the job that wrote a checkpoint was sharded, and any job can load what 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -55,9 +56,17 @@ def export(
     checkpoint: Annotated[Path, typer.Argument(help="a checkpoint, or a directory of them")],
     output: Annotated[Path, typer.Option("-o", "--output", help="directory to write")],
     format: Annotated[str, typer.Option("--format", help="output format: hf")] = "hf",
+    family: Annotated[
+        str | None,
+        typer.Option(
+            "--family",
+            help="HF model_type to write: llama, mistral or qwen2 for a plait llama (default "
+            "qwen2 with qkv_bias, else llama); gpt2 for a plait gpt2",
+        ),
+    ] = None,
 ) -> None:
-    """Write a checkpoint's Llama weights as Hugging Face safetensors plus config.json."""
-    from plait.plugins.checkpoint.hf import export_hf
+    """Write a checkpoint's weights as Hugging Face safetensors plus config.json."""
+    from plait.plugins.checkpoint.hf import export_hf, model_fields
     from plait.plugins.checkpoint.offline import model_weights
     from plait.plugins.models import resolve_model_config
 
@@ -66,14 +75,44 @@ def export(
     try:
         weights, meta = model_weights(checkpoint)
         model = meta.get("model") or {}
-        if model.get("name") != "llama":
-            raise PlaitError(f"only Llama checkpoints export to HF, this one is {model!r}")
-        config = resolve_model_config("llama", model["size"], model.get("overrides", {}))
-        fields = {**config.model_dump(), "hidden_dim": config.hidden_dim}  # type: ignore[attr-defined]
-        export_hf(weights, fields, output)
+        name = model.get("name")
+        if name not in ("llama", "gpt2"):
+            raise PlaitError(
+                f"only plait's built-in llama and gpt2 models export to HF, this one is {model!r}"
+            )
+        config = resolve_model_config(name, model["size"], model.get("overrides", {}))
+        chosen = export_hf(weights, output, model=name, fields=model_fields(config), family=family)
     except PlaitError as exc:
         _fail(exc)
-    console.print(f"wrote {len(weights)} tensors to {output}", highlight=False)
+    console.print(
+        f"wrote {len(weights)} tensors as an HF {chosen.model_type} ({chosen.architecture}) "
+        f"to {output}",
+        highlight=False,
+    )
+
+
+def _check_weights(model: str, overrides: dict[str, Any], weights: dict[str, Any]) -> None:
+    """The imported tensors are exactly the parameters of the plait model they configure."""
+    import torch
+
+    from plait.core.kernels import Kernels
+    from plait.core.plugins import Plugins
+    from plait.plugins.models import GPT2, Llama, resolve_model_config
+
+    config = resolve_model_config(model, "tiny", overrides)
+    build = {"llama": Llama, "gpt2": GPT2}[model]
+    with torch.device("meta"):
+        module = build(config, Kernels(Plugins.create(autoload=False)))  # type: ignore[arg-type]
+    expected = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    got = {name: tuple(t.shape) for name, t in weights.items()}
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if missing or extra:
+        raise PlaitError(
+            f"HF tensors do not fill plait's {model}: missing {missing}, extra {extra}"
+        )
+    wrong = [f"{n} {got[n]} != {expected[n]}" for n in expected if got[n] != expected[n]]
+    if wrong:
+        raise PlaitError(f"HF tensor shapes do not match config.json: {'; '.join(wrong)}")
 
 
 @app.command("import")
@@ -82,23 +121,32 @@ def import_(
     output: Annotated[Path, typer.Option("-o", "--output", help="checkpoint root to write")],
     step: Annotated[int, typer.Option("--step", help="step number to give the checkpoint")] = 0,
 ) -> None:
-    """Read Hugging Face Llama safetensors (local files) into a plait checkpoint (weights only)."""
+    """Read a Hugging Face Llama, Mistral, Qwen2 or GPT-2 folder (local files) into a plait
+    checkpoint (weights only)."""
     from plait.plugins.checkpoint.hf import import_hf
     from plait.plugins.checkpoint.offline import write_checkpoint
     from plait.plugins.checkpoint.state import FORMAT
 
     try:
-        weights, overrides = import_hf(source)
-        model = {"name": "llama", "size": "tiny", "overrides": overrides}
-        state = {f"model.{k}": v for k, v in weights.items()}
+        imported = import_hf(source)
+        _check_weights(imported.model, imported.overrides, imported.weights)
+        model = {"name": imported.model, "size": "tiny", "overrides": imported.overrides}
+        state: dict[str, Any] = {f"model.{k}": v for k, v in imported.weights.items()}
         state["meta"] = {"format": FORMAT, "world_size": 1, "degrees": {}, "model": model}
         path = write_checkpoint(output, step, state)
     except PlaitError as exc:
         _fail(exc)
-    console.print(f"wrote {path}; train from it with:", highlight=False)
+    for note in imported.notes:
+        console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+    console.print(
+        f"wrote {path} (an HF {imported.family.model_type} as plait's {imported.model}); "
+        "train from it with:",
+        highlight=False,
+    )
     console.print(f'  --set checkpoint_io.init_from="{path}"', highlight=False)
-    for key, value in overrides.items():
-        console.print(f"  --set model.overrides.{key}={value}", highlight=False)
+    console.print(f"  --set model.name={imported.model} --set model.size=tiny", highlight=False)
+    for key, value in imported.overrides.items():
+        console.print(f"  --set model.overrides.{key}={json.dumps(value)}", highlight=False)
 
 
 @app.command()

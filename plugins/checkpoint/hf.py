@@ -1,27 +1,37 @@
-"""Hugging Face interop for Llama weights: plait checkpoint <-> safetensors in HF naming.
+"""Hugging Face interop: plait weights <-> safetensors + `config.json` that transformers loads.
 
-HF's `LlamaForCausalLM` applies rotary embeddings in the "rotate_half" convention (the first
-half of each head against the second), as plait's `rope` kernel does, with the same frequencies
-(`theta^(-2i/head_dim)`), so q/k projections map across unchanged. (Meta's original checkpoints
-rotate interleaved pairs, which is why HF's conversion script permutes wq/wk; weights that are
-already in HF layout need no permutation.) The round-trip test checks logits, not just names.
+The families (Llama, Mistral, Qwen2 on plait's `llama`; GPT-2 on plait's `gpt2`), their tensor
+names, layouts and config fields are in `hf_families`; this module moves tensors.
+
+Offline (`plait ckpt export/import`): `export_hf` writes full plait tensors as one family;
+`import_hf` reads a folder (one safetensors file or shards) into plait tensors and the plait
+model config that holds them.
 
 A running job exports and imports through the state layout its strategies declare
 (`plait.core.state_layout`), whatever they are: `export_hf_from` writes each rank's pieces of the
 weights (replicas once) and assembles them on rank 0; `load_hf_into` has every rank read from
-the safetensors files only the regions it holds.
+the safetensors files only the regions it holds (a block of a fused or transposed HF tensor).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from plait.plugins.checkpoint.hf_families import (
+    LLAMA,
+    HFFamily,
+    Slot,
+    family_for_export,
+    family_named,
+    hf_config,
+    merge,
+)
 from plait.plugins.checkpoint.layout import (
     Staging,
     first_replica,
@@ -31,134 +41,102 @@ from plait.plugins.checkpoint.layout import (
 )
 from plait.plugins.checkpoint.storage import CheckpointError
 
-# plait name pattern -> HF name pattern (layer index as {i}).
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_PLAIT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+def plait_to_hf_name(name: str, family: HFFamily = LLAMA) -> str:
+    """The HF tensor that holds plait parameter `name` (Llama naming by default)."""
+    return family.slot(name).hf_name
 
 
-def plait_to_hf_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _PLAIT_LAYER.match(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise CheckpointError(f"parameter {name!r} has no Hugging Face Llama name")
-
-
-def hf_to_plait_name(name: str) -> str | None:
-    """The plait name of an HF tensor, or None for tensors plait does not hold (rotary caches)."""
-    for plait_name, hf_name in _TOP_NAMES.items():
-        if name == hf_name:
-            return plait_name
-    match = _HF_LAYER.match(name)
-    if match:
-        for plait_suffix, hf_suffix in _LAYER_NAMES.items():
-            if match.group(2) == hf_suffix:
-                return f"layers.{match.group(1)}.{plait_suffix}"
-        if match.group(2) == "self_attn.rotary_emb.inv_freq":
-            return None
-    raise CheckpointError(f"tensor {name!r} is not part of a Hugging Face Llama checkpoint")
-
-
-def hf_config(model: dict[str, Any]) -> dict[str, Any]:
-    """`config.json` for `LlamaForCausalLM` from a resolved plait Llama config (as a dict)."""
-    dim, n_heads = model["dim"], model["n_heads"]
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": dim,
-        "intermediate_size": model["hidden_dim"],
-        "num_hidden_layers": model["n_layers"],
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": model.get("n_kv_heads") or n_heads,
-        "head_dim": dim // n_heads,
-        "vocab_size": model["vocab_size"],
-        "max_position_embeddings": model["max_seq_len"],
-        "rms_norm_eps": model["norm_eps"],
-        "rope_theta": model["rope_theta"],
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-
-
-def plait_model_overrides(config: dict[str, Any]) -> dict[str, Any]:
-    """plait Llama config fields from an HF `config.json`."""
-    if config.get("model_type") != "llama":
-        raise CheckpointError(f"config.json has model_type {config.get('model_type')!r}, not llama")
-    if config.get("tie_word_embeddings"):
-        raise CheckpointError("tied input/output embeddings are not supported by plait's Llama")
-    return {
-        "dim": config["hidden_size"],
-        "n_layers": config["num_hidden_layers"],
-        "n_heads": config["num_attention_heads"],
-        "n_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
-        "ffn_hidden_dim": config["intermediate_size"],
-        "vocab_size": config["vocab_size"],
-        "max_seq_len": config.get("max_position_embeddings", 2048),
-        "norm_eps": config.get("rms_norm_eps", 1e-5),
-        "rope_theta": config.get("rope_theta", 10000.0),
-    }
-
-
-def export_hf(weights: dict[str, torch.Tensor], model: dict[str, Any], out_dir: Path) -> Path:
-    """Write `model.safetensors` and `config.json` for plait Llama `weights` (full tensors)."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {plait_to_hf_name(k): v.detach().contiguous().cpu() for k, v in weights.items()}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
-    return out_dir
-
-
-def import_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read HF Llama safetensors (one file or shards) from a local directory.
-
-    Returns plait-named weights and the plait model overrides from `config.json`.
-    """
-    from safetensors.torch import load_file
-
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{hf_dir} has no config.json")
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{hf_dir} has no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        for hf_name, tensor in load_file(str(file)).items():
-            name = hf_to_plait_name(hf_name)
-            if name is not None:
-                weights[name] = tensor
-    return weights, plait_model_overrides(json.loads(config_path.read_text()))
+def hf_to_plait_name(name: str, family: HFFamily = LLAMA) -> str | None:
+    """The plait name of a one-to-one HF tensor, or None for tensors plait does not hold."""
+    found = family.plait_slots(name)
+    if len(found) > 1:
+        raise CheckpointError(f"{name!r} holds {len(found)} plait tensors; use plait_slots")
+    return found[0][0] if found else None
 
 
 def model_fields(model_config: Any) -> dict[str, Any]:
-    """The fields `hf_config` reads, from a resolved Llama config object."""
+    """The fields the families' config writers read, from a resolved built-in model config."""
     return {**model_config.model_dump(), "hidden_dim": model_config.hidden_dim}
 
 
-def export_hf_from(engine: Any, out_dir: Path, *, process_group: Any = None) -> Path:
-    """Write a running Llama job's weights as HF safetensors, however they are sharded.
+def export_hf(
+    weights: dict[str, torch.Tensor],
+    out_dir: Path,
+    *,
+    model: str,
+    fields: dict[str, Any],
+    family: str | None = None,
+) -> HFFamily:
+    """Write `model.safetensors` and `config.json` for full plait `weights` of built-in `model`
+    (config `fields`) as HF `family` (default: the model's natural one). Returns the family."""
+    from safetensors.torch import save_file
+
+    chosen = family_for_export(model, fields, family)
+    placed: dict[str, list[tuple[Slot, torch.Tensor]]] = {}
+    for name, tensor in weights.items():
+        slot = chosen.slot(name)
+        placed.setdefault(slot.hf_name, []).append((slot, tensor))
+    tensors = {hf_name: merge(hf_name, parts) for hf_name, parts in placed.items()}
+    dtype = next(iter(tensors.values())).dtype
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config(chosen, fields, dtype)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return chosen
+
+
+@dataclass(slots=True)
+class ImportedHF:
+    """An HF folder read into plait: weights by plait name and the model that holds them."""
+
+    family: HFFamily
+    weights: dict[str, torch.Tensor]
+    overrides: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return self.family.plait_model
+
+
+def read_hf_config(hf_dir: Path) -> tuple[HFFamily, dict[str, Any]]:
+    """The family and the parsed `config.json` of an HF folder."""
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json")
+    config = json.loads(config_path.read_text())
+    return family_named(str(config.get("model_type"))), config
+
+
+def _safetensors_files(hf_dir: Path) -> list[Path]:
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{hf_dir} has no *.safetensors files")
+    return files
+
+
+def import_hf(hf_dir: Path) -> ImportedHF:
+    """Read an HF checkpoint folder (local files only) into plait-named full tensors."""
+    from safetensors.torch import load_file
+
+    family, config = read_hf_config(hf_dir)
+    overrides, notes = family.from_config(config)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(hf_dir):
+        for hf_name, tensor in load_file(str(file)).items():
+            for name, slot in family.plait_slots(hf_name):
+                weights[name] = slot.extract(tensor)
+    output, embedding = family.tied
+    if output not in weights and embedding in weights:
+        weights[output] = weights[embedding].clone()
+    return ImportedHF(family, weights, overrides, notes)
+
+
+def export_hf_from(
+    engine: Any, out_dir: Path, *, family: str | None = None, process_group: Any = None
+) -> Path:
+    """Write a running job's built-in model as HF safetensors, however it is sharded.
 
     Collective: every rank writes the pieces its strategies declare (DCP, replicas once) into a
     staging directory under `out_dir`, which must be shared by the ranks; rank 0 reads them
@@ -171,6 +149,10 @@ def export_hf_from(engine: Any, out_dir: Path, *, process_group: Any = None) -> 
 
     from plait.plugins.checkpoint.planner import ChunkedValue, ChunkSavePlanner
 
+    if engine.model_config is None:
+        raise CheckpointError("only plait's built-in models export to HF from a running job")
+    model, fields = engine.config.model.name, model_fields(engine.model_config)
+    family_for_export(model, fields, family)  # refuse on every rank before any collective
     staging = out_dir / ".plait-export"
     is_writer = first_replica(engine)
     state = {
@@ -186,7 +168,7 @@ def export_hf_from(engine: Any, out_dir: Path, *, process_group: Any = None) -> 
     if engine.mesh.rank == 0:
         from plait.plugins.checkpoint.offline import read_tensors
 
-        export_hf(read_tensors(staging), model_fields(engine.model_config), out_dir)
+        export_hf(read_tensors(staging), out_dir, model=model, fields=fields, family=family)
         shutil.rmtree(staging)
     if dist.is_initialized():
         dist.barrier(group=process_group)
@@ -195,39 +177,56 @@ def export_hf_from(engine: Any, out_dir: Path, *, process_group: Any = None) -> 
 
 @torch.no_grad()
 def load_hf_into(engine: Any, hf_dir: Path) -> int:
-    """Load HF Llama safetensors into a running job in place; each rank reads only the regions
-    of each tensor that its strategies declare it holds. Returns the number of tensors."""
+    """Load an HF checkpoint folder into a running job in place; each rank reads only the
+    regions of each tensor that its strategies declare it holds. Returns the number of tensors."""
     from safetensors import safe_open
 
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{hf_dir} has no *.safetensors files")
+    family, _ = read_hf_config(hf_dir)
+    if family.plait_model != engine.config.model.name:
+        raise CheckpointError(
+            f"{hf_dir} holds an HF {family.model_type}, which plait's {family.plait_model} "
+            f"model holds; this job runs {engine.config.model.name!r}"
+        )
     layout = layout_for(engine)
     entries = layout.by_name()
     staging = Staging()
     with contextlib.ExitStack() as stack:
         where: dict[str, Any] = {}
-        for file in files:
+        for file in _safetensors_files(hf_dir):
             handle = stack.enter_context(safe_open(str(file), framework="pt"))
             for hf_name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                where[hf_name] = handle
+                where[family.canonical(hf_name)] = (handle, hf_name)
         for name, entry in entries.items():
-            hf_name = plait_to_hf_name(name)
-            if hf_name not in where:
-                raise CheckpointError(f"{hf_dir} has no tensor {hf_name!r} (for {name!r})")
-            source = where[hf_name].get_slice(hf_name)
-            if tuple(source.get_shape()) != tuple(entry.value.global_shape):
+            slot = _present_slot(family, name, where)
+            if slot is None:
+                raise CheckpointError(f"{hf_dir} has no tensor {family.slot(name).hf_name!r}")
+            handle, stored_name = where[slot.hf_name]
+            source = handle.get_slice(stored_name)
+            hf_shape = tuple(source.get_shape())
+            if slot.plait_shape(hf_shape) != tuple(entry.value.global_shape):
                 raise CheckpointError(
-                    f"{hf_name}: shape {tuple(source.get_shape())} in {hf_dir}, this model has "
-                    f"{tuple(entry.value.global_shape)}"
+                    f"{slot.hf_name}: holds {name} of shape {slot.plait_shape(hf_shape)} in "
+                    f"{hf_dir}, this model has {tuple(entry.value.global_shape)}"
                 )
             for piece in entry.value.pieces:
                 for chunk in region_chunks(piece.region, staging.storage(piece)):
-                    index = tuple(
+                    index = [
                         slice(o, o + n)
                         for o, n in zip(chunk.offsets, chunk.tensor.shape, strict=True)
-                    )
-                    chunk.tensor.copy_(source[index])
+                    ]
+                    chunk.tensor.copy_(slot.read(source, hf_shape, index))
     staging.write_back()
     layout.finish_load()
     return len(entries)
+
+
+def _present_slot(family: HFFamily, name: str, where: dict[str, Any]) -> Slot | None:
+    """Where `name` is in this checkpoint; the embedding for a tied checkpoint's output."""
+    slot = family.slot(name)
+    if slot.hf_name in where:
+        return slot
+    output, embedding = family.tied
+    if name == output:
+        tied = family.slot(embedding)
+        return tied if tied.hf_name in where else None
+    return None

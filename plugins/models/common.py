@@ -140,13 +140,17 @@ class Attention(UsesKernels):
         n_kv_heads: int,
         bias: bool,
         kernels: Kernels | _KernelsHandle,
+        out_bias: bool | None = None,
     ) -> None:
         super().__init__(kernels)
         self.head_dim = dim // n_heads
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
+        # Qwen2 biases q/k/v but not the output projection; None keeps one flag for all four.
+        self.wo = nn.Linear(
+            n_heads * self.head_dim, dim, bias=bias if out_bias is None else out_bias
+        )
 
     def forward(
         self,

@@ -4,7 +4,9 @@ Presets: `tiny` and `small` are byte-level (vocab 256) models for tests and lapt
 TinyLlama-1.1B shape; `7b` and `70b` are the real Llama-2-7B and Llama-2-70B shapes (the latter
 with 64 query heads sharing 8 key/value heads). Input and output embeddings are untied, as in
 Llama. Parameter names follow Meta's reference code and torchtitan (`tok_embeddings`,
-`layers.<i>.attention.wq`, `feed_forward.w1/w2/w3`, `norm`, `output`).
+`layers.<i>.attention.wq`, `feed_forward.w1/w2/w3`, `norm`, `output`). `qkv_bias` adds biases
+to the q/k/v projections, which is all that separates Qwen2's decoder from this one (Mistral's
+differs only by its sliding attention window, which plait does not implement).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class LlamaConfig(ModelConfig):
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     max_seq_len: int = Field(2048, gt=0, description="longest sequence RoPE tables cover")
+    qkv_bias: bool = Field(False, description="biases on the q/k/v projections (Qwen2's layout)")
 
     @model_validator(mode="after")
     def _heads_fit(self) -> LlamaConfig:
@@ -92,6 +95,8 @@ class LlamaConfig(ModelConfig):
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count from the shape alone (no module is built)."""
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.kv_heads)
+        if self.qkv_bias:
+            attention += self.head_dim * (self.n_heads + 2 * self.kv_heads)
         feed_forward = 3 * self.dim * self.hidden_dim
         per_layer = attention + feed_forward + 2 * self.dim
         total = self.n_layers * per_layer + self.dim + self.dim * self.vocab_size
@@ -122,7 +127,8 @@ class LlamaBlock(nn.Module):
             dim=config.dim,
             n_heads=config.n_heads,
             n_kv_heads=config.kv_heads,
-            bias=False,
+            bias=config.qkv_bias,
+            out_bias=False,
             kernels=kernels,
         )
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps, kernels=kernels)
