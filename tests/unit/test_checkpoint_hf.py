@@ -1,15 +1,20 @@
-"""HF safetensors export/import of a tiny Llama: names, config.json, identical logits, RoPE."""
+"""HF safetensors through the CLI and running jobs: names, config.json, equal logits, RoPE.
+
+The per-family round trips through transformers are in `test_hf_families.py`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from plait.core.kernels import Kernels
+from plait.plugins.checkpoint.hf import export_hf_from, load_hf_into
 from plait.plugins.checkpoint.offline import model_weights, write_checkpoint
 from plait.plugins.checkpoint.state import FORMAT
 from plait.plugins.models import resolve_model_config
@@ -17,6 +22,11 @@ from plait.plugins.models.llama import Llama
 from plait.tools.ckpt_commands import app
 
 OVERRIDES = {"dim": 32, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 16, "max_seq_len": 32}
+HIDDEN = 96  # the SwiGLU width Meta's rule gives OVERRIDES
+_QWEN2 = dict(vocab_size=256, hidden_size=32, intermediate_size=HIDDEN,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=32, rms_norm_eps=1e-5)  # fmt: skip
+_GPT2 = dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=32)
 
 
 def _llama(plugins, seed: int) -> Llama:
@@ -86,3 +96,102 @@ def test_convert_to_torch_and_back(tmp_path: Path) -> None:
     assert back.exit_code == 0, back.output
     info = runner.invoke(app, ["info", str(tmp_path / "b")])
     assert info.exit_code == 0 and "1 tensors, 12 parameters" in info.output, info.output
+
+
+def _engine(model: dict[str, Any]) -> Any:
+    from plait.core.engine import Engine
+
+    return Engine(
+        config={
+            "model": {"size": "tiny", **model},
+            "data": {"seq_len": 16},
+            "train": {"steps": 2, "global_batch_size": 4, "micro_batch_size": 2, "seed": 7,
+                      "device": "cpu"},
+            "optimizer": {"lr": 3e-2, "warmup_steps": 1},
+            "telemetry": {"enabled": False},
+        }
+    )  # fmt: skip
+
+
+def _hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(tokens).logits
+
+
+def _logits(engine: Any, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return engine.module(tokens)
+
+
+GPT2_MODEL = {"name": "gpt2", "overrides": {"dim": 32, "n_heads": 4, "max_seq_len": 32}}
+TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_cli_exports_a_trained_gpt2_checkpoint_that_transformers_loads(tmp_path: Path) -> None:
+    """`plait ckpt export --format hf` on what the engine's checkpointer wrote after training;
+    `plait ckpt import` of that folder gives the same weights back."""
+    from plait.core.config import CheckpointIOSection
+    from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.data import build_batches
+
+    engine = _engine(GPT2_MODEL)
+    batches = build_batches(engine.config.data, seq_len=16, global_batch_size=4, dp_rank=0,
+                            dp_size=1, seed=7)  # fmt: skip
+    checkpointer = Checkpointer(engine, batches, CheckpointIOSection(dir=str(tmp_path / "ckpt")))
+    for _ in range(2):
+        engine.train_step(batches.next_batch())
+    checkpointer.save(2)
+    checkpointer.close()
+    trained = _logits(engine, TOKENS)
+    engine.close()
+    runner = CliRunner()
+
+    out = runner.invoke(app, ["export", str(tmp_path / "ckpt"), "--format", "hf",
+                              "-o", str(tmp_path / "hf")])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "HF gpt2 (GPT2LMHeadModel)" in out.output
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf", TOKENS), trained, atol=1e-5, rtol=0)
+
+    back = runner.invoke(app, ["import", str(tmp_path / "hf"), "-o", str(tmp_path / "back")])
+    assert back.exit_code == 0, back.output
+    assert "--set model.name=gpt2" in back.output
+    weights, meta = model_weights(tmp_path / "back")
+    saved, _ = model_weights(tmp_path / "ckpt")
+    assert meta["model"]["name"] == "gpt2"
+    assert weights.keys() == saved.keys()
+    assert all(torch.equal(weights[k], saved[k]) for k in saved)
+
+
+def test_running_jobs_export_and_load_qwen2_and_gpt2(tmp_path: Path) -> None:
+    """`export_hf_from` writes a Qwen2 for a llama job with q/k/v biases; `load_hf_into` fills a
+    job from folders transformers saved (tied Qwen2: the output comes from the embedding;
+    GPT-2: transposed, fused c_attn)."""
+    transformers = pytest.importorskip("transformers")
+    qwen = _engine({"name": "llama", "overrides": {**OVERRIDES, "qkv_bias": True}})
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for param in qwen.module.parameters():  # biases start at zero: make them count
+            param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+    export_hf_from(qwen, tmp_path / "exported")
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["num_key_value_heads"] == 2
+    torch.testing.assert_close(
+        _hf_logits(tmp_path / "exported", TOKENS), _logits(qwen, TOKENS), atol=1e-5, rtol=0
+    )
+
+    for engine, hf_config in (
+        (qwen, transformers.Qwen2Config(**_QWEN2, tie_word_embeddings=True)),
+        (_engine(GPT2_MODEL), transformers.GPT2Config(**_GPT2)),
+    ):
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+        with torch.no_grad():
+            for param in hf_model.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+            expected = hf_model(TOKENS).logits
+        folder = tmp_path / hf_config.model_type
+        hf_model.save_pretrained(folder)
+        assert load_hf_into(engine, folder) == len(list(engine.module.parameters()))
+        torch.testing.assert_close(_logits(engine, TOKENS), expected, atol=1e-5, rtol=0)
+        engine.close()
