@@ -79,6 +79,7 @@ def train(
         check_config(cfg, Plugins.create(blocked=cfg.plugins.disable))
     except PlaitError as exc:
         _fail(exc)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     launcher = ["--nproc-per-node", str(nproc_per_node), "--nnodes", nnodes]
@@ -94,6 +95,15 @@ def train(
     args = get_args_parser().parse_args(launcher + worker)
     try:
         run(args)
+    except SignalException as exc:
+        # torchrun passed the signal on to the ranks, which finished their step and saved
+        # (each printed where); the launcher only reports and exits as the signal asks.
+        console.print(
+            f"stopped by {exc.sigval.name}: the ranks finished their step"
+            + (" and saved a checkpoint" if cfg.checkpoint_io.dir else ""),
+            highlight=False,
+        )
+        raise typer.Exit(128 + int(exc.sigval)) from None
     except Exception as exc:  # torchrun's ChildFailedError carries the failing ranks
         console.print(f"[red]training failed:[/red] {exc}", highlight=False)
         raise typer.Exit(1) from None

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,11 +23,16 @@ from plait.core.errors import PlaitError
 from plait.core.mfu import format_mfu, mfu
 from plait.core.peak_flops import PeakFlops
 from plait.core.step import StepReport
+from plait.tools.graceful_stop import StopRequests, signal_name
+
+if TYPE_CHECKING:
+    from plait.plugins.checkpoint import Checkpointer
 
 
 @dataclass
 class TrainingSummary:
     losses: list[float] = field(default_factory=list)
+    stopped: str = ""  # why training ended before train.steps (a signal), or ""
     tokens_per_second: float = 0.0
     mfu: float = 0.0
     memory: dict[str, int] = field(default_factory=dict)
@@ -62,6 +68,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     # Every rank of a job runs on the same kind of device, so the job's peak is W × the rank's.
     peak = rank_peak.flops * mesh.world_size
     summary = TrainingSummary()
+    stop = StopRequests(engine.comm, world_size=mesh.world_size, device=engine.device).install()
     if is_leader:
         _print_header(console, engine, rank_peak)
     progress = Progress(
@@ -92,6 +99,13 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
                 ):
                     console.print(f"step {step + 1}/{config.train.steps} {stats}", highlight=False)
             checkpointer.maybe_save(step + 1)
+            signum = stop.agreed()
+            if signum is not None:
+                summary.stopped = _stop_gracefully(
+                    checkpointer, step + 1, signum, console, is_leader
+                )
+                break
+    stop.uninstall()
     checkpointer.close()
     elapsed = time.perf_counter() - start
     summary.tokens_per_second = tokens_done / elapsed
@@ -101,6 +115,27 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         _print_summary(console, summary)
     engine.close()
     return summary
+
+
+def _stop_gracefully(
+    checkpointer: Checkpointer, steps_done: int, signum: int, console: Console, is_leader: bool
+) -> str:
+    """Save after the step every rank finished (unless that step was just saved) and say so."""
+    from plait.plugins.checkpoint.storage import step_dir_name
+
+    saved = checkpointer.root is not None
+    if saved and checkpointer.last_saved_step != steps_done:
+        checkpointer.save(steps_done)
+    checkpointer.wait()
+    where = (
+        f"checkpoint {checkpointer.root / step_dir_name(steps_done)}"
+        if saved
+        else "no checkpoint (checkpoint_io.dir is not set)"
+    )
+    message = f"stopped by {signal_name(signum)} after step {steps_done}: {where}"
+    if is_leader:
+        console.print(f"[yellow]{message}[/yellow]", highlight=False)
+    return message
 
 
 def _format_stats(report: StepReport, peak: float) -> str:
