@@ -46,6 +46,8 @@ __all__ = [
     "ACTIVATION",
     "ACTIVATION_GRAD",
     "BARRIER",
+    "CP_A2A",
+    "CP_KV",
     "GENERIC",
     "GRADIENT_PURPOSES",
     "GRAD_BUCKET",
@@ -84,6 +86,8 @@ ACTIVATION = "activation"  # pipeline send/recv of activations
 ACTIVATION_GRAD = "activation_grad"  # pipeline send/recv of activation gradients
 TP_ACTIVATION = "tp_activation"  # tensor/sequence-parallel collectives inside forward/backward
 TP_GRAD = "tp_grad"  # summing replicated parameters' gradients over tp
+CP_KV = "cp_kv"  # context-parallel ring: K/V blocks (and their gradients) passed around
+CP_A2A = "cp_a2a"  # context-parallel Ulysses: all-to-all between sequence and head shards
 METRICS = "metrics"  # loss and other reported values
 GRAD_NORM = "grad_norm"  # the global gradient norm for clipping
 LOSS_SCALE = "loss_scale"  # the fp16 loss scaler's inf/nan vote
@@ -103,6 +107,8 @@ PURPOSES = frozenset(
         ACTIVATION_GRAD,
         TP_ACTIVATION,
         TP_GRAD,
+        CP_KV,
+        CP_A2A,
         METRICS,
         GRAD_NORM,
         LOSS_SCALE,

@@ -130,13 +130,15 @@ class Engine:
             if optimizer is None
             else None
         )
-        # Groups used every step are created now: creating a group is collective.
-        self._loss_group = self.mesh.group("pp", "dp")
+        # Groups used every step are created now: creating a group is collective. The cp ranks
+        # of a replica each hold a loss over their positions: the loss is averaged over them.
+        cp = ("cp",) if self.mesh.size("cp") > 1 else ()
+        self._loss_group = self.mesh.group("pp", "dp", *cp)
         if cfg.train.flops_per_token > 0:
             self.flops_per_token = cfg.train.flops_per_token
         # A model without a FLOPs formula is counted on the first step, summed over the ranks
         # that split one replica's work.
-        self._flops_group = self.mesh.group("pp", "tp") if self.flops_per_token == 0 else None
+        self._flops_group = self.mesh.group("pp", *cp, "tp") if self.flops_per_token == 0 else None
         self._actions: dict[int, list[Action]] = {}
         self._positions: dict[int, dict[Action, MicrobatchPosition]] = {}
         self.global_step = 0  # optimizer steps taken (restored by a checkpoint resume)
@@ -364,6 +366,15 @@ class Engine:
             batch, micro_batch_size=self.config.train.micro_batch_size, device=self.device
         )
         inputs, targets, n = microbatches.inputs, microbatches.targets, len(microbatches)
+        tokens = sum(input_tokens(x).numel() for x in inputs)
+        if self.context.context_parallel is not None:
+            # Context parallelism: this rank keeps its positions of every sequence, inputs and
+            # targets alike (`ContextParallelism.shard_batch`); `tokens` counts them all.
+            cp, lengths = self.context.context_parallel, [input_tokens(x).shape[1] for x in inputs]
+            inputs = [cp.shard_batch(x, length) for x, length in zip(inputs, lengths, strict=True)]
+            targets = [
+                cp.shard_batch(y, length) for y, length in zip(targets, lengths, strict=True)
+            ]
         runner = MicrobatchRunner(
             runtimes=self.runtimes,
             loss_fn=self.loss_fn,
@@ -374,7 +385,7 @@ class Engine:
             inputs=inputs, targets=targets, losses=[None] * n, num_microbatches=n, runner=runner
         )
         lr = self.optimizer.param_groups[0]["lr"]
-        with self._flop_counter(sum(input_tokens(x).numel() for x in inputs)):
+        with self._flop_counter(tokens):
             # On CUDA every action is also timed with device events, read after the step.
             timer, handlers = PhaseTimer.for_device(self.device), self._handlers(state)
             spans = Executor(timer.wrap(handlers) if timer else handlers).run(self.actions(n))
@@ -383,7 +394,7 @@ class Engine:
         spans = sorted([*spans, *state.extra_spans], key=lambda s: s.start_ns)
         return self.end_step(
             losses=state.losses,
-            tokens=sum(input_tokens(x).numel() for x in inputs),
+            tokens=tokens,
             lr=lr,
             spans=spans,
             start_ns=start_ns,

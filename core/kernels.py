@@ -14,8 +14,11 @@ Op signatures every provider implements (all autograd-correct):
 - `rope(x, cos, sin) -> y`: x is (batch, seq, heads, head_dim); cos/sin are (seq, head_dim // 2);
   rotation of the two halves of head_dim (the "rotate_half" convention)
 - `softmax_cross_entropy(logits, targets, ignore_index=-100) -> mean loss` (logits (N, V))
-- `attention(q, k, v, causal=True) -> out`: q is (batch, heads, seq, head_dim); k, v are
-  (batch, kv_heads, seq, head_dim) with heads % kv_heads == 0 (grouped-query attention)
+- `attention(q, k, v, causal=True, *, return_lse=False) -> out`: q is (batch, heads, seq,
+  head_dim); k, v are (batch, kv_heads, seq, head_dim) with heads % kv_heads == 0
+  (grouped-query attention); `return_lse=True` returns `(out, lse)` with lse (batch, heads,
+  seq) the float32 natural log-sum-exp of each query row's scaled scores, differentiable
+  (context parallelism merges key/value blocks with it)
 - `adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
   weight_decay) -> None`, updating the lists of tensors in place
 """

@@ -1,8 +1,14 @@
 """The device mesh: named axes `pp, dp, cp, tp` over the ranks torchrun started.
 
 One explicit object, passed around, never a global (torchtitan's `ParallelDims`). TP is the
-innermost axis, so a TP group is made of consecutive ranks and stays inside a node; DP and PP
-span nodes. Vocabulary: an *axis* is a mesh axis, a *dim* is a tensor dimension.
+innermost axis, so a TP group is made of consecutive ranks and stays inside a node; CP sits
+between DP and TP (as in torchtitan: its ring/all-to-all traffic is heavier than DP's and
+lighter than TP's); DP and PP span nodes. Vocabulary: an *axis* is a mesh axis, a *dim* is a
+tensor dimension.
+
+Gradients of replicated parameters are reduced over DP and CP together: the CP ranks of one
+replica hold the same parameters and see different tokens of the same sequences, so they are
+data parallel as far as gradients go (Megatron's "dp × cp" gradient group).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from plait.core.comm import Group
 from plait.core.errors import MeshError
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+# The axes over which replicated parameters' gradients are averaged (and ZeRO shards).
+GRADIENT_AXES: tuple[str, ...] = ("dp", "cp")
 
 
 def resolve_device(choice: str = "auto") -> torch.device:
@@ -94,6 +102,7 @@ class Mesh:
     rank: int
     world_size: int
     _groups: dict[tuple[str, ...], Group] = field(default_factory=dict)
+    _split_groups: dict[tuple[str, int], tuple[Group, Group]] = field(default_factory=dict)
 
     @classmethod
     def from_env(
@@ -154,6 +163,47 @@ class Mesh:
             pg = self.device_mesh[axes]._flatten(name).get_group()
         ranks = tuple(dist.get_process_group_ranks(pg))
         return Group(name=name, ranks=ranks, process_group=pg)
+
+    def gradient_axes(self) -> tuple[str, ...]:
+        """The axes data parallelism reduces (and ZeRO shards) gradients over: dp, and cp when
+        context parallelism is on. A size-1 cp is left out so the group stays the dp group."""
+        return tuple(a for a in GRADIENT_AXES if a == "dp" or self.degrees[a] > 1)
+
+    def gradient_group(self) -> Group:
+        """The dp × cp group of `gradient_axes` (created on first use: collective)."""
+        return self.group(*self.gradient_axes())
+
+    def split_group(self, axis: str, inner: int) -> tuple[Group, Group]:
+        """Split `axis` into `inner` consecutive coordinates × `size / inner` strided ones.
+
+        Returns this rank's (inner, outer) groups: the inner group holds the ranks whose
+        coordinates on `axis` share `coordinate // inner`, the outer group those that share
+        `coordinate % inner` (a 2-D context-parallel group: Ulysses inside, ring across).
+        Collective: every rank creates every group, in the same order.
+        """
+        size = self.size(axis)
+        if inner < 1 or size % inner:
+            raise MeshError(f"cannot split mesh axis {axis} of size {size} into groups of {inner}")
+        if (axis, inner) not in self._split_groups:
+            position = MESH_AXES.index(axis)
+            rows = self.device_mesh.mesh.movedim(position, -1).reshape(-1, size).tolist()
+            inner_sets = [row[i : i + inner] for row in rows for i in range(0, size, inner)]
+            outer_sets = [row[k::inner] for row in rows for k in range(inner)]
+            pair = tuple(
+                self._subgroup(f"{axis}_{kind}", sets)
+                for kind, sets in (("inner", inner_sets), ("outer", outer_sets))
+            )
+            self._split_groups[(axis, inner)] = pair  # type: ignore[assignment]
+        return self._split_groups[(axis, inner)]
+
+    def _subgroup(self, name: str, rank_sets: list[list[int]]) -> Group:
+        """This rank's group among `rank_sets`; a group of one rank gets no process group."""
+        mine, process_group = (self.rank,), None
+        for ranks in rank_sets:
+            pg = dist.new_group(ranks) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                mine, process_group = tuple(ranks), pg
+        return Group(name=name, ranks=mine, process_group=process_group)
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage `stage` with this rank's other coordinates."""

@@ -55,6 +55,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("zero", "plait.plugins.zero"),
     ("pipeline", "plait.plugins.pipeline"),
     ("tensor_parallel", "plait.plugins.tensor_parallel"),
+    ("context_parallel", "plait.plugins.context_parallel"),
     ("precision", "plait.plugins.precision"),
     ("checkpointing", "plait.plugins.checkpointing"),
     ("collective_timeouts", "plait.plugins.checkpoint.timeouts"),

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from plait.core.step import PhaseSpan
     from plait.core.transforms import (
         ActivationCheckpointing,
+        ContextParallelism,
         PipelineStages,
         PrecisionPolicy,
         TensorParallelism,
@@ -53,6 +54,7 @@ class ShardContext:
     tensor_parallel: TensorParallelism | None = None
     precision: PrecisionPolicy | None = None
     activation_checkpointing: ActivationCheckpointing | None = None
+    context_parallel: ContextParallelism | None = None
 
 
 class ParallelRuntime:

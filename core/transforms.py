@@ -3,15 +3,18 @@
 Each transform that others depend on writes one typed object on the `ShardContext` (the
 pipeline split on `context.pipeline`, tensor/sequence parallelism on `context.tensor_parallel`,
 the precision policy on `context.precision`, activation checkpointing on
-`context.activation_checkpointing`). Later transforms read the field; none of them imports
+`context.activation_checkpointing`, the context-parallel sequence layout on
+`context.context_parallel`). Later transforms read the field; none of them imports
 the plugin that wrote it, and a third-party plugin can provide the same fact the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bf16",
@@ -78,3 +81,87 @@ class ActivationCheckpointing:
 
     mode: str  # "full", "selective", …
     wrapped: tuple[str, ...] = ()  # qualified names of the checkpointed modules
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContextParallelism:
+    """Context parallelism as applied: which positions of every sequence this rank holds.
+
+    The cp group is `ring_degree × ulysses_degree` ranks, Ulysses inside (consecutive cp
+    coordinates), ring across. With a load-balanced layout the sequence is cut into
+    `2 · ring_degree` chunks and ring position `j` holds chunks `j` and `2·ring_degree − 1 − j`
+    (so causal attention costs every ring position the same); without it, chunk `j` of
+    `ring_degree`. The Ulysses ranks of one ring position then split that portion into
+    `ulysses_degree` contiguous pieces, so an all-to-all over them gives each the portion whole.
+    The engine shards every batch tensor along the sequence dim with `shard_batch`; models
+    take the global positions of their tokens from `positions`.
+    """
+
+    degree: int
+    rank: int  # this rank's coordinate on the cp axis
+    strategy: str
+    ring_degree: int
+    ulysses_degree: int = 1
+    load_balanced: bool = True
+
+    @property
+    def ring_rank(self) -> int:
+        return self.rank // self.ulysses_degree
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.rank % self.ulysses_degree
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks the whole sequence is cut into for the ring."""
+        return 2 * self.ring_degree if self.load_balanced else self.ring_degree
+
+    def ring_chunks(self, ring_rank: int) -> tuple[int, ...]:
+        """The global chunk ids ring position `ring_rank` holds, in sequence order."""
+        if not self.load_balanced:
+            return (ring_rank,)
+        return (ring_rank, self.num_chunks - 1 - ring_rank)
+
+    def check_length(self, seq_len: int) -> None:
+        pieces = self.num_chunks * self.ulysses_degree
+        if seq_len % pieces:
+            raise ValueError(
+                f"context parallelism ({self.strategy}, cp={self.degree}) cuts each sequence "
+                f"into {pieces} equal pieces; a sequence of {seq_len} tokens does not divide: "
+                f"use a data.seq_len that is a multiple of {pieces}"
+            )
+
+    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The global positions (ascending) this rank holds of a `seq_len`-token sequence."""
+        self.check_length(seq_len)
+        chunk = seq_len // self.num_chunks
+        portion = torch.cat(
+            [
+                torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                for c in self.ring_chunks(self.ring_rank)
+            ]
+        )
+        piece = portion.numel() // self.ulysses_degree
+        return portion[self.ulysses_rank * piece : (self.ulysses_rank + 1) * piece]
+
+    def local_positions(
+        self, local_len: int, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """`positions` for a rank that holds `local_len` tokens of each sequence."""
+        return self.positions(local_len * self.degree, device)
+
+    def shard_batch(self, batch: Any, seq_len: int) -> Any:
+        """`batch` with every tensor whose dim 1 has `seq_len` positions cut to this rank's."""
+        index: dict[torch.device, torch.Tensor] = {}
+
+        def take(tensor: Any) -> Any:
+            if not isinstance(tensor, torch.Tensor) or tensor.ndim < 2:
+                return tensor
+            if tensor.shape[1] != seq_len:
+                return tensor
+            if tensor.device not in index:
+                index[tensor.device] = self.positions(seq_len, tensor.device)
+            return tensor.index_select(1, index[tensor.device])
+
+        return tree_map(take, batch)

@@ -42,7 +42,7 @@ def shard_ddp(model: nn.Module, *, context: ShardContext, config: DDPConfig) -> 
     runtime = BucketedAllReduce(
         model,
         comm=context.comm,
-        group=context.mesh.group("dp"),
+        group=context.mesh.gradient_group(),  # dp, times cp under context parallelism
         bucket_bytes=int(config.bucket_mb * 2**20),
         broadcast_parameters=config.broadcast_parameters,
     )

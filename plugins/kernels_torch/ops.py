@@ -92,18 +92,51 @@ def softmax_cross_entropy(
 
 @_provided
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
-) -> torch.Tensor:
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    *,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention with grouped-query support.
 
     `q` is (batch, heads, seq, head_dim); `k`/`v` are (batch, kv_heads, seq, head_dim) and each
     group of `heads // kv_heads` query heads shares one key/value head. SDPA's `enable_gqa` lets
     the flash/memory-efficient backends read shared heads without materialising copies.
+
+    `return_lse=True` also returns the natural log-sum-exp of each query row's scaled scores,
+    (batch, heads, seq) in float32, differentiable: context parallelism merges attention over
+    key/value blocks with it. SDPA does not return it, so that path is written out (scores in
+    float32 at least).
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads != 0:
         raise ValueError(f"attention: {heads} query heads is not a multiple of {kv_heads} kv heads")
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads != kv_heads)
+    if not return_lse:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=heads != kv_heads
+        )
+    return _attention_with_lse(q, k, v, causal)
+
+
+def _attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    compute = _compute_dtype(q.dtype)
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        # Bottom-right aligned, as FlashAttention: the last query sees every key.
+        q_len, k_len = scores.shape[-2:]
+        hidden = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).triu(1 + k_len - q_len)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probabilities = torch.exp(scores - lse.unsqueeze(-1))
+    out = torch.matmul(probabilities, v.to(compute))
+    return out.to(q.dtype), lse
 
 
 @_provided

@@ -4,6 +4,10 @@ Forward: one program per (query block, batch·head) walks the key/value blocks u
 diagonal with an online softmax, keeping the output accumulator, the running max and the
 running sum in registers; only the output and the per-row logsumexp (base 2) are written.
 
+With `return_lse=True` the logsumexp is returned too (natural log, float32) and is
+differentiable: d lse / d score = softmax probability, so its gradient only shifts delta
+(`delta − dlse`) in the backward below. Context parallelism merges blocks with it.
+
 Backward (recomputation, no stored probabilities): a pre-pass computes delta = rowsum(dO · O);
 one kernel gives dQ per query block by walking key blocks; another gives dK and dV per key
 block by walking query blocks *and the query heads of its group*, so grouped-query attention
@@ -252,7 +256,8 @@ class AttentionFunction(torch.autograd.Function):
         causal: bool,
         block_m: int | None,
         block_n: int | None,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         batch, n_heads, seq_len, head_dim = q.shape
         n_kv_heads = k.shape[1]
         if k.shape != (batch, n_kv_heads, seq_len, head_dim) or v.shape != k.shape:
@@ -276,10 +281,15 @@ class AttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = causal
         ctx.blocks = (block_m, block_n, block_d)
+        if return_lse:
+            # The kernel keeps log2 of the sum over exp2 of log2(e)-scaled scores.
+            return out, lse / LOG2_E
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         block_m, block_n, block_d = ctx.blocks
         batch, n_heads, seq_len, head_dim = q.shape
@@ -292,6 +302,9 @@ class AttentionFunction(torch.autograd.Function):
             out, dout, delta, *_strides(out), *_strides(dout), n_heads, seq_len, head_dim,
             BLOCK_M=block_m, BLOCK_D=block_d,
         )  # fmt: skip
+        if dlse is not None:
+            # dS += P · dlse, i.e. delta − dlse in dS = P · (dP − delta).
+            delta = delta - dlse.float()
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -310,7 +323,7 @@ class AttentionFunction(torch.autograd.Function):
             n_heads, n_kv_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale,
             **common,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _launch_options() -> dict[str, int]:
@@ -327,12 +340,15 @@ def attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, q (B, H, S, D), k/v (B, KV_H, S, D), H % KV_H == 0.
 
     `block_m`/`block_n` (powers of two, at least 16) set the query/key tile sizes.
+    `return_lse=True` returns `(out, lse)`, lse (B, H, S) the natural logsumexp of each query
+    row's scaled scores, in float32, differentiable.
     """
     for name, block in (("block_m", block_m), ("block_n", block_n)):
         if block is not None and (block < 16 or block & (block - 1)):
             raise ValueError(f"{name} must be a power of two of at least 16, got {block}")
-    return AttentionFunction.apply(q, k, v, causal, block_m, block_n)
+    return AttentionFunction.apply(q, k, v, causal, block_m, block_n, return_lse)

@@ -11,6 +11,9 @@ What the parallel strategies rely on, and why the code is shaped the way it is:
   then takes / returns hidden states.
 - Attention derives its head counts from the projected tensors at run time, so tensor parallelism
   can shard `wq`/`wk`/`wv`/`wo` (plain local shards or DTensors) without touching this code.
+- Attention calls `attend(q, k, v)` and the model forward takes `positions=` (the global
+  positions of the tokens it is given): context parallelism replaces the first and passes the
+  second, since each rank then holds only some positions of every sequence.
 - `init_weights(seed=…)` draws every parameter from a generator seeded by (seed, parameter
   name), so any subset of the model, on any device, gets the values of the full model.
 """
@@ -165,9 +168,14 @@ class Attention(UsesKernels):
         if cos is not None and sin is not None:
             rope = self.kernel("rope", q)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-        attention = self.kernel("attention", q)
-        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q (batch, heads, seq, head_dim) over k/v. Context parallelism
+        sets an instance attribute of this name to attend over the whole sequence across its
+        group while this rank holds only its shard of the positions."""
+        return self.kernel("attention", q)(q, k, v, causal=True)
 
 
 class TransformerBase(UsesKernels):

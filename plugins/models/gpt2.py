@@ -151,7 +151,9 @@ class GPT2(TransformerBase):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self._init_if_materialised()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (seq,) are the global positions of the given tokens (default 0..seq-1);
+        context parallelism passes those of this rank's shard."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
         if seq > self.config.max_seq_len:
@@ -159,7 +161,9 @@ class GPT2(TransformerBase):
                 f"sequence of {seq} tokens exceeds max_seq_len {self.config.max_seq_len}"
             )
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(seq, device=h.device))
+            if positions is None:
+                positions = torch.arange(seq, device=h.device)
+            h = h + self.pos_embeddings(positions)
         for layer in self.layers.values():
             h = layer(h)
         if self.norm is not None:

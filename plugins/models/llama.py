@@ -193,14 +193,19 @@ class Llama(TransformerBase):
         self.rope_cos = angles.cos().to(device=device, dtype=torch.float32)
         self.rope_sin = angles.sin().to(device=device, dtype=torch.float32)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (seq,) are the global positions of the given tokens (default 0..seq-1);
+        context parallelism passes those of this rank's shard."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(
                 f"sequence of {seq} tokens exceeds max_seq_len {self.config.max_seq_len}"
             )
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if positions is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

@@ -47,7 +47,7 @@ def shard_zero(
 ) -> Sharded:
     if config.offload.device == "nvme":
         check_writable(config.offload.path)
-    group = context.mesh.group("dp")
+    group = context.mesh.gradient_group()  # dp, times cp under context parallelism
     runtime: ParallelRuntime
     if stage == 3:
         from plait.plugins.zero.stage3 import FullyShardedRuntime
