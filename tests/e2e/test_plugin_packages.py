@@ -14,6 +14,8 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +104,17 @@ def make_plugin():
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def workdir() -> Iterator[Path]:
+    """This module's own temporary folder. NOTE: not pytest's numbered base folder, which a
+    concurrent pytest session can clean up while the ranks here still read from it."""
+    with tempfile.TemporaryDirectory(prefix="plait-plugin-packages-") as folder:
+        yield Path(folder)
+
+
+@pytest.fixture(scope="module")
+def site(workdir: Path) -> Path:
     """The three README distributions and the probe, installed into a folder of their own."""
-    root = tmp_path_factory.mktemp("plugin-packages")
+    root = workdir
     sources = root / "src"
     for distribution in PACKAGES:
         assert write_files(sources, f"{distribution}/"), f"README has no {distribution} files"
@@ -172,19 +182,21 @@ def test_plait_plugins_lists_the_packages_with_their_distributions(
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_plait_train_selects_all_three_by_config(site: Path, tmp_path: Path) -> None:
+def test_plait_train_selects_all_three_by_config(site: Path, workdir: Path) -> None:
+    probe = workdir / "probe"
+    probe.mkdir()
     stdout = _plait(
         ["train", "configs/tiny.toml", "--nproc-per-node", "2",
          "--set", "train.steps=3", "--set", "data.seq_len=32", "--set", "telemetry.enabled=false",
          "--set", "comm.algorithm=int8", "--set", "comm.int8.block_size=64",
          "--set", "schedule.name=reverse_accumulate",
          "--set", 'kernels.prefer=["cpu_fused"]'],
-        _env(site, PLAIT_PROBE_DIR=str(tmp_path)),
+        _env(site, PLAIT_PROBE_DIR=str(probe)),
         timeout=280,
     )  # fmt: skip
     assert "schedule reverse_accumulate" in stdout and "done: loss" in stdout, stdout
     for rank in (0, 1):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        seen = json.loads((probe / f"rank{rank}.json").read_text())
         # 8 sequences over 2 ranks in micro-batches of 2: two micro-batches, the last one first.
         assert seen["schedules"] == [["F1", "B1", "F0", "B0", "sync", "step"]]
         assert seen["kernels"]["rms_norm/cpu/float32"] == "plait_cpu_kernels"
@@ -217,13 +229,13 @@ EXAMPLES = {
 
 
 @pytest.fixture(scope="module")
-def two_rank_traces(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainTrace]:
+def two_rank_traces(site: Path, workdir: Path) -> dict[str, TrainTrace]:
     """Every layout with each schedule order, and the README examples, in one 2-rank spawn.
 
     The installed packages come in through the entry points (autoload on); the README's
     strategy, which is not packaged, by module path.
     """
-    strategy = tmp_path_factory.mktemp("strategy")
+    strategy = workdir / "strategy"
     write_files(strategy, "my_package/")
     (strategy / "my_package" / "__init__.py").write_text("")
     cases: dict[str, dict[str, Any]] = dict(EXAMPLES)
@@ -275,9 +287,9 @@ def test_readme_strategy_and_int8_train_like_ddp(two_rank_traces: dict[str, Trai
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_the_readme_test_suite_passes_in_the_package(site: Path, tmp_path: Path) -> None:
-    package = tmp_path / "plait-reverse-accumulate"
-    write_files(tmp_path, "plait-reverse-accumulate/")
+def test_the_readme_test_suite_passes_in_the_package(site: Path, workdir: Path) -> None:
+    package = workdir / "suite" / "plait-reverse-accumulate"
+    write_files(workdir / "suite", "plait-reverse-accumulate/")
     (package / "plait_reverse_accumulate.py").unlink()  # tests run against the installed copy
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
