@@ -76,7 +76,13 @@ def train(
     overrides = overrides or []
     try:
         cfg = load_config(config, overrides)
-        check_config(cfg, Plugins.create(blocked=cfg.plugins.disable))
+        # An elastic range (MIN:MAX) is checked at its largest size; every rank checks again.
+        max_nodes = int(nnodes.rpartition(":")[2])
+        check_config(
+            cfg,
+            Plugins.create(blocked=cfg.plugins.disable),
+            world_size=nproc_per_node * max_nodes,
+        )
     except PlaitError as exc:
         _fail(exc)
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -129,19 +135,25 @@ def config_show(
 @config_app.command("validate")
 def config_validate(
     file: Annotated[Path, typer.Argument(help="TOML config file")],
+    nproc_per_node: Annotated[
+        int, typer.Option("--nproc-per-node", help="ranks per node the job will launch")
+    ] = 1,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="nodes the job will launch")] = 1,
     overrides: Overrides = None,
 ) -> None:
-    """Validate a config against the schema and the installed plugins."""
+    """Validate a config against the schema, the installed plugins and, for the ranks given,
+    the layout and the model (heads, layers and vocabulary against the degrees)."""
     from plait.core.config import load_config
     from plait.core.engine import check_config
     from plait.core.plugins import Plugins
 
     try:
         cfg = load_config(file, overrides or [])
-        check_config(cfg, Plugins.create(blocked=cfg.plugins.disable))
+        world_size = nproc_per_node * nnodes
+        check_config(cfg, Plugins.create(blocked=cfg.plugins.disable), world_size=world_size)
     except PlaitError as exc:
         _fail(exc)
-    console.print(f"[green]ok[/green]: {file} is valid", highlight=False)
+    console.print(f"[green]ok[/green]: {file} is valid on {world_size} ranks", highlight=False)
 
 
 @app.command()
