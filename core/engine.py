@@ -34,6 +34,7 @@ from plait.core.microbatch import MicrobatchRunner
 from plait.core.optim import default_optimizer_factory, warmup_cosine
 from plait.core.phase_timing import PhaseTimer
 from plait.core.plugins import Plugins
+from plait.core.preflight import check_launch
 from plait.core.records import SHARD_ORDER
 from plait.core.schedule import (
     Action,
@@ -517,8 +518,15 @@ class Engine:
         self.plugins.job_end()
 
 
-def check_config(config: PlaitConfig, plugins: Plugins, *, with_model: bool = True) -> None:
-    """Check the names a config gives against the installed plugins (before any rank starts)."""
+def check_config(
+    config: PlaitConfig,
+    plugins: Plugins,
+    *,
+    with_model: bool = True,
+    world_size: int | None = None,
+) -> None:
+    """Check the names a config gives against the installed plugins (before any rank starts),
+    and, given the number of ranks, the layout against them and the model (`core.preflight`)."""
     strategies = plugins.strategies()
     sections = {rec.config_section or rec.name for _, rec in strategies.values()}
     unknown = sorted(set(config.extensions) - sections)
@@ -544,10 +552,13 @@ def check_config(config: PlaitConfig, plugins: Plugins, *, with_model: bool = Tr
     plugins.schedule_record(config.schedule.name)
     _check_comm(config, plugins)
     _check_kernels(config, plugins)
+    model_config = None
     if with_model:
         record = plugins.model(config.model.name)
         if record.make_config is not None:
-            record.make_config(config.model.size, config.model.overrides)
+            model_config = record.make_config(config.model.size, config.model.overrides)
+    if world_size is not None:
+        check_launch(config, world_size=world_size, model_config=model_config)
 
 
 def _check_comm(config: PlaitConfig, plugins: Plugins) -> None:
