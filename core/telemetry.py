@@ -39,8 +39,7 @@ import grpc
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
@@ -104,6 +103,7 @@ METRIC_COMM_HEARTBEAT = schema.METRIC_COMM_HEARTBEAT
 METRIC_COMM_INFLIGHT = schema.METRIC_COMM_INFLIGHT
 METRIC_COMM_ENTERED = schema.METRIC_COMM_ENTERED
 HEARTBEAT_INTERVAL_MS = 1000
+TRACE_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 HEARTBEAT_ENV = "PLAIT_HEARTBEAT_INTERVAL_MS"
 
 # Client credentials for a daemon that requires TLS and a token.
@@ -385,7 +385,11 @@ class RankTelemetry:
         # Step, phase and comm spans are built in protobuf by the telemetry plugin's exporter
         # thread and sent through this stub; the SDK tracer above serves ad-hoc spans.
         self._trace_channel = self.auth.channel(address)
-        self._trace_stub = trace_service_pb2_grpc.TraceServiceStub(self._trace_channel)
+        self._export_spans = self._trace_channel.unary_unary(
+            TRACE_EXPORT_METHOD,
+            request_serializer=None,  # requests arrive serialized
+            response_deserializer=ExportTraceServiceResponse.FromString,
+        )
         self.metric_reader = PeriodicExportingMetricReader(
             _QuietMetricExporter(metric_exporter, warn),
             export_interval_millis=float(
@@ -506,10 +510,10 @@ class RankTelemetry:
             return None
         return cls(info, address, peak_flops_for_job(info), auth)
 
-    def send_spans(self, request: ExportTraceServiceRequest) -> None:
-        """Send one OTLP trace request (exporter thread); a failure is warned about once."""
+    def send_spans(self, request: bytes) -> None:
+        """Send one serialized OTLP trace request (exporter thread); failures warn once."""
         try:
-            self._trace_stub.Export(request, timeout=EXPORT_TIMEOUT_SECONDS)
+            self._export_spans(request, timeout=EXPORT_TIMEOUT_SECONDS)
         except grpc.RpcError:
             self._warn("spans")
 

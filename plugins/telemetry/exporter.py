@@ -3,10 +3,10 @@
 What the training thread pays per step is two `deque.append`s of tuples holding records that
 are already immutable: `(STEP, report)` — the engine's frozen `StepReport` with its phase spans
 — and `(COMM, records)` — the step's finished comm records, which nothing mutates once done.
-Everything else happens on the exporter thread: span ids, attribute encoding, OTLP protobuf
-messages, batching (up to `max_batch` spans per request, at least every `batch_delay`
-seconds), sending, the step metrics (`on_step`), and waiting for phases timed with device
-events to complete (`plait.core.phase_timing`).
+Everything else happens on the exporter thread: span ids, attributes, OTLP protobuf bytes
+(`plait.plugins.telemetry.otlp_wire`), batching (up to `max_batch` spans per request, at least
+every `batch_delay` seconds), sending, the step metrics (`on_step`), and waiting for phases
+timed with device events to complete (`plait.core.phase_timing`).
 
 Telemetry never stalls training: if the exporter falls `max_queue` records behind (a daemon
 answering slowly), new records are dropped and counted in `dropped`.
@@ -20,14 +20,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
-from opentelemetry.proto.trace.v1.trace_pb2 import Span
-
 from plait.core import telemetry_schema as names
 from plait.core.phase_timing import DEVICE_TIMING, DeviceInterval, device_interval
 from plait.core.step import PhaseSpan, StepReport
-from plait.plugins.telemetry import otlp_spans
+from plait.plugins.telemetry import otlp_spans, otlp_wire
 from plait.plugins.telemetry.comm_records import CommRecord
 
 STEP, COMM = 0, 1
@@ -36,7 +32,7 @@ MAX_BATCH_SPANS = 4096
 MAX_QUEUE_RECORDS = 65536
 REMEMBERED_STEPS = 1024  # steps whose span ids late comm records can still name as parent
 
-Send = Callable[[ExportTraceServiceRequest], None]
+Send = Callable[[bytes], None]  # one serialized ExportTraceServiceRequest
 logger = logging.getLogger(__name__)
 
 
@@ -56,8 +52,9 @@ class SpanExporter:
         max_queue: int = MAX_QUEUE_RECORDS,
     ) -> None:
         self._send = send
-        self._resource = otlp_spans.key_values(resource)
-        self._scope = InstrumentationScope(name=scope[0], version=scope[1])
+        self._resource = otlp_wire.resource_attributes(resource)
+        self._scope = otlp_wire.scope(*scope)
+        self._encoder = otlp_wire.AttributeEncoder()
         self._on_step = on_step
         self._device = device
         self.batch_delay, self.max_batch, self.max_queue = batch_delay, max_batch, max_queue
@@ -130,7 +127,7 @@ class SpanExporter:
                 return
 
     def _drain(self, *, final: bool) -> None:
-        spans: list[Span] = []
+        spans: list[bytes] = []
         while self._queue:
             kind, payload = self._queue.popleft()
             if kind == STEP:
@@ -146,19 +143,19 @@ class SpanExporter:
         if spans:
             self._export(spans)
 
-    def _export(self, spans: list[Span]) -> None:
+    def _export(self, spans: list[bytes]) -> None:
         for start in range(0, len(spans), self.max_batch):
             batch = spans[start : start + self.max_batch]
-            self._send(otlp_spans.export_request(self._resource, self._scope, batch))
+            self._send(otlp_wire.export_request(self._resource, self._scope, batch))
             self.spans_sent += len(batch)
 
-    def _step_spans(self, report: StepReport) -> list[Span]:
+    def _step_spans(self, report: StepReport) -> list[bytes]:
         trace_id, span_id = otlp_spans.new_trace_id(), otlp_spans.new_span_id()
         self._parents[report.step] = (trace_id, span_id)
         while len(self._parents) > REMEMBERED_STEPS:
             self._parents.popitem(last=False)
         spans = [
-            otlp_spans.span(
+            self._encoder.span(
                 names.STEP_SPAN_NAME,
                 trace_id=trace_id,
                 span_id=span_id,
@@ -182,19 +179,30 @@ class SpanExporter:
         step: int,
         phase: PhaseSpan,
         interval: DeviceInterval | None,
-    ) -> Span:
+    ) -> bytes:
         start_ns, end_ns = interval.times() if interval is not None else (0, 0)
-        return otlp_spans.span(
+        encoder = self._encoder
+        if not phase.attributes or (len(phase.attributes) == 1 and interval is not None):
+            # No attributes of its own: the phase's encoding repeats from step to step.
+            attributes = encoder.block(
+                ("phase", phase.name, phase.microbatch, phase.chunk),
+                lambda: otlp_spans.phase_attributes(-1, phase, skip=DEVICE_TIMING, step=False),
+            ) + encoder.int_value(names.SPAN_STEP, step)
+        else:
+            attributes = encoder.attributes(
+                otlp_spans.phase_attributes(step, phase, skip=DEVICE_TIMING)
+            )
+        return encoder.span(
             phase.name,
             trace_id=trace_id,
             span_id=otlp_spans.new_span_id(),
             parent_span_id=parent,
             start_ns=start_ns or phase.start_ns,
             end_ns=end_ns or phase.end_ns,
-            attributes=otlp_spans.phase_attributes(step, phase, skip=DEVICE_TIMING),
+            attributes=attributes,
         )
 
-    def _ready_phases(self, *, final: bool) -> list[Span]:
+    def _ready_phases(self, *, final: bool) -> list[bytes]:
         """Phases whose device events have completed (all of them, host-timed, when `final`)."""
         spans, waiting = [], []
         for trace_id, parent, step, phase, interval in self._pending:
@@ -207,17 +215,24 @@ class SpanExporter:
         self._pending = waiting
         return spans
 
-    def _comm_span(self, record: CommRecord) -> Span:
+    def _comm_span(self, record: CommRecord) -> bytes:
         # A record of a step the exporter has not seen (or no step) starts its own trace.
         step = record.step if record.step is not None else -1
         trace_id, parent = self._parents.get(step, (b"", b""))
-        return otlp_spans.span(
+        encoder = self._encoder
+        attributes = encoder.block(
+            otlp_spans.comm_static_key(record),
+            lambda: otlp_spans.comm_static_attributes(record),
+        ) + encoder.int_value(names.SPAN_COMM_SEQ, record.seq)
+        if record.step is not None:
+            attributes += encoder.int_value(names.SPAN_STEP, record.step)
+        return encoder.span(
             record.op,
             trace_id=trace_id or otlp_spans.new_trace_id(),
             span_id=otlp_spans.new_span_id(),
             parent_span_id=parent,
             start_ns=record.start_ns,
             end_ns=record.end_ns,
-            attributes=otlp_spans.comm_attributes(record),
+            attributes=attributes,
             error=record.error,
         )

@@ -31,10 +31,11 @@ class Sink:
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, request: ExportTraceServiceRequest) -> None:
+    def __call__(self, request: bytes) -> None:
         self.gate.wait(10)
         self.threads.add(threading.current_thread().name)
-        self.requests.append(request)
+        # The official classes must parse every byte the exporter writes.
+        self.requests.append(ExportTraceServiceRequest.FromString(request))
 
     @property
     def spans(self) -> list[Span]:
