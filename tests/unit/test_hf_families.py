@@ -182,3 +182,18 @@ def _export_as(plugins: Any, family: str, folder: Path) -> None:
     weights = {n: p.detach() for n, p in model.named_parameters()}
     fields = model_fields(model.config)  # type: ignore[arg-type]
     export_hf(weights, folder, model="llama", fields=fields, family=family)
+
+
+def test_gpt2_base_model_layout_imports(plugins, tmp_path: Path) -> None:
+    """The hub's `gpt2` is a `GPT2Model` (no `transformer.` prefix, no `lm_head`, tied)."""
+    config = transformers.GPT2Config(**HF_CONFIGS["gpt2"])
+    base = randomise(transformers.GPT2Model(config), seed=3)
+    base.save_pretrained(tmp_path)
+    head = transformers.GPT2LMHeadModel(config).eval()
+    head.transformer.load_state_dict(base.state_dict())
+    head.tie_weights()
+    with torch.no_grad():
+        theirs = head(TOKENS).logits
+    ours, imported = import_plait(plugins, tmp_path)
+    assert imported.family.model_type == "gpt2"
+    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
