@@ -20,9 +20,10 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from plait.core.batches import call_model, default_loss, input_tokens, split_batch
+from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
-from plait.core.errors import ConfigError, PlaitError, PluginError
+from plait.core.errors import PlaitError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
 from plait.core.grad_norm import clip_grads_, global_grad_norm
@@ -34,7 +35,6 @@ from plait.core.microbatch import MicrobatchRunner
 from plait.core.optim import default_optimizer_factory, warmup_cosine
 from plait.core.phase_timing import PhaseTimer
 from plait.core.plugins import Plugins
-from plait.core.preflight import check_launch
 from plait.core.records import SHARD_ORDER
 from plait.core.schedule import (
     Action,
@@ -516,97 +516,6 @@ class Engine:
 
     def close(self) -> None:
         self.plugins.job_end()
-
-
-def check_config(
-    config: PlaitConfig,
-    plugins: Plugins,
-    *,
-    with_model: bool = True,
-    world_size: int | None = None,
-) -> None:
-    """Check the names a config gives against the installed plugins (before any rank starts),
-    and, given the number of ranks, the layout against them and the model (`core.preflight`)."""
-    strategies = plugins.strategies()
-    sections = {rec.config_section or rec.name for _, rec in strategies.values()}
-    unknown = sorted(set(config.extensions) - sections)
-    if unknown:
-        raise ConfigError(
-            f"unknown config section(s) {unknown}; core sections: "
-            f"{sorted(PlaitConfig.model_fields)}; plugin sections: {sorted(sections)}"
-        )
-    par = config.parallel
-    for axis in ("pp", "tp", "cp"):
-        if getattr(par, axis) > 1:
-            plugins.strategy(axis, getattr(par, f"{axis}_strategy"))
-    plugins.strategy("dp", par.dp_strategy)
-    for axis, name in par.transforms.items():
-        if axis not in SHARD_ORDER:
-            raise ConfigError(
-                f"parallel.transforms has unknown axis {axis!r}; allowed: {list(SHARD_ORDER)}"
-            )
-        plugins.strategy(axis, name)
-    for (_, name), (_, record) in strategies.items():
-        if record.config_cls is not None and (record.config_section or name) in config.extensions:
-            config.section(record.config_section or name, record.config_cls)
-    plugins.schedule_record(config.schedule.name)
-    _check_comm(config, plugins)
-    _check_kernels(config, plugins)
-    model_config = None
-    if with_model:
-        record = plugins.model(config.model.name)
-        if record.make_config is not None:
-            model_config = record.make_config(config.model.size, config.model.overrides)
-    if world_size is not None:
-        check_launch(config, world_size=world_size, model_config=model_config)
-
-
-def _check_comm(config: PlaitConfig, plugins: Plugins) -> None:
-    """`comm.algorithm` names an installed algorithm; each `[comm.<name>]` table belongs to an
-    installed algorithm and passes its `config_cls`."""
-    algorithms = plugins.comm_algorithms()
-    installed = ", ".join(
-        ["'torch' (no algorithm)"]
-        + [f"{n!r} from {plugins.describe(p)}" for n, (p, _) in sorted(algorithms.items())]
-    )
-    algorithm = config.comm.algorithm
-    if algorithm != "torch" and algorithm not in algorithms:
-        raise PluginError(
-            f"comm.algorithm = {algorithm!r} is not provided by any installed plugin; "
-            f"installed: {installed}"
-        )
-    for name, table in config.comm.option_tables.items():
-        record = algorithms.get(name, (None, None))[1]
-        if not isinstance(table, dict) or record is None:
-            raise ConfigError(
-                f"comm.{name}: not a field of [comm] (fields: algorithm) nor the options table "
-                f"of an installed algorithm; installed: {installed}"
-            )
-        if record.config_cls is None:
-            if table:
-                raise ConfigError(f"comm.{name}: algorithm {name!r} takes no options")
-            continue
-        config.comm.options(name, record.config_cls)
-
-
-def _check_kernels(config: PlaitConfig, plugins: Plugins) -> None:
-    """Every provider named in `kernels.prefer` / `kernels.overrides` is registered, and every
-    op in `overrides` is one some provider answers."""
-    records = [record for _, record in plugins.kernel_records()]
-    providers = sorted({r.provider for r in records})
-    ops = sorted({r.op for r in records})
-    named = [("kernels.prefer", p) for p in config.kernels.prefer] + [
-        (f"kernels.overrides.{op}", p) for op, p in config.kernels.overrides.items()
-    ]
-    for field, provider in named:
-        if provider not in providers:
-            raise ConfigError(
-                f"{field}: no installed plugin provides kernels as {provider!r}; providers: "
-                f"{providers}"
-            )
-    for op in config.kernels.overrides:
-        if op not in ops:
-            raise ConfigError(f"kernels.overrides: unknown op {op!r}; ops: {ops}")
 
 
 def _phase_totals(spans: Sequence[PhaseSpan]) -> dict[str, float]:

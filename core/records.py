@@ -61,6 +61,9 @@ class StrategyRecord:
     config_cls: type[BaseModel] | None = None
     config_section: str = ""  # the config table for config_cls; "" means `name`
     description: str = ""
+    # dp strategies: the collectives that carry gradients (purpose GRAD_BUCKET), so a
+    # `comm.algorithm` that cannot take one of them over is refused instead of ignored.
+    gradient_collectives: tuple[str, ...] = ("all_reduce",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +74,8 @@ class ScheduleRecord:
     pipelined: bool = False
     supports_virtual_stages: bool = False
     description: str = ""
+    config_cls: type[BaseModel] | None = None  # validates the `[<config_section>]` table
+    config_section: str = ""  # "" means `name`
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +86,8 @@ class KernelRecord:
     provider: str
     device_types: tuple[str, ...]
     description: str = ""
+    config_cls: type[BaseModel] | None = None  # the provider's options, `[<config_section>]`
+    config_section: str = ""  # "" means `provider`
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

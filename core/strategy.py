@@ -57,6 +57,7 @@ class Strategies:
         config_cls: type[BaseModel] | None = None,
         config_section: str = "",
         description: str = "",
+        gradient_collectives: tuple[str, ...] = ("all_reduce",),
     ) -> Callable[[ShardFunction], ShardFunction]:
         """Decorate the function that shards a model for strategy `name` on `axis`."""
         record = StrategyRecord(
@@ -65,6 +66,7 @@ class Strategies:
             config_cls=config_cls,
             config_section=config_section,
             description=description,
+            gradient_collectives=gradient_collectives,
         )
         if (axis, name) in self._declared:
             raise ValueError(f"strategy {name!r} is declared twice for axis {axis!r}")

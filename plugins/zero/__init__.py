@@ -71,6 +71,8 @@ for _name, _stage in STAGES.items():
         config_cls=ZeroConfig,
         config_section=SECTION,
         description=DESCRIPTIONS[_name],
+        # Stages 2 and 3 reduce-scatter gradient buckets (on GPUs, or when forced).
+        gradient_collectives=("all_reduce",) if _stage == 1 else ("all_reduce", "reduce_scatter"),
     )(partial(shard_zero, stage=_stage))
 
 plait_register_strategies = strategies.plait_register_strategies

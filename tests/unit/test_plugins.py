@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from plait.core.errors import PluginError
+from plait.core.checks import check_config
+from plait.core.config import Section, load_config
+from plait.core.errors import ConfigError, PluginError
 from plait.core.hookspecs import hookimpl
 from plait.core.plugins import BUILTIN_PLUGINS, Plugins
-from plait.core.records import StrategyRecord
+from plait.core.records import CommAlgorithmRecord, ScheduleRecord, StrategyRecord
 
 
 def test_builtins_register_and_list_what_they_provide(plugins: Plugins) -> None:
@@ -197,3 +199,39 @@ def test_separately_installed_distribution_is_discovered(tmp_path: Path) -> None
         "True 1 0 | "
         "ac:waving"
     )
+
+
+class AllReduceOnly:
+    """An algorithm that takes over all-reduces only."""
+
+    @hookimpl
+    def plait_register_comm_algorithms(self):  # type: ignore[no-untyped-def]
+        return [CommAlgorithmRecord(name="allreduce_only", ops=("all_reduce",))]
+
+
+class LastFirstOptions(Section):
+    rounds: int = 1
+
+
+class ConfiguredSchedule:
+    @hookimpl
+    def plait_register_schedules(self):  # type: ignore[no-untyped-def]
+        return [ScheduleRecord(name="last_first", config_cls=LastFirstOptions)]
+
+
+def test_an_algorithm_that_cannot_carry_the_dp_gradients_is_refused() -> None:
+    plugins = Plugins.create(autoload=False, extra=[("allreduce_only", AllReduceOnly())])
+    ok = load_config({"comm": {"algorithm": "allreduce_only"}, "parallel": {"dp_strategy": "ddp"}})
+    check_config(ok, plugins, with_model=False)
+    zero2 = load_config(
+        {"comm": {"algorithm": "allreduce_only"}, "parallel": {"dp_strategy": "zero2"}}
+    )
+    with pytest.raises(ConfigError, match=r"'zero2' reduces gradients with .*'reduce_scatter'"):
+        check_config(zero2, plugins, with_model=False)
+
+
+def test_a_schedule_owns_a_validated_config_table() -> None:
+    plugins = Plugins.create(autoload=False, extra=[("last_first", ConfiguredSchedule())])
+    check_config(load_config({"last_first": {"rounds": 2}}), plugins, with_model=False)
+    with pytest.raises(ConfigError, match=r"last_first\.round"):
+        check_config(load_config({"last_first": {"round": 2}}), plugins, with_model=False)
