@@ -1,4 +1,9 @@
-"""The stage split: cut a built-in model into `pp × virtual_stages` chunks of balanced cost.
+"""The stage split: cut a model into `pp × virtual_stages` chunks of balanced cost.
+
+`plan_stages` plans a built-in model and `build_chunk` cuts it; `plan_blocks` plans any run of
+blocks from their costs (other models' stages are built by `adapters`). Stages begin where the
+cost balance below puts them, at `pipeline.layers_per_stage` counts, or at the blocks named by
+`pipeline.split_points`.
 
 The model is a sequence of *units* — the input embeddings, each transformer block, the output
 head (final norm + vocabulary projection + loss) — and every chunk takes a contiguous run of
