@@ -73,12 +73,15 @@ def _held_pieces(master: ShardedMaster) -> dict[int, list[_HeldPiece]]:
     return held
 
 
-def _sharded(previous: TensorLayout, pieces: tuple[LocalPiece, ...]) -> TensorLayout:
+def _sharded(
+    previous: TensorLayout, pieces: tuple[LocalPiece, ...], axes: tuple[str, ...] = (DP_AXIS,)
+) -> TensorLayout:
+    """`axes`: the gradient axes ZeRO shards over (dp, and cp under context parallelism)."""
     return replace(
         previous,
         pieces=pieces,
-        sharded_over=tuple(dict.fromkeys((*previous.sharded_over, DP_AXIS))),
-        replicated_over=tuple(a for a in previous.replicated_over if a != DP_AXIS),
+        sharded_over=tuple(dict.fromkeys((*previous.sharded_over, *axes))),
+        replicated_over=tuple(a for a in previous.replicated_over if a not in axes),
     )
 
 
@@ -121,10 +124,11 @@ def _refine(
                 set_step_count(state, value)
 
         step = StepCount(get=lambda: first["step"], set=set_step)
+    axes = master.mesh.gradient_axes()
     return replace(
         entry,
-        value=_sharded(entry.value, tuple(values)),
-        optimizer_state={key: _sharded(entry.value, tuple(p)) for key, p in states.items()},
+        value=_sharded(entry.value, tuple(values), axes),
+        optimizer_state={key: _sharded(entry.value, tuple(p), axes) for key, p in states.items()},
         step=step,
     )
 

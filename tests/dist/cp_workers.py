@@ -20,10 +20,12 @@ def _gradient_pieces(engine: Any) -> dict[str, list[tuple[Slices, torch.Tensor]]
     pieces: dict[str, list[tuple[Slices, torch.Tensor]]] = {}
     for entry in layout.parameters:
         grad = entry.param.grad
-        if grad is None:
+        # ZeRO keeps flat gradient shards, not `.grad`: those runs compare norms only.
+        if grad is None or len(entry.value.pieces) != 1:
             continue
-        (piece,) = entry.value.pieces
-        region = piece.region
+        region = entry.value.pieces[0].region
+        if region.numel != grad.numel():
+            continue
         slices = tuple(zip(region.offsets, region.sizes, strict=True))
         pieces[entry.name] = [(slices, grad.detach().reshape(region.sizes).clone())]
     return pieces
@@ -66,13 +68,19 @@ def train_and_record(
         recorded = _record_gradients_at_each_step(engine)
         dp, dp_size = engine.mesh.coordinate("dp"), engine.mesh.size("dp")
         share = train["global_batch_size"] // dp_size
-        losses = []
+        losses, grad_norms = [], []
         for step in range(steps):
             batch = tokens[step, dp * share : (dp + 1) * share]
             losses.append(engine.train_step((batch[:, :-1], batch[:, 1:])))
+            grad_norms.append(engine.last_report.grad_norm if engine.last_report else None)
         work = _attention_flops(engine.module)
         engine.close()
-        results[name] = {"losses": losses, "grads": recorded, "attention_flops": work}
+        results[name] = {
+            "losses": losses,
+            "grad_norms": grad_norms,
+            "grads": recorded,
+            "attention_flops": work,
+        }
     return results
 
 
