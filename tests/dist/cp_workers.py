@@ -4,10 +4,12 @@ tensor by the declared state layout (so tensor-parallel shards compare with whol
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 
+from plait.core.hookspecs import hookimpl
 from plait.core.testing import VOCAB_SIZE, merged_config
 
 Slices = tuple[tuple[int, int], ...]  # (offset, size) per dim of a piece in its global tensor
@@ -46,6 +48,18 @@ def _record_gradients_at_each_step(
     return recorded
 
 
+class PurposeRecorder:
+    """A comm wrapper, as telemetry is: counts every op by (op, purpose)."""
+
+    def __init__(self) -> None:
+        self.seen: Counter[tuple[str, str]] = Counter()
+
+    @hookimpl(wrapper=True)
+    def plait_communicate(self, request: Any) -> Any:
+        self.seen[(request.op, request.purpose)] += 1
+        return (yield)
+
+
 def train_and_record(
     rank: int, world_size: int, cases: dict[str, dict[str, Any]], steps: int
 ) -> dict[str, dict[str, Any]]:
@@ -64,7 +78,11 @@ def train_and_record(
             (steps, train["global_batch_size"], seq_len + 1),
             generator=torch.Generator().manual_seed(train["seed"]),
         )
-        engine = Engine(config=config, plugins=Plugins.create(autoload=False))
+        recorder = PurposeRecorder()
+        engine = Engine(
+            config=config,
+            plugins=Plugins.create(autoload=False, extra=[("purposes", recorder)]),
+        )
         recorded = _record_gradients_at_each_step(engine)
         dp, dp_size = engine.mesh.coordinate("dp"), engine.mesh.size("dp")
         share = train["global_batch_size"] // dp_size
@@ -80,6 +98,7 @@ def train_and_record(
             "grad_norms": grad_norms,
             "grads": recorded,
             "attention_flops": work,
+            "comm": dict(recorder.seen),
         }
     return results
 
@@ -89,3 +108,39 @@ def _attention_flops(module: torch.nn.Module) -> int | None:
 
     work = attention_work(module)
     return None if work is None else work.flops
+
+
+def checkpoint_round_trip(
+    rank: int, world_size: int, ckpt_dir: str, steps: int, save_at: int | None, resume: bool
+) -> dict[str, Any]:
+    """Train on `world_size` ranks, all of them one cp group (cp = world size), resuming from
+    `ckpt_dir` if asked and saving after step `save_at`; return the losses by step."""
+    from plait.core.config import CheckpointIOSection
+    from plait.core.engine import Engine
+    from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.data import build_batches
+    from tests.dist.checkpoint_workers import engine_config
+
+    config = engine_config(parallel={"cp": world_size})
+    config["train"] = {**config["train"], "steps": steps}
+    engine = Engine(config=config)
+    batches = build_batches(
+        engine.config.data,
+        seq_len=engine.config.data.seq_len,
+        global_batch_size=engine.config.train.global_batch_size,
+        dp_rank=engine.mesh.coordinate("dp"),
+        dp_size=engine.mesh.size("dp"),
+        seed=engine.config.train.seed,
+    )
+    checkpointer = Checkpointer(
+        engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
+    )
+    start = checkpointer.maybe_resume()
+    losses: dict[int, float] = {}
+    for step in range(start, steps):
+        losses[step] = engine.train_step(batches.next_batch())
+        if save_at is not None and step + 1 == save_at:
+            checkpointer.save(step + 1)
+    checkpointer.close()
+    engine.close()
+    return {"rank": rank, "start": start, "losses": losses, "cp": engine.mesh.size("cp")}

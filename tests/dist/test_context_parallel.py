@@ -123,3 +123,17 @@ def test_load_balanced_ring_gives_every_rank_the_same_attention_work(four_ranks:
     # chunk only.
     assert max(contiguous) > 2 * min(contiguous), contiguous
     assert sum(balanced) == pytest.approx(sum(contiguous), rel=0.05)
+
+
+def test_ring_and_all_to_all_traffic_are_comm_ops_with_their_purposes(
+    two_ranks: Any, four_ranks: Any
+) -> None:
+    """What telemetry sees: every ring transfer and all-to-all goes through the comm hook."""
+    ring, ulysses = two_ranks[0]["ring2-llama"]["comm"], two_ranks[0]["ulysses2-llama"]["comm"]
+    hybrid = four_ranks[0]["hybrid2x2-llama"]["comm"]
+    for seen in (ring, hybrid):
+        assert seen.get(("send", "cp_kv"), 0) > 0 and seen.get(("recv", "cp_kv"), 0) > 0
+    for seen in (ulysses, hybrid):
+        assert seen.get(("all_to_all", "cp_a2a"), 0) > 0
+    assert not any(purpose == "cp_a2a" for _, purpose in ring)
+    assert not any(purpose == "cp_kv" for _, purpose in ulysses)
