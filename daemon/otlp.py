@@ -4,7 +4,9 @@ Ranks export with the stock OTLP/gRPC exporters, so any OpenTelemetry Collector 
 for the daemon, and the daemon could receive from any OTLP source (spans without plait resource
 attributes are counted as ignored and only forwarded).
 
-Every resource and span of a rank goes through `plait.daemon.decoder`. One that fails is
+Trace requests are read straight from their bytes (`plait.daemon.otlp_wire`, protobuf when that
+reader declines), without building message objects per span; every resource and span of a
+rank then goes through `plait.daemon.decoder`. One that fails is
 rejected *alone*: the rest of the request is stored, the response is an OTLP partial success
 whose `error_message` names the first bad attribute, the reject is counted per reason, and the
 request forwarded upstream leaves the rejected items out.
@@ -27,7 +29,7 @@ from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
@@ -42,9 +44,11 @@ from plait.daemon.decoder import (
     decode_span,
 )
 from plait.daemon.hangs import heartbeat_from_points
+from plait.daemon.otlp_wire import Decline, TraceRequestReader, WireResource, WireSpan
 from plait.daemon.store import TelemetryStore
 
 DEFAULT_INGEST_CAPACITY = 200_000
+TRACE_SERVICE = trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name
 HEARTBEAT_METRICS = frozenset(
     {names.METRIC_COMM_HEARTBEAT, names.METRIC_COMM_INFLIGHT, names.METRIC_COMM_ENTERED}
 )
@@ -143,8 +147,74 @@ class Outcome:
         return self.rejected == 0
 
 
-class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """`opentelemetry.proto.collector.trace.v1.TraceService/Export` into the store."""
+class TraceRequest:
+    """A received trace request: its spans as the decoder needs them, and the message itself
+    (parsed from the bytes only when something needs it: forwarding upstream)."""
+
+    __slots__ = ("_message", "_raw", "resources")
+
+    def __init__(
+        self,
+        resources: list[WireResource],
+        *,
+        raw: bytes | None = None,
+        message: trace_service_pb2.ExportTraceServiceRequest | None = None,
+    ) -> None:
+        self.resources, self._raw, self._message = resources, raw, message
+
+    @property
+    def message(self) -> trace_service_pb2.ExportTraceServiceRequest:
+        if self._message is None:
+            self._message = trace_service_pb2.ExportTraceServiceRequest.FromString(self._raw or b"")
+        return self._message
+
+    @property
+    def span_count(self) -> int:
+        return sum(len(resource.spans) for resource in self.resources)
+
+    @classmethod
+    def from_message(cls, request: trace_service_pb2.ExportTraceServiceRequest) -> TraceRequest:
+        """The message walk: what `TraceRequestReader` reads from the bytes, from the objects."""
+        resources = []
+        for resource_spans in request.resource_spans:
+            resource = WireResource(attributes(resource_spans.resource.attributes))
+            for s, scope_spans in enumerate(resource_spans.scope_spans):
+                resource.spans.extend(
+                    WireSpan(
+                        s,
+                        i,
+                        span.name,
+                        span.start_time_unix_nano,
+                        span.end_time_unix_nano,
+                        attributes(span.attributes),
+                        span.status.code == Status.STATUS_CODE_ERROR,
+                    )
+                    for i, span in enumerate(scope_spans.spans)
+                )
+            resources.append(resource)
+        return cls(resources, message=request)
+
+
+def trace_request_parser(reader: TraceRequestReader | None = None) -> Callable[[bytes], Any]:
+    """The receiver's request deserializer: the fast reader, else protobuf (which raises
+    `DecodeError` for malformed bytes, answered INVALID_ARGUMENT by the call guard)."""
+    reader = reader or TraceRequestReader()
+
+    def parse(data: bytes) -> TraceRequest:
+        try:
+            return TraceRequest(reader.read(data), raw=data)
+        except Decline:
+            message = trace_service_pb2.ExportTraceServiceRequest.FromString(data)
+            return TraceRequest.from_message(message)
+
+    return parse
+
+
+class TraceReceiver:
+    """`opentelemetry.proto.collector.trace.v1.TraceService/Export` into the store.
+
+    Requests arrive as `TraceRequest`s (`trace_request_parser`), or as messages when called
+    directly; either way every resource and span goes through the decoder."""
 
     def __init__(
         self,
@@ -157,9 +227,13 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.forward = forward
 
     def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
+        self,
+        request: TraceRequest | trace_service_pb2.ExportTraceServiceRequest,
+        context: grpc.ServicerContext,
     ) -> trace_service_pb2.ExportTraceServiceResponse:
-        count = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        if not isinstance(request, TraceRequest):
+            request = TraceRequest.from_message(request)
+        count = request.span_count
         if not self.limiter.acquire(count):
             self.store.count_dropped(spans=count)
             response = trace_service_pb2.ExportTraceServiceResponse()
@@ -171,23 +245,20 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         finally:
             self.limiter.release(count)
         if self.forward is not None:
-            self.forward(request if outcome.clean else _without(request, outcome, "resource_spans"))
+            message = request.message
+            self.forward(message if outcome.clean else _without(message, outcome, "resource_spans"))
         response = trace_service_pb2.ExportTraceServiceResponse()
         if not outcome.clean:
             response.partial_success.rejected_spans = outcome.rejected
             response.partial_success.error_message = outcome.message
         return response
 
-    def _store(self, request: trace_service_pb2.ExportTraceServiceRequest) -> Outcome:
+    def _store(self, request: TraceRequest) -> Outcome:
         outcome = Outcome()
-        for r, resource_spans in enumerate(request.resource_spans):
-            spans = [
-                (s, i, span)
-                for s, scope_spans in enumerate(resource_spans.scope_spans)
-                for i, span in enumerate(scope_spans.spans)
-            ]
+        for r, resource in enumerate(request.resources):
+            spans = resource.spans
             try:
-                identity = decode_resource(attributes(resource_spans.resource.attributes))
+                identity = decode_resource(resource.attributes)
             except Rejected as error:
                 self.store.count_rejected(error, spans=len(spans))
                 outcome.reject(error, len(spans))
@@ -197,21 +268,19 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                 self.store.count_ignored(len(spans))
                 continue
             records = []
-            for s, i, span in spans:
+            for span in spans:
                 try:
                     records.append(
                         decode_span(
-                            span.name,
-                            span.start_time_unix_nano,
-                            span.end_time_unix_nano,
-                            attributes(span.attributes),
-                            span.status.code == Status.STATUS_CODE_ERROR,
+                            span.name, span.start_ns, span.end_ns, span.attributes, span.error
                         )
                     )
                 except Rejected as error:
                     self.store.count_rejected(error, spans=1)
                     outcome.reject(error, 1)
-                    outcome.dropped_items.setdefault(r, set()).add((s, i))
+                    outcome.dropped_items.setdefault(r, set()).add(
+                        (span.scope_index, span.span_index)
+                    )
             self.store.add_spans(identity, records)
         return outcome
 
@@ -343,8 +412,23 @@ def add_receivers(
 ) -> None:
     """Register both receivers; they share one ingest limit."""
     limiter = limiter or IngestLimiter()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
-        TraceReceiver(store, limiter, forward_spans), server
+    receiver = TraceReceiver(store, limiter, forward_spans)
+    # Registered by hand, not with the generated helper, to receive the request's bytes.
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                TRACE_SERVICE,
+                {
+                    "Export": grpc.unary_unary_rpc_method_handler(
+                        receiver.Export,
+                        request_deserializer=trace_request_parser(),
+                        response_serializer=(
+                            trace_service_pb2.ExportTraceServiceResponse.SerializeToString
+                        ),
+                    )
+                },
+            ),
+        )
     )
     metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(
         MetricsReceiver(store, limiter, forward_metrics), server
