@@ -21,6 +21,8 @@ Op signatures every provider implements (all autograd-correct):
   (context parallelism merges key/value blocks with it)
 - `adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
   weight_decay) -> None`, updating the lists of tensors in place
+- `grouped_mm(x, weight, counts) -> y`: x (N, K) is row groups of sizes `counts` (G,), in order;
+  weight (G, M, K); group g's rows of y (N, M) are `x_g @ weight[g].T` (mixture-of-experts)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ KERNEL_OPS: tuple[str, ...] = (
     "softmax_cross_entropy",
     "attention",
     "adamw_step",
+    "grouped_mm",
 )
 
 

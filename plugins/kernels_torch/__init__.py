@@ -14,9 +14,13 @@ from typing import Any
 from plait.core.hookspecs import hookimpl
 from plait.core.kernels import KERNEL_OPS
 from plait.core.records import KernelRecord
+from plait.plugins.kernels_torch.grouped_gemm import grouped_mm
 from plait.plugins.kernels_torch.ops import OPS, PROVIDER
 
 __all__ = ["OPS", "PROVIDER", "plait_kernel", "plait_register_kernels"]
+
+# Ops kept in files of their own beside `ops.py` join its table, so `OPS` names every op.
+OPS.setdefault("grouped_mm", grouped_mm)
 
 _missing = set(KERNEL_OPS) - set(OPS)
 if _missing:  # pragma: no cover - guards against adding an op to the core without a reference

@@ -35,6 +35,7 @@ _IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
     "softmax_cross_entropy": ("cross_entropy", "softmax_cross_entropy"),
     "attention": ("attention", "attention"),
     "adamw_step": ("adamw", "adamw_step"),
+    "grouped_mm": ("grouped_gemm", "grouped_mm"),
 }
 _DESCRIPTIONS: dict[str, str] = {
     "rms_norm": "fused RMSNorm, forward and backward (persistent weight-grad reduction)",
@@ -45,6 +46,7 @@ _DESCRIPTIONS: dict[str, str] = {
     "softmax_cross_entropy": "cross-entropy chunked over the vocabulary, gradient in forward",
     "attention": "FlashAttention-2 style causal attention with GQA, forward and backward",
     "adamw_step": "fused AdamW update, fp32 math, in place",
+    "grouped_mm": "grouped GEMM over variable-sized row groups (experts), forward and backward",
 }
 SUPPORTED_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 

@@ -1,4 +1,4 @@
-"""The built-in model families, "llama" and "gpt2", and the preset lookup the engine uses.
+"""The built-in model families, "llama", "gpt2" and "moe", and the preset lookup the engine uses.
 
 `resolve_model_config(name, size, overrides)` turns the `[model]` config section into a family's
 validated config; `plait_register_models` hands the engine one `ModelRecord` per family, whose
@@ -17,6 +17,7 @@ from plait.core.records import ModelRecord
 from plait.plugins.models.common import ModelConfig, TransformerBase, flops_per_token
 from plait.plugins.models.gpt2 import GPT2, GPT2Config, build_gpt2
 from plait.plugins.models.llama import Llama, LlamaConfig, build_llama
+from plait.plugins.models.moe import MoE, MoEConfig, build_moe, moe_flops_per_token
 
 __all__ = [
     "GPT2",
@@ -24,13 +25,19 @@ __all__ = [
     "GPT2Config",
     "Llama",
     "LlamaConfig",
+    "MoE",
+    "MoEConfig",
     "ModelConfig",
     "TransformerBase",
     "plait_register_models",
     "resolve_model_config",
 ]
 
-MODEL_CONFIGS: dict[str, type[ModelConfig]] = {"llama": LlamaConfig, "gpt2": GPT2Config}
+MODEL_CONFIGS: dict[str, type[ModelConfig]] = {
+    "llama": LlamaConfig,
+    "gpt2": GPT2Config,
+    "moe": MoEConfig,
+}
 
 
 def resolve_model_config(
@@ -67,5 +74,14 @@ def plait_register_models() -> Sequence[ModelRecord]:
             presets=tuple(GPT2Config.presets),
             make_config=GPT2Config.from_preset,
             description="GPT-2 architecture (untied embeddings): LayerNorm, learned positions",
+        ),
+        ModelRecord(
+            name="moe",
+            config_cls=MoEConfig,
+            build=build_moe,
+            flops_per_token=moe_flops_per_token,
+            presets=tuple(MoEConfig.presets),
+            make_config=MoEConfig.from_preset,
+            description="Mixtral / DeepSeek-MoE: Llama blocks with routed and shared experts",
         ),
     ]
