@@ -3,9 +3,11 @@
 NOTE: the daemon could let protobuf parse every request (`ExportTraceServiceRequest.FromString`)
 and walk the message objects, and it does whenever this reader declines. But walking the
 objects costs ~10 µs per span of Python (a wrapper object per `KeyValue` and `AnyValue`),
-which caps one daemon at a few tens of thousands of spans per second; reading the wire bytes
-here, with the attributes that repeat from span to span (op, group, purpose, phase) decoded
-once per distinct byte string, costs a fraction of that.
+which caps one daemon at a few tens of thousands of spans per second. Here protobuf still
+parses the request in C, but with view classes (`_view_classes`) in which every attribute is
+left as its serialized `KeyValue` bytes; the attributes that repeat from span to span (op,
+group, purpose, phase) are decoded once per distinct byte string, and integers (step, sequence
+number) are read straight from their bytes.
 
 What it yields is exactly what the message walk yields (`plait.daemon.otlp.attributes`):
 per resource its attributes, per span its name, times, attributes and error flag, with the
@@ -25,9 +27,13 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+
 _DOUBLE = struct.Struct("<d")
 _FIXED64 = struct.Struct("<Q")
 _MAX_CACHED = 65536
+_MAX_NUMBERS = 4096
 
 # Wire types.
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -115,245 +121,175 @@ def _want(wire_type: int, expected: int) -> None:
         raise Decline("known field with another wire type")
 
 
+def _view_classes() -> dict[str, Any]:
+    """Message classes wire-compatible with OTLP's trace request, except that every attribute
+    (`KeyValue`) stays its serialized bytes and events and links are only counted. protobuf
+    parses them in C; only the attribute entries are left to Python, and those repeat."""
+    field_type = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(
+        name="plait/daemon/otlp_trace_view.proto", package=_VIEW_PACKAGE, syntax="proto3"
+    )
+    scalar = {
+        "bytes": field_type.TYPE_BYTES,
+        "string": field_type.TYPE_STRING,
+        "int32": field_type.TYPE_INT32,
+        "uint32": field_type.TYPE_UINT32,
+        "fixed64": field_type.TYPE_FIXED64,
+        "fixed32": field_type.TYPE_FIXED32,
+    }
+    # name -> [(number, field, type, repeated)]: the field numbers and wire types of
+    # opentelemetry/proto/{collector/trace,trace,resource,common}/v1/*.proto.
+    messages = {
+        "Request": [(1, "resource_spans", "ResourceSpans", True)],
+        "ResourceSpans": [
+            (1, "resource", "Resource", False),
+            (2, "scope_spans", "ScopeSpans", True),
+            (3, "schema_url", "string", False),
+        ],
+        "Resource": [(1, "attributes", "bytes", True), (2, "dropped", "uint32", False)],
+        "ScopeSpans": [
+            (1, "scope", "Scope", False),
+            (2, "spans", "Span", True),
+            (3, "schema_url", "string", False),
+        ],
+        "Scope": [
+            (1, "name", "string", False),
+            (2, "version", "string", False),
+            (3, "attributes", "bytes", True),
+            (4, "dropped", "uint32", False),
+        ],
+        "Span": [
+            (1, "trace_id", "bytes", False),
+            (2, "span_id", "bytes", False),
+            (3, "trace_state", "string", False),
+            (4, "parent_span_id", "bytes", False),
+            (5, "name", "string", False),
+            (6, "kind", "int32", False),
+            (7, "start", "fixed64", False),
+            (8, "end", "fixed64", False),
+            (9, "attributes", "bytes", True),
+            (10, "dropped_attributes", "uint32", False),
+            (11, "events", "bytes", True),
+            (12, "dropped_events", "uint32", False),
+            (13, "links", "bytes", True),
+            (14, "dropped_links", "uint32", False),
+            (15, "status", "Status", False),
+            (16, "flags", "fixed32", False),
+        ],
+        "Status": [(2, "message", "string", False), (3, "code", "int32", False)],
+    }
+    for name, fields in messages.items():
+        message = file.message_type.add(name=name)
+        for number, field_name, kind, repeated in fields:
+            entry = message.field.add(
+                name=field_name,
+                number=number,
+                label=field_type.LABEL_REPEATED if repeated else field_type.LABEL_OPTIONAL,
+            )
+            if kind in scalar:
+                entry.type = scalar[kind]
+            else:
+                entry.type = field_type.TYPE_MESSAGE
+                entry.type_name = f".{_VIEW_PACKAGE}.{kind}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return {
+        name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_VIEW_PACKAGE}.{name}"))
+        for name in messages
+    }
+
+
+_VIEW_PACKAGE = "plait.daemon.otlpview"
+_VIEWS = _view_classes()
+_REQUEST_VIEW = _VIEWS["Request"]
+
+
 class TraceRequestReader:
     """Reads `ExportTraceServiceRequest` bytes; keeps a cache of decoded attribute entries."""
 
     def __init__(self) -> None:
         self._pairs: dict[bytes, tuple[str, Any]] = {}  # entry bytes -> (key, value)
         self._keys: dict[bytes, str] = {}  # key bytes -> key
+        self._numbers: dict[bytes, tuple[str, int]] = {}  # recent integer entries
 
     def read(self, buf: bytes) -> list[WireResource]:
-        end = len(buf)
+        try:
+            request = _REQUEST_VIEW.FromString(buf)
+        except DecodeError as exc:  # protobuf says why, when the caller parses it for real
+            raise Decline("malformed") from exc
         resources = []
-        pos = 0
-        while pos < end:
-            number, wire_type, pos = _tag(buf, pos, end)
-            if number == 1:  # resource_spans
-                _want(wire_type, _LEN)
-                stop, start = _length(buf, pos, end)
-                resources.append(self._resource_spans(buf, start, stop))
-                pos = stop
-            else:
-                pos = _skip(buf, pos, end, wire_type)
+        for resource_spans in request.resource_spans:
+            attributes: dict[str, Any] = {}
+            for entry in resource_spans.resource.attributes:
+                key, value = self._entry(entry)
+                attributes[key] = value
+            resource = WireResource(attributes)
+            out = resource.spans
+            for scope_index, scope_spans in enumerate(resource_spans.scope_spans):
+                if scope_spans.scope.attributes:
+                    raise Decline("scope attributes")
+                for span_index, span in enumerate(scope_spans.spans):
+                    out.append(self._span(span, scope_index, span_index))
+            resources.append(resource)
         return resources
 
-    def _resource_spans(self, buf: bytes, pos: int, end: int) -> WireResource:
-        resource = WireResource(attributes={})
-        scope_index = 0
-        seen_resource = False
-        while pos < end:
-            number, wire_type, pos = _tag(buf, pos, end)
-            if number in (1, 2, 3):
-                _want(wire_type, _LEN)
-            if number == 1:  # resource
-                if seen_resource:  # protobuf would merge the two: left to it
-                    raise Decline("resource given twice")
-                seen_resource = True
-                stop, start = _length(buf, pos, end)
-                self._resource(buf, start, stop, resource.attributes)
-                pos = stop
-            elif number == 2:  # scope_spans
-                stop, start = _length(buf, pos, end)
-                self._scope_spans(buf, start, stop, scope_index, resource.spans)
-                scope_index += 1
-                pos = stop
-            elif number == 3:  # schema_url
-                stop, start = _length(buf, pos, end)
-                _text(buf, start, stop)
-                pos = stop
-            else:
-                pos = _skip(buf, pos, end, wire_type)
-        return resource
-
-    def _resource(self, buf: bytes, pos: int, end: int, attributes: dict[str, Any]) -> None:
-        while pos < end:
-            number, wire_type, pos = _tag(buf, pos, end)
-            if number == 1:  # attributes
-                _want(wire_type, _LEN)
-                stop, start = _length(buf, pos, end)
-                key, value = self._key_value(buf, start, stop)
-                attributes[key] = value
-                pos = stop
-            elif number == 2:  # dropped_attributes_count
-                _want(wire_type, _VARINT)
-                pos = _skip(buf, pos, end, wire_type)
-            else:
-                pos = _skip(buf, pos, end, wire_type)
-
-    def _scope_spans(
-        self, buf: bytes, pos: int, end: int, scope_index: int, out: list[WireSpan]
-    ) -> None:
-        span_index = 0
-        while pos < end:
-            number, wire_type, pos = _tag(buf, pos, end)
-            if number in (1, 2, 3):
-                _want(wire_type, _LEN)
-            if number == 1:  # scope (read for its UTF-8 only; given twice, protobuf merges)
-                stop, start = _length(buf, pos, end)
-                self._scope(buf, start, stop)
-                pos = stop
-            elif number == 2:  # spans
-                stop, start = _length(buf, pos, end)
-                out.append(self._span(buf, start, stop, scope_index, span_index))
-                span_index += 1
-                pos = stop
-            elif number == 3:  # schema_url
-                stop, start = _length(buf, pos, end)
-                _text(buf, start, stop)
-                pos = stop
-            else:
-                pos = _skip(buf, pos, end, wire_type)
-
-    def _scope(self, buf: bytes, pos: int, end: int) -> None:
-        while pos < end:
-            number, wire_type, pos = _tag(buf, pos, end)
-            if number in (1, 2):  # name, version
-                _want(wire_type, _LEN)
-                stop, start = _length(buf, pos, end)
-                _text(buf, start, stop)
-                pos = stop
-            elif number == 3:
-                raise Decline("scope attributes")
-            else:
-                pos = _skip(buf, pos, end, wire_type)
-
-    def _span(self, buf: bytes, pos: int, end: int, scope_index: int, span_index: int) -> WireSpan:
-        name = ""
-        start_ns = end_ns = 0
-        attributes: dict[str, Any] = {}
-        error = seen_status = False
+    def _span(self, span: Any, scope_index: int, span_index: int) -> WireSpan:
+        if span.events or span.links:
+            raise Decline("span events or links")
         pairs = self._pairs
-        while pos < end:
-            key = buf[pos]
-            # The hot paths, inlined (a function call costs as much as the work): fields with a
-            # one-byte tag and, for attributes, a one-byte length.
-            if key == 0x4A and pos + 1 < end and buf[pos + 1] < 0x80:  # attributes (field 9)
-                start = pos + 2
-                stop = start + buf[pos + 1]
-                if stop > end:
-                    raise Decline("truncated field")
-                entry = buf[start:stop]
-                pair = pairs.get(entry)
-                if pair is not None:
-                    value = pair[1]
-                    attributes[pair[0]] = list(value) if type(value) is list else value
-                    pos = stop
-                    continue
-                # Numbers vary from span to span (step, sequence number, loss): not cached.
-                # An int is `key, 0x12 len 0x18 varint`: read its key from the key cache.
-                size = entry[1] if len(entry) > 1 and entry[0] == 0x0A else 0x80
-                value_at = 2 + size
-                if (
-                    size < 0x80
-                    and len(entry) > value_at + 3
-                    and entry[value_at] == 0x12
-                    and entry[value_at + 1] == len(entry) - value_at - 2
-                    and entry[value_at + 2] == 0x18
-                ):
-                    name_bytes = entry[2:value_at]
-                    key_name = self._keys.get(name_bytes)
-                    if key_name is None:
-                        key_name = _text(name_bytes, 0, len(name_bytes))
-                        if len(self._keys) < _MAX_CACHED:
-                            self._keys[name_bytes] = key_name
-                    raw, at = _varint(entry, value_at + 3, len(entry))
-                    if at == len(entry):
-                        attributes[key_name] = raw - (1 << 64) if raw >= 1 << 63 else raw
-                        pos = stop
-                        continue
-                key_name, value = self._key_value(buf, start, stop)
-                if type(value) in (str, bool, list) and len(pairs) < _MAX_CACHED:
-                    pairs[entry] = (key_name, value)
-                attributes[key_name] = list(value) if type(value) is list else value
-                pos = stop
+        attributes: dict[str, Any] = {}
+        numbers = self._numbers
+        for entry in span.attributes:
+            pair = pairs.get(entry) or numbers.get(entry)
+            if pair is None:
+                key, value = self._entry(entry)
+                attributes[key] = value
                 continue
-            if key == 0x39 or key == 0x41:  # start / end_time_unix_nano (fixed64)
-                if pos + 9 > end:
-                    raise Decline("truncated fixed64")
-                if key == 0x39:
-                    start_ns = _FIXED64.unpack_from(buf, pos + 1)[0]
-                else:
-                    end_ns = _FIXED64.unpack_from(buf, pos + 1)[0]
-                pos += 9
-                continue
-            if (
-                (key == 0x0A or key == 0x12 or key == 0x22)
-                and pos + 1 < end
-                and buf[pos + 1] < 0x80
-            ):
-                pos += 2 + buf[pos + 1]  # trace_id, span_id, parent_span_id (bytes)
-                if pos > end:
-                    raise Decline("truncated field")
-                continue
-            if key == 0x30 and pos + 1 < end and buf[pos + 1] < 0x80:  # kind, one-byte enum
-                pos += 2
-                continue
-            number, wire_type, pos = _tag(buf, pos, end)
-            if number in (7, 8):  # start_time_unix_nano, end_time_unix_nano (fixed64)
-                _want(wire_type, _I64)
-                if pos + 8 > end:
-                    raise Decline("truncated fixed64")
-                if number == 7:
-                    start_ns = _FIXED64.unpack_from(buf, pos)[0]
-                else:
-                    end_ns = _FIXED64.unpack_from(buf, pos)[0]
-                pos += 8
-            elif number == 5:  # name
-                _want(wire_type, _LEN)
-                stop, start = _length(buf, pos, end)
-                name = _text(buf, start, stop)
-                pos = stop
-            elif number == 9:  # attributes with a multi-byte tag encoding
-                _want(wire_type, _LEN)
-                stop, start = _length(buf, pos, end)
-                key_name, value = self._key_value(buf, start, stop)
-                attributes[key_name] = value
-                pos = stop
-            elif number == 15:  # status
-                _want(wire_type, _LEN)
-                if seen_status:
-                    raise Decline("status given twice")
-                seen_status = True
-                stop, start = _length(buf, pos, end)
-                error = self._status_is_error(buf, start, stop)
-                pos = stop
-            elif number in (11, 13):
-                raise Decline("span events or links")
-            elif number == 3:  # trace_state
-                _want(wire_type, _LEN)
-                stop, start = _length(buf, pos, end)
-                _text(buf, start, stop)
-                pos = stop
-            elif number in (1, 2, 4):  # trace_id, span_id, parent_span_id (bytes)
-                _want(wire_type, _LEN)
-                pos = _skip(buf, pos, end, wire_type)
-            elif number in (6, 10, 12, 14):  # kind and dropped counts (varints)
-                _want(wire_type, _VARINT)
-                pos = _skip(buf, pos, end, wire_type)
-            elif number == 16:  # flags (fixed32)
-                _want(wire_type, _I32)
-                pos = _skip(buf, pos, end, wire_type)
-            else:
-                pos = _skip(buf, pos, end, wire_type)
-        if pos != end:
-            raise Decline("field runs past its message")
-        return WireSpan(scope_index, span_index, name, start_ns, end_ns, attributes, error)
+            value = pair[1]
+            attributes[pair[0]] = list(value) if type(value) is list else value
+        return WireSpan(
+            scope_index,
+            span_index,
+            span.name,
+            span.start,
+            span.end,
+            attributes,
+            span.status.code == 2,  # STATUS_CODE_ERROR
+        )
 
-    def _status_is_error(self, buf: bytes, pos: int, end: int) -> bool:
-        code = 0
-        while pos < end:
-            number, wire_type, pos = _tag(buf, pos, end)
-            if number == 3:  # code (enum, int32 on the wire)
-                _want(wire_type, _VARINT)
-                code, pos = _varint(buf, pos, end)
-            elif number == 2:  # message
-                _want(wire_type, _LEN)
-                stop, start = _length(buf, pos, end)
-                _text(buf, start, stop)
-                pos = stop
-            else:
-                pos = _skip(buf, pos, end, wire_type)
-        return code == 2  # STATUS_CODE_ERROR
+    def _entry(self, entry: bytes) -> tuple[str, Any]:
+        """A `KeyValue`'s bytes decoded; strings, bools and lists are cached (numbers vary)."""
+        # An int is `0x0A len key 0x12 len 0x18 varint`: read it without the general walk.
+        size = entry[1] if len(entry) > 1 and entry[0] == 0x0A else 0x80
+        value_at = 2 + size
+        if (
+            size < 0x80
+            and len(entry) > value_at + 3
+            and entry[value_at] == 0x12
+            and entry[value_at + 1] == len(entry) - value_at - 2
+            and entry[value_at + 2] == 0x18
+        ):
+            name_bytes = entry[2:value_at]
+            key = self._keys.get(name_bytes)
+            if key is None:
+                key = _text(name_bytes, 0, len(name_bytes))
+                if len(self._keys) < _MAX_CACHED:
+                    self._keys[name_bytes] = key
+            raw, at = _varint(entry, value_at + 3, len(entry))
+            if at == len(entry):
+                number = raw - (1 << 64) if raw >= 1 << 63 else raw
+                # A step number repeats in every span of its step, a sequence number never:
+                # a small cache, emptied when full, keeps the first and forgets the second.
+                if len(self._numbers) >= _MAX_NUMBERS:
+                    self._numbers.clear()
+                self._numbers[entry] = (key, number)
+                return key, number
+        key, value = self._key_value(entry, 0, len(entry))
+        if type(value) in (str, bool, list) and len(self._pairs) < _MAX_CACHED:
+            self._pairs[entry] = (key, value)
+            if type(value) is list:
+                value = list(value)  # the cached list is never handed out
+        return key, value
 
     def _key_value(self, buf: bytes, pos: int, end: int) -> tuple[str, Any]:
         key, value = "", None

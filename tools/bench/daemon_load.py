@@ -1,13 +1,16 @@
-"""Daemon under load: query latency with many clients streaming while ranks export.
+"""Daemon under load: ingest rate and query latency with exporters flooding and clients querying.
 
-    python tools/bench/daemon_load.py [--clients 32] [--ranks 2] [--seconds 10]
+    python tools/bench/daemon_load.py [--clients 32] [--ranks 2] [--flooders 3] [--seconds 10]
 
 The daemon runs in its own process (as in production). `--ranks` processes export like
 training ranks: every 50 ms a step with five phase spans and three collectives, through the
-real telemetry plugin and OTLP exporters, heartbeat included. `--clients` client threads each
-hold a `StreamMetrics` stream open (0.2 s interval) and, meanwhile, issue `GetMetrics`,
-`GetBottleneck` and `Status` calls back to back, timing each one. Reported: calls, errors, and
-p50/p99/max latency per method, plus what the daemon ingested and dropped.
+real telemetry plugin and its exporter, heartbeat included. `--flooders` processes are
+exporters with no training to wait for: each sends a rank's spans (steps, phases and
+collectives, as plait's exporter encodes them) back to back, so the daemon ingests as fast as
+it can. `--clients` client threads each hold a `StreamMetrics` stream open (0.2 s interval)
+and, meanwhile, issue `GetMetrics`, `GetBottleneck` and `Status` calls back to back, timing
+each one. Reported: calls, errors, p50/p99/max latency per method, and the spans the daemon
+stored per second while the clients ran (from its own counters), plus what it dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -49,24 +53,7 @@ def export_like_a_rank(address: str, rank: int, world_size: int, seconds: float)
     plugins = Plugins.create(autoload=False, builtins=(), extra=[("instant", _InstantBackend())])
     plugins.register(make_plugin(), "telemetry")
     plugins.configure(load_config({"telemetry": {"daemon": address}}))
-    plugins.job_start(
-        JobInfo(
-            job_id="load",
-            rank=rank,
-            local_rank=rank,
-            world_size=world_size,
-            host="bench",
-            degrees={"dp": world_size},
-            coordinates={"dp": rank},
-            device="cpu",
-            device_name="cpu",
-            compute_dtype="float32",
-            model_name="bench",
-            num_params=1000,
-            flops_per_token=6000.0,
-            tokens_per_step=1024,
-        )
-    )
+    plugins.job_start(_job(rank, world_size, "load"))
     comm = Comm(plugins)
     group = Group(name="dp", ranks=tuple(range(world_size)))
     deadline = time.monotonic() + seconds
@@ -100,6 +87,112 @@ def export_like_a_rank(address: str, rank: int, world_size: int, seconds: float)
         step += 1
     plugins.job_end()
     return step
+
+
+def encoded_rank_requests(
+    rank: int, world_size: int, steps: int = 200, comm_per_step: int = 11
+) -> list[tuple[bytes, int]]:
+    """A rank's spans for `steps` steps as plait's exporter writes them: (request, spans)."""
+    from plait.core.peak_flops import PeakFlops
+    from plait.core.telemetry import resource_attributes
+    from plait.plugins.telemetry.comm_records import CommRecord
+    from plait.plugins.telemetry.exporter import SpanExporter
+
+    sent: list[bytes] = []
+    exporter = SpanExporter(
+        send=sent.append,
+        resource=resource_attributes(_job(rank, world_size, "flood"), PeakFlops(1e12, "bench")),
+        scope=("plait.telemetry", "bench"),
+        batch_delay=3600.0,
+        max_batch=2048,
+    )
+    base = time.time_ns()
+    for step in range(steps):
+        start = base + step * STEP_MS * 1_000_000
+        bounds = [start + i * STEP_MS * 1_000_000 // len(PHASES) for i in range(len(PHASES) + 1)]
+        phases = tuple(
+            PhaseSpan(name=name, start_ns=bounds[i], end_ns=bounds[i + 1])
+            for i, name in enumerate(PHASES)
+        )
+        exporter.put_step(
+            StepReport(
+                step=step, loss=1.0, tokens=1024, step_seconds=STEP_MS / 1e3,
+                data_wait_seconds=0.001, model_flops=6e6, lr=1e-3, start_ns=start,
+                end_ns=bounds[-1], spans=phases,
+            )
+        )  # fmt: skip
+        exporter.put_comm(
+            [
+                CommRecord(
+                    op="all_reduce",
+                    nbytes=4 << 20,
+                    dtype=torch.float32,
+                    group_name="dp",
+                    group_ranks=tuple(range(world_size)),
+                    seq=step * comm_per_step + i,
+                    purpose="grad_bucket",
+                    peer=None,
+                    async_op=True,
+                    step=step,
+                    start_ns=bounds[2] + i * 1000,
+                    end_ns=bounds[3],
+                )
+                for i in range(comm_per_step)
+            ]
+        )
+    exporter.shutdown(60)
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    return [
+        (raw, sum(len(s.spans) for r in message.resource_spans for s in r.scope_spans))
+        for raw in sent
+        for message in (ExportTraceServiceRequest.FromString(raw),)
+    ]
+
+
+def flood(
+    address: str,
+    rank: int,
+    world_size: int,
+    seconds: float,
+    ready: Any,  # multiprocessing.Event: set once the requests are built
+    go: Any,  # multiprocessing.Event: start sending
+    out: Any,  # multiprocessing.Queue: the spans sent, once done
+) -> None:
+    """Send one rank's encoded spans back to back for `seconds` after `go`."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceResponse,
+    )
+
+    from plait.core.telemetry import TRACE_EXPORT_METHOD
+
+    requests = encoded_rank_requests(rank, world_size)
+    ready.set()
+    go.wait()
+    sent = 0
+    with grpc.insecure_channel(address) as channel:
+        export = channel.unary_unary(
+            TRACE_EXPORT_METHOD,
+            request_serializer=None,
+            response_deserializer=ExportTraceServiceResponse.FromString,
+        )
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for raw, spans in requests:
+                export(raw, timeout=30)
+                sent += spans
+    out.put(sent)
+
+
+def _job(rank: int, world_size: int, job_id: str) -> JobInfo:
+    return JobInfo(
+        job_id=job_id, rank=rank, local_rank=rank, world_size=world_size, host="bench",
+        degrees={"dp": world_size}, coordinates={"dp": rank}, device="cpu", device_name="cpu",
+        compute_dtype="float32", model_name="bench", num_params=1000, flops_per_token=6000.0,
+        tokens_per_step=1024,
+    )  # fmt: skip
 
 
 @dataclass
@@ -182,6 +275,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--flooders", type=int, default=3, help="exporters sending flat out")
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
@@ -190,21 +284,45 @@ def main() -> None:
     daemon.start()
     address = addresses.get(timeout=60)
     ranks = [
-        ctx.Process(target=export_like_a_rank, args=(address, r, args.ranks, args.seconds + 4))
+        ctx.Process(target=export_like_a_rank, args=(address, r, args.ranks, args.seconds + 15))
         for r in range(args.ranks)
     ]
-    for process in ranks:
+    sent_queue, go = ctx.Queue(), ctx.Event()
+    ready = [ctx.Event() for _ in range(args.flooders)]
+    flooders = [
+        ctx.Process(
+            target=flood,
+            args=(address, r, args.flooders, args.seconds + 3, ready[r], go, sent_queue),
+        )
+        for r in range(args.flooders)
+    ]
+    for process in ranks + flooders:
         process.start()
-    time.sleep(3)  # the ranks are exporting before the clients start
+    for event in ready:  # every flooder has built its requests
+        event.wait(300)
+    go.set()
+    time.sleep(2)  # the ranks and flooders are exporting before the clients start
+
+    def stored() -> int:
+        with grpc.insecure_channel(address) as channel:
+            stub = daemon_pb2_grpc.DaemonStub(channel)
+            return stub.Status(daemon_pb2.StatusRequest(), timeout=30).spans_received
+
+    before, began = stored(), time.perf_counter()
     result = run_clients(address, args.clients, args.seconds)
+    ingest_rate = (stored() - before) / (time.perf_counter() - began)
     with grpc.insecure_channel(address) as channel:
         status = daemon_pb2_grpc.DaemonStub(channel).Status(daemon_pb2.StatusRequest())
-    for process in ranks:
+    flooded = sum(sent_queue.get(timeout=120) for _ in flooders)
+    for process in ranks + flooders:
         process.join()
     stop.set()
     daemon.join()
 
-    table = Table(title=f"{args.clients} clients, {args.ranks} ranks exporting, {args.seconds:g}s")
+    table = Table(
+        title=f"{args.clients} clients querying, {args.ranks} ranks and {args.flooders} "
+        f"flooding exporters, {args.seconds:g}s"
+    )
     for column in ("method", "calls", "p50 ms", "p99 ms", "max ms", "mean ms"):
         table.add_column(column, justify="right")
     for method, values in sorted(result.latencies.items()):
@@ -222,6 +340,10 @@ def main() -> None:
         f"errors: {len(result.errors)} {sorted(set(result.errors))}; stream messages: "
         f"{result.stream_messages}; daemon: {status.spans_received} spans received, "
         f"{status.spans_dropped} dropped, {status.calls_rejected} calls refused"
+    )
+    console.print(
+        f"ingest while the clients ran: {ingest_rate:,.0f} spans/s stored "
+        f"({args.flooders} flooding exporters sent {flooded:,} spans in all)"
     )
 
 
