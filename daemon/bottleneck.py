@@ -86,7 +86,7 @@ def total_ns(intervals: Iterable[Interval]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per received span, frozen __init__ is slow
 class StepSpan:
     """What the analysis needs of a received span: a phase or a comm op of one step."""
 
