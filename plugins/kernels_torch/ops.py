@@ -126,6 +126,14 @@ def _attention_with_lse(
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not needs_graph and q.device.type == "cpu" and q.shape[-2] == k.shape[-2]:
+        # Nothing to differentiate (a ring's forward pass): SDPA's fused CPU kernel returns the
+        # log-sum-exp too and never materialises the scores.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[
+            :2
+        ]
+        return out, lse
     compute = _compute_dtype(q.dtype)
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:

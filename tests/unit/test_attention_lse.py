@@ -50,8 +50,12 @@ def test_reference_lse_values_and_gradients(causal: bool, kv_heads: int) -> None
     torch.testing.assert_close(lse, expected_lse)
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want)
-    # The plain path (SDPA) gives the same output.
+    # The plain path (SDPA) gives the same output, and so does the fused path without autograd.
     torch.testing.assert_close(reference.attention(q, k, v, causal), out)
+    with torch.no_grad():
+        fused_out, fused_lse = reference.attention(q, k, v, causal, return_lse=True)
+    torch.testing.assert_close(fused_out, expected_out)
+    torch.testing.assert_close(fused_lse, expected_lse)
 
 
 def test_blocks_merged_by_lse_equal_attention_over_the_whole() -> None:

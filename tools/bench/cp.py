@@ -2,6 +2,7 @@
 torch's ring attention, in the same run.
 
     python tools/bench/cp.py [--world-size 4] [--seq-len 4096] [--steps 3] [--rounds 3]
+                             [--attention-only]
 
 1. Training: the built-in Llama (tiny shape, 4 query / 2 key-value heads) on `world-size` Gloo
    ranks, one sequence of `seq-len` tokens per data-parallel replica, at cp = 1, 2, 4 (dp =
@@ -197,13 +198,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--attention-only", action="store_true", help="skip the training table")
     args = parser.parse_args()
     world = args.world_size
     print(f"training: llama tiny ({HEADS} heads, {KV_HEADS} kv), {args.seq_len} tokens/sequence, "
           f"{world} ranks")  # fmt: skip
     print(f"{'cp':>3} {'dp':>3} {'tokens/s':>10} {'act. MiB/rank':>14} {'vs cp=1':>8}")
     baseline = None
-    for cp in (1, 2, 4):
+    for cp in () if args.attention_only else (1, 2, 4):
         if world % cp:
             continue
         ranks = run_distributed(train_rank, world, args.seq_len, cp, args.steps, timeout=600)
