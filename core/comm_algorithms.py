@@ -55,6 +55,8 @@ __all__ = [
     "GRAD_SHARD",
     "LOSS_SCALE",
     "METRICS",
+    "MOE_COMBINE",
+    "MOE_DISPATCH",
     "NONFINITE_CHECK",
     "OPTIMIZER_STATE",
     "PARAM_GATHER",
@@ -88,6 +90,8 @@ TP_ACTIVATION = "tp_activation"  # tensor/sequence-parallel collectives inside f
 TP_GRAD = "tp_grad"  # summing replicated parameters' gradients over tp
 CP_KV = "cp_kv"  # context-parallel ring: K/V blocks (and their gradients) passed around
 CP_A2A = "cp_a2a"  # context-parallel Ulysses: all-to-all between sequence and head shards
+MOE_DISPATCH = "moe_dispatch"  # expert parallel: tokens (and token counts) to their experts' rank
+MOE_COMBINE = "moe_combine"  # expert parallel: expert outputs back to the tokens' rank
 METRICS = "metrics"  # loss and other reported values
 GRAD_NORM = "grad_norm"  # the global gradient norm for clipping
 LOSS_SCALE = "loss_scale"  # the fp16 loss scaler's inf/nan vote
@@ -109,6 +113,8 @@ PURPOSES = frozenset(
         TP_GRAD,
         CP_KV,
         CP_A2A,
+        MOE_DISPATCH,
+        MOE_COMBINE,
         METRICS,
         GRAD_NORM,
         LOSS_SCALE,

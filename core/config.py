@@ -87,6 +87,12 @@ class ParallelSection(Section):
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
     cp: int = Field(1, gt=0)
+    ep: int = Field(
+        1,
+        gt=0,
+        description="expert-parallel degree, carved out of dp (it must divide dp); above 1 it "
+        "selects the ep transform, transforms.ep (default 'ep')",
+    )
     dp_strategy: str = Field("ddp", description="strategy for the dp axis: ddp, zero1, …")
     tp_strategy: str = "megatron"
     pp_strategy: str = "pipeline"
@@ -95,6 +101,17 @@ class ParallelSection(Section):
         default_factory=dict,
         description="model transforms by axis, e.g. {ac = 'checkpoint', precision = 'amp'}",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ep_selects_its_transform(cls, data: Any) -> Any:
+        # The ep axis is not a mesh axis of its own (it splits dp): a degree above 1 means the
+        # ep transform runs, under the name transforms.ep gives, "ep" by default.
+        if isinstance(data, dict) and int(data.get("ep", 1)) > 1:
+            transforms = dict(data.get("transforms") or {})
+            transforms.setdefault("ep", "ep")
+            data = {**data, "transforms": transforms}
+        return data
 
     @model_validator(mode="after")
     def _dp_positive_or_auto(self) -> ParallelSection:

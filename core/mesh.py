@@ -205,6 +205,15 @@ class Mesh:
                 mine, process_group = tuple(ranks), pg
         return Group(name=name, ranks=mine, process_group=process_group)
 
+    def expert_groups(self, ep: int) -> tuple[Group, Group]:
+        """(ep group, expert-data-parallel group) for expert parallelism of degree `ep` carved
+        out of dp (Megatron-Core's layout): `ep` consecutive dp coordinates form an ep group,
+        the dp / ep ranks that hold the same experts (strided) the expert-dp group.
+        Collective on first use, like `split_group`."""
+        if ep > 1 and self.size("cp") > 1:
+            raise MeshError("expert parallelism with context parallelism is not supported yet")
+        return self.split_group("dp", ep)
+
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage `stage` with this rank's other coordinates."""
         return self.group("pp").ranks[stage]

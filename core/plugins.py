@@ -56,6 +56,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("pipeline", "plait.plugins.pipeline"),
     ("tensor_parallel", "plait.plugins.tensor_parallel"),
     ("context_parallel", "plait.plugins.context_parallel"),
+    ("expert_parallel", "plait.plugins.expert_parallel"),
     ("precision", "plait.plugins.precision"),
     ("checkpointing", "plait.plugins.checkpointing"),
     ("collective_timeouts", "plait.plugins.checkpoint.timeouts"),

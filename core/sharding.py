@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from plait.core.transforms import (
         ActivationCheckpointing,
         ContextParallelism,
+        ExpertParallelism,
         PipelineStages,
         PrecisionPolicy,
         TensorParallelism,
@@ -55,6 +56,7 @@ class ShardContext:
     precision: PrecisionPolicy | None = None
     activation_checkpointing: ActivationCheckpointing | None = None
     context_parallel: ContextParallelism | None = None
+    expert_parallel: ExpertParallelism | None = None
 
 
 class ParallelRuntime:

@@ -4,17 +4,21 @@ Each transform that others depend on writes one typed object on the `ShardContex
 pipeline split on `context.pipeline`, tensor/sequence parallelism on `context.tensor_parallel`,
 the precision policy on `context.precision`, activation checkpointing on
 `context.activation_checkpointing`, the context-parallel sequence layout on
-`context.context_parallel`). Later transforms read the field; none of them imports
-the plugin that wrote it, and a third-party plugin can provide the same fact the same way.
+`context.context_parallel`, the expert layout on `context.expert_parallel`). Later transforms
+read the field; none of them imports the plugin that wrote it, and a third-party plugin can
+provide the same fact the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from plait.core.comm import Group
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bf16",
@@ -165,3 +169,39 @@ class ContextParallelism:
             return tensor.index_select(1, index[tensor.device])
 
         return tree_map(take, batch)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertParallelism:
+    """Expert parallelism as applied: which experts this rank holds, and gradient groups.
+
+    The ep group is carved out of dp (Megatron-Core's layout): `degree` consecutive dp
+    coordinates hold disjoint slices of every MoE layer's experts and exchange tokens with
+    all-to-all; the ranks that hold the *same* slice (dp / degree of them, strided) are the
+    expert-data-parallel group. Expert parameters (named in `expert_parameters`, normalised
+    names) have their gradients reduced over `expert_data_group`; every other parameter over the
+    usual dp group. Data parallelism asks `gradient_group(name, default)` per parameter.
+    """
+
+    degree: int
+    rank: int  # this rank's coordinate in the ep group
+    num_experts: int  # per MoE layer, over all ep ranks
+    group: Group
+    expert_data_group: Group
+    expert_parameters: frozenset[str]
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.degree
+
+    @property
+    def first_expert(self) -> int:
+        """Global index of this rank's first expert."""
+        return self.rank * self.local_experts
+
+    def is_expert(self, name: str) -> bool:
+        return name in self.expert_parameters
+
+    def gradient_group(self, name: str, default: Group) -> Group:
+        """The group parameter `name`'s gradient is averaged over (and ZeRO would shard)."""
+        return self.expert_data_group if name in self.expert_parameters else default

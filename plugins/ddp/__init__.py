@@ -13,6 +13,7 @@ from pydantic import Field
 from torch import nn
 
 from plait.core.config import Section
+from plait.core.names import normalised_name
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
 from plait.plugins.ddp.buckets import BucketedAllReduce
@@ -39,12 +40,19 @@ strategies = Strategies()
     description="replicated parameters, overlapped bucketed gradient all-reduce",
 )
 def shard_ddp(model: nn.Module, *, context: ShardContext, config: DDPConfig) -> Sharded:
+    group = context.mesh.gradient_group()  # dp, times cp under context parallelism
+    experts = context.expert_parallel
+    group_of = None
+    if experts is not None:  # expert parameters: over the expert-data-parallel group only
+        names = {id(p): normalised_name(n) for n, p in model.named_parameters()}
+        group_of = lambda p: experts.gradient_group(names[id(p)], group)  # noqa: E731
     runtime = BucketedAllReduce(
         model,
         comm=context.comm,
-        group=context.mesh.gradient_group(),  # dp, times cp under context parallelism
+        group=group,
         bucket_bytes=int(config.bucket_mb * 2**20),
         broadcast_parameters=config.broadcast_parameters,
+        group_of=group_of,
     )
     return Sharded(module=model, runtime=runtime)
 

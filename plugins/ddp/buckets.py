@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     offsets: list[int]
+    group: Group
     ready: int = 0
     work: Work | None = None
     launched: bool = False
@@ -40,28 +42,37 @@ class BucketedAllReduce(ParallelRuntime):
         group: Group,
         bucket_bytes: int,
         broadcast_parameters: bool = True,
+        group_of: Callable[[nn.Parameter], Group] | None = None,
     ) -> None:
+        """`group_of(param)` picks a parameter's reduction group when it is not `group` (expert
+        parameters are reduced over the expert-data-parallel group only)."""
         self.comm = comm
         self.group = group
         # Gradients become ready roughly in reverse registration order.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
-        self.buckets = [
-            self._make_bucket(i, ps) for i, ps in enumerate(assign_buckets(params, bucket_bytes))
-        ]
+        pick = group_of or (lambda _: group)
+        runs: list[tuple[Group, list[nn.Parameter]]] = []
+        for p in params:  # a bucket never mixes groups: cut where the group changes
+            if not runs or runs[-1][0] != pick(p):
+                runs.append((pick(p), []))
+            runs[-1][1].append(p)
+        grouped = [(g, ps) for g, run in runs for ps in assign_buckets(run, bucket_bytes)]
+        self.buckets = [self._make_bucket(i, ps, g) for i, (g, ps) in enumerate(grouped)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync_this_backward = True
         self._next_to_launch = 0
-        if group.size > 1:
+        self._reduces = any(b.group.size > 1 for b in self.buckets)
+        if self._reduces:
             if broadcast_parameters:
                 self._broadcast_parameters(module)
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    def _make_bucket(self, index: int, params: list[nn.Parameter]) -> Bucket:
+    def _make_bucket(self, index: int, params: list[nn.Parameter], group: Group) -> Bucket:
         total = sum(p.numel() for p in params)
         buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         offsets, offset = [], 0
-        bucket = Bucket(index=index, params=params, buffer=buffer, offsets=offsets)
+        bucket = Bucket(index=index, params=params, buffer=buffer, offsets=offsets, group=group)
         for p in params:
             offsets.append(offset)
             view = buffer[offset : offset + p.numel()].view_as(p)
@@ -71,10 +82,21 @@ class BucketedAllReduce(ParallelRuntime):
         return bucket
 
     def _broadcast_parameters(self, module: nn.Module) -> None:
-        src = self.group.ranks[0]
+        # Each parameter from the first rank of its own group: replicas of other experts differ.
         with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                self.comm.broadcast(tensor.data, src=src, group=self.group, purpose=PARAM_SYNC)
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    if bucket.group.size > 1:
+                        self.comm.broadcast(
+                            p.data,
+                            src=bucket.group.ranks[0],
+                            group=bucket.group,
+                            purpose=PARAM_SYNC,
+                        )
+            for tensor in module.buffers():
+                self.comm.broadcast(
+                    tensor.data, src=self.group.ranks[0], group=self.group, purpose=PARAM_SYNC
+                )
 
     # -- hooks and launches ------------------------------------------------------------------
 
@@ -96,16 +118,18 @@ class BucketedAllReduce(ParallelRuntime):
 
     def _launch(self, bucket: Bucket) -> None:
         self._restore_views(bucket)
+        bucket.launched = True
+        self._next_to_launch = bucket.index + 1
+        if bucket.group.size == 1:  # a one-rank group (expert-dp at ep = dp) has nothing to do
+            return
         bucket.work = self.comm.all_reduce(
             bucket.buffer,
-            group=self.group,
+            group=bucket.group,
             op="avg",
             async_op=True,
             purpose=GRAD_BUCKET,
             attributes={"bucket_index": bucket.index},
         )
-        bucket.launched = True
-        self._next_to_launch = bucket.index + 1
 
     def _restore_views(self, bucket: Bucket) -> None:
         """If user code replaced a `.grad`, copy it back into the bucket before reducing."""
@@ -127,7 +151,7 @@ class BucketedAllReduce(ParallelRuntime):
             bucket.ready = 0
 
     def sync_gradients(self) -> None:
-        if self.group.size == 1:
+        if not self._reduces:
             return
         # Parameters that got no gradient this step leave their bucket incomplete: reduce the
         # remaining buckets now (zeros for the unused parameters), still in order.

@@ -1,0 +1,89 @@
+"""Rank functions for the expert-parallel tests: train the tiny MoE model under several layouts
+in one spawn and record each step's loss and every gradient, placed in its global tensor by the
+declared state layout (so an ep rank's slice of the experts compares with the whole tensor)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait.core.testing import VOCAB_SIZE, merged_config
+
+Slices = tuple[tuple[int, int], ...]  # (offset, size) per dim of a piece in its global tensor
+
+
+def _gradient_pieces(engine: Any) -> dict[str, tuple[Slices, torch.Tensor]]:
+    from plait.core.state_layout import describe_state
+
+    layout = describe_state(engine.module, engine.optimizer, engine.runtimes, engine.mesh)
+    pieces: dict[str, tuple[Slices, torch.Tensor]] = {}
+    for entry in layout.parameters:
+        grad = entry.param.grad
+        if grad is None or len(entry.value.pieces) != 1:
+            continue
+        region = entry.value.pieces[0].region
+        if region.flat is not None or region.numel != grad.numel():
+            continue
+        slices = tuple(zip(region.offsets, region.sizes, strict=True))
+        pieces[entry.name] = (slices, grad.detach().reshape(region.sizes).clone())
+    return pieces
+
+
+def _moe_layers(module: torch.nn.Module) -> list[Any]:
+    return [m for m in module.modules() if hasattr(m, "tokens_per_expert")]
+
+
+def train_and_record(
+    rank: int, world_size: int, cases: dict[str, dict[str, Any]], steps: int
+) -> dict[str, dict[str, Any]]:
+    """Each case: losses, per step every gradient piece this rank holds, dropped assignments."""
+    del rank, world_size
+    from plait.core.engine import Engine
+    from plait.core.plugins import Plugins
+
+    results: dict[str, dict[str, Any]] = {}
+    for name, overrides in cases.items():
+        config = merged_config(overrides)
+        train, seq_len = config["train"], config["data"]["seq_len"]
+        tokens = torch.randint(
+            0,
+            VOCAB_SIZE,
+            (steps, train["global_batch_size"], seq_len + 1),
+            generator=torch.Generator().manual_seed(train["seed"]),
+        )
+        engine = Engine(config=config, plugins=Plugins.create(autoload=False))
+        recorded: list[dict[str, tuple[Slices, torch.Tensor]]] = []
+        step_optimizer = engine.optimizer.step
+
+        def record_then_step(
+            *args: Any,
+            _step: Any = step_optimizer,
+            _engine: Any = engine,
+            _recorded: list[Any] = recorded,
+            **kwargs: Any,
+        ) -> Any:
+            _recorded.append(_gradient_pieces(_engine))
+            return _step(*args, **kwargs)
+
+        engine.optimizer.step = record_then_step
+        dp, dp_size = engine.mesh.coordinate("dp"), engine.mesh.size("dp")
+        share = train["global_batch_size"] // dp_size
+        losses, grad_norms, dropped = [], [], 0
+        for step in range(steps):
+            batch = tokens[step, dp * share : (dp + 1) * share]
+            losses.append(engine.train_step((batch[:, :-1], batch[:, 1:])))
+            grad_norms.append(engine.last_report.grad_norm if engine.last_report else None)
+            dropped += sum(
+                int(m.last_dropped)
+                for m in _moe_layers(engine.module)
+                if m.last_dropped is not None
+            )
+        engine.close()
+        results[name] = {
+            "losses": losses,
+            "grad_norms": grad_norms,
+            "grads": recorded,
+            "dropped": dropped,  # over capacity in each step's last micro-batch
+        }
+    return results
