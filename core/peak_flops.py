@@ -14,9 +14,10 @@ turbo, memory and power limits), so the peak is **measured once per host and cac
 
 * all the host's cores busy at once (one torch GEMM with the intra-op pool set to every core
   this process may run on), square 1024 matrices, warm-up then the best of five 0.4 s trials;
-* in the dtype the CPU computes fastest: float32, bfloat16 and float16 are probed briefly and
-  the fastest is measured (an AVX2 CPU has no fast bf16 GEMM, so a bf16 peak there would be a
-  tenth of what its float32 units deliver and put MFU above 100 %);
+* in the dtype the CPU computes fastest: float32, bfloat16 and float16 are probed briefly
+  (512² GEMMs, best of two) and the fastest is measured (an AVX2 CPU has no fast bf16 GEMM,
+  so a bf16 peak there would be a tenth of what its float32 units deliver and put MFU above
+  100 %);
 * cached in `$PLAIT_CACHE_DIR` (default `$XDG_CACHE_HOME/plait`, else `~/.cache/plait`) in
   `cpu-peak-<cpu model>-<cores>c.json`. The first process of a host that needs it measures
   under an exclusive file lock while the others wait on the lock, then read the same file;
@@ -91,7 +92,7 @@ CACHE_ENV = "PLAIT_CACHE_DIR"
 CPU_SOURCE = "cpu-calibration"
 CALIBRATION_DTYPES = ("float32", "bfloat16", "float16")
 GEMM_SIZE = 1024
-PROBE_SIZE = 256
+PROBE_SIZE = 512
 PROBE_SECONDS = 0.1
 WARMUP_SECONDS = 0.3
 TRIAL_SECONDS = 0.4
@@ -234,12 +235,17 @@ def measure_cpu_peak(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(cores)
     try:
+        # Wake the thread pool first, and probe each dtype twice (best of), so a busy moment
+        # cannot make a slow dtype look fastest.
+        _gemm_rate(torch.float32, PROBE_SIZE, probe_seconds)
         probes: dict[str, float] = {}
-        for name in dtypes:
-            try:
-                probes[name] = _gemm_rate(getattr(torch, name), PROBE_SIZE, probe_seconds)
-            except (RuntimeError, AttributeError):  # no CPU GEMM for this dtype here
-                continue
+        for _ in range(2):
+            for name in dtypes:
+                try:
+                    rate = _gemm_rate(getattr(torch, name), PROBE_SIZE, probe_seconds)
+                except (RuntimeError, AttributeError):  # no CPU GEMM for this dtype here
+                    continue
+                probes[name] = max(rate, probes.get(name, 0.0))
         dtype = max(probes, key=probes.__getitem__) if probes else "float32"
         torch_dtype = getattr(torch, dtype)
         _gemm_rate(torch_dtype, size, warmup_seconds)
