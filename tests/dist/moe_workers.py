@@ -87,3 +87,50 @@ def train_and_record(
             "dropped": dropped,  # over capacity in each step's last micro-batch
         }
     return results
+
+
+def checkpoint_config(ep: int, steps: int) -> dict[str, Any]:
+    """The tiny MoE model on 2 ranks at ep 1 (experts replicated) or ep 2."""
+    return {
+        "model": {"name": "moe", "size": "tiny", "overrides": {"max_seq_len": 32}},
+        "data": {"seq_len": 16},
+        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "seed": 7,
+                  "device": "cpu"},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+        "parallel": {"ep": ep, "transforms": {"ep": "ep"}},
+        "telemetry": {"enabled": False},
+    }  # fmt: skip
+
+
+def train_resume_save(
+    rank: int, world_size: int, ep: int, ckpt_dir: str, steps: int, save_at: int, resume: bool
+) -> dict[str, Any]:
+    """Train to `steps` at `ep` (resuming from `ckpt_dir` if asked), saving after `save_at`."""
+    del world_size
+    from plait.core.config import CheckpointIOSection
+    from plait.core.engine import Engine
+    from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.data import build_batches
+
+    engine = Engine(config=checkpoint_config(ep, steps))
+    batches = build_batches(
+        engine.config.data,
+        seq_len=engine.config.data.seq_len,
+        global_batch_size=engine.config.train.global_batch_size,
+        dp_rank=engine.mesh.coordinate("dp"),
+        dp_size=engine.mesh.size("dp"),
+        seed=engine.config.train.seed,
+    )
+    checkpointer = Checkpointer(
+        engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
+    )
+    start = checkpointer.maybe_resume()
+    losses: dict[int, float] = {}
+    for step in range(start, steps):
+        losses[step] = engine.train_step(batches.next_batch())
+        if step + 1 == save_at:
+            checkpointer.save(step + 1)
+    checkpointer.close()
+    engine.close()
+    experts = sum(p.numel() for n, p in engine.module.named_parameters() if ".experts." in n)
+    return {"rank": rank, "start": start, "losses": losses, "expert_numel": experts}
