@@ -164,9 +164,9 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
       same calls as under the engine's handlers, and appends timed spans to `step.extra_spans`.
 
     What a transform establishes for later ones is a typed field of the context
-    (`context.pipeline`, `context.tensor_parallel`, `context.precision`,
-    `context.activation_checkpointing`; see `plait.core.transforms`): write yours there,
-    read the earlier ones from there.
+    (`context.pipeline`, `context.tensor_parallel`, `context.context_parallel`,
+    `context.expert_parallel`, `context.precision`, `context.activation_checkpointing`; see
+    `plait.core.transforms`): write yours there, read the earlier ones from there.
 
     Example::
 

@@ -34,6 +34,12 @@ class ManualLoop:
                 "pipeline parallelism the schedule runs every micro-batch: use "
                 "engine.train_step(batch)"
             )
+        if engine.context.context_parallel is not None:
+            raise PlaitError(
+                "engine(batch) / engine.backward(loss) / engine.step() take whole sequences; "
+                "with context parallelism (parallel.cp > 1) the engine shards each sequence: "
+                "use engine.train_step(batch)"
+            )
         self.engine = engine
         self.num_microbatches = engine.config.train.gradient_accumulation_steps
         self._reset()
