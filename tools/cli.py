@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -57,12 +58,32 @@ def _fail(exc: Exception) -> None:
 def train(
     config: Annotated[Path, typer.Argument(help="TOML config file")],
     nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="ranks per node")] = 1,
-    nnodes: Annotated[str, typer.Option("--nnodes", help="nodes, or MIN:MAX (elastic)")] = "1",
-    node_rank: Annotated[int, typer.Option("--node-rank")] = 0,
-    rdzv_endpoint: Annotated[
-        str, typer.Option("--rdzv-endpoint", help="host:port of the rendezvous (multi-node)")
+    nnodes: Annotated[
+        str, typer.Option("--nnodes", help="nodes, or MIN:MAX (elastic; Slurm: derived)")
     ] = "",
-    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="job id shared by all nodes")] = "plait",
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="Slurm: derived")] = None,
+    rdzv_endpoint: Annotated[
+        str,
+        typer.Option("--rdzv-endpoint", help="host:port of the rendezvous (Slurm: first node)"),
+    ] = "",
+    rdzv_id: Annotated[
+        str, typer.Option("--rdzv-id", help="job id shared by all nodes (Slurm: the job id)")
+    ] = "",
+    rdzv_backend: Annotated[
+        str, typer.Option("--rdzv-backend", help="c10d, etcd-v2 or static (torchrun's)")
+    ] = "c10d",
+    rdzv_conf: Annotated[
+        str, typer.Option("--rdzv-conf", help="e.g. join_timeout=600,last_call_timeout=30")
+    ] = "",
+    rdzv_port: Annotated[
+        int, typer.Option("--rdzv-port", help="rendezvous port on the first Slurm node")
+    ] = 29400,
+    local_addr: Annotated[
+        str, typer.Option("--local-addr", help="this node's address for the rendezvous")
+    ] = "",
+    monitor_interval: Annotated[
+        float, typer.Option("--monitor-interval", help="seconds between worker health checks")
+    ] = 0.1,
     max_restarts: Annotated[
         int, typer.Option("--max-restarts", help="restart the ranks this many times on failure")
     ] = 0,
@@ -72,10 +93,20 @@ def train(
     from plait.core.config import load_config
     from plait.core.engine import check_config
     from plait.core.plugins import Plugins
+    from plait.tools.slurm import slurm_launch
 
     overrides = overrides or []
     try:
         cfg = load_config(config, overrides)
+        slurm = slurm_launch(os.environ, rdzv_port=rdzv_port)
+        if slurm is not None:
+            # Under `srun`, one launcher per node: what is not given comes from the allocation.
+            nnodes = nnodes or str(slurm.nnodes)
+            node_rank = slurm.node_rank if node_rank is None else node_rank
+            rdzv_endpoint = rdzv_endpoint or slurm.rdzv_endpoint
+            rdzv_id = rdzv_id or slurm.job_id
+            console.print(slurm.describe(), highlight=False)
+        nnodes = nnodes or "1"
         # An elastic range (MIN:MAX) is checked at its largest size; every rank checks again.
         max_nodes = int(nnodes.rpartition(":")[2])
         check_config(
@@ -89,10 +120,14 @@ def train(
     from torch.distributed.run import get_args_parser, run
 
     launcher = ["--nproc-per-node", str(nproc_per_node), "--nnodes", nnodes]
-    launcher += ["--max-restarts", str(max_restarts)]
+    launcher += ["--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval)]
     if rdzv_endpoint:
-        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
-        launcher += ["--rdzv-id", rdzv_id, "--node-rank", str(node_rank)]
+        launcher += ["--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint]
+        launcher += ["--rdzv-id", rdzv_id or "plait", "--node-rank", str(node_rank or 0)]
+        if rdzv_conf:
+            launcher += ["--rdzv-conf", rdzv_conf]
+        if local_addr:
+            launcher += ["--local-addr", local_addr]
     else:
         launcher += ["--standalone"]
     worker = ["-m", "plait.tools.trainer", str(config)]
