@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from plait.core.config import PlaitConfig
+from plait.core.config import PlaitConfig, did_you_mean
 from plait.core.errors import ConfigError, PluginError
 from plait.core.plugins import Plugins
 from plait.core.preflight import check_launch
@@ -29,8 +29,10 @@ def check_config(
     sections = _plugin_sections(plugins)
     unknown = sorted(set(config.extensions) - set(sections))
     if unknown:
+        known = [*PlaitConfig.model_fields, *sections]
+        hints = "".join(did_you_mean(name, known) for name in unknown)
         raise ConfigError(
-            f"unknown config section(s) {unknown}; core sections: "
+            f"unknown config section(s) {unknown}{hints}; core sections: "
             f"{sorted(PlaitConfig.model_fields)}; plugin sections: {sorted(sections)}"
         )
     par = config.parallel

@@ -8,6 +8,7 @@ names what is allowed. Errors always name the field, the bad value and the allow
 from __future__ import annotations
 
 import ast
+import difflib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -208,7 +209,9 @@ class CommSection(Section):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            raise ConfigError(_format_validation_error(exc, prefix=f"comm.{name}")) from None
+            raise ConfigError(
+                _format_validation_error(exc, prefix=f"comm.{name}", model=cls)
+            ) from None
 
 
 class PluginsSection(Section):
@@ -243,13 +246,15 @@ class PlaitConfig(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            raise ConfigError(_format_validation_error(exc, prefix=name)) from None
+            raise ConfigError(_format_validation_error(exc, prefix=name, model=cls)) from None
 
 
 CORE_SECTIONS = tuple(PlaitConfig.model_fields)
 
 
-def _format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
+def _format_validation_error(
+    exc: ValidationError, *, prefix: str = "", model: type[BaseModel] | None = None
+) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
@@ -258,8 +263,27 @@ def _format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
         msg = f"{loc or '<root>'}: {err['msg']} (got {value!r})"
         if allowed:
             msg += f"; allowed: {allowed}"
+        if err["type"] == "extra_forbidden" and model is not None:
+            msg += did_you_mean(str(err["loc"][-1]), _field_names(model, err["loc"][:-1]))
         lines.append(msg)
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    """`"; did you mean 'x'?"` for the closest candidate, or "" when none is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _field_names(model: type[BaseModel], path: Sequence[Any]) -> list[str]:
+    """The field names of the section at `path` inside `model` (empty if not a section)."""
+    for part in path:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
 
 
 def _allowed_values(err: Any) -> str:
@@ -332,7 +356,7 @@ def load_config(
     try:
         return PlaitConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        raise ConfigError(_format_validation_error(exc, model=PlaitConfig)) from None
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,27 @@ Overrides = Annotated[
 ]
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"plait {version('plait')}")
+        except PackageNotFoundError:
+            print("plait (not installed as a distribution)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="print the version"),
+    ] = False,
+) -> None:
+    """plait: distributed training for transformer models, built from plugins."""
+
+
 def _fail(exc: Exception) -> None:
     console.print(f"[red]error:[/red] {exc}", highlight=False)
     raise typer.Exit(2)

@@ -11,6 +11,7 @@ from plait.core.config import load_config, parse_override
 from plait.core.engine import check_config
 from plait.core.errors import ConfigError, MeshError, PluginError
 from plait.core.mesh import resolve_degrees
+from plait.core.plugins import Plugins
 from plait.tools.cli import app
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -93,3 +94,18 @@ def test_cli_config_show_and_validate(tmp_path: Path) -> None:
     )
     assert bad.exit_code == 2
     assert "zero7" in bad.output and "ddp" in bad.output
+
+
+def test_a_misspelt_field_or_section_gets_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"train\.stepz.*did you mean 'steps'\?"):
+        load_config({"train": {"stepz": 3}})
+    plugins = Plugins.create(autoload=False)
+    with pytest.raises(ConfigError, match=r"\['zeor'\]; did you mean 'zero'\?"):
+        check_config(load_config({"zeor": {"prefetch": 2}}), plugins, with_model=False)
+    with pytest.raises(ConfigError, match=r"zero\.prefech.*did you mean 'prefetch'\?"):
+        check_config(load_config({"zero": {"prefech": 2}}), plugins, with_model=False)
+
+
+def test_version_is_printed() -> None:
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.startswith("plait "), result.output
