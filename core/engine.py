@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from plait.core.errors import PlaitError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
 from plait.core.grad_norm import clip_grads_, global_grad_norm
+from plait.core.host import host_name
 from plait.core.kernels import Kernels
 from plait.core.manual_loop import ManualLoop
 from plait.core.memory import memory_report
@@ -244,7 +244,7 @@ class Engine:
             rank=self.mesh.rank,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=self.mesh.world_size,
-            host=socket.gethostname(),
+            host=host_name(),
             degrees=dict(self.mesh.degrees),
             coordinates=self.mesh.coordinates(),
             device=str(device),

@@ -35,3 +35,11 @@ def test_the_launch_comes_from_the_job_variables() -> None:
     assert slurm_launch({"SLURM_JOB_ID": "1"}) is None  # not inside a job step
     with pytest.raises(ConfigError, match="outside SLURM_NNODES"):
         slurm_launch({**env, "SLURM_NODEID": "3"})
+
+
+def test_the_host_name_can_be_set() -> None:
+    from plait.core.host import host_name
+
+    assert host_name({"PLAIT_HOST_NAME": "rack3-node7"}) == "rack3-node7"
+    assert host_name({"OTEL_RESOURCE_ATTRIBUTES": "service.name=x,host.name=gpu-12"}) == "gpu-12"
+    assert host_name({}) != ""
