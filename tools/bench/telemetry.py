@@ -3,11 +3,12 @@
     python tools/bench/telemetry.py [--steps 60] [--block 1] [--ingest-seconds 5]
 
 1. Step time. Two Gloo ranks each build two engines over the same tiny Llama — one with
-   telemetry exporting to a daemon in this process, one without — and alternate blocks of
-   steps between them (one step each by default), so machine noise hits both alike. Reported:
-   median wall time of `train_step` (hooks included) per mode, and the median over pairs of
-   neighbouring steps of on / off, which cancels load that drifts during the run (the figure
-   the goal is read from on a shared machine).
+   telemetry exporting to a daemon in this process, two without (the second is a control) —
+   and rotate blocks of steps between them (one step each by default), so machine noise hits
+   all alike. Reported:
+   median wall time of `train_step` (hooks included) per mode and their ratios: on / off is
+   the overhead, control / off what the same measure shows when nothing differs (its noise
+   floor on a shared machine).
 2. Hook cost. The telemetry `plait_communicate` wrapper and `plait_step_end`, timed directly
    in one process against a backend that does no communication.
 3. Ingest. Batches of comm-like spans, encoded once, sent back to back over loopback to a
@@ -98,18 +99,21 @@ def _engine(address: str | None, seed: int) -> Any:
     )
 
 
+MODES = ("off", "on", "control")  # control: a second engine without telemetry (A/A)
+
+
 def step_time_rank(rank: int, world_size: int, address: str, steps: int, block: int) -> dict:
-    """Alternate blocks of steps between an engine with telemetry and one without."""
-    engines = {"off": _engine(None, 0), "on": _engine(address, 0)}
+    """Rotate blocks of steps between an engine with telemetry and two without."""
+    engines = {"off": _engine(None, 0), "on": _engine(address, 0), "control": _engine(None, 0)}
     vocab = engines["off"].model_config.vocab_size
     generator = torch.Generator().manual_seed(rank)
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    for mode in ("off", "on"):  # warm-up outside the measurement
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for mode in MODES:  # warm-up outside the measurement
         for _ in range(2):
             tokens = torch.randint(0, vocab, (4, VOCAB_SEQ + 1), generator=generator)
             engines[mode].train_step((tokens[:, :-1], tokens[:, 1:]))
     for i in range(steps // block):
-        order = ("off", "on") if i % 2 == 0 else ("on", "off")
+        order = MODES[i % 3 :] + MODES[: i % 3]  # each mode first, second and third in turn
         for mode in order:
             for _ in range(block):
                 tokens = torch.randint(0, vocab, (4, VOCAB_SEQ + 1), generator=generator)
@@ -215,6 +219,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="measured steps per mode")
     parser.add_argument("--block", type=int, default=1, help="steps per alternating block")
     parser.add_argument("--ingest-seconds", type=float, default=5.0)
+    parser.add_argument("--only-steps", action="store_true", help="step time only")
     args = parser.parse_args()
     console = Console()
 
@@ -224,23 +229,28 @@ def main() -> None:
         )
         spans = server.store.spans_received
     table = Table(title="step time, 2 Gloo ranks, tiny Llama, telemetry off vs on (same run)")
-    columns = ("rank", "median off", "median on", "on / off", "paired on / off", "steps per mode")
-    for column in columns:
+    columns = ("rank", "median off", "median on", "median control", "on / off", "control / off")
+    for column in (*columns, "steps per mode"):
         table.add_column(column, justify="right")
-    ratios = []
+    ratios, controls = [], []
     for rank, times in enumerate(per_rank):
-        off, on = statistics.median(times["off"]), statistics.median(times["on"])
-        paired = statistics.median(a / b for a, b in zip(times["on"], times["off"], strict=True))
-        ratios.append(paired)
+        median = {mode: statistics.median(values) for mode, values in times.items()}
+        ratios.append(median["on"] / median["off"])
+        controls.append(median["control"] / median["off"])
         table.add_row(
-            str(rank), f"{off * 1e3:.2f} ms", f"{on * 1e3:.2f} ms", f"{on / off:.4f}",
-            f"{paired:.4f}", str(len(times["off"])),
+            str(rank), *(f"{median[m] * 1e3:.2f} ms" for m in MODES),
+            f"{ratios[-1]:.4f}", f"{controls[-1]:.4f}", str(len(times["off"])),
         )  # fmt: skip
     console.print(table)
+    overhead = (statistics.mean(ratios) - 1) * 100
+    noise = (statistics.mean(controls) - 1) * 100
     console.print(
-        f"telemetry overhead (median of paired steps): {(statistics.mean(ratios) - 1) * 100:+.2f} % "
-        f"(goal ≤ 1 %); {spans} spans reached the daemon"
+        f"telemetry overhead (ratio of median step times, mean over ranks): {overhead:+.2f} % "
+        f"(goal ≤ 1 %); the same between two engines without telemetry (noise floor): "
+        f"{noise:+.2f} %; {spans} spans reached the daemon"
     )
+    if args.only_steps:
+        return
 
     costs = hook_cost()
     hooks = Table(title="hook cost, one process, no-op backend")
