@@ -272,6 +272,24 @@ def _comm_advice(breakdown: RankBreakdown, context: RankContext) -> str:
             f"{head}: small synchronous all-reduces are latency-bound — report loss/metrics "
             "less often and fuse the gradient-norm reduction with the gradient sync."
         )
+    if base in ("cp_kv", "cp_a2a"):
+        cp = context.degrees.get("cp", 1)
+        how = (
+            "ring K/V transfers outlast the attention block they overlap"
+            if base == "cp_kv"
+            else "Ulysses all-to-alls are synchronous"
+        )
+        return (
+            f"{head}: context parallelism (cp={cp}): {how} — keep the cp group inside a node, "
+            "lengthen the sequence per rank (lower cp) so each block carries more compute, or "
+            "use hybrid (Ulysses inside a node, ring across nodes)."
+        )
+    if base in ("moe_dispatch", "moe_combine"):
+        return (
+            f"{head}: expert-parallel all-to-alls wait on the critical path — keep the ep group "
+            "inside a node, lower parallel.ep, or balance the experts' load (a higher "
+            "aux_loss_coef, or bias_update_rate) so no rank waits for the busiest expert."
+        )
     if base == "optimizer_state":
         return f"{head}: optimizer-state gathers belong in checkpointing, not in every step."
     return (

@@ -6,7 +6,6 @@ sample, so an RPC never waits on /proc. GPU metrics come from the NVML collector
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from plait.core.host import host_name
 from plait.daemon.store import RankKey
 
 
@@ -42,7 +42,7 @@ class HostCollector:
     """Samples the host and the processes `pids()` names, every `interval` seconds."""
 
     def __init__(self, pids: Callable[[str], dict[RankKey, int]], *, interval: float = 1.0) -> None:
-        self.hostname = socket.gethostname()
+        self.hostname = host_name()  # the name the ranks of this node report
         self.interval = interval
         self._pids = pids
         self._processes: dict[int, psutil.Process] = {}

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from rich.console import Console
 
+from plait.core.mfu import format_mfu
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 
@@ -30,7 +31,7 @@ def _live_line(stub: daemon_pb2_grpc.DaemonStub) -> str | None:
         return None
     ranks = sorted(response.ranks, key=lambda r: r.rank)
     parts = [
-        f"rank {r.rank}: step {r.step} · {r.tokens_per_second:,.0f} tok/s · MFU {r.mfu:.1%}"
+        f"rank {r.rank}: step {r.step} · {r.tokens_per_second:,.0f} tok/s · MFU {format_mfu(r.mfu)}"
         for r in ranks
     ]
     return "daemon │ " + " | ".join(parts)

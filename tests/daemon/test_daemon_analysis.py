@@ -129,6 +129,24 @@ def test_exposed_gradient_sync_advice_names_buckets() -> None:
     assert "8 buckets of ~1.00 MiB" in text and "bucket" in text and "overlap" in text
 
 
+@pytest.mark.parametrize(
+    ("purpose", "expected"),
+    [("cp_kv", "context parallelism (cp=4)"), ("moe_dispatch", "expert-parallel all-to-alls")],
+)
+def test_exposed_context_and_expert_traffic_gets_its_own_advice(
+    purpose: str, expected: str
+) -> None:
+    spans = [
+        phase("forward", 0, 60),
+        comm(purpose, 10, 60, blocking=True, nbytes=2**20),
+        phase("backward", 60, 90),
+        phase("optimizer", 90, 95),
+    ]
+    summary = rank_breakdown([step_breakdown(0, BASE, BASE + 100 * MS, spans)])
+    assert summary.dominant == "exposed_comm"
+    assert expected in advice(summary, RankContext(degrees={"cp": 4}))
+
+
 def test_breakdown_through_the_daemon_matches_hand_computation(daemon_server, daemon_stub) -> None:
     """The same step sent as OTLP spans: the daemon's GetBottleneck gives the same numbers."""
     resource = Resource.create({names.ATTR_JOB_ID: "synthetic", names.ATTR_RANK: 0,
