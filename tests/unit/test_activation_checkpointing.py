@@ -118,7 +118,9 @@ def test_applying_twice_wraps_once_and_bad_settings_are_errors(plugins: Any) -> 
     model = _model(plugins, "llama")
     assert apply_activation_checkpointing(model, mode="full") == ["0", "1"]
     assert apply_activation_checkpointing(model, mode="full") == []
-    with pytest.raises(ConfigError, match=r"checkpoint\.blocks = 'blocks': Llama has nothing there"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint\.blocks = 'blocks': Llama has nothing there"
+    ):
         apply_activation_checkpointing(model, mode="full", blocks="blocks")
     with pytest.raises(ValueError, match="mode must be"):
         apply_activation_checkpointing(model, mode="sometimes")  # type: ignore[arg-type]
