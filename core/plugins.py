@@ -345,7 +345,7 @@ class Plugins:
             ("plait_register_strategies", lambda r: f"{r.axis}:{r.name}"),
             ("plait_register_schedules", lambda r: f"schedule:{r.name}"),
             ("plait_register_comm_algorithms", lambda r: f"comm:{r.name}"),
-            ("plait_register_kernels", lambda r: f"kernel:{r.op}"),
+            ("plait_register_kernels", lambda r: f"kernel:{r.op}@{r.provider}"),
         ):
             for plugin_name, record in self._collect(hook_name):
                 provides.setdefault(plugin_name, []).append(fmt(record))
