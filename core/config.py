@@ -75,6 +75,11 @@ class TrainSection(Section):
     )
     seed: int = 1234
     log_every: int = Field(1, gt=0)
+    run_dir: str = Field(
+        "",
+        description="directory for run records: the resolved config.toml and metrics.jsonl "
+        "(one line per step); '' = none",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     collective_timeout_seconds: float = Field(
         600.0, gt=0, description="a collective that takes longer fails (process-group timeout)"

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -24,6 +25,7 @@ from plait.core.mfu import format_mfu, mfu
 from plait.core.peak_flops import PeakFlops
 from plait.core.step import StepReport
 from plait.tools.graceful_stop import StopRequests, signal_name
+from plait.tools.run_records import RunRecords
 
 if TYPE_CHECKING:
     from plait.plugins.checkpoint import Checkpointer
@@ -68,6 +70,11 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     # Every rank of a job runs on the same kind of device, so the job's peak is W × the rank's.
     peak = rank_peak.flops * mesh.world_size
     summary = TrainingSummary()
+    records = (
+        RunRecords(engine, Path(config.train.run_dir).expanduser(), peak_flops=peak)
+        if is_leader and config.train.run_dir
+        else None
+    )
     stop = StopRequests(engine.comm, world_size=mesh.world_size, device=engine.device).install()
     if is_leader:
         _print_header(console, engine, rank_peak)
@@ -91,6 +98,8 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
             report = engine.last_report
             summary.losses.append(loss)
             tokens_done += report.tokens
+            if records is not None:
+                records.step(report)
             if is_leader:
                 stats = _format_stats(report, peak)
                 progress.update(task, completed=step + 1, stats=stats)
@@ -106,6 +115,8 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
                 )
                 break
     stop.uninstall()
+    if records is not None:
+        records.close()
     checkpointer.close()
     elapsed = time.perf_counter() - start
     summary.tokens_per_second = tokens_done / elapsed

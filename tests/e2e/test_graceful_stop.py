@@ -3,6 +3,7 @@ run continues with the losses of a run that was never stopped."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAIT = [sys.executable, "-m", "plait.tools.cli"]
@@ -20,6 +22,7 @@ STEP_LINE = re.compile(r"^step (\d+)/\d+ loss ([\d.]+)", re.MULTILINE)
 
 
 def _command(checkpoints: Path) -> list[str]:
+    # Run records go beside the checkpoints: config.toml and metrics.jsonl.
     return [
         *PLAIT,
         "train",
@@ -34,6 +37,8 @@ def _command(checkpoints: Path) -> list[str]:
         f"checkpoint_io.dir={checkpoints}",
         "--set",
         "checkpoint_io.every=1000",  # only the stop (and the end) saves
+        "--set",
+        f"train.run_dir={checkpoints / 'run'}",
     ]
 
 
@@ -90,3 +95,14 @@ def test_sigterm_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path
     assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
     whole = _losses(uninterrupted.stdout)
     assert {s: whole[s] for s in after} == after
+
+    # The run records cover every step once across the stop and the resume, and the resolved
+    # config names the degree the mesh resolved and the DDP defaults the run used.
+    run = tmp_path / "stopped" / "run"
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    assert all(line["tokens_per_second"] > 0 and line["loss"] > 0 for line in lines)
+    for line in lines:
+        assert f"{line['loss']:.4f}" == whole[line["step"]], (line, whole)
+    resolved = tomllib.loads((run / "config.toml").read_text())
+    assert resolved["parallel"]["dp"] == 2 and resolved["ddp"]["bucket_mb"] == 1.0
