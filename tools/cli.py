@@ -155,6 +155,9 @@ def train(
     for item in overrides:
         worker += ["--set", item]
     args = get_args_parser().parse_args(launcher + worker)
+    # torchrun sets 1 thread per rank and prints a banner about it when this is unset; split
+    # the node's cores between its ranks instead (what the banner itself recommends).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     try:
         run(args)
     except SignalException as exc:
