@@ -115,32 +115,11 @@ def checkpoint_round_trip(
 ) -> dict[str, Any]:
     """Train on `world_size` ranks, all of them one cp group (cp = world size), resuming from
     `ckpt_dir` if asked and saving after step `save_at`; return the losses by step."""
-    from plait.core.config import CheckpointIOSection
-    from plait.core.engine import Engine
-    from plait.plugins.checkpoint.checkpointer import Checkpointer
-    from plait.plugins.data import build_batches
     from tests.dist.checkpoint_workers import engine_config
+    from tests.dist.resharding_workers import train_with_checkpoints
 
     config = engine_config(parallel={"cp": world_size})
     config["train"] = {**config["train"], "steps": steps}
-    engine = Engine(config=config)
-    batches = build_batches(
-        engine.config.data,
-        seq_len=engine.config.data.seq_len,
-        global_batch_size=engine.config.train.global_batch_size,
-        dp_rank=engine.mesh.coordinate("dp"),
-        dp_size=engine.mesh.size("dp"),
-        seed=engine.config.train.seed,
-    )
-    checkpointer = Checkpointer(
-        engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
-    )
-    start = checkpointer.maybe_resume()
-    losses: dict[int, float] = {}
-    for step in range(start, steps):
-        losses[step] = engine.train_step(batches.next_batch())
-        if save_at is not None and step + 1 == save_at:
-            checkpointer.save(step + 1)
-    checkpointer.close()
-    engine.close()
+    saves = () if save_at is None else (save_at,)
+    engine, start, losses = train_with_checkpoints(config, ckpt_dir, steps, saves, resume)
     return {"rank": rank, "start": start, "losses": losses, "cp": engine.mesh.size("cp")}

@@ -107,30 +107,10 @@ def train_resume_save(
 ) -> dict[str, Any]:
     """Train to `steps` at `ep` (resuming from `ckpt_dir` if asked), saving after `save_at`."""
     del world_size
-    from plait.core.config import CheckpointIOSection
-    from plait.core.engine import Engine
-    from plait.plugins.checkpoint.checkpointer import Checkpointer
-    from plait.plugins.data import build_batches
+    from tests.dist.resharding_workers import train_with_checkpoints
 
-    engine = Engine(config=checkpoint_config(ep, steps))
-    batches = build_batches(
-        engine.config.data,
-        seq_len=engine.config.data.seq_len,
-        global_batch_size=engine.config.train.global_batch_size,
-        dp_rank=engine.mesh.coordinate("dp"),
-        dp_size=engine.mesh.size("dp"),
-        seed=engine.config.train.seed,
+    engine, start, losses = train_with_checkpoints(
+        checkpoint_config(ep, steps), ckpt_dir, steps, (save_at,), resume
     )
-    checkpointer = Checkpointer(
-        engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
-    )
-    start = checkpointer.maybe_resume()
-    losses: dict[int, float] = {}
-    for step in range(start, steps):
-        losses[step] = engine.train_step(batches.next_batch())
-        if step + 1 == save_at:
-            checkpointer.save(step + 1)
-    checkpointer.close()
-    engine.close()
     experts = sum(p.numel() for n, p in engine.module.named_parameters() if ".experts." in n)
     return {"rank": rank, "start": start, "losses": losses, "expert_numel": experts}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from plait.core.config import CheckpointIOSection
@@ -35,6 +36,36 @@ def layout_config(layout: str, steps: int, n_layers: int = 2) -> dict[str, Any]:
     return config
 
 
+def train_with_checkpoints(
+    config: dict[str, Any], ckpt_dir: str, steps: int, save_at: Iterable[int], resume: bool
+) -> tuple[Engine, int, dict[int, float]]:
+    """Train to `steps` with the bundled data, resuming from `ckpt_dir`'s latest checkpoint if
+    asked and saving after the steps in `save_at`; the (closed) engine, the step it started at
+    and the losses by step."""
+    engine = Engine(config=config)
+    batches = build_batches(
+        engine.config.data,
+        seq_len=engine.config.data.seq_len,
+        global_batch_size=engine.config.train.global_batch_size,
+        dp_rank=engine.mesh.coordinate("dp"),
+        dp_size=engine.mesh.size("dp"),
+        seed=engine.config.train.seed,
+    )
+    checkpointer = Checkpointer(
+        engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
+    )
+    start = checkpointer.maybe_resume()
+    saves = set(save_at)
+    losses: dict[int, float] = {}
+    for step in range(start, steps):
+        losses[step] = engine.train_step(batches.next_batch())
+        if step + 1 in saves:
+            checkpointer.save(step + 1)
+    checkpointer.close()
+    engine.close()
+    return engine, start, losses
+
+
 def train_on_layout(
     rank: int,
     world_size: int,
@@ -48,26 +79,9 @@ def train_on_layout(
     """Train `steps` steps on `layout` (after resuming from `ckpt_dir`'s latest checkpoint if
     asked), saving after the steps in `save_at`; return the losses by step."""
     del world_size
-    engine = Engine(config=layout_config(layout, steps, n_layers))
-    batches = build_batches(
-        engine.config.data,
-        seq_len=engine.config.data.seq_len,
-        global_batch_size=engine.config.train.global_batch_size,
-        dp_rank=engine.mesh.coordinate("dp"),
-        dp_size=engine.mesh.size("dp"),
-        seed=engine.config.train.seed,
+    engine, start, losses = train_with_checkpoints(
+        layout_config(layout, steps, n_layers), ckpt_dir, steps, save_at, resume
     )
-    checkpointer = Checkpointer(
-        engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
-    )
-    start = checkpointer.maybe_resume()
-    losses: dict[int, float] = {}
-    for step in range(start, steps):
-        losses[step] = engine.train_step(batches.next_batch())
-        if step + 1 in save_at:
-            checkpointer.save(step + 1)
-    checkpointer.close()
-    engine.close()
     return {
         "rank": rank,
         "start": start,
