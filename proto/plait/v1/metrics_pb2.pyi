@@ -159,7 +159,7 @@ class HostMetrics(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., cpu_percent: _Optional[float] = ..., cpu_count: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., net_bytes_sent: _Optional[int] = ..., net_bytes_recv: _Optional[int] = ..., net_sent_bytes_per_second: _Optional[float] = ..., net_recv_bytes_per_second: _Optional[float] = ..., sampled_unix_nano: _Optional[int] = ...) -> None: ...
 
 class BottleneckBreakdown(_message.Message):
-    __slots__ = ("job_id", "rank", "step_seconds", "compute_seconds", "exposed_comm_seconds", "data_wait_seconds", "pipeline_bubble_seconds", "optimizer_seconds", "host_other_seconds", "dominant", "steps", "advice", "exposed_comm_by_purpose", "comm_seconds", "median_step_seconds", "median_compute_seconds")
+    __slots__ = ("job_id", "rank", "step_seconds", "compute_seconds", "exposed_comm_seconds", "data_wait_seconds", "pipeline_bubble_seconds", "optimizer_seconds", "host_other_seconds", "dominant", "steps", "advice", "exposed_comm_by_purpose", "comm_seconds", "median_step_seconds", "median_compute_seconds", "comm_ops_by_purpose")
     class ExposedCommByPurposeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,13 @@ class BottleneckBreakdown(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class CommOpsByPurposeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +190,7 @@ class BottleneckBreakdown(_message.Message):
     COMM_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEDIAN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEDIAN_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMM_OPS_BY_PURPOSE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     step_seconds: float
@@ -199,7 +207,8 @@ class BottleneckBreakdown(_message.Message):
     comm_seconds: float
     median_step_seconds: float
     median_compute_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., exposed_comm_seconds: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., pipeline_bubble_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., host_other_seconds: _Optional[float] = ..., dominant: _Optional[str] = ..., steps: _Optional[int] = ..., advice: _Optional[str] = ..., exposed_comm_by_purpose: _Optional[_Mapping[str, float]] = ..., comm_seconds: _Optional[float] = ..., median_step_seconds: _Optional[float] = ..., median_compute_seconds: _Optional[float] = ...) -> None: ...
+    comm_ops_by_purpose: _containers.ScalarMap[str, str]
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., exposed_comm_seconds: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., pipeline_bubble_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., host_other_seconds: _Optional[float] = ..., dominant: _Optional[str] = ..., steps: _Optional[int] = ..., advice: _Optional[str] = ..., exposed_comm_by_purpose: _Optional[_Mapping[str, float]] = ..., comm_seconds: _Optional[float] = ..., median_step_seconds: _Optional[float] = ..., median_compute_seconds: _Optional[float] = ..., comm_ops_by_purpose: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StragglerScore(_message.Message):
     __slots__ = ("job_id", "rank", "host", "steps", "median_step_seconds", "median_compute_seconds", "step_score", "compute_score", "flagged")
