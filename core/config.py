@@ -74,11 +74,33 @@ class TrainSection(Section):
         "counted with torch's FlopCounterMode on the first step for any other model",
     )
     seed: int = 1234
-    log_every: int = Field(1, gt=0)
+    log_every: int = Field(
+        10,
+        gt=0,
+        description="print a log line every N steps when stdout is not a terminal (a terminal "
+        "gets a live progress bar instead)",
+    )
     run_dir: str = Field(
         "",
-        description="directory for run records: the resolved config.toml and metrics.jsonl "
-        "(one line per step); '' = none",
+        description="directory for run records: the resolved config.toml, metrics.jsonl (one "
+        "line per step), TensorBoard events when tensorboard is installed, and launch.log when "
+        "a rank fails; '' = none",
+    )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="validation loss on the held-out split every N steps (and after the last); "
+        "0 = no validation and no held-out split",
+    )
+    eval_fraction: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="share of the data's windows held out for validation when eval_every > 0 "
+        "(the end of the token stream)",
+    )
+    eval_batches: int = Field(
+        2, gt=0, description="global batches of the held-out split each validation reads"
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     collective_timeout_seconds: float = Field(

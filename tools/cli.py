@@ -158,8 +158,18 @@ def train(
     # torchrun sets 1 thread per rank and prints a banner about it when this is unset; split
     # the node's cores between its ranks instead (what the banner itself recommends).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from plait.tools.launch_errors import LaunchLog, failure_line, launch_log_path
+
     try:
-        run(args)
+        with LaunchLog() as launch_log:
+            run(args)
+    except ChildFailedError as exc:
+        # One line with the root cause; torchrun's report and the ranks' tracebacks go to a file.
+        line = failure_line(exc, launch_log_path(cfg.train.run_dir), launch_log.lines)
+        console.print(f"[red]training failed:[/red] {line}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     except SignalException as exc:
         # torchrun passed the signal on to the ranks, which finished their step and saved
         # (each printed where); the launcher only reports and exits as the signal asks.

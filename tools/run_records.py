@@ -6,14 +6,23 @@ With `train.run_dir` set, rank 0 writes there:
   them (`parallel.dp = -1` becomes the actual degree), and the section of every plugin the run
   selected with its defaults filled in;
 - `metrics.jsonl` — one JSON object per optimizer step: step (1-based, as the progress line
-  counts), loss, lr, grad_norm, tokens, tokens_per_second, mfu, step_seconds, skipped. A resumed
-  run appends, so the file covers the whole run across restarts.
+  counts), loss, lr, grad_norm, tokens, tokens_per_second, mfu, step_seconds, skipped,
+  memory_bytes (parameters + gradients + optimizer state on rank 0) and val_loss (the held-out
+  loss on the steps that ran a validation, else null). A resumed run appends, so the file covers
+  the whole run across restarts; steps after the checkpoint it resumed from (done again) are
+  dropped first, so every step appears once;
+- `tensorboard/` — the same figures as TensorBoard scalars (`train/…`, `val/loss`) when the
+  `tensorboard` package is installed (`pip install plait[tensorboard]`); a resumed run purges
+  the events after its checkpoint the same way.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,6 +30,9 @@ from plait.core.config import dump_toml
 from plait.core.engine import Engine
 from plait.core.mfu import mfu
 from plait.core.step import StepReport
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def resolved_config(engine: Engine) -> dict[str, Any]:
@@ -40,19 +52,51 @@ def resolved_config(engine: Engine) -> dict[str, Any]:
     return data
 
 
-class RunRecords:
-    """Rank 0's writer of `config.toml` and `metrics.jsonl` in `train.run_dir`."""
+@dataclass(frozen=True, slots=True)
+class EarlierSteps:
+    """What the attempts before this one recorded (steps up to the resumed checkpoint)."""
 
-    def __init__(self, engine: Engine, run_dir: Path, *, peak_flops: float) -> None:
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def tensorboard_available() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+class RunRecords:
+    """Rank 0's writer of `config.toml`, `metrics.jsonl` and TensorBoard events in the run dir.
+
+    `start_step` is the number of steps already done (the checkpoint resumed from, 0 for a new
+    run): records of later steps, left by an attempt that failed after that checkpoint, are
+    dropped since this attempt does those steps again.
+    """
+
+    def __init__(
+        self, engine: Engine, run_dir: Path, *, peak_flops: float, start_step: int = 0
+    ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        self.engine = engine
         (run_dir / "config.toml").write_text(dump_toml(resolved_config(engine)))
         self.peak_flops = peak_flops
-        self._metrics: IO[str] = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        self.earlier = _keep_steps_up_to(run_dir / METRICS_FILE, start_step)
+        self._metrics: IO[str] = (run_dir / METRICS_FILE).open("a", buffering=1)
+        self._tensorboard: Any = None
+        if tensorboard_available():
+            from torch.utils.tensorboard import SummaryWriter
 
-    def step(self, report: StepReport) -> None:
+            # purge_step hides events of steps this attempt does again (after a failure).
+            self._tensorboard = SummaryWriter(
+                str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1, flush_secs=10
+            )
+
+    def step(self, report: StepReport, *, val_loss: float | None = None) -> None:
         seconds = report.step_seconds
+        step = report.step + 1
         record = {
-            "step": report.step + 1,
+            "step": step,
             "loss": _finite(report.loss),
             "lr": report.lr,
             "grad_norm": _finite(report.grad_norm),
@@ -61,11 +105,44 @@ class RunRecords:
             "mfu": mfu(report.model_flops / seconds, self.peak_flops) if seconds else 0.0,
             "step_seconds": seconds,
             "skipped": report.skipped,
+            "memory_bytes": self.engine.memory_report()["total"],
+            "val_loss": _finite(val_loss),
         }
         self._metrics.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for name, value in record.items():
+                if name in ("step", "val_loss") or value is None:
+                    continue
+                self._tensorboard.add_scalar(f"train/{name}", float(value), step)
+            if record["val_loss"] is not None:
+                self._tensorboard.add_scalar("val/loss", record["val_loss"], step)
 
     def close(self) -> None:
         self._metrics.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _keep_steps_up_to(path: Path, last_step: int) -> EarlierSteps:
+    """Drop the records after `last_step` from `path`; total what remains."""
+    if not path.is_file():
+        return EarlierSteps()
+    kept: list[str] = []
+    tokens, seconds = 0, 0.0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed run
+        if not isinstance(record, dict) or not 1 <= int(record.get("step", 0)) <= last_step:
+            continue
+        kept.append(line)
+        tokens += int(record.get("tokens", 0))
+        seconds += float(record.get("step_seconds", 0.0))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+    return EarlierSteps(steps=len(kept), tokens=tokens, seconds=seconds)
 
 
 def _finite(value: float | None) -> float | None:

@@ -7,6 +7,7 @@ in-process (`run_training(config)`) for tests and a single process.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -16,7 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from plait.core.config import PlaitConfig, load_config
 from plait.core.engine import Engine
@@ -25,19 +32,31 @@ from plait.core.mfu import format_mfu, mfu
 from plait.core.peak_flops import PeakFlops
 from plait.core.step import StepReport
 from plait.tools.graceful_stop import StopRequests, signal_name
-from plait.tools.run_records import RunRecords
+from plait.tools.launch_errors import record_rank_error
+from plait.tools.rank_notices import quiet_repeated_notices
+from plait.tools.run_records import EarlierSteps, RunRecords
 
 if TYPE_CHECKING:
     from plait.plugins.checkpoint import Checkpointer
 
+# The summary's loss is the mean of this many last steps: one step's loss is too noisy to
+# compare.
+SUMMARY_WINDOW = 10
+
 
 @dataclass
 class TrainingSummary:
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # this attempt's steps
+    val_losses: dict[int, float] = field(default_factory=dict)  # step (1-based) -> held-out loss
     stopped: str = ""  # why training ended before train.steps (a signal), or ""
-    tokens_per_second: float = 0.0
+    tokens_per_second: float = 0.0  # this attempt
     mfu: float = 0.0
     memory: dict[str, int] = field(default_factory=dict)
+    first_step: int = 0  # steps done before this attempt (a resume)
+    # The whole run across restarts, from the run records (this attempt only without them).
+    run_steps: int = 0
+    run_tokens: int = 0
+    run_seconds: float = 0.0
 
 
 def _rank_peak(engine: Engine) -> PeakFlops:
@@ -51,63 +70,109 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     """Train for `config.train.steps` steps; rank 0 shows live progress."""
     from plait.plugins.checkpoint import Checkpointer
     from plait.plugins.data import build_batches
+    from plait.tools.validation import Validation, check_validation_layout
 
+    quiet_repeated_notices(os.environ)
     engine = Engine(config=config)
     mesh = engine.mesh
     is_leader = mesh.rank == 0
     console = console or Console(stderr=False)
-    batches = build_batches(
-        config.data,
-        seq_len=config.data.seq_len,
-        global_batch_size=config.train.global_batch_size,
-        dp_rank=mesh.coordinate("dp"),
-        dp_size=mesh.size("dp"),
-        seed=config.train.seed,
+    train = config.train
+    if train.eval_every:
+        check_validation_layout(engine)
+    holdout = train.eval_fraction if train.eval_every else 0.0
+    split_batches = {
+        split: build_batches(
+            config.data,
+            seq_len=config.data.seq_len,
+            global_batch_size=train.global_batch_size,
+            dp_rank=mesh.coordinate("dp"),
+            dp_size=mesh.size("dp"),
+            seed=train.seed,
+            holdout=holdout,
+            split=split,
+        )
+        for split in (("train", "validation") if holdout else ("train",))
+    }
+    batches = split_batches["train"]
+    validation = (
+        Validation(engine, split_batches["validation"]) if "validation" in split_batches else None
     )
     checkpointer = Checkpointer.from_config(engine, batches, config)
     start_step = checkpointer.maybe_resume()
     rank_peak = _rank_peak(engine) if is_leader else PeakFlops(0.0, "")
     # Every rank of a job runs on the same kind of device, so the job's peak is W × the rank's.
     peak = rank_peak.flops * mesh.world_size
-    summary = TrainingSummary()
+    summary = TrainingSummary(first_step=start_step)
     records = (
-        RunRecords(engine, Path(config.train.run_dir).expanduser(), peak_flops=peak)
-        if is_leader and config.train.run_dir
+        RunRecords(engine, Path(train.run_dir).expanduser(), peak_flops=peak, start_step=start_step)
+        if is_leader and train.run_dir
         else None
     )
     stop = StopRequests(engine.comm, world_size=mesh.world_size, device=engine.device).install()
     if is_leader:
-        _print_header(console, engine, rank_peak)
+        from plait.tools.banner import run_lines
+
+        for line in run_lines(engine, rank_peak, batches):
+            console.print(line, highlight=False, soft_wrap=True)
+        if start_step:
+            console.print(f"resumed at step {start_step}", highlight=False)
+    live = is_leader and console.is_terminal
     progress = Progress(
         TextColumn("[bold]step {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("{task.fields[stats]}"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         console=console,
-        disable=not is_leader or not console.is_terminal,
+        disable=not live,
         transient=False,
     )
     start = time.perf_counter()
     tokens_done = 0
     with progress:
-        task = progress.add_task("train", total=config.train.steps, stats="")
-        for step in range(start_step, config.train.steps):
+        task = progress.add_task("train", total=train.steps, completed=start_step, stats="")
+        for step in range(start_step, train.steps):
             data_start = time.time_ns()
             batch = batches.next_batch()
             loss = engine.train_step(batch, data_start_ns=data_start)
             report = engine.last_report
+            assert report is not None
+            steps_done = step + 1
             summary.losses.append(loss)
             tokens_done += report.tokens
+            val_loss = None
+            if validation is not None and validation.due(
+                steps_done, last=steps_done == train.steps
+            ):
+                val_loss = validation.loss()
+                summary.val_losses[steps_done] = val_loss
             if records is not None:
-                records.step(report)
+                records.step(report, val_loss=val_loss)
             if is_leader:
                 stats = _format_stats(report, peak)
-                progress.update(task, completed=step + 1, stats=stats)
-                if not console.is_terminal and (
-                    step % config.train.log_every == 0 or step == config.train.steps - 1
+                progress.update(task, completed=steps_done, stats=stats)
+                if not live and (
+                    steps_done % train.log_every == 0
+                    or steps_done == train.steps
+                    or step == start_step
                 ):
-                    console.print(f"step {step + 1}/{config.train.steps} {stats}", highlight=False)
-            checkpointer.maybe_save(step + 1)
+                    elapsed = time.perf_counter() - start
+                    eta = elapsed / (steps_done - start_step) * (train.steps - steps_done)
+                    console.print(
+                        f"step {steps_done}/{train.steps} {stats} | elapsed "
+                        f"{_clock(elapsed)} eta {_clock(eta)}",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+                if val_loss is not None:
+                    console.print(
+                        f"step {steps_done}/{train.steps} validation loss {val_loss:.4f}",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+            checkpointer.maybe_save(steps_done)
             signum = stop.agreed()
             if signum is not None:
                 summary.stopped = _stop_gracefully(
@@ -122,6 +187,10 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     summary.tokens_per_second = tokens_done / elapsed
     summary.mfu = mfu(engine.flops_per_token * summary.tokens_per_second, peak)
     summary.memory = engine.memory_report()
+    earlier = records.earlier if records is not None else EarlierSteps()
+    summary.run_steps = earlier.steps + len(summary.losses)
+    summary.run_tokens = earlier.tokens + tokens_done
+    summary.run_seconds = earlier.seconds + elapsed
     if is_leader:
         _print_summary(console, summary)
     engine.close()
@@ -172,43 +241,48 @@ def _format_stats(report: StepReport, peak: float) -> str:
     return stats
 
 
-def _print_header(console: Console, engine: Engine, rank_peak: PeakFlops) -> None:
-    cfg = engine.config
-    num_params = sum(p.numel() for p in engine.module.parameters())
-    degrees = " ".join(f"{k}={v}" for k, v in engine.mesh.degrees.items())
-    console.print(
-        f"[bold]plait[/bold] {cfg.model.name}/{cfg.model.size} · {num_params:,} parameters "
-        f"per rank · {engine.mesh.world_size} ranks ({degrees}) on {engine.device} · "
-        f"dp strategy {cfg.parallel.dp_strategy} · schedule {cfg.schedule.name}",
-        highlight=False,
-    )
-    pipeline = engine.context.pipeline
-    if pipeline is not None:
-        console.print(f"pipeline stages: {pipeline.summary}", highlight=False)
-    world_size = engine.mesh.world_size
-    console.print(
-        f"model FLOPs/token {engine.flops_per_token:,.0f} · peak used for MFU: "
-        f"{rank_peak.flops * world_size / 1e9:,.1f} GFLOP/s = {world_size} × "
-        f"{rank_peak.flops / 1e9:,.1f} per rank ({rank_peak.source})",
-        highlight=False,
-    )
-    if engine.device.type == "cpu":
-        from plait.core.peak_flops import calibration_path
+def _clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
 
-        console.print(f"CPU peak cached in {calibration_path()}", highlight=False)
+
+def mean_loss_line(summary: TrainingSummary) -> str:
+    """`loss A → B` where A and B are the means of the first and last few steps of the attempt."""
+    losses = summary.losses
+    if not losses:
+        return "no step ran"
+    # Two disjoint windows: the first and last SUMMARY_WINDOW steps, or halves of a short run.
+    window = max(1, min(SUMMARY_WINDOW, len(losses) // 2))
+    first_step = summary.first_step + 1
+    last_step = summary.first_step + len(losses)
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    return (
+        f"loss {first:.4f} → {last:.4f} (mean of steps {first_step}–{first_step + window - 1} "
+        f"→ {last_step - window + 1}–{last_step})"
+    )
 
 
 def _print_summary(console: Console, summary: TrainingSummary) -> None:
-    first, last = summary.losses[0], summary.losses[-1]
-    console.print(
-        f"[bold]done[/bold]: loss {first:.4f} → {last:.4f} · {summary.tokens_per_second:,.0f} "
-        f"tok/s · MFU {format_mfu(summary.mfu)}",
-        highlight=False,
+    line = f"[bold]done[/bold]: {mean_loss_line(summary)}"
+    if summary.val_losses:
+        step, val = max(summary.val_losses.items())
+        line += f" · validation loss {val:.4f} at step {step}"
+    console.print(line, highlight=False, soft_wrap=True)
+    attempt = (
+        f"{len(summary.losses)} steps at {summary.tokens_per_second:,.0f} tok/s · "
+        f"MFU {format_mfu(summary.mfu)}"
     )
+    if summary.run_steps > len(summary.losses):
+        run_rate = summary.run_tokens / summary.run_seconds if summary.run_seconds else 0.0
+        attempt += (
+            f" · whole run ({summary.run_steps} steps across restarts): {run_rate:,.0f} tok/s "
+            f"over {_clock(summary.run_seconds)} of steps"
+        )
+    console.print(f"throughput: {attempt}", highlight=False, soft_wrap=True)
     mem = summary.memory
     console.print(
         "memory (rank 0): " + " · ".join(f"{k} {v / 2**20:,.2f} MiB" for k, v in mem.items()),
         highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -221,9 +295,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         run_training(config)
     except PlaitError as exc:
-        rank = os.environ.get("RANK", "0")
-        print(f"rank {rank}: error: {exc}", file=sys.stderr)
+        # Under torchrun the launcher prints the root cause once, from the rank's error file.
+        if not record_rank_error(exc, os.environ):
+            print(f"rank {os.environ.get('RANK', '0')}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not record_rank_error(exc, os.environ):
+            raise
+        return 1
     return 0
 
 

@@ -14,13 +14,17 @@ next epoch's shuffle gives them their turn.
 
 Tensor-, pipeline- and context-parallel ranks of one data-parallel replica pass the same
 `dp_rank` and therefore read the same batch.
+
+A held-out split (`build_batches(..., holdout=f)`) keeps the last `f` of the windows for
+validation: the training sampler sees only the windows before them, the validation sampler only
+those (a contiguous tail of the token stream, so no validation window is also a training one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -49,7 +53,10 @@ class TokenBatches:
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
+        windows: tuple[int, int] | None = None,
     ) -> None:
+        """`windows = (first, count)` restricts sampling to those windows of the file (a split);
+        `None` = every window."""
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
         if global_batch_size < 1:
@@ -72,13 +79,22 @@ class TokenBatches:
         self.seed = seed
         self.local_batch_size = global_batch_size // dp_size
         count = self.token_file.count
-        self.num_windows = (count - 1) // seq_len if count > 1 else 0
-        if self.num_windows < global_batch_size:
+        file_windows = (count - 1) // seq_len if count > 1 else 0
+        first, num = windows if windows is not None else (0, file_windows)
+        if first < 0 or num < 0 or first + num > file_windows:
             raise DataError(
-                f"{self.token_file.directory} holds {count:,} tokens = {self.num_windows:,} "
-                f"windows of seq_len+1 = {seq_len + 1} tokens, fewer than one global batch of "
-                f"{global_batch_size} sequences; use more data, a shorter seq_len or a smaller "
-                "global batch"
+                f"windows ({first}, {num}) are outside the file's {file_windows:,} windows"
+            )
+        self.first_window = first
+        self.num_windows = num
+        if self.num_windows < global_batch_size:
+            held = "" if windows is None else f" in this split ({num:,} of {file_windows:,})"
+            raise DataError(
+                f"{self.token_file.directory} holds {count:,} tokens = {file_windows:,} "
+                f"windows of seq_len+1 = {seq_len + 1} tokens, {self.num_windows:,}{held}: "
+                f"fewer than one global batch of {global_batch_size} sequences; use more data, "
+                "a shorter seq_len or a smaller global batch"
+                + (" (or a larger train.eval_fraction)" if windows is not None and first else "")
             )
         self.steps_per_epoch = self.num_windows // global_batch_size
         self._tokens = self.token_file.tokens
@@ -149,7 +165,7 @@ class TokenBatches:
         # torch.from_numpy, and both halves come out contiguous.
         buffer = np.empty((2, self.local_batch_size, self.seq_len), dtype=np.int64)
         for row, window in enumerate(self.local_window_indices(step)):
-            start = int(window) * self.seq_len
+            start = (self.first_window + int(window)) * self.seq_len
             tokens = self._tokens[start : start + span]
             buffer[0, row] = tokens[:-1]
             buffer[1, row] = tokens[1:]
@@ -228,19 +244,43 @@ def build_batches(
     dp_size: int,
     seed: int,
     cache_dir: Path | str | None = None,
+    holdout: float = 0.0,
+    split: Literal["train", "validation"] = "train",
 ) -> TokenBatches:
-    """The sampler a config's `[data]` section describes; `path = ''` is the bundled corpus."""
+    """The sampler a config's `[data]` section describes; `path = ''` is the bundled corpus.
+
+    `holdout` (a fraction in [0, 1)) keeps the last windows for validation; `split` picks the
+    training windows or the held-out ones. `holdout = 0` is every window, for training only.
+    """
     if data_config.path:
         directory = Path(data_config.path).expanduser()
     else:
         from plait.plugins.data.corpus import bundled_corpus_dir
 
         directory = bundled_corpus_dir(cache_dir)
+    token_file = TokenFile(directory)
+    windows = None
+    if holdout:
+        windows = split_windows(token_file.count, seq_len, holdout)[split]
+    elif split != "train":
+        raise DataError("a validation split needs holdout > 0 (train.eval_fraction)")
     return TokenBatches(
-        TokenFile(directory),
+        token_file,
         seq_len=seq_len,
         global_batch_size=global_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
         seed=seed,
+        windows=windows,
     )
+
+
+def split_windows(token_count: int, seq_len: int, holdout: float) -> dict[str, tuple[int, int]]:
+    """`(first window, count)` of the training and validation splits of a token stream."""
+    if not 0 < holdout < 1:
+        raise DataError(f"the held-out fraction must be in (0, 1), got {holdout}")
+    total = (token_count - 1) // seq_len if token_count > 1 else 0
+    held = max(1, round(total * holdout)) if total > 1 else 0
+    # The last training window's final target is the first validation window's first input: one
+    # shared boundary token, as between any two consecutive windows.
+    return {"train": (0, total - held), "validation": (total - held, held)}

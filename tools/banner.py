@@ -1,0 +1,104 @@
+"""What `plait train` prints before the first step: the model, the layout, every transform that
+changes how a step runs, the communication algorithm and the data source."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from plait.core.peak_flops import PeakFlops
+
+if TYPE_CHECKING:
+    from plait.core.engine import Engine
+    from plait.plugins.data import TokenBatches
+
+
+def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> list[str]:
+    """The banner, one string per line."""
+    from plait.tools.run_records import resolved_config
+
+    cfg = engine.config
+    mesh = engine.mesh
+    num_params = sum(p.numel() for p in engine.module.parameters())
+    degrees = " ".join(f"{k}={v}" for k, v in mesh.degrees.items())
+    lines = [
+        f"plait {cfg.model.name}/{cfg.model.size} · {num_params:,} parameters per rank · "
+        f"{mesh.world_size} rank{'s' if mesh.world_size > 1 else ''} ({degrees}) on "
+        f"{engine.device}",
+        " · ".join(transform_names(engine, resolved_config(engine))),
+        data_line(engine, batches),
+    ]
+    pipeline = engine.context.pipeline
+    if pipeline is not None:
+        lines.append(f"pipeline stages: {pipeline.summary}")
+    world_size = mesh.world_size
+    lines.append(
+        f"model FLOPs/token {engine.flops_per_token:,.0f} · peak used for MFU: "
+        f"{rank_peak.flops * world_size / 1e9:,.1f} GFLOP/s = {world_size} × "
+        f"{rank_peak.flops / 1e9:,.1f} per rank ({rank_peak.source})"
+    )
+    if engine.device.type == "cpu":
+        from plait.core.peak_flops import calibration_path
+
+        lines.append(f"CPU peak cached in {calibration_path()}")
+    return lines
+
+
+def transform_names(engine: Engine, resolved: dict[str, Any]) -> list[str]:
+    """Every strategy and transform the step runs through, with the option that names it."""
+    cfg = engine.config
+    par = cfg.parallel
+    parts = [f"dp strategy {_with_options(par.dp_strategy, resolved)}"]
+    for axis in ("tp", "cp", "pp"):
+        if engine.mesh.size(axis) > 1:
+            parts.append(f"{axis} {_with_options(getattr(par, f'{axis}_strategy'), resolved)}")
+    for axis, name in sorted(par.transforms.items()):
+        label = {"ac": "activation checkpointing", "ep": f"ep={par.ep}"}.get(axis, axis)
+        parts.append(f"{label} {_with_options(name, resolved)}")
+    parts.append(f"schedule {cfg.schedule.name}")
+    if cfg.schedule.virtual_stages > 1:
+        parts[-1] += f" ({cfg.schedule.virtual_stages} virtual stages)"
+    parts.append(f"comm {cfg.comm.algorithm}")
+    if cfg.train.max_grad_norm:
+        parts.append(f"grad-norm clip {cfg.train.max_grad_norm:g}")
+    return parts
+
+
+# Options worth naming in the banner: a precision's dtype, sequence parallelism, an offload.
+_NAMED_OPTIONS = {
+    "dtype": lambda v: str(v),
+    "sequence_parallel": lambda v: "sequence parallel" if v else "",
+    "mode": lambda v: f"{v}",
+    "offload": lambda v: (
+        f"offload to {v['device']}" if isinstance(v, dict) and v.get("device") != "none" else ""
+    ),
+}
+
+
+def _with_options(name: str, resolved: dict[str, Any]) -> str:
+    section = resolved.get(name)
+    if not isinstance(section, dict):
+        return name
+    shown = [
+        text
+        for key, describe in _NAMED_OPTIONS.items()
+        if key in section and (text := describe(section[key]))
+    ]
+    return f"{name} ({', '.join(shown)})" if shown else name
+
+
+def data_line(engine: Engine, batches: TokenBatches) -> str:
+    cfg = engine.config
+    token_file = batches.token_file
+    source = (
+        "bundled corpus" if not cfg.data.path else f"{token_file.directory}"
+    ) + f" ({token_file.count:,} tokens, {token_file.meta.tokenizer} tokenizer)"
+    line = (
+        f"data {source} · seq_len {batches.seq_len} · global batch {batches.global_batch_size} · "
+        f"{batches.num_windows:,} training windows"
+    )
+    if cfg.train.eval_every:
+        line += (
+            f" · validation every {cfg.train.eval_every} steps on the last "
+            f"{cfg.train.eval_fraction:.0%} held out"
+        )
+    return line
