@@ -39,6 +39,7 @@ def _command(checkpoints: Path) -> list[str]:
         "checkpoint_io.every=1000",  # only the stop (and the end) saves
         "--set",
         f"train.run_dir={checkpoints / 'run'}",
+        *("--set", "train.log_every=1"),  # a line per step: the test compares every loss
     ]
 
 
