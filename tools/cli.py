@@ -108,6 +108,12 @@ def train(
     max_restarts: Annotated[
         int, typer.Option("--max-restarts", help="restart the ranks this many times on failure")
     ] = 0,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="print the mesh and per-rank memory estimates; start no rank"
+        ),
+    ] = False,
     overrides: Overrides = None,
 ) -> None:
     """Launch training through torch.distributed.run (torchrun)."""
@@ -130,11 +136,15 @@ def train(
         nnodes = nnodes or "1"
         # An elastic range (MIN:MAX) is checked at its largest size; every rank checks again.
         max_nodes = int(nnodes.rpartition(":")[2])
-        check_config(
-            cfg,
-            Plugins.create(blocked=cfg.plugins.disable),
-            world_size=nproc_per_node * max_nodes,
-        )
+        plugin_manager = Plugins.create(blocked=cfg.plugins.disable)
+        check_config(cfg, plugin_manager, world_size=nproc_per_node * max_nodes)
+        if dry_run:
+            from plait.tools.dry_run import print_dry_run
+
+            print_dry_run(
+                cfg, plugin_manager, world_size=nproc_per_node * max_nodes, console=console
+            )
+            return
     except PlaitError as exc:
         _fail(exc)
     from torch.distributed.elastic.multiprocessing.api import SignalException
