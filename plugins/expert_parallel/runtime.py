@@ -106,6 +106,10 @@ class ExpertParallelRuntime(ParallelRuntime):
             for n, p in self.module.named_parameters()
             if p.requires_grad and p.grad is not None
         ]
+        if not named:
+            # The data-parallel strategy holds the gradients (ZeRO-2/3 shards): it computes the
+            # norm from its shards, over its expert-dp and dp groups.
+            return None
         total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         for name, p in named:
             shards = self.layout.degree if self.layout.is_expert(name) else 1

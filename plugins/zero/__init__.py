@@ -23,7 +23,6 @@ from functools import partial
 
 from torch import nn
 
-from plait.core.errors import ConfigError
 from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
 from plait.core.strategy import Strategies
 from plait.plugins.zero.config import OffloadConfig, ZeroConfig
@@ -49,26 +48,32 @@ def shard_zero(
     if config.offload.device == "nvme":
         check_writable(config.offload.path)
     group = context.mesh.gradient_group()  # dp, times cp under context parallelism
+    # With ep > 1 expert parameters are reduced and sharded over the expert-dp group
+    # (`plait.plugins.zero.groups`), in segments of their own.
     experts = context.expert_parallel
-    if experts is not None and experts.degree > 1:
-        # Expert parameters need their own reduction (and sharding) group, the expert-dp one;
-        # the flat ZeRO buffers hold one group each, so this layout is refused, not wrong.
-        raise ConfigError(
-            f"zero{stage} with parallel.ep = {experts.degree} is not supported yet: use "
-            "dp_strategy = 'ddp' with expert parallelism, or ZeRO with ep = 1"
-        )
     runtime: ParallelRuntime
     if stage == 3:
         from plait.plugins.zero.stage3 import FullyShardedRuntime
 
         runtime = FullyShardedRuntime(
-            model, comm=context.comm, group=group, mesh=context.mesh, config=config
+            model,
+            comm=context.comm,
+            group=group,
+            mesh=context.mesh,
+            config=config,
+            experts=experts,
         )
     else:
         from plait.plugins.zero.stage12 import ShardedOptimizerRuntime
 
         runtime = ShardedOptimizerRuntime(
-            model, stage=stage, comm=context.comm, group=group, mesh=context.mesh, config=config
+            model,
+            stage=stage,
+            comm=context.comm,
+            group=group,
+            mesh=context.mesh,
+            config=config,
+            experts=experts,
         )
     return Sharded(module=model, runtime=runtime)
 

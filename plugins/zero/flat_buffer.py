@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.core.comm import Group
+
 
 @dataclass(frozen=True, slots=True)
 class Slot:
@@ -63,13 +65,19 @@ class Segment:
         *,
         world_size: int,
         rank: int,
+        group: Group | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("a segment needs at least one parameter")
         kinds = {(p.dtype, p.device) for _, p in named_params}
         if len(kinds) > 1:
             raise ValueError(f"segment {index} mixes dtypes/devices: {sorted(map(str, kinds))}")
+        if group is not None and group.size != world_size:
+            raise ValueError(f"segment {index}: world_size {world_size} is not {group.name}'s size")
         self.index = index
+        # The group its gradients are reduced over and its chunks gathered over; None: the
+        # runtime's data-parallel group (expert parameters have the expert-dp one).
+        self.group = group
         self.world_size = world_size
         self.rank = rank
         ordered = sorted(named_params, key=lambda item: item[1].ndim < 2)  # stable

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from plait.core.comm import Comm, Group
+from plait.core.comm import Comm
 from plait.core.state_layout import (
     LocalPiece,
     ParameterLayout,
@@ -159,10 +159,16 @@ def sharded_master_layout(
     return previous.map(refine).then(copy_masters_and_publish)
 
 
-def regather_units(units: Sequence[Unit], comm: Comm, group: Group) -> None:
+def regather_units(units: Sequence[Unit], comm: Comm) -> None:
     """Stage 3's publish: a unit gathered at load time would keep its stale values, so it is
-    all-gathered again from the loaded shards; the others gather on their next forward."""
+    all-gathered again (over its segment's group) from the loaded shards; the others gather on
+    their next forward."""
     for unit in units:
         if unit.gathered:
             source = unit.shard.to(unit.full.device, unit.full.dtype)
-            comm.all_gather(unit.full, source, group=group, purpose="param_gather")
+            group = unit.segment.group
+            assert group is not None, "ZeRO-3 units are built with their group"
+            if group.size == 1:
+                unit.full.copy_(source)
+            else:
+                comm.all_gather(unit.full, source, group=group, purpose="param_gather")

@@ -210,8 +210,12 @@ class ShardedMaster:
                     if seg_index == k and key in opt_state.get(param, {}):
                         value = opt_state[param][key].reshape(-1)
                         chunk[run.start : run.start + run.numel].copy_(value)
-                whole = torch.empty(seg.padded_numel, dtype=torch.float32, device=comm_device)
-                self.comm.all_gather(whole, chunk, group=self.group, purpose=OPTIMIZER_STATE)
+                group = seg.group if seg.group is not None else self.group
+                if group.size == 1:  # a one-rank expert-dp group: the chunk is the segment
+                    whole = chunk
+                else:
+                    whole = torch.empty(seg.padded_numel, dtype=torch.float32, device=comm_device)
+                    self.comm.all_gather(whole, chunk, group=group, purpose=OPTIMIZER_STATE)
                 per_key[key] = whole
             for slot in seg.slots:
                 entry = {key: _clone(v) for key, v in scalars.items()}

@@ -27,14 +27,16 @@ from torch import nn
 
 from plait.core.buckets import assign_buckets
 from plait.core.comm import Comm, Group, Work
-from plait.core.comm_algorithms import GRAD_BUCKET, PARAM_GATHER, PARAM_SYNC
+from plait.core.comm_algorithms import GRAD_BUCKET, PARAM_GATHER
 from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
 from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
 from plait.core.state_layout import StateLayout
+from plait.core.transforms import ExpertParallelism
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
+from plait.plugins.zero.groups import broadcast_module, runs_by_group
 from plait.plugins.zero.layout import sharded_master_layout
 from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
 from plait.plugins.zero.reduction import PendingReduction, ensure_allocated, launch_reduction
@@ -58,11 +60,7 @@ class BucketState:
         self.has_grad = [False] * len(self.segment.slots)
 
 
-def broadcast_module(module: nn.Module, comm: Comm, group: Group) -> None:
-    """Copy the group's first rank's parameters and buffers to every rank of the group."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.data, src=group.ranks[0], group=group, purpose=PARAM_SYNC)
+__all__ = ["MAX_IN_FLIGHT", "ShardedOptimizerRuntime", "broadcast_module"]
 
 
 class ShardedOptimizerRuntime(ParallelRuntime):
@@ -77,6 +75,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         group: Group,
         mesh: Mesh,
         config: ZeroConfig,
+        experts: ExpertParallelism | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizerRuntime implements stages 1 and 2, not {stage}")
@@ -88,15 +87,25 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         if not named:
             raise ValueError(f"{self.name}: the module has no trainable parameters")
         if group.size > 1 and config.broadcast_parameters:
-            broadcast_module(module, comm, group)
+            broadcast_module(module, comm, group, experts)
         name_of = {id(p): n for n, p in named}
-        buckets = assign_buckets([p for _, p in named], int(config.bucket_mb * 2**20))
-        rank = group.rank_of(mesh.rank)
+        # Expert parameters (ep > 1) are bucketed apart: their segments use the expert-dp group.
+        buckets = [
+            (run_group, bucket)
+            for run_group, run in runs_by_group(named, group, experts)
+            for bucket in assign_buckets([p for _, p in run], int(config.bucket_mb * 2**20))
+        ]
         self.buckets = [
             BucketState(
-                Segment(i, [(name_of[id(p)], p) for p in b], world_size=group.size, rank=rank)
+                Segment(
+                    i,
+                    [(name_of[id(p)], p) for p in b],
+                    world_size=g.size,
+                    rank=g.rank_of(mesh.rank),
+                    group=g,
+                )
             )
-            for i, b in enumerate(buckets)
+            for i, (g, b) in enumerate(buckets)
         ]
         self._bucket_of = {id(s.param): b for b in self.buckets for s in b.segment.slots}
         self.flat_params = [self._pack_parameters(b.segment) for b in self.buckets]
@@ -183,16 +192,18 @@ class ShardedOptimizerRuntime(ParallelRuntime):
 
     def _launch(self, bucket: BucketState) -> None:
         index = bucket.segment.index
+        group = _group(bucket.segment)
         if self.stage == 1:
             self._restore_grad_views(bucket)
-            bucket.work = self.comm.all_reduce(
-                self.flat_grads[index],
-                group=self.group,
-                op="avg",
-                async_op=True,
-                purpose=GRAD_BUCKET,
-                attributes={"bucket_index": index},
-            )
+            if group.size > 1:  # a one-rank group (expert-dp at ep = dp) has nothing to do
+                bucket.work = self.comm.all_reduce(
+                    self.flat_grads[index],
+                    group=group,
+                    op="avg",
+                    async_op=True,
+                    purpose=GRAD_BUCKET,
+                    attributes={"bucket_index": index},
+                )
         else:
             segment = bucket.segment
             if bucket.buffer is None:  # no parameter of the bucket got a gradient
@@ -207,7 +218,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
             ensure_allocated(self.grad_chunks[index])
             bucket.pending = launch_reduction(
                 self.comm,
-                self.group,
+                group,
                 segment,
                 bucket.buffer,
                 self.grad_chunks[index],
@@ -288,10 +299,15 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         if self.group.size == 1:
             return
         pending = []
-        for flat, updated in zip(self.flat_params, self.master.param_chunks, strict=True):
+        for bucket, flat, updated in zip(
+            self.buckets, self.flat_params, self.master.param_chunks, strict=True
+        ):
+            group = _group(bucket.segment)
+            if group.size == 1:  # the chunk is the whole segment, already updated in place
+                continue
             chunk = updated.clone()  # the input of an all-gather must not alias its output
             work = self.comm.all_gather(
-                flat, chunk, group=self.group, async_op=True, purpose=PARAM_GATHER
+                flat, chunk, group=group, async_op=True, purpose=PARAM_GATHER
             )
             pending.append((chunk, work))
         for _, work in pending:
@@ -328,3 +344,8 @@ class ShardedOptimizerRuntime(ParallelRuntime):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.master.load_state_dict(state)
+
+
+def _group(segment: Segment) -> Group:
+    assert segment.group is not None, "ZeRO stage 1/2 segments are built with their group"
+    return segment.group

@@ -39,8 +39,10 @@ from plait.core.mesh import Mesh
 from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
 from plait.core.state_layout import StateLayout
+from plait.core.transforms import ExpertParallelism
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
+from plait.plugins.zero.groups import split_by_group
 from plait.plugins.zero.layout import regather_units, sharded_master_layout
 from plait.plugins.zero.offload import master_device
 from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
@@ -166,6 +168,7 @@ class FullyShardedRuntime(ParallelRuntime):
         group: Group,
         mesh: Mesh,
         config: ZeroConfig,
+        experts: ExpertParallelism | None = None,
     ) -> None:
         self.comm, self.group = comm, group
         self.gradient_reduction = config.gradient_reduction
@@ -173,20 +176,32 @@ class FullyShardedRuntime(ParallelRuntime):
         selected = find_units(model, config.unit)
         by_unit = unit_parameters(model, selected)
         if group.size > 1 and config.broadcast_parameters:
-            broadcast_module(model, comm, group)
-        rank = group.rank_of(mesh.rank)
+            broadcast_module(model, comm, group, experts)
         device = next(p for params in by_unit.values() for _, p in params).device
         shard_device = master_device(config.offload.device, device)
         modules = {**dict(selected), ROOT: model}
         order = ([ROOT] if ROOT in by_unit else []) + [u for u, _ in selected]
+        # With ep > 1 a block's experts are a unit of their own on the same module (gathered
+        # and resharded with it), sharded over the expert-dp group.
+        parts = [
+            (name, part_group, params)
+            for name in order
+            for part_group, params in split_by_group(by_unit[name], group, experts)
+        ]
         self.units = [
             Unit(
                 name,
                 modules[name],
-                Segment(i, by_unit[name], world_size=group.size, rank=rank),
+                Segment(
+                    i,
+                    params,
+                    world_size=part_group.size,
+                    rank=part_group.rank_of(mesh.rank),
+                    group=part_group,
+                ),
                 shard_device=shard_device,
             )
-            for i, name in enumerate(order)
+            for i, (name, part_group, params) in enumerate(parts)
         ]
         self.root = self.units[0] if ROOT in by_unit else None
         for unit in self.units:
@@ -227,10 +242,14 @@ class FullyShardedRuntime(ParallelRuntime):
         source = source if source.dtype == unit.full.dtype else source.to(unit.full.dtype)
         # Autograd saved the parameters (views of `full`) in forward; refilling their storage is
         # not a modification it must detect.
+        group = _group(unit)
         with torch.autograd._unsafe_preserve_version_counter(unit.full):
-            unit.gather_work = self.comm.all_gather(
-                unit.full, source, group=self.group, async_op=True, purpose=PARAM_GATHER
-            )
+            if group.size == 1:  # a one-rank expert-dp group: the shard is the whole unit
+                unit.full.copy_(source)
+            else:
+                unit.gather_work = self.comm.all_gather(
+                    unit.full, source, group=group, async_op=True, purpose=PARAM_GATHER
+                )
         unit.gather_input = source
         held = sum(u.full_bytes for u in self.units if u.gathered or u.gather_work is not None)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
@@ -346,7 +365,7 @@ class FullyShardedRuntime(ParallelRuntime):
         ensure_allocated(unit.grad_chunk)
         pending = launch_reduction(
             self.comm,
-            self.group,
+            _group(unit),
             segment,
             unit.grad_bucket,
             unit.grad_chunk,
@@ -435,7 +454,7 @@ class FullyShardedRuntime(ParallelRuntime):
                     self._reshard(unit)
 
     def state_layout(self, previous: StateLayout) -> StateLayout:
-        publish = partial(regather_units, self.units, self.comm, self.group)
+        publish = partial(regather_units, self.units, self.comm)
         return sharded_master_layout(previous, self.master, publish=publish)
 
     def state_dict(self) -> dict[str, Any]:
@@ -443,3 +462,8 @@ class FullyShardedRuntime(ParallelRuntime):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.master.load_state_dict(state)
+
+
+def _group(unit: Unit) -> Group:
+    assert unit.segment.group is not None, "ZeRO-3 units are built with their group"
+    return unit.segment.group

@@ -30,6 +30,22 @@ def _gradient_pieces(engine: Any) -> dict[str, tuple[Slices, torch.Tensor]]:
     return pieces
 
 
+def _parameter_pieces(engine: Any) -> list[tuple[str, Slices, tuple[int, int] | None, Any]]:
+    """Every parameter piece this rank holds (ZeRO's flat ranges of its fp32 masters too):
+    (name, block slices in the global tensor, flat range of the block or None, values)."""
+    from plait.core.state_layout import describe_state
+
+    layout = describe_state(engine.module, engine.optimizer, engine.runtimes, engine.mesh)
+    pieces = []
+    for entry in layout.parameters:
+        for piece in entry.value.pieces:
+            region = piece.region
+            slices = tuple(zip(region.offsets, region.sizes, strict=True))
+            values = piece.read().detach().float().reshape(-1).clone()
+            pieces.append((entry.name, slices, region.flat, values))
+    return pieces
+
+
 def _moe_layers(module: torch.nn.Module) -> list[Any]:
     return [m for m in module.modules() if hasattr(m, "tokens_per_expert")]
 
@@ -79,8 +95,10 @@ def train_and_record(
                 for m in _moe_layers(engine.module)
                 if m.last_dropped is not None
             )
+        parameters = _parameter_pieces(engine)
         engine.close()
         results[name] = {
+            "parameters": parameters,  # after the last step
             "losses": losses,
             "grad_norms": grad_norms,
             "grads": recorded,

@@ -1,7 +1,9 @@
 """Expert parallelism against one process: the tiny MoE model at ep2 (2 ranks) and ep2 × dp2
 (4 ranks), dropless and with a capacity factor that drops tokens, with the routing-bias update
-and shared experts, and MoE under ZeRO-3, pp2 and activation checkpointing: the loss within 1e-5
-and every gradient within 2e-5 at each of 5 steps. One spawn per world size trains every case."""
+and shared experts, and MoE under ZeRO-1/2/3 at ep 1 and 2 (expert segments over a one-rank and
+a two-rank expert-dp group), pp2 and activation checkpointing: the loss within 1e-5 and every
+gradient a rank holds (ZeRO-2/3: the global gradient norm) within 2e-5 at each of 5 steps, and
+every parameter piece within 2e-5 after them. One spawn per world size trains every case."""
 
 from __future__ import annotations
 
@@ -40,12 +42,20 @@ TWO_RANKS = {
     "ep2-bias-zloss": (_config(BIAS, ep=2), _config(BIAS)),
     "ep2-shared": (_config(SHARED, ep=2), _config(SHARED)),
     "ep1-zero3": (_config(dp_strategy="zero3"), _config()),
+    # ep = dp: the expert-dp group has one rank (expert segments are not reduced or gathered).
+    "ep2-zero1": (_config(ep=2, dp_strategy="zero1"), _config()),
+    "ep2-zero2": (_config(ep=2, dp_strategy="zero2"), _config()),
+    "ep2-zero3": (_config(ep=2, dp_strategy="zero3"), _config()),
 }
 FOUR_RANKS = {
     "ep2-dp2": (_config(ep=2), _config()),
     "ep4-capacity": (_config(CAPACITY, ep=4), _config(CAPACITY)),
     "ep2-pp2-1f1b": (_config(ep=2, pp=2, extra={"schedule": {"name": "1f1b"}}), _config()),
     "ep2-dp2-ac": (_config(ep=2, transforms={"ep": "ep", "ac": "checkpoint"}), _config()),
+    # Expert segments reduced and sharded over the 2-rank expert-dp group, the rest over dp 4.
+    "ep2-dp2-zero1": (_config(ep=2, dp_strategy="zero1"), _config()),
+    "ep2-dp2-zero2": (_config(ep=2, dp_strategy="zero2"), _config()),
+    "ep2-dp2-zero3": (_config(ep=2, dp_strategy="zero3"), _config()),
 }
 
 
@@ -82,6 +92,25 @@ def _compare(name: str, ranks: list[dict[str, Any]], single: dict[str, Any]) -> 
                 assert difference <= GRAD_TOLERANCE, f"{name} step {step} {param}: {difference}"
                 checked += 1
     assert checked > 0, f"{name}: no gradient was compared"
+    _compare_parameters(name, ranks, single)
+
+
+def _compare_parameters(name: str, ranks: list[dict[str, Any]], single: dict[str, Any]) -> None:
+    """Every parameter piece a rank holds after the last step (ZeRO: flat ranges of its fp32
+    masters) equals that part of the one-process parameters; together they cover them all."""
+    full = {n: values.view(-1) for n, _, _, values in single["parameters"]}
+    shapes = {n: tuple(size for _, size in slices) for n, slices, _, _ in single["parameters"]}
+    covered = dict.fromkeys(full, 0)
+    for rank_result in ranks:
+        for param, slices, flat, values in rank_result[name]["parameters"]:
+            index = tuple(slice(o, o + s) for o, s in slices)
+            block = full[param].view(shapes[param])[index].reshape(-1)
+            expected = block if flat is None else block[flat[0] : flat[1]]
+            difference = (values - expected).abs().max().item() if values.numel() else 0.0
+            assert difference <= GRAD_TOLERANCE, f"{name} parameter {param}: {difference}"
+            covered[param] += values.numel()
+    missing = [n for n, count in covered.items() if count < full[n].numel()]
+    assert not missing, f"{name}: no rank holds all of {missing[:3]}"
 
 
 @pytest.fixture(scope="module")
