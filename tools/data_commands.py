@@ -1,4 +1,7 @@
-"""`plait data …`: prepare memory-mapped token files from text and inspect prepared ones."""
+"""`plait data …`: prepare memory-mapped token files from text and inspect prepared ones.
+
+The data modules (and numpy) are imported when a command runs, so `plait --help` stays fast.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,6 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
-
-from plait.plugins.data.token_files import DataError, TokenFile, prepare_token_files
-from plait.plugins.data.tokenizer import TOKENIZERS, get_tokenizer
 
 app = typer.Typer(
     name="data",
@@ -24,10 +24,16 @@ def prepare(
     files: list[Path] = typer.Argument(..., help="UTF-8 text files, concatenated in this order"),
     output: Path = typer.Option(..., "--output", "-o", help="directory to write tokens.bin to"),
     tokenizer: str = typer.Option(
-        "byte", "--tokenizer", "-t", help=f"one of: {', '.join(sorted(TOKENIZERS))}"
+        "byte",
+        "--tokenizer",
+        "-t",
+        help="'byte' (UTF-8 bytes, vocab 256) or a Hugging Face tokenizers file (tokenizer.json)",
     ),
 ) -> None:
     """Tokenize FILES into OUTPUT/tokens.bin and OUTPUT/meta.json."""
+    from plait.plugins.data.token_files import DataError, TokenFile, prepare_token_files
+    from plait.plugins.data.tokenizer import get_tokenizer
+
     try:
         directory = prepare_token_files(files, output, tokenizer=get_tokenizer(tokenizer))
         token_file = TokenFile(directory)
@@ -55,6 +61,8 @@ def info(
     verify: bool = typer.Option(False, "--verify", help="re-hash tokens.bin against meta.json"),
 ) -> None:
     """Show what a prepared token directory holds; --verify also checks its checksum."""
+    from plait.plugins.data.token_files import DataError, TokenFile
+
     try:
         token_file = TokenFile(directory, verify_checksum=verify)
     except DataError as exc:

@@ -27,7 +27,7 @@ from rich.progress import (
 
 from plait.core.config import PlaitConfig, load_config
 from plait.core.engine import Engine
-from plait.core.errors import PlaitError
+from plait.core.errors import ConfigError, PlaitError
 from plait.core.mfu import format_mfu, mfu
 from plait.core.peak_flops import PeakFlops
 from plait.core.step import StepReport
@@ -95,6 +95,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         for split in (("train", "validation") if holdout else ("train",))
     }
     batches = split_batches["train"]
+    _check_vocabulary(engine, batches.vocab_size)
     validation = (
         Validation(engine, split_batches["validation"]) if "validation" in split_batches else None
     )
@@ -195,6 +196,16 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         _print_summary(console, summary)
     engine.close()
     return summary
+
+
+def _check_vocabulary(engine: Engine, data_vocab: int) -> None:
+    """Token ids beyond the model's embedding would fail inside the first forward."""
+    model_vocab = getattr(engine.model_config, "vocab_size", None)
+    if isinstance(model_vocab, int) and data_vocab > model_vocab:
+        raise ConfigError(
+            f"the data's tokenizer has {data_vocab:,} ids but the model's vocabulary is "
+            f"{model_vocab:,}; set model.overrides.vocab_size = {data_vocab} (or more)"
+        )
 
 
 def _stop_gracefully(

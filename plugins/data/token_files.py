@@ -125,7 +125,7 @@ def prepare_token_files(
     """Tokenize `inputs` (UTF-8 text files) into `output_dir/tokens.bin` + `meta.json`.
 
     Returns `output_dir`. The tokenizer defaults to `ByteTokenizer`. Existing files in
-    `output_dir` are replaced atomically.
+    `output_dir` are replaced atomically; a failure leaves no directory this call created.
     """
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     paths = [Path(p) for p in inputs]
@@ -136,6 +136,7 @@ def prepare_token_files(
             raise DataError(f"input {str(path)!r} is not a file")
     dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
     out = Path(output_dir)
+    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     suffix = f".tmp-{os.getpid()}"
     tmp_tokens = out / f".{TOKENS_FILE}{suffix}"
@@ -172,10 +173,21 @@ def prepare_token_files(
         (out / META_FILE).unlink(missing_ok=True)
         os.replace(tmp_tokens, out / TOKENS_FILE)
         os.replace(tmp_meta, out / META_FILE)
-    finally:
+    except BaseException:
         tmp_tokens.unlink(missing_ok=True)
         tmp_meta.unlink(missing_ok=True)
+        _remove_empty(created)
+        raise
     return out
+
+
+def _remove_empty(directories: Sequence[Path]) -> None:
+    """Remove the directories a failed preparation created, deepest first, while empty."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # not empty (someone else wrote there) or already gone
 
 
 def _text_chunks(path: Path) -> Iterator[str]:

@@ -1,14 +1,16 @@
 """Tokenizers for token-file preparation: the `Tokenizer` protocol and the byte-level default.
 
 The byte tokenizer maps text to its UTF-8 bytes, so its vocabulary is exactly 256 ids, it needs
-no vocabulary file and no download, and every string round-trips. Any object with the same four
-members (for example a thin wrapper around a Hugging Face `tokenizers.Tokenizer`) can be passed
-to `prepare_token_files` instead.
+no vocabulary file and no download, and every string round-trips. A Hugging Face `tokenizers`
+file (`tokenizer.json`, as `Tokenizer.save` or `save_pretrained` writes it: BPE, WordPiece,
+Unigram, …) is read by `TokenizerFile`; `get_tokenizer` takes either a name or such a path. Any
+object with the same four members can be passed to `prepare_token_files` instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -71,13 +73,51 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=256)"
 
 
+class TokenizerFile:
+    """A Hugging Face `tokenizers` file (`tokenizer.json`): its model, normalizer and
+    pre-tokenizer exactly as saved. Special tokens are not added around each chunk of text, since
+    the token stream is one long document; the vocabulary counts the added tokens too."""
+
+    def __init__(self, path: Path | str) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise ValueError(
+                f"reading the tokenizer file {str(path)!r} needs the `tokenizers` package "
+                "(pip install tokenizers)"
+            ) from None
+        self.path = Path(path)
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(self.path))
+        except Exception as exc:  # tokenizers raises its own Exception subclass
+            raise ValueError(f"{self.path} is not a tokenizers file: {exc}") from None
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        model = type(self._tokenizer.model).__name__
+        self.name = f"{self.path.name} ({model}, tokenizers)"
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode(self, tokens: Iterable[int] | np.ndarray) -> str:
+        ids = [int(t) for t in (tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)]
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"TokenizerFile({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
 TOKENIZERS: dict[str, type[ByteTokenizer]] = {"byte": ByteTokenizer}
 
 
 def get_tokenizer(name: str) -> Tokenizer:
-    """A tokenizer by name; an unknown name is an error listing the known ones."""
-    try:
+    """A tokenizer by name, or a Hugging Face `tokenizers` file by path; anything else is an
+    error listing what is accepted."""
+    if name in TOKENIZERS:
         return TOKENIZERS[name]()
-    except KeyError:
-        known = ", ".join(sorted(TOKENIZERS))
-        raise ValueError(f"unknown tokenizer {name!r}; known: {known}") from None
+    if Path(name).expanduser().is_file():
+        return TokenizerFile(Path(name).expanduser())
+    known = ", ".join(sorted(TOKENIZERS))
+    raise ValueError(
+        f"unknown tokenizer {name!r}: not a name ({known}) nor an existing tokenizer.json file"
+    )

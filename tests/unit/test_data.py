@@ -131,7 +131,7 @@ def test_prepare_rejects_missing_and_empty_inputs(tmp_path: Path) -> None:
     empty.write_text("")
     with pytest.raises(DataError, match="no text"):
         prepare_token_files([empty], tmp_path / "out")
-    assert not list((tmp_path / "out").iterdir())  # no temporary files left behind
+    assert not (tmp_path / "out").exists()  # no temporary files, nor the directory it made
 
 
 def _prepared(tmp_path: Path) -> Path:
@@ -360,3 +360,124 @@ def test_cli_prepare_writes_token_files_and_prints_summary(tmp_path: Path) -> No
 
 def _unwrapped(output: str) -> str:
     return " ".join(output.split())
+
+
+def test_a_failed_prepare_leaves_no_directory_it_created(tmp_path: Path) -> None:
+    not_utf8 = tmp_path / "latin1.txt"
+    not_utf8.write_bytes("café\n".encode("latin-1"))
+    out = tmp_path / "new" / "tokens"
+    result = CliRunner().invoke(app, ["prepare", str(not_utf8), "-o", str(out)])
+    assert result.exit_code == 1 and "is not UTF-8 text" in _unwrapped(result.output)
+    assert not (tmp_path / "new").exists()  # neither the output nor the parent it made
+    # A directory that existed before keeps its files; only the temporary files go.
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(app, ["prepare", str(not_utf8), "-o", str(existing)])
+    assert result.exit_code == 1
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"]
+
+
+# ---------------------------------------------------------------------------------------------
+# a Hugging Face tokenizers file
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE of 400 ids trained on the bundled corpus by the `tokenizers` library."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from plait.plugins.data.corpus import bundled_corpus_file
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tokenizer.train([str(bundled_corpus_file())], trainer)
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def test_prepare_with_a_tokenizers_file(tmp_path: Path, bpe_file: Path) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    source = tmp_path / "corpus.txt"
+    text = TEXT + "def main(argv):\n    return parser.parse_args(argv)\n" * 20
+    source.write_text(text, encoding="utf-8")
+    out = tmp_path / "bpe-tokens"
+    result = CliRunner().invoke(app, ["prepare", str(source), "-o", str(out), "-t", str(bpe_file)])
+    assert result.exit_code == 0, result.output
+    token_file = TokenFile(out, verify_checksum=True)
+    reference = HFTokenizer.from_file(str(bpe_file))
+    expected = reference.encode(text, add_special_tokens=False).ids
+    assert token_file.tokens.tolist() == expected  # the library's own ids, in order
+    assert token_file.vocab_size == reference.get_vocab_size(with_added_tokens=True) == 400
+    assert token_file.meta.dtype == "uint16"  # 400 ids do not fit a byte
+    assert token_file.meta.tokenizer.startswith("tokenizer.json (BPE")
+    assert token_file.count < len(text.encode("utf-8")) / 1.5  # merges learned on the corpus
+    assert reference.decode(token_file.tokens.tolist()) == text  # byte-level BPE is lossless
+    # The sampler reads it like any token file.
+    inputs, targets = TokenBatches(token_file, seq_len=8, global_batch_size=2).next_batch()
+    assert int(inputs.max()) < 400 and torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_a_file_that_is_not_a_tokenizer_is_an_error(tmp_path: Path) -> None:
+    source = tmp_path / "corpus.txt"
+    source.write_text(TEXT, encoding="utf-8")
+    bogus = tmp_path / "tokenizer.json"
+    bogus.write_text('{"not": "a tokenizer"}')
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["prepare", str(source), "-o", str(out), "-t", str(bogus)])
+    assert result.exit_code == 1
+    assert "is not a tokenizers file" in _unwrapped(result.output)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# held-out split
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_held_out_split_is_the_tail_and_never_trained_on(counting_file: TokenFile) -> None:
+    from plait.plugins.data.sampler import split_windows
+
+    total = (counting_file.count - 1) // 16  # 250 windows
+    splits = split_windows(counting_file.count, 16, 0.1)
+    assert splits == {"train": (0, 225), "validation": (225, 25)}
+    train = TokenBatches(counting_file, seq_len=16, global_batch_size=4, windows=splits["train"])
+    held = TokenBatches(
+        counting_file, seq_len=16, global_batch_size=4, windows=splits["validation"]
+    )
+    first_held_token = 225 * 16
+    seen_train = {s for _ in range(3 * train.steps_per_epoch) for s in _starts(train)}
+    seen_held = {s for _ in range(held.steps_per_epoch) for s in _starts(held)}
+    assert max(seen_train) < first_held_token <= min(seen_held)
+    assert seen_train == {w * 16 for w in range(225)}  # three epochs reach every window
+    assert len(seen_held) == 24  # one epoch of whole batches of the 25 held-out windows
+    assert total == 250
+    # The split changes the layout a checkpoint records, so a resume across it is refused.
+    whole = TokenBatches(counting_file, seq_len=16, global_batch_size=4)
+    with pytest.raises(DataError, match="num_windows"):
+        train.load_state_dict(whole.state_dict())
+
+
+def test_build_batches_splits_only_when_asked(counting_file: TokenFile) -> None:
+    config = DataSection(path=str(counting_file.directory), seq_len=16)
+    common = dict(seq_len=16, global_batch_size=4, dp_rank=0, dp_size=1, seed=0)
+    assert build_batches(config, **common).num_windows == 250
+    assert build_batches(config, **common, holdout=0.2).num_windows == 200
+    assert build_batches(config, **common, holdout=0.2, split="validation").num_windows == 50
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        build_batches(
+            config, **{**common, "global_batch_size": 8}, holdout=0.02, split="validation"
+        )
+
+
+def _starts(batches: TokenBatches) -> list[int]:
+    return _window_starts(batches.next_batch()[0])
