@@ -1,0 +1,141 @@
+"""`plait train CONFIG --auto`: the planner's choice written into a config.
+
+`layout_config(layout)` is the config sections that select a layout (degrees, dp strategy,
+micro-batch, schedule, recomputation, sequence parallelism); `auto_config(config, world, …)`
+plans for the config's model, sequence length and global batch on `world` ranks and returns the
+config with the best layout merged in, plus the plan it came from.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from plait.core.errors import ConfigError
+from plait.planner.devices import DeviceSpec
+from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace
+from plait.planner.model_shape import shape_from_config
+from plait.planner.search import PlanResult, plan
+
+
+def layout_config(layout: Layout) -> dict[str, Any]:
+    """The config sections that make the engine run `layout`."""
+    transforms: dict[str, str] = {}
+    sections: dict[str, Any] = {
+        "parallel": {
+            "dp": layout.dp,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "cp": layout.cp,
+            "ep": layout.ep,
+            "dp_strategy": f"zero{layout.zero}" if layout.zero else "ddp",
+        },
+        "train": {"micro_batch_size": layout.micro_batch},
+        "schedule": {
+            "name": layout.schedule if layout.pp > 1 else "accumulate",
+            "virtual_stages": layout.virtual_stages,
+        },
+    }
+    if layout.recompute != "none":
+        transforms["ac"] = "checkpoint"
+        sections["checkpoint"] = {"mode": layout.recompute}
+    if layout.tp > 1:
+        sections["tp"] = {"sequence_parallel": layout.sequence_parallel}
+    if transforms:
+        sections["parallel"]["transforms"] = transforms
+    return sections
+
+
+def merge_sections(config: Mapping[str, Any], sections: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` with `sections` merged in, one level deep (a section's other fields stay)."""
+    merged = copy.deepcopy(dict(config))
+    for name, values in sections.items():
+        current = dict(merged.get(name) or {})
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(current.get(key), dict):
+                current[key] = {**current[key], **value}
+            else:
+                current[key] = value
+        merged[name] = current
+    return merged
+
+
+def job_for_config(
+    config: Mapping[str, Any], *, world: int, per_node: int, device: DeviceSpec
+) -> Job:
+    from plait.core.config import load_config
+    from plait.plugins.models import resolve_model_config
+
+    resolved = load_config(dict(config))
+    model = resolved.model
+    model_config = resolve_model_config(model.name, model.size, model.overrides)
+    # plait's amp keeps fp32 weights and computes in bf16; without it everything is fp32.
+    precision = "amp-bf16" if "precision" in resolved.parallel.transforms else "fp32"
+    return Job(
+        model=shape_from_config(model.name, model_config, name=f"{model.name}:{model.size}"),
+        seq_len=resolved.data.seq_len,
+        global_batch=resolved.train.global_batch_size,
+        world=world,
+        per_node=per_node,
+        device=device,
+        precision=PRECISIONS[precision],
+    )
+
+
+def auto_config(
+    config: Mapping[str, Any],
+    *,
+    world: int,
+    per_node: int,
+    device: DeviceSpec,
+    space: SearchSpace | None = None,
+) -> tuple[dict[str, Any], PlanResult]:
+    """`config` with the fastest fitting layout for `world` ranks written in."""
+    job = job_for_config(config, world=world, per_node=per_node, device=device)
+    result = plan(job, space)
+    if not result.ranked:
+        smallest = result.smallest_rejected
+        hint = ""
+        if smallest is not None:
+            hint = (
+                f"; the smallest, {smallest.layout.describe()}, needs "
+                f"{smallest.memory.total / 2**30:.1f} GiB of {device.usable_memory / 2**30:.1f}"
+            )
+        raise ConfigError(
+            f"--auto: no layout of {job.model.name} fits {world} × {device.name}{hint}"
+        )
+    return merge_sections(config, layout_config(result.best.layout)), result
+
+
+def layout_from_config(config: Mapping[str, Any], *, world: int) -> Layout:
+    """The layout a config runs on `world` ranks (degrees resolved as the engine resolves them)."""
+    from plait.core.config import load_config
+
+    resolved = load_config(dict(config))
+    parallel = resolved.parallel
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    if world % (tp * pp * cp):
+        raise ConfigError(f"--world {world} is not divisible by tp·pp·cp = {tp * pp * cp}")
+    dp = parallel.dp if parallel.dp > 0 else world // (tp * pp * cp)
+    strategy = parallel.dp_strategy
+    zero = int(strategy[4:]) if strategy.startswith("zero") and strategy[4:].isdigit() else 0
+    per_dp = resolved.train.global_batch_size // dp
+    recompute = "none"
+    if "ac" in parallel.transforms:
+        recompute = str(dict(config).get("checkpoint", {}).get("mode", "full"))
+        recompute = "full" if recompute == "every" else recompute
+    tp_section = dict(config).get("tp", {})
+    return Layout(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=parallel.ep,
+        zero=zero,
+        micro_batch=resolved.train.micro_batch_size or per_dp,
+        schedule=resolved.schedule.name if pp > 1 else "accumulate",
+        virtual_stages=resolved.schedule.virtual_stages,
+        recompute=recompute,
+        sequence_parallel=bool(tp_section.get("sequence_parallel", False)) and tp > 1,
+    )

@@ -1,0 +1,141 @@
+"""Devices the planner prices: peak rate, memory, memory bandwidth, links, GEMM efficiency.
+
+Peaks come from `plait.core.peak_flops` (the table MFU uses). The rest are datasheet figures,
+with the efficiency curve and link speeds replaced by measurements where plait has them:
+`plait plan calibrate` fits the links from the daemon's comm spans, and on CPU the bench
+measures GEMM rates at several sizes (`efficiency_from_gemm_rates`).
+
+Efficiency by op size: a GEMM of `g` FLOPs runs at `peak · e_max · g / (g + g_half)` — large
+GEMMs reach `e_max` (what cuBLAS delivers on big bf16 matmuls: ~80 % of an A100's peak, ~72 %
+of an H100 SXM's), small ones are latency bound. Attention kernels reach `attention_efficiency`
+of peak (FlashAttention-2 forward+backward: ~55 % on A100, ~40 % on H100).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from plait.core.errors import ConfigError
+from plait.core.peak_flops import DEVICE_PEAK_TFLOPS
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    """α–β model of one kind of link: a message of `n` bytes takes `alpha + n / beta` seconds."""
+
+    alpha: float  # seconds per message (latency)
+    beta: float  # bytes per second (per rank's share of the link)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec:
+    name: str
+    memory_bytes: float
+    peak_flops: float  # dense, in the compute dtype
+    memory_bandwidth: float  # bytes/s, for element-wise and optimizer work
+    gemm_efficiency: float  # e_max
+    gemm_half_flops: float  # g_half
+    attention_efficiency: float
+    intra_node: Link
+    inter_node: Link
+    usable_memory_fraction: float = 0.92  # allocator fragmentation, CUDA context, NCCL buffers
+
+    def gemm_seconds(self, flops: float, gemm_flops: float) -> float:
+        """Time of `flops` of matmul work done in GEMMs of `gemm_flops` each."""
+        efficiency = self.gemm_efficiency * gemm_flops / (gemm_flops + self.gemm_half_flops)
+        return flops / (self.peak_flops * efficiency)
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+
+def _tflops(entry: str, dtype: str = "bfloat16") -> float:
+    return DEVICE_PEAK_TFLOPS[entry][dtype] * 1e12
+
+
+# Links: NVLink bus bandwidth per GPU as all-reduce benchmarks reach it (A100 NVLink3 ~230 GB/s
+# of 300, H100 NVLink4 ~360 GB/s of 450); inter-node one NIC per GPU (HDR 200 Gb/s on DGX A100,
+# NDR 400 Gb/s on DGX H100) at ~90 % of line rate.
+DEVICES: dict[str, DeviceSpec] = {
+    "A100-80GB": DeviceSpec(
+        name="A100-80GB",
+        memory_bytes=80 * GIB,
+        peak_flops=_tflops("A100"),
+        memory_bandwidth=2.0e12,
+        gemm_efficiency=0.80,
+        gemm_half_flops=2e9,
+        attention_efficiency=0.55,
+        intra_node=Link(alpha=8e-6, beta=230e9),
+        inter_node=Link(alpha=15e-6, beta=22.5e9),
+    ),
+    "A100-40GB": DeviceSpec(
+        name="A100-40GB",
+        memory_bytes=40 * GIB,
+        peak_flops=_tflops("A100"),
+        memory_bandwidth=1.55e12,
+        gemm_efficiency=0.80,
+        gemm_half_flops=2e9,
+        attention_efficiency=0.55,
+        intra_node=Link(alpha=8e-6, beta=230e9),
+        inter_node=Link(alpha=15e-6, beta=22.5e9),
+    ),
+    "H100-80GB": DeviceSpec(
+        name="H100-80GB",
+        memory_bytes=80 * GIB,
+        peak_flops=_tflops("H100 SXM"),
+        memory_bandwidth=3.35e12,
+        gemm_efficiency=0.72,
+        gemm_half_flops=6e9,
+        attention_efficiency=0.40,
+        intra_node=Link(alpha=8e-6, beta=360e9),
+        inter_node=Link(alpha=15e-6, beta=45e9),
+    ),
+    "H200-141GB": DeviceSpec(
+        name="H200-141GB",
+        memory_bytes=141 * GIB,
+        peak_flops=_tflops("H200 SXM"),
+        memory_bandwidth=4.8e12,
+        gemm_efficiency=0.74,
+        gemm_half_flops=6e9,
+        attention_efficiency=0.42,
+        intra_node=Link(alpha=8e-6, beta=360e9),
+        inter_node=Link(alpha=15e-6, beta=45e9),
+    ),
+}
+
+
+def device_spec(name: str) -> DeviceSpec:
+    if name not in DEVICES:
+        raise ConfigError(f"--device: unknown device {name!r}; known: {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+def with_links(device: DeviceSpec, *, intra: Link | None, inter: Link | None) -> DeviceSpec:
+    """`device` with measured links in place of the datasheet's."""
+    return replace(
+        device, intra_node=intra or device.intra_node, inter_node=inter or device.inter_node
+    )
+
+
+def efficiency_from_gemm_rates(
+    rates: Sequence[tuple[float, float]], peak_flops: float
+) -> tuple[float, float]:
+    """Fit `(e_max, g_half)` of `rate(g) = peak · e_max · g / (g + g_half)` to measured
+    `(gemm_flops, flops_per_second)` pairs: `1/rate` is linear in `1/g`, so it is a least-squares
+    line through `(1/g, peak/rate)` with slope `g_half/e_max` and intercept `1/e_max`."""
+    if len(rates) < 2:
+        raise ValueError("need GEMM rates at two sizes at least")
+    xs = [1.0 / g for g, _ in rates]
+    ys = [peak_flops / r for _, r in rates]
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx
+    slope = max(slope, 0.0)
+    intercept = max(mean_y - slope * mean_x, 1e-6)
+    e_max = 1.0 / intercept
+    return e_max, slope * e_max

@@ -1,0 +1,263 @@
+"""Parallel layouts, the job they are for, and the enumeration of the valid ones.
+
+A `Layout` is one way to run a job: the degree of each mesh axis (dp × tp × pp × cp = world;
+ep splits dp), the ZeRO stage of the dp axis, the micro-batch size, the pipeline schedule and
+its virtual stages, activation recomputation and sequence parallelism. Rank order on the mesh is
+Megatron's (tp fastest, then cp, dp, pp), so a group is inside one node when its span fits.
+
+`enumerate_layouts` yields every layout the rules allow for a `Job` and a `SearchSpace` (what
+the training system supports): tp inside a node and dividing the heads, kv heads and FFN width;
+cp splitting the sequence into 2·cp chunks (load-balanced causal ring); ep dividing dp and the
+experts; a micro-batch size dividing each dp rank's share of the global batch; 1F1B needing as
+many micro-batches as stages; interleaving needing a multiple of pp micro-batches and at least
+one layer per chunk. Memory is checked later (`search.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from plait.core.errors import ConfigError
+from plait.planner.devices import DeviceSpec
+from plait.planner.model_shape import ModelShape
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Precision:
+    """Bytes per element of each kind of state (mixed precision keeps fp32 masters)."""
+
+    name: str
+    param_bytes: int  # the weights the forward reads
+    grad_bytes: int  # gradient accumulation buffers
+    master_bytes: int  # fp32 master weights (0 when the params are fp32 already)
+    optimizer_bytes: int  # AdamW exp_avg + exp_avg_sq
+    activation_bytes: int
+    dtype: str  # compute dtype, for the peak FLOP/s table
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision(
+        name="fp32", param_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8,
+        activation_bytes=4, dtype="float32",
+    ),
+    # Megatron-LM / torchtitan mixed precision: bf16 weights, fp32 gradient accumulation and
+    # fp32 master weights in the optimizer.
+    "bf16": Precision(
+        name="bf16", param_bytes=2, grad_bytes=4, master_bytes=4, optimizer_bytes=8,
+        activation_bytes=2, dtype="bfloat16",
+    ),
+    # plait's amp transform: fp32 weights, gradients and AdamW state, bf16 compute.
+    "amp-bf16": Precision(
+        name="amp-bf16", param_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8,
+        activation_bytes=2, dtype="bfloat16",
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0  # 0 = DDP, 1/2/3 = ZeRO stage on the dp axis
+    micro_batch: int = 1
+    schedule: str = "accumulate"  # "accumulate" without a pipeline
+    virtual_stages: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def degrees(self) -> tuple[int, int, int, int, int]:
+        """(tp, cp, pp, dp, ep): the mesh alone, what a published layout names."""
+        return (self.tp, self.cp, self.pp, self.dp, self.ep)
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.insert(2, f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts.append(f"zero{self.zero}" if self.zero else "ddp")
+        parts.append(f"mb{self.micro_batch}")
+        if self.pp > 1:
+            schedule = self.schedule
+            if self.virtual_stages > 1:
+                schedule += f"×{self.virtual_stages}"
+            parts.append(schedule)
+        if self.recompute != "none":
+            parts.append(f"ac-{self.recompute}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """What to train and on what: the model, the batch and the cluster."""
+
+    model: ModelShape
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    world: int
+    per_node: int
+    device: DeviceSpec
+    precision: Precision = PRECISIONS["bf16"]
+    # A fused attention kernel (FlashAttention, SDPA) keeps no score matrix; without one the
+    # scores, their softmax and its dropout mask are kept and streamed through memory.
+    fused_attention: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch", "world", "per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world % self.per_node and self.world > self.per_node:
+            raise ConfigError(
+                f"--world {self.world} is not a multiple of --per-node {self.per_node}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchSpace:
+    """What the training system offers; the defaults are what plait implements."""
+
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
+    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
+    virtual_stages: tuple[int, ...] = (2, 4, 8)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    sequence_parallel: tuple[bool, ...] = (True,)
+    max_tp: int = 0  # 0 = devices per node
+    max_pp: int = 0  # 0 = layers
+    max_cp: int = 16
+    fixed: dict[str, int] = field(default_factory=dict)  # e.g. {"tp": 2}: only these degrees
+
+    def __post_init__(self) -> None:
+        for mode in self.recompute:
+            if mode not in RECOMPUTE_MODES:
+                raise ConfigError(f"recompute: {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        for name in self.schedules:
+            if name not in PIPELINE_SCHEDULES:
+                raise ConfigError(
+                    f"schedules: {name!r} is not one of {', '.join(PIPELINE_SCHEDULES)}"
+                )
+        for stage in self.zero_stages:
+            if stage not in (0, 1, 2, 3):
+                raise ConfigError(f"zero_stages: {stage} is not one of 0, 1, 2, 3")
+        for axis in self.fixed:
+            if axis not in ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch"):
+                raise ConfigError(
+                    f"fixed: {axis!r} is not one of dp, tp, pp, cp, ep, zero, micro_batch"
+                )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, value = [], 1
+    while value <= limit:
+        out.append(value)
+        value *= 2
+    return out
+
+
+def _tp_fits(model: ModelShape, tp: int) -> bool:
+    width = model.expert_dim if model.num_experts else model.ffn_dim
+    return (
+        model.n_heads % tp == 0
+        and (model.kv_heads % tp == 0 or tp % model.kv_heads == 0)
+        and (width % tp == 0)
+    )
+
+
+def enumerate_layouts(job: Job, space: SearchSpace | None = None) -> Iterator[Layout]:
+    """Every layout the divisibility and placement rules allow (memory not yet checked)."""
+    space = space or SearchSpace()
+    model, fixed = job.model, space.fixed
+    max_tp = min(space.max_tp or job.per_node, job.per_node)
+    max_pp = min(space.max_pp or model.n_layers, model.n_layers)
+
+    def allowed(axis: str, value: int) -> bool:
+        return axis not in fixed or fixed[axis] == value
+
+    for tp in _powers_of_two(max_tp):
+        if job.world % tp or not _tp_fits(model, tp) or not allowed("tp", tp):
+            continue
+        for cp in _powers_of_two(space.max_cp):
+            if job.world % (tp * cp) or job.seq_len % (2 * cp) or not allowed("cp", cp):
+                continue
+            if cp > 1 and cp * tp > job.per_node and tp < job.per_node:
+                continue  # cp rings cross nodes only once tp fills the node
+            for pp in _divisors(job.world // (tp * cp)):
+                if pp > max_pp or not allowed("pp", pp):
+                    continue
+                dp = job.world // (tp * cp * pp)
+                if job.global_batch % dp or not allowed("dp", dp):
+                    continue
+                per_dp = job.global_batch // dp
+                yield from _variants(job, space, tp=tp, cp=cp, pp=pp, dp=dp, per_dp=per_dp)
+
+
+def _variants(
+    job: Job, space: SearchSpace, *, tp: int, cp: int, pp: int, dp: int, per_dp: int
+) -> Iterator[Layout]:
+    model, fixed = job.model, space.fixed
+    eps = [1]
+    if model.num_experts:
+        eps = [e for e in _divisors(dp) if model.num_experts % e == 0]
+    for ep in eps:
+        if "ep" in fixed and fixed["ep"] != ep:
+            continue
+        for micro_batch in space.micro_batches:
+            if per_dp % micro_batch or (
+                "micro_batch" in fixed and fixed["micro_batch"] != micro_batch
+            ):
+                continue
+            microbatches = per_dp // micro_batch
+            for schedule, virtual in _schedules(
+                space, pp=pp, microbatches=microbatches, layers=model.n_layers
+            ):
+                for zero in space.zero_stages:
+                    if (dp == 1 and zero) or ("zero" in fixed and fixed["zero"] != zero):
+                        continue
+                    if zero == 3 and pp > 1:
+                        continue  # ZeRO-3 re-gathers per micro-batch: never paired with pp
+                    for recompute in space.recompute:
+                        for sp in space.sequence_parallel if tp > 1 else (False,):
+                            yield Layout(
+                                dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                micro_batch=micro_batch, schedule=schedule,
+                                virtual_stages=virtual, recompute=recompute,
+                                sequence_parallel=sp,
+                            )  # fmt: skip
+
+
+def _schedules(
+    space: SearchSpace, *, pp: int, microbatches: int, layers: int
+) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "accumulate", 1
+        return
+    for name in space.schedules:
+        if name == "interleaved_1f1b":
+            if microbatches < pp or microbatches % pp:
+                continue
+            for virtual in space.virtual_stages:
+                if layers >= pp * virtual:
+                    yield name, virtual
+        elif name in ("1f1b", "zb_h1"):
+            if microbatches >= pp:
+                yield name, 1
+        else:
+            yield name, 1

@@ -1,0 +1,159 @@
+"""Peak memory of one rank for a layout: model state by ZeRO stage and precision, activations
+by tp / sp / cp / schedule / recomputation, the loss's logits, and buffers.
+
+Activations are counted per token and layer as the tensors autograd keeps for backward
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+without dropout masks and with a fused attention kernel that keeps no score matrix):
+
+    block input (norm 1)      h        replicated across tp unless sequence parallel
+    q/k/v input (norm out)    h        replicated across tp unless sequence parallel
+    q, k, v                   h + 2·kv sharded by tp
+    attention output          h        sharded (input of the row-parallel projection)
+    residual (norm 2 input)   h        replicated unless sequence parallel
+    MLP input (norm out)      h        replicated unless sequence parallel
+    MLP                       3·f (SwiGLU: gate, up, product) or 2·f (GELU: pre, post), sharded
+
+Selective recomputation drops what element-wise ops produce (norm outputs, the SwiGLU product /
+GELU output); full recomputation keeps only each block's input and rebuilds one block at a time
+in backward. A rank holds as many micro-batches' activations as its schedule has forwards
+without their backward (`schedule_model.max_in_flight`), each for its layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from plait.planner.layouts import Job, Layout
+from plait.planner.schedule_model import max_in_flight
+
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes on the rank with the most (the first or last pipeline stage)."""
+
+    stage: int
+    parameters: float
+    gradients: float
+    master_weights: float
+    optimizer_state: float
+    activations: float
+    logits: float  # the loss's transient logits, softmax and their gradient (last stage)
+    buffers: float  # gradient buckets, ZeRO-3 gather buffers, pipeline queues
+
+    @property
+    def model_state(self) -> float:
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_state
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations + self.logits + self.buffers
+
+
+def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
+    """Layers of pipeline stage `stage` when `n_layers` are split as evenly as possible, the
+    spare layers going to the middle stages (the end stages also hold embedding and head)."""
+    base, extra = divmod(n_layers, pp)
+    if not extra:
+        return base
+    middle = list(range(1, pp - 1)) or list(range(pp))
+    order = middle + [s for s in range(pp) if s not in middle]
+    return base + (1 if stage in order[:extra] else 0)
+
+
+def stage_parameters(job: Job, layout: Layout, stage: int) -> float:
+    """Parameters one rank of `stage` holds (before ZeRO-3 sharding)."""
+    model = job.model
+    layers = layers_on_stage(model.n_layers, layout.pp, stage)
+    experts = model.expert_params_per_layer
+    dense = model.params_per_layer - experts
+    per_layer = dense / layout.tp + experts / (layout.tp * layout.ep)
+    total = layers * per_layer
+    if stage == 0:
+        total += model.embedding_params / layout.tp
+    if stage == layout.pp - 1:
+        total += model.head_params / layout.tp
+    return total
+
+
+def activation_elements_per_token(job: Job, layout: Layout) -> tuple[float, float]:
+    """(kept per layer per token, one layer's full set) in elements, on one tp rank."""
+    model = job.model
+    h, kv, t = model.dim, model.kv_dim, layout.tp
+    ffn_width = model.top_k * model.expert_dim if model.num_experts else model.ffn_dim
+    ffn_kept = model.ffn_matrices * ffn_width  # SwiGLU: gate, up, product; GELU: pre, post
+    # Norm inputs and outputs (4 of width h) are replicated across tp without sp.
+    split = float(t) if layout.sequence_parallel else 1.0
+    norms_in, norms_out = 2 * h / split, 2 * h / split
+    sharded = (h + 2 * kv + h + ffn_kept) / t
+    # Unfused attention keeps scores and softmax (2·a·T elements per token) and a dropout mask
+    # (a·T bytes): Korthikanti et al.'s 5·a·s/h term.
+    scores = 0.0 if job.fused_attention else 2.5 * model.n_heads * job.seq_len / t
+    full = norms_in + norms_out + sharded + scores
+    if layout.recompute == "full":
+        kept = h / split  # the block input only
+    elif layout.recompute == "selective":
+        kept = norms_in + (h + 2 * kv + h + ffn_kept - ffn_width) / t  # scores recomputed
+    else:
+        kept = full
+    return kept, full
+
+
+def estimate_memory(job: Job, layout: Layout) -> MemoryEstimate:
+    """The larger of the first and the last stage's peak."""
+    stages = {0, layout.pp - 1}
+    return max((_stage_memory(job, layout, s) for s in stages), key=lambda m: m.total)
+
+
+def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
+    precision, model = job.precision, job.model
+    params = stage_parameters(job, layout, stage)
+    shard = layout.dp
+    param_count = params / shard if layout.zero >= 3 else params
+    grad_count = params / shard if layout.zero >= 2 else params
+    optim_count = params / shard if layout.zero >= 1 else params
+    tokens = layout.micro_batch * job.seq_len / layout.cp
+    kept, full = activation_elements_per_token(job, layout)
+    layers = layers_on_stage(model.n_layers, layout.pp, stage)
+    in_flight_chunks = max_in_flight(
+        layout.schedule,
+        stages=layout.pp,
+        microbatches=max(job.global_batch // (layout.dp * layout.micro_batch), 1),
+        virtual=layout.virtual_stages,
+        rank=stage,
+    )
+    chunk_layers = layers / layout.virtual_stages
+    act = precision.activation_bytes
+    activations = in_flight_chunks * chunk_layers * kept * tokens * act
+    if layout.recompute != "none":
+        activations += full * tokens * act  # the block being rebuilt in backward
+    logits = 0.0
+    if stage == layout.pp - 1:
+        # logits (compute dtype), their fp32 log-softmax kept for backward, the fp32 gradient
+        per_token = model.vocab_size / layout.tp
+        upcast = 4 if act < 4 else 0
+        logits = tokens * per_token * (act + upcast + 4 + 4)
+    buffers = 0.0
+    if layout.dp > 1 and layout.zero <= 2:
+        buffers += min(2 * DDP_BUCKET_BYTES, params * precision.grad_bytes)
+    if layout.zero >= 3:
+        largest_layer = model.params_per_layer / layout.tp
+        buffers += 2 * largest_layer * precision.param_bytes  # gathered unit + prefetched one
+    if layout.pp > 1:
+        buffers += 2 * tokens * model.dim / (layout.tp if layout.sequence_parallel else 1) * act
+    return MemoryEstimate(
+        stage=stage,
+        parameters=param_count * precision.param_bytes,
+        gradients=grad_count * precision.grad_bytes,
+        master_weights=optim_count * precision.master_bytes,
+        optimizer_state=optim_count * precision.optimizer_bytes,
+        activations=activations,
+        logits=logits,
+        buffers=buffers,
+    )
+
+
+def fits(estimate: MemoryEstimate, usable_bytes: float) -> bool:
+    return math.isfinite(estimate.total) and estimate.total <= usable_bytes

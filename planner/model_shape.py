@@ -1,0 +1,148 @@
+"""What the planner needs to know about a model: its shape, parameter counts and per-layer work.
+
+`ModelShape` is one flat, family-independent description of a decoder-only transformer (dense or
+MoE). `shape_from_config` reads it off a built-in family's validated config
+(`plait.plugins.models`), so the planner prices exactly the model `plait train` would build;
+`published.py` writes the shapes of models plait does not ship (GPT-3 175B, Llama 3 405B) the
+same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from plait.core.errors import ConfigError
+from plait.core.flops import attention_flops_per_token
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelShape:
+    """A decoder-only transformer's shape. Widths are in elements, counts in parameters."""
+
+    name: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    kv_heads: int
+    ffn_dim: int  # dense FFN width (one expert's width for MoE layers: `expert_dim`)
+    ffn_matrices: int  # 3 for SwiGLU (w1, w3, w2), 2 for a GELU MLP
+    vocab_size: int
+    params_per_layer: int  # one block, every expert counted
+    active_params_per_layer: int  # one block as one token uses it (top-k experts)
+    embedding_params: int  # token (and position) tables: lookups, no FLOPs
+    head_params: int  # final norm + output projection: a real matmul
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
+    top_k: int = 0
+    expert_dim: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        return self.n_layers * self.params_per_layer + self.embedding_params + self.head_params
+
+    @property
+    def dense_active_params(self) -> int:
+        """`N` of `6·N`: what one token multiplies by (no embedding tables, the head included)."""
+        return self.n_layers * self.active_params_per_layer + self.head_params
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        """Routed experts' parameters in one block (sharded by expert parallelism)."""
+        return self.num_experts * self.ffn_matrices * self.dim * self.expert_dim
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """`6·N + causal attention`, the same accounting as `plait.core.flops` and MFU."""
+        return 6.0 * self.dense_active_params + attention_flops_per_token(
+            n_layers=self.n_layers, n_heads=self.n_heads, head_dim=self.head_dim, seq_len=seq_len
+        )
+
+
+def shape_from_config(family: str, config: Any, *, name: str = "") -> ModelShape:
+    """The shape of a built-in family's config (`LlamaConfig`, `GPT2Config`, `MoEConfig`)."""
+    label = name or f"{family}"
+    if family == "llama":
+        total_body = config.num_params(exclude_embeddings=True)
+        head = config.dim + config.dim * config.vocab_size
+        per_layer = (total_body - head) // config.n_layers
+        return ModelShape(
+            name=label,
+            n_layers=config.n_layers,
+            dim=config.dim,
+            n_heads=config.n_heads,
+            kv_heads=config.kv_heads,
+            ffn_dim=config.hidden_dim,
+            ffn_matrices=3,
+            vocab_size=config.vocab_size,
+            params_per_layer=per_layer,
+            active_params_per_layer=per_layer,
+            embedding_params=config.vocab_size * config.dim,
+            head_params=head,
+        )
+    if family == "gpt2":
+        total_body = config.num_params(exclude_embeddings=True)
+        head = 2 * config.dim + config.dim * config.vocab_size
+        per_layer = (total_body - head) // config.n_layers
+        return ModelShape(
+            name=label,
+            n_layers=config.n_layers,
+            dim=config.dim,
+            n_heads=config.n_heads,
+            kv_heads=config.n_heads,
+            ffn_dim=config.hidden_dim,
+            ffn_matrices=2,
+            vocab_size=config.vocab_size,
+            params_per_layer=per_layer,
+            active_params_per_layer=per_layer,
+            embedding_params=(config.vocab_size + config.max_seq_len) * config.dim,
+            head_params=head,
+        )
+    if family == "moe":
+        head = config.dim + config.dim * config.vocab_size
+        all_body = config.num_params(exclude_embeddings=True) - head
+        active_body = config.num_active_params(exclude_embeddings=True) - head
+        return ModelShape(
+            name=label,
+            n_layers=config.n_layers,
+            dim=config.dim,
+            n_heads=config.n_heads,
+            kv_heads=config.kv_heads,
+            ffn_dim=config.expert_hidden_dim,
+            ffn_matrices=3,
+            vocab_size=config.vocab_size,
+            params_per_layer=all_body // config.n_layers,
+            active_params_per_layer=active_body // config.n_layers,
+            embedding_params=config.vocab_size * config.dim,
+            head_params=head,
+            num_experts=config.num_experts,
+            top_k=config.top_k,
+            expert_dim=config.expert_hidden_dim,
+        )
+    raise ConfigError(f"model.name: the planner knows llama, gpt2 and moe, not {family!r}")
+
+
+def resolve_shape(spec: str, overrides: dict[str, Any] | None = None) -> ModelShape:
+    """`family:size` (`llama:7b`, `gpt2:small`, `moe:mixtral-8x7b`) or a published model's name
+    (`gpt3-175b`, `llama3-405b`) as a shape."""
+    from plait.planner.published import PUBLISHED_MODELS
+
+    if spec in PUBLISHED_MODELS and not overrides:
+        return PUBLISHED_MODELS[spec]
+    family, _, size = spec.partition(":")
+    if not size:
+        known = ", ".join(sorted(PUBLISHED_MODELS))
+        raise ConfigError(
+            f"MODEL: expected family:size (e.g. llama:7b, gpt2:small, moe:mixtral-8x7b) or one "
+            f"of {known}, got {spec!r}"
+        )
+    from plait.plugins.models import resolve_model_config
+
+    config = resolve_model_config(family, size, overrides or {})
+    return shape_from_config(family, config, name=spec)

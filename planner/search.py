@@ -1,0 +1,112 @@
+"""The search: enumerate layouts, drop those that do not fit, rank by predicted step time.
+
+`plan` prices every layout `enumerate_layouts` allows and returns them fastest first, one per
+mesh (tp, cp, pp, dp, ep) by default: the knobs inside a mesh (ZeRO stage, micro-batch,
+schedule, recomputation, sp) are tuned to that mesh's fastest fitting choice, which is how
+published layouts are stated. `why_slower` names the terms that make a layout lose to the best.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.planner.layouts import Job, Layout, SearchSpace, enumerate_layouts
+from plait.planner.memory_model import MemoryEstimate, estimate_memory
+from plait.planner.time_model import StepTimeEstimate, estimate_step_time
+
+TERM_LABELS = {
+    "compute": "compute",
+    "recompute": "recomputation",
+    "tp_comm": "tensor-parallel comm",
+    "cp_comm": "context-parallel comm",
+    "ep_comm": "expert all-to-all",
+    "pipeline_bubble": "pipeline bubble",
+    "dp_comm": "data-parallel comm",
+    "optimizer": "optimizer step",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    time: StepTimeEstimate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanResult:
+    ranked: tuple[Candidate, ...]  # fitting layouts, fastest first
+    considered: int
+    rejected_for_memory: int
+    smallest_rejected: Candidate | None  # the least memory among those that do not fit
+
+    @property
+    def best(self) -> Candidate:
+        if not self.ranked:
+            raise ValueError("no layout fits")
+        return self.ranked[0]
+
+
+def price(job: Job, layout: Layout) -> Candidate:
+    return Candidate(
+        layout=layout, memory=estimate_memory(job, layout), time=estimate_step_time(job, layout)
+    )
+
+
+def plan(job: Job, space: SearchSpace | None = None, *, per_mesh: bool = True) -> PlanResult:
+    """Every valid layout of `job` that fits the device, fastest first."""
+    usable = job.device.usable_memory
+    fitting: list[Candidate] = []
+    considered = rejected = 0
+    smallest: Candidate | None = None
+    for layout in enumerate_layouts(job, space):
+        considered += 1
+        memory = estimate_memory(job, layout)
+        if memory.total > usable:
+            rejected += 1
+            if smallest is None or memory.total < smallest.memory.total:
+                smallest = Candidate(
+                    layout=layout, memory=memory, time=estimate_step_time(job, layout)
+                )
+            continue
+        fitting.append(
+            Candidate(layout=layout, memory=memory, time=estimate_step_time(job, layout))
+        )
+    fitting.sort(key=lambda c: (c.time.total, c.memory.total))
+    if per_mesh:
+        seen: set[tuple[int, ...]] = set()
+        unique = []
+        for candidate in fitting:
+            if candidate.layout.degrees not in seen:
+                seen.add(candidate.layout.degrees)
+                unique.append(candidate)
+        fitting = unique
+    return PlanResult(
+        ranked=tuple(fitting),
+        considered=considered,
+        rejected_for_memory=rejected,
+        smallest_rejected=smallest,
+    )
+
+
+def why_slower(candidate: Candidate, best: Candidate, *, top: int = 2) -> str:
+    """The terms that cost `candidate` the most time over `best`, e.g. "+38 ms pipeline bubble"."""
+    if candidate is best:
+        return "fastest"
+    ours, theirs = candidate.time.terms(), best.time.terms()
+    deltas = sorted(((ours[k] - theirs[k], k) for k in ours), reverse=True)
+    total = candidate.time.total - best.time.total
+    parts = [
+        f"+{_seconds(delta)} {TERM_LABELS[name]}"
+        for delta, name in deltas[:top]
+        if delta > 0.05 * max(total, 1e-12)
+    ]
+    return ", ".join(parts) or f"+{_seconds(total)} in total"
+
+
+def _seconds(value: float) -> str:
+    if value >= 1.0:
+        return f"{value:.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value * 1e6:.0f} µs"

@@ -1,0 +1,317 @@
+"""Predicted step time of a layout, term by term.
+
+Compute: each block's matmul FLOPs at the GEMM efficiency of its size
+(`DeviceSpec.gemm_seconds`), attention FLOPs at the attention kernels' efficiency, element-wise
+work (norms, residuals, rotary, activation) at memory bandwidth; backward costs twice the
+forward's matmuls, 2.5 times its attention. Recomputation adds a forward (full) or the
+element-wise part (selective) to every backward.
+
+Communication (α–β, `comm_model`), with the overlap each strategy has in plait:
+
+* tp: two all-reduces per block per pass (sequence parallel: two all-gathers and two
+  reduce-scatters), on the critical path (exposed);
+* cp: the ring passes K/V (and dK/dV backward) while attention computes; only the excess shows;
+* ep: all-to-all dispatch and combine per MoE block and pass, exposed;
+* pp: one activation transfer per stage boundary, inside the schedule simulation
+  (`schedule_model.pipeline_makespan`), which also gives the bubble;
+* dp (DDP, ZeRO-1/2): the gradient reduction overlaps the last micro-batch's backward when
+  there is no pipeline, and nothing with one (the pipeline syncs after its last backward);
+  ZeRO-1/2 then all-gather the updated parameters; ZeRO-3 gathers every unit for forward and
+  backward of every micro-batch, prefetched under the compute, and reduce-scatters gradients.
+
+The optimizer step is memory bound: every byte of parameters, gradients and AdamW state it
+reads and writes, at memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from plait.planner.comm_model import collective_seconds, link_for
+from plait.planner.devices import Link
+from plait.planner.layouts import Job, Layout
+from plait.planner.memory_model import DDP_BUCKET_BYTES, layers_on_stage, stage_parameters
+from plait.planner.schedule_model import pipeline_makespan
+
+# Element-wise traffic per token and block, in elements read + written: two norms (2 h in,
+# 2 h out), two residual adds (3 h each), rotary on q and k (2 h); per FFN width: the SwiGLU /
+# GELU product (3 f). Backward moves about twice as much.
+ELEMENTWISE_PER_DIM = 14.0
+ELEMENTWISE_PER_FFN = 3.0
+ATTENTION_BACKWARD_FACTOR = 2.5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTimeEstimate:
+    """Seconds per optimizer step on the slowest stage, by term (they add up to `total`)."""
+
+    compute: float  # forward + backward of all micro-batches, no recomputation
+    recompute: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    pipeline_bubble: float  # idle time in the schedule, including activation transfers
+    dp_comm: float  # exposed gradient / parameter collectives
+    optimizer: float
+    model_flops: float  # per step, whole job (6·N + attention per token)
+    hardware_flops: float  # per step, whole job, recomputation included
+    world: int
+    peak_flops: float  # per device
+
+    @property
+    def total(self) -> float:
+        return (
+            self.compute
+            + self.recompute
+            + self.tp_comm
+            + self.cp_comm
+            + self.ep_comm
+            + self.pipeline_bubble
+            + self.dp_comm
+            + self.optimizer
+        )
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.total * self.world * self.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.total * self.world * self.peak_flops)
+
+    def terms(self) -> dict[str, float]:
+        skip = {"model_flops", "hardware_flops", "world", "peak_flops"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PassTimes:
+    """One block (or the head), one micro-batch, on one rank."""
+
+    forward: float
+    backward: float
+    recompute: float
+    comm_forward: float
+    comm_backward: float
+    comm_recompute: float
+    cp_exposed: float  # forward + backward (+ recompute)
+    ep_comm: float
+
+
+def _block_times(job: Job, layout: Layout) -> _PassTimes:
+    model, device, act = job.model, job.device, job.precision.activation_bytes
+    tp, cp, sp = layout.tp, layout.cp, layout.sequence_parallel
+    tokens = layout.micro_batch * job.seq_len / cp
+    matmul = 2.0 * tokens * model.active_params_per_layer / tp
+    ffn_width = model.expert_dim if model.num_experts else model.ffn_dim
+    gemm_size = 2.0 * tokens * model.dim * ffn_width / tp
+    if model.num_experts:  # an expert sees its share of the routed tokens
+        gemm_size *= model.top_k / max(model.num_experts / layout.ep, 1.0)
+    attention = 2.0 * tokens * model.dim * job.seq_len / tp  # causal: half the square, ×2 FLOPs
+    dim_share = tokens * model.dim / (tp if sp else 1)
+    ffn_share = tokens * ffn_width * max(model.top_k, 1) / tp
+    elementwise = (ELEMENTWISE_PER_DIM * dim_share + ELEMENTWISE_PER_FFN * ffn_share) * act
+    if not job.fused_attention:  # scores written, softmaxed, masked and read: ~4 passes
+        elementwise += 4.0 * tokens * model.n_heads * job.seq_len / tp * act
+    t_matmul = device.gemm_seconds(matmul, gemm_size)
+    t_attention = attention / (device.peak_flops * device.attention_efficiency)
+    t_elementwise = elementwise / device.memory_bandwidth
+    forward = t_matmul + t_attention + t_elementwise
+    backward = 2 * t_matmul + ATTENTION_BACKWARD_FACTOR * t_attention + 2 * t_elementwise
+    recompute = {"full": forward, "selective": t_elementwise}.get(layout.recompute, 0.0)
+
+    comm = 0.0
+    if tp > 1:
+        link = link_for(device, size=tp, stride=1, per_node=job.per_node)
+        activation = tokens * model.dim * act
+        if sp:
+            comm = 2 * collective_seconds("all_gather", tp, activation, link)
+            comm += 2 * collective_seconds("reduce_scatter", tp, activation, link)
+        else:
+            comm = 2 * collective_seconds("all_reduce", tp, activation, link)
+    cp_exposed = 0.0
+    if cp > 1:
+        link = link_for(device, size=cp, stride=tp, per_node=job.per_node)
+        kv = tokens * 2 * model.kv_dim / tp * act
+        ring = (cp - 1) * collective_seconds("send", 2, kv, link)
+        cp_exposed = max(ring - t_attention, 0.0) + max(
+            2 * ring - ATTENTION_BACKWARD_FACTOR * t_attention, 0.0
+        )
+        if layout.recompute == "full":
+            cp_exposed += max(ring - t_attention, 0.0)
+    ep_comm = 0.0
+    if model.num_experts and layout.ep > 1:
+        link = link_for(device, size=layout.ep, stride=tp * cp, per_node=job.per_node)
+        routed = tokens * model.top_k * model.dim / tp * act
+        ep_comm = 4 * collective_seconds("all_to_all", layout.ep, routed, link)
+    return _PassTimes(
+        forward=forward,
+        backward=backward,
+        recompute=recompute,
+        comm_forward=comm,
+        comm_backward=comm,
+        comm_recompute=comm if layout.recompute == "full" else 0.0,
+        cp_exposed=cp_exposed,
+        ep_comm=ep_comm,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _StageCost:
+    """One stage, one micro-batch: compute and exposed communication."""
+
+    forward: float
+    backward: float
+    recompute: float
+    tp_forward: float
+    tp_backward: float
+    cp: float
+    ep: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.forward + self.backward + self.recompute + self.tp_forward + self.tp_backward
+            + self.cp + self.ep
+        )  # fmt: skip
+
+
+def _head_times(job: Job, layout: Layout) -> tuple[float, float]:
+    """(forward, backward) of the output projection and the loss, one micro-batch."""
+    model, device = job.model, job.device
+    tokens = layout.micro_batch * job.seq_len / layout.cp
+    matmul = 2.0 * tokens * model.head_params / layout.tp
+    t_matmul = device.gemm_seconds(matmul, matmul)
+    loss_bytes = tokens * model.vocab_size / layout.tp * 4 * 4  # softmax read/write, fp32
+    t_loss = loss_bytes / device.memory_bandwidth
+    return t_matmul + t_loss, 2 * t_matmul + t_loss
+
+
+def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
+    model, device, precision = job.model, job.device, job.precision
+    microbatches = job.global_batch // (layout.dp * layout.micro_batch)
+    block = _block_times(job, layout)
+    head_forward, head_backward = _head_times(job, layout)
+    last = layout.pp - 1
+
+    def stage_cost(stage: int) -> _StageCost:
+        layers = layers_on_stage(model.n_layers, layout.pp, stage)
+        head = stage == last
+        return _StageCost(
+            forward=layers * block.forward + (head_forward if head else 0.0),
+            backward=layers * block.backward + (head_backward if head else 0.0),
+            recompute=layers * block.recompute,
+            tp_forward=layers * block.comm_forward,
+            tp_backward=layers * (block.comm_backward + block.comm_recompute),
+            cp=layers * block.cp_exposed,
+            ep=layers * block.ep_comm,
+        )
+
+    # The busiest stage sets the pace of the pipeline (an uneven split makes a middle one so).
+    stages = {0, last, min(1, last), max(last - 1, 0)}
+    cost = max((stage_cost(s) for s in stages), key=lambda c: c.total)
+    v = layout.virtual_stages
+    p2p = 0.0
+    if layout.pp > 1:
+        link = link_for(
+            device, size=layout.pp, stride=layout.tp * layout.cp * layout.dp, per_node=job.per_node
+        )
+        sp_share = layout.tp if layout.sequence_parallel else 1
+        activation = layout.micro_batch * job.seq_len / layout.cp * model.dim / sp_share
+        p2p = collective_seconds("send", 2, activation * precision.activation_bytes, link)
+    # A forward chunk carries its share of the forward-side comm, a backward chunk the rest.
+    f_chunk = (cost.forward + cost.tp_forward + cost.cp / 3 + cost.ep / 2) / v
+    b_chunk = cost.total / v - f_chunk
+    makespan = pipeline_makespan(
+        layout.schedule,
+        stages=layout.pp,
+        microbatches=microbatches,
+        virtual=v,
+        forward=f_chunk,
+        backward=b_chunk,
+        p2p=p2p,
+    )
+    bubble = max(makespan - microbatches * cost.total, 0.0)
+
+    params = max(stage_parameters(job, layout, s) for s in {0, last})
+    dp_comm = _dp_seconds(
+        job, layout, params, microbatches, cost.backward + cost.recompute, cost.forward
+    )
+    optim_params = params / layout.dp if layout.zero >= 1 else params
+    optimizer_bytes = optim_params * (
+        2 * precision.param_bytes
+        + 2 * precision.grad_bytes
+        + 2 * precision.optimizer_bytes
+        + 2 * precision.master_bytes
+    )
+    optimizer = optimizer_bytes / device.memory_bandwidth
+
+    tokens_per_step = job.global_batch * job.seq_len
+    model_flops = model.model_flops_per_token(job.seq_len) * tokens_per_step
+    recompute_flops = 0.0
+    if layout.recompute == "full":
+        # one more forward of every block: its matmuls (2 per weight) and its attention
+        attention = model.model_flops_per_token(job.seq_len) - 6.0 * model.dense_active_params
+        per_token = 2.0 * model.n_layers * model.active_params_per_layer + attention / 3
+        recompute_flops = per_token * tokens_per_step
+    return StepTimeEstimate(
+        compute=microbatches * (cost.forward + cost.backward),
+        recompute=microbatches * cost.recompute,
+        tp_comm=microbatches * (cost.tp_forward + cost.tp_backward),
+        cp_comm=microbatches * cost.cp,
+        ep_comm=microbatches * cost.ep,
+        pipeline_bubble=bubble,
+        dp_comm=dp_comm,
+        optimizer=optimizer,
+        model_flops=model_flops,
+        hardware_flops=model_flops + recompute_flops,
+        world=layout.world,
+        peak_flops=device.peak_flops,
+    )
+
+
+def _dp_seconds(
+    job: Job,
+    layout: Layout,
+    params: float,
+    microbatches: int,
+    last_backward: float,
+    forward: float,
+) -> float:
+    """Exposed data-parallel communication per step."""
+    group = layout.dp * layout.cp  # gradients are reduced over every replica of a shard
+    if group == 1:
+        return 0.0
+    device, precision = job.device, job.precision
+    link = link_for(device, size=group, stride=layout.tp, per_node=job.per_node)
+    grads = params * precision.grad_bytes
+    weights = params * precision.param_bytes
+    overlap = last_backward if layout.pp == 1 else 0.0
+    if layout.zero == 0:
+        reduce = collective_seconds("all_reduce", group, grads, link)
+        return max(reduce - overlap, 0.0) + min(
+            reduce, _bucket_seconds("all_reduce", group, link, grads)
+        )
+    if layout.zero in (1, 2):
+        reduce = collective_seconds("reduce_scatter", group, grads, link)
+        gather = collective_seconds("all_gather", group, weights, link)
+        exposed_reduce = max(reduce - overlap, 0.0)
+        return (
+            exposed_reduce
+            + min(reduce, _bucket_seconds("reduce_scatter", group, link, grads))
+            + gather
+        )
+    # ZeRO-3: per micro-batch, gather for forward and for backward, reduce-scatter gradients;
+    # prefetching hides it under that micro-batch's compute.
+    gather = collective_seconds("all_gather", group, weights, link)
+    reduce = collective_seconds("reduce_scatter", group, grads, link)
+    per_microbatch = 2 * gather + reduce
+    compute = forward + last_backward
+    exposed = max(per_microbatch - compute, 0.0)
+    first_unit = gather / max(job.model.n_layers, 1)
+    return microbatches * (exposed + first_unit)
+
+
+def _bucket_seconds(op: str, group: int, link: Link, nbytes: float) -> float:
+    """The last gradient bucket cannot overlap anything: it is reduced after backward ends."""
+    return collective_seconds(op, group, min(nbytes, DDP_BUCKET_BYTES), link)
