@@ -107,6 +107,9 @@ class StepBreakdown:
     comm_seconds: float  # all communication, overlapped or not
     exposed_comm_by_purpose: dict[str, float]
     microbatches: int
+    # purpose -> the collective ops issued for it: what already runs (reduce-scatters of
+    # "tp_activation" are sequence parallelism, "param_gather" is ZeRO).
+    comm_ops_by_purpose: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def _clip(intervals: Iterable[Interval], lo: int, hi: int) -> list[Interval]:
@@ -162,6 +165,9 @@ def step_breakdown(
         "host_other": (step_ns - total_ns(taken)) / 1e9,
     }
     microbatches = sum(1 for s in spans if s.kind == "phase" and s.name == schema.PHASE_FORWARD)
+    ops: dict[str, set[str]] = {}
+    for span in comm_spans:
+        ops.setdefault(span.purpose or "generic", set()).add(span.name)
     return StepBreakdown(
         step=step,
         step_seconds=step_ns / 1e9,
@@ -169,21 +175,39 @@ def step_breakdown(
         comm_seconds=total_ns(comm) / 1e9,
         exposed_comm_by_purpose=by_purpose,
         microbatches=microbatches,
+        comm_ops_by_purpose={purpose: frozenset(names) for purpose, names in ops.items()},
     )
 
 
 # --------------------------------------------------------------------------------------------
-# a rank over a window of steps, and advice
+# a rank over a window of steps
 # --------------------------------------------------------------------------------------------
+
+# How each class is named to a person (tables, the dominant column, advice lines, pictures).
+CLASS_LABELS = {
+    "compute": "compute",
+    "exposed_comm": "exposed comm",
+    "data": "data",
+    "pipeline_bubble": "bubble",
+    "optimizer": "optimizer",
+    "host_other": "host/other",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class RankContext:
-    """What the advice can use about a rank beyond its spans."""
+    """What the advice can use about a rank beyond its spans: the mesh and the device."""
 
     degrees: Mapping[str, int] = field(default_factory=dict)
     comm_bytes_by_purpose: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     # purpose -> (ops per step, mean bytes per op)
+    device: str = ""  # "cpu", "cuda:0"; "" when the producer did not say
+    compute_dtype: str = ""  # "float32", "bfloat16", ...
+    # Mixture of experts (0 / "" when the job reports no expert load): the worst layer's
+    # busiest-expert tokens over the mean, and the largest share of assignments dropped.
+    expert_imbalance: float = 0.0
+    expert_layer: str = ""
+    expert_dropped_fraction: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,12 +220,21 @@ class RankBreakdown:
     median_step_seconds: float
     median_compute_seconds: float
     microbatches: int
+    comm_ops_by_purpose: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @property
     def dominant(self) -> str:
         if not self.steps:
             return ""
         return max(CLASSES, key=lambda c: self.seconds[c])
+
+
+def _union_ops(items: Iterable[Mapping[str, frozenset[str]]]) -> dict[str, frozenset[str]]:
+    ops: dict[str, frozenset[str]] = {}
+    for item in items:
+        for purpose, names in item.items():
+            ops[purpose] = ops.get(purpose, frozenset()) | names
+    return ops
 
 
 def rank_breakdown(steps: Sequence[StepBreakdown]) -> RankBreakdown:
@@ -222,21 +255,95 @@ def rank_breakdown(steps: Sequence[StepBreakdown]) -> RankBreakdown:
         median_step_seconds=statistics.median(s.step_seconds for s in steps),
         median_compute_seconds=statistics.median(s.seconds["compute"] for s in steps),
         microbatches=max(s.microbatches for s in steps),
+        comm_ops_by_purpose=_union_ops(s.comm_ops_by_purpose for s in steps),
     )
+
+
+def job_dominant(breakdowns: Iterable[RankBreakdown]) -> RankBreakdown:
+    """The job's typical rank: the mean over its ranks of their per-step means.
+
+    A mean, not a sum: the job's dominant class is the same either way, but every figure
+    the advice quotes must be one a person finds in the per-rank table (220 ms of exposed
+    communication per rank is not "440 ms" because two ranks wait at once).
+    """
+    items = [b for b in breakdowns if b.steps]
+    if not items:
+        return rank_breakdown([])
+    n = len(items)
+    purposes: dict[str, float] = {}
+    for b in items:
+        for purpose, value in b.exposed_comm_by_purpose.items():
+            purposes[purpose] = purposes.get(purpose, 0.0) + value / n
+    return RankBreakdown(
+        steps=min(b.steps for b in items),
+        step_seconds=sum(b.step_seconds for b in items) / n,
+        seconds={c: sum(b.seconds[c] for b in items) / n for c in CLASSES},
+        comm_seconds=sum(b.comm_seconds for b in items) / n,
+        exposed_comm_by_purpose=purposes,
+        median_step_seconds=statistics.median(b.median_step_seconds for b in items),
+        median_compute_seconds=statistics.median(b.median_compute_seconds for b in items),
+        microbatches=max(b.microbatches for b in items),
+        comm_ops_by_purpose=_union_ops(b.comm_ops_by_purpose for b in items),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# advice: only what can help on this device and is not already on
+# --------------------------------------------------------------------------------------------
+
+LOW_PRECISION_DTYPES = frozenset({"bfloat16", "float16"})
+
+
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    """What the advice must know so it never suggests what cannot help or already runs."""
+
+    on_gpu: bool  # CUDA: Triton kernels, bf16 tensor cores, CUDA graphs, pinned memory help
+    on_cpu: bool  # CPU: none of those do (bf16 matmuls are slower than fp32 on most CPUs)
+    low_precision: bool  # computes in bf16/fp16 already
+    sequence_parallel: bool  # tensor-parallel activations are reduce-scattered
+    zero_sharded: bool  # ZeRO gathers parameters: optimizer state is sharded already
+    grad_sync_algorithm: str  # the comm algorithm the gradient buckets run through, or ""
+    degrees: Mapping[str, int]
+
+    @classmethod
+    def of(cls, breakdown: RankBreakdown, context: RankContext) -> RunFacts:
+        ops = breakdown.comm_ops_by_purpose
+        bases = {purpose.rsplit("/", 1)[-1]: purpose for purpose in ops}
+        tp_ops = frozenset().union(
+            *(names for purpose, names in ops.items() if purpose.endswith("tp_activation"))
+        )
+        bucket = bases.get("grad_bucket", "")
+        return cls(
+            on_gpu=context.device.startswith("cuda"),
+            on_cpu=context.device == "cpu",
+            low_precision=context.compute_dtype in LOW_PRECISION_DTYPES,
+            sequence_parallel="reduce_scatter" in tp_ops,
+            zero_sharded="param_gather" in bases,
+            grad_sync_algorithm=bucket.rsplit("/", 1)[0] if "/" in bucket else "",
+            degrees=context.degrees,
+        )
 
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def _comm_advice(breakdown: RankBreakdown, context: RankContext) -> str:
+def _join(items: Sequence[str]) -> str:
+    items = [i for i in items if i]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _comm_advice(breakdown: RankBreakdown, context: RankContext, facts: RunFacts) -> str:
     by_purpose = breakdown.exposed_comm_by_purpose
     purpose = max(by_purpose, key=by_purpose.__getitem__, default="generic")
     exposed = breakdown.seconds["exposed_comm"]
     hidden = 1.0 - exposed / breakdown.comm_seconds if breakdown.comm_seconds > 0 else 0.0
     ops, mean_bytes = context.comm_bytes_by_purpose.get(purpose, (0, 0))
     head = (
-        f"exposed communication ({exposed * 1e3:.1f} ms/step, mostly {purpose!r}; "
+        f"exposed communication ({exposed * 1e3:.1f} ms/step per rank, mostly {purpose!r}; "
         f"{hidden:.0%} of all communication overlaps compute)"
     )
     base = purpose.rsplit("/", 1)[-1]
@@ -248,32 +355,44 @@ def _comm_advice(breakdown: RankBreakdown, context: RankContext) -> str:
             if hidden < 0.3
             else ""
         )
-        return (
-            f"{head}: {overlap}{sizes} — raise the bucket size (ddp.bucket_mb / zero bucket; "
-            "~25 MiB amortises per-collective latency) if buckets are small, accumulate more "
-            "micro-batches per step so each sync covers more compute, or compress gradients "
-            "(compression plugin: bf16 or PowerSGD) if the link is bandwidth-bound."
-        )
+        remedies = [
+            "raise the bucket size (ddp.bucket_mb / zero bucket; ~25 MiB amortises "
+            "per-collective latency) if buckets are small",
+            "accumulate more micro-batches per step so each sync covers more compute",
+        ]
+        if not facts.grad_sync_algorithm:
+            remedies.append(
+                "compress gradients (compression plugin: bf16 or PowerSGD) if the link is "
+                "bandwidth-bound"
+            )
+        else:
+            remedies.append(
+                f"check the {facts.grad_sync_algorithm!r} algorithm the buckets already run "
+                "through suits this link"
+            )
+        return f"{head}: {overlap}{sizes} — {_join(remedies)}."
     if base == "param_gather":
         return (
-            f"{head}: ZeRO-3 parameter all-gathers wait on the critical path — prefetch the "
+            f"{head}: ZeRO parameter all-gathers wait on the critical path — prefetch the "
             "next unit earlier, use larger units, or use ZeRO stage 2 if the parameters fit "
             "in memory (stage 2 gathers nothing during forward)."
         )
     if base in ("tp_activation", "tp_grad"):
-        tp = context.degrees.get("tp", 1)
-        return (
-            f"{head}: tensor-parallel collectives are synchronous by design — keep tp={tp} "
-            "inside one node (NVLink/NVSwitch), never across the network; if it already is, "
-            "lower tp and raise dp or pp, or enable sequence parallel to shrink activations."
-        )
+        tp = facts.degrees.get("tp", 1)
+        link = " (NVLink/NVSwitch)" if facts.on_gpu else ""
+        remedies = [f"keep tp={tp} inside one node{link}, never across the network"]
+        remedies.append("if it already is, lower tp and raise dp or pp")
+        if not facts.sequence_parallel:
+            remedies.append("enable sequence parallel (tp.sequence_parallel) to shrink activations")
+        return f"{head}: tensor-parallel collectives are synchronous by design — {_join(remedies)}."
     if base in ("grad_norm", "metrics", "loss_scale"):
         return (
             f"{head}: small synchronous all-reduces are latency-bound — report loss/metrics "
-            "less often and fuse the gradient-norm reduction with the gradient sync."
+            "less often (train.log_every) and fuse the gradient-norm reduction with the "
+            "gradient sync."
         )
     if base in ("cp_kv", "cp_a2a"):
-        cp = context.degrees.get("cp", 1)
+        cp = facts.degrees.get("cp", 1)
         how = (
             "ring K/V transfers outlast the attention block they overlap"
             if base == "cp_kv"
@@ -299,24 +418,31 @@ def _comm_advice(breakdown: RankBreakdown, context: RankContext) -> str:
 
 
 def advice(breakdown: RankBreakdown, context: RankContext | None = None) -> str:
-    """Concrete advice for the dominant class of `breakdown`."""
+    """Concrete advice for the dominant class of `breakdown`, for the device it ran on.
+
+    Figures quoted are `breakdown`'s own (per rank and step, as the tables show them); a
+    remedy is left out when it cannot help on the rank's device or is already on.
+    """
     context = context or RankContext()
     dominant = breakdown.dominant
     if not dominant:
         return "no complete steps received yet"
+    facts = RunFacts.of(breakdown, context)
     share = breakdown.seconds[dominant] / breakdown.step_seconds if breakdown.step_seconds else 0
     ms = breakdown.seconds[dominant] * 1e3
     if dominant == "exposed_comm":
-        return _comm_advice(breakdown, context)
+        return _comm_advice(breakdown, context, facts)
     if dominant == "data":
+        prefetch = "prefetch in background workers" + (
+            " with pinned host memory" if facts.on_gpu else ""
+        )
         return (
-            f"data-bound: {ms:.1f} ms/step ({share:.0%}) waiting for batches — prefetch in "
-            "background workers (DataLoader num_workers, pin_memory, prefetch_factor), read "
-            "memory-mapped token files (`plait data prepare`) instead of tokenising on the fly, "
-            "or raise the micro-batch size so each batch carries more compute."
+            f"data-bound: {ms:.1f} ms/step ({share:.0%}) waiting for batches — {prefetch}, "
+            "read memory-mapped token files (`plait data prepare`) instead of tokenising on "
+            "the fly, or raise the micro-batch size so each batch carries more compute."
         )
     if dominant == "pipeline_bubble":
-        pp = context.degrees.get("pp", 1)
+        pp = facts.degrees.get("pp", 1)
         m = max(breakdown.microbatches, 1)
         bubble = (pp - 1) / (m + pp - 1) if pp > 1 else 0.0
         return (
@@ -327,41 +453,74 @@ def advice(breakdown: RankBreakdown, context: RankContext | None = None) -> str:
             "schedule, and balance layers across stages."
         )
     if dominant == "optimizer":
+        remedies = ["use the fused AdamW kernel (kernels.adamw_step)"]
+        if facts.degrees.get("dp", 1) > 1 and not facts.zero_sharded:
+            remedies.append(
+                "shard optimizer state with ZeRO stage 1/2 (parallel.dp_strategy; each rank "
+                "updates 1/dp of the parameters)"
+            )
+        remedies.append("avoid CPU offload unless memory forces it")
         return (
-            f"optimizer-bound: {ms:.1f} ms/step ({share:.0%}) in the optimizer step — use the "
-            "fused AdamW kernel (kernels.adamw_step), shard optimizer state with ZeRO stage 1/2 "
-            "(each rank updates 1/dp of the parameters), and avoid CPU offload unless memory "
-            "forces it."
+            f"optimizer-bound: {ms:.1f} ms/step ({share:.0%}) in the optimizer step — "
+            f"{_join(remedies)}."
         )
     if dominant == "host_other":
+        graphs = "torch.compile or CUDA graphs" if facts.on_gpu else "torch.compile"
         return (
             f"host overhead: {ms:.1f} ms/step ({share:.0%}) outside compute, communication and "
-            "data — Python and launch overhead or host syncs between phases; use torch.compile "
-            "or CUDA graphs, larger micro-batches, and fewer per-step .item() calls."
+            f"data — Python and launch overhead or host syncs between phases; use {graphs}, "
+            "larger micro-batches, and fewer per-step .item() calls."
         )
+    remedies = []
+    if facts.on_gpu:
+        remedies.append('fused Triton kernels (kernels.prefer = ["triton"])')
+        if not facts.low_precision:
+            remedies.append("bf16 autocast (the precision plugin)")
+    elif facts.on_cpu:
+        # Triton needs a GPU, and bf16 matmuls run slower than fp32 on most CPUs.
+        remedies.append("more cores per rank (fewer ranks per node)")
+    remedies.append("larger micro-batches")
     return (
-        f"compute-bound ({share:.0%} of the step): the healthy case — raise MFU with fused "
-        "kernels (the triton plugin), bf16, larger micro-batches, and activation checkpointing "
-        "only where memory requires it."
+        f"compute-bound ({share:.0%} of the step): the healthy case — raise MFU with "
+        f"{_join(remedies)}; use activation checkpointing only where memory requires it."
     )
 
 
-def job_dominant(breakdowns: Iterable[RankBreakdown]) -> RankBreakdown:
-    """One breakdown summing the ranks' means, for a job-level dominant class and advice."""
-    items = [b for b in breakdowns if b.steps]
-    if not items:
-        return rank_breakdown([])
-    purposes: dict[str, float] = {}
-    for b in items:
-        for purpose, value in b.exposed_comm_by_purpose.items():
-            purposes[purpose] = purposes.get(purpose, 0.0) + value
-    return RankBreakdown(
-        steps=min(b.steps for b in items),
-        step_seconds=sum(b.step_seconds for b in items),
-        seconds={c: sum(b.seconds[c] for b in items) for c in CLASSES},
-        comm_seconds=sum(b.comm_seconds for b in items),
-        exposed_comm_by_purpose=purposes,
-        median_step_seconds=statistics.median(b.median_step_seconds for b in items),
-        median_compute_seconds=statistics.median(b.median_compute_seconds for b in items),
-        microbatches=max(b.microbatches for b in items),
-    )
+# --------------------------------------------------------------------------------------------
+# mixture of experts: expert load, said beside whatever dominates
+# --------------------------------------------------------------------------------------------
+
+EXPERT_IMBALANCE_NOTED = 1.25  # busiest expert 25 % over the mean
+EXPERT_DROPS_NOTED = 0.01  # 1 % of assignments dropped over capacity
+MOE_PURPOSES = ("moe_dispatch", "moe_combine")
+
+
+def expert_load_advice(breakdown: RankBreakdown, context: RankContext) -> str:
+    """What the expert load costs and how to even it, when it is uneven or drops tokens.
+
+    Names the exposed all-to-all time of expert dispatch and combine (per rank and step, as
+    the tables show it) when it is the largest exposed communication; "" for a balanced or
+    dense model.
+    """
+    imbalance, dropped = context.expert_imbalance, context.expert_dropped_fraction
+    if not breakdown.steps or (imbalance < EXPERT_IMBALANCE_NOTED and dropped < EXPERT_DROPS_NOTED):
+        return ""
+    by_purpose = breakdown.exposed_comm_by_purpose
+    a2a = sum(v for p, v in by_purpose.items() if p.rsplit("/", 1)[-1] in MOE_PURPOSES)
+    head = f"expert load: in {context.expert_layer or 'a MoE layer'} the busiest expert gets "
+    head += f"{imbalance:.2f}× the mean tokens"
+    if dropped >= EXPERT_DROPS_NOTED:
+        head += f", {dropped:.1%} of assignments dropped over capacity"
+    if a2a > 0 and a2a >= max(by_purpose.values(), default=0.0):
+        head += f"; expert all-to-all exposes {a2a * 1e3:.1f} ms/step per rank"
+    remedies = [
+        "raise the balancing coefficient (model.aux_loss_coef) or the routing-bias update "
+        "(model.bias_update_rate)"
+    ]
+    if dropped >= EXPERT_DROPS_NOTED:
+        remedies.append("raise model.capacity_factor (fewer drops, more memory and bytes)")
+    if context.degrees.get("ep", 1) > 1:
+        remedies.append(
+            f"lower parallel.ep={context.degrees['ep']} so fewer ranks wait for the busiest one"
+        )
+    return f"{head} — {_join(remedies)}."

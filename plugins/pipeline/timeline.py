@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plait.core.errors import ScheduleError
 from plait.core.schedule import (
@@ -25,6 +26,10 @@ from plait.core.schedule import (
     format_action,
 )
 from plait.plugins.pipeline.topology import Layout, Message, message_of
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,63 +205,120 @@ _COLOURS = {
     "I": "#dd8452",
     "W": "#8172b3",
 }
+_KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+_IDLE_COLOUR = "#ececec"
+# Layout of the picture: inches per time unit, and the widest a row may get before the
+# timeline wraps into another row (about 1,300 px at 120 dpi, so it fits a screen or a page).
+INCHES_PER_UNIT = 0.3
+MAX_ROW_INCHES = 11.0
+MARGIN_INCHES = 3.2  # rank names on the left, legend on the right
+LEGEND_INCHES = 2.3
+MIN_LABELLED_UNITS = 0.6  # a narrower part of an action (cut by a row's end) goes unlabelled
+
+
+def _chunk_alpha(chunk: int, max_chunk: int) -> float:
+    """Later model chunks are drawn lighter (interleaved schedules), the first one in full."""
+    return 1.0 - 0.45 * chunk / max(1, max_chunk)
+
+
+def _chunk_label(chunk: int) -> str:
+    example = format_action(Forward(microbatch=0, chunk=chunk))
+    return f"model chunk {chunk} (as {example}{', lighter' if chunk else ''})"
+
+
+def row_span(timeline: Timeline) -> float:
+    """Time units per row of the picture: the whole makespan when it fits, else a round
+    number of units, so long schedules wrap into rows instead of growing wider."""
+    fits = MAX_ROW_INCHES / INCHES_PER_UNIT
+    if timeline.makespan <= fits:
+        return max(timeline.makespan, 1.0)
+    return float(max(5, int(fits) // 5 * 5))
 
 
 def render_png(timeline: Timeline, path: str | Path, *, title: str = "") -> None:
     """Draw the timeline as a Gantt chart (one lane per rank) into a PNG file."""
+    import matplotlib.pyplot as plt
+
+    figure = timeline_figure(timeline, title=title)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def timeline_figure(timeline: Timeline, *, title: str = "") -> Figure:
+    """The figure `render_png` saves: one panel per row of `row_span` time units, every rank
+    in each, a legend naming each kind of action, each chunk's shading and the idle time."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers; explicit so a user's backend is not needed
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    num_ranks = len(timeline.rows)
-    figure, axes = plt.subplots(figsize=(max(6.0, timeline.makespan * 0.35), 0.6 * num_ranks + 1.5))
-    for rank, row in timeline.rows.items():
-        for timed in row:
-            if not isinstance(timed.action, Forward | Backward) or timed.end <= timed.start:
-                continue
-            label = format_action(timed.action)
-            lightness = 1.0 - 0.35 * timed.action.chunk / max(1, _max_chunk(timeline))
-            axes.broken_barh(
-                [(timed.start, timed.end - timed.start)],
-                (rank - 0.4, 0.8),
-                facecolors=_COLOURS[label[0]],
-                edgecolor="white",
-                alpha=lightness,
-            )
-            axes.text(
-                (timed.start + timed.end) / 2,
-                rank,
-                label,
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white",
-            )
-    axes.set_ylim(num_ranks - 0.5, -0.5)
-    axes.set_xlim(0, timeline.makespan)
-    axes.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
-    axes.set_xlabel("time")
-    axes.set_title(title or f"bubble {timeline.bubble_fraction:.3f}", fontsize=9)
+    num_ranks = max(len(timeline.rows), 1)
+    span = row_span(timeline)
+    panels = max(1, math.ceil(timeline.makespan / span - 1e-9))
+    max_chunk = _max_chunk(timeline)
+    figure, axes_list = plt.subplots(
+        panels,
+        1,
+        figsize=(span * INCHES_PER_UNIT + MARGIN_INCHES, panels * (0.45 * num_ranks + 0.9) + 0.6),
+        squeeze=False,
+    )
+    for panel, (axes,) in enumerate(axes_list):
+        lo, hi = panel * span, (panel + 1) * span
+        _draw_rows(axes, timeline, lo, hi, max_chunk)
+        axes.set_xlim(lo, lo + span)  # every row on the same scale, the last one too
+        axes.set_ylim(num_ranks - 0.5, -0.5)
+        axes.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
+        axes.set_facecolor(_IDLE_COLOUR)
+    axes_list[-1][0].set_xlabel("time (units of one forward)")
+    figure.suptitle(title or f"bubble {timeline.bubble_fraction:.3f}", fontsize=9)
     used = sorted(
         {
             format_action(t.action)[0]
             for row in timeline.rows.values()
             for t in row
             if isinstance(t.action, Forward | Backward)
-        }
+        },
+        key=list(_COLOURS).index,
     )
-    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
-    axes.legend(
-        handles=[Patch(color=_COLOURS[k], label=names[k]) for k in used],
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=7,
-    )
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    handles = [Patch(color=_COLOURS[k], label=_KIND_NAMES[k]) for k in used]
+    if max_chunk > 0:
+        # Interleaved: each model chunk's shade, shown on the forward colour (X.c in labels).
+        handles += [
+            Patch(
+                color=_COLOURS["F"],
+                alpha=_chunk_alpha(chunk, max_chunk),
+                label=_chunk_label(chunk),
+            )
+            for chunk in range(max_chunk + 1)
+        ]
+    handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="#bbbbbb", label="idle (bubble)"))
+    figure.legend(handles=handles, loc="upper right", fontsize=7)
+    figure.tight_layout(rect=(0, 0, 1 - LEGEND_INCHES / figure.get_figwidth(), 1))
+    return figure
+
+
+def _draw_rows(axes: Axes, timeline: Timeline, lo: float, hi: float, max_chunk: int) -> None:
+    """The part in [lo, hi) of every rank's actions, labelled; an action crossing a row's
+    end is drawn in both rows, each part labelled when wide enough to hold its label."""
+    for rank, row in timeline.rows.items():
+        for timed in row:
+            if not isinstance(timed.action, Forward | Backward) or timed.end <= timed.start:
+                continue
+            start, end = max(timed.start, lo), min(timed.end, hi)
+            if end <= start:
+                continue
+            label = format_action(timed.action)
+            axes.broken_barh(
+                [(start, end - start)],
+                (rank - 0.4, 0.8),
+                facecolors=_COLOURS[label[0]],
+                edgecolor="white",
+                alpha=_chunk_alpha(timed.action.chunk, max_chunk),
+            )
+            if end - start >= MIN_LABELLED_UNITS:
+                axes.text((start + end) / 2, rank, label, ha="center", va="center", fontsize=7,
+                          color="white")  # fmt: skip
 
 
 def _max_chunk(timeline: Timeline) -> int:

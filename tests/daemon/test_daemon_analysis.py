@@ -15,6 +15,7 @@ from plait.daemon.bottleneck import (
     RankContext,
     StepSpan,
     advice,
+    job_dominant,
     merge,
     rank_breakdown,
     step_breakdown,
@@ -32,9 +33,10 @@ def phase(name: str, start: int, end: int) -> StepSpan:
     return StepSpan("phase", name, BASE + start * MS, BASE + end * MS)
 
 
-def comm(purpose: str, start: int, end: int, *, blocking: bool, nbytes: int = 0) -> StepSpan:
-    return StepSpan("comm", "all_reduce", BASE + start * MS, BASE + end * MS, purpose, blocking,
-                    nbytes)  # fmt: skip
+def comm(
+    purpose: str, start: int, end: int, *, blocking: bool, nbytes: int = 0, op: str = "all_reduce"
+) -> StepSpan:
+    return StepSpan("comm", op, BASE + start * MS, BASE + end * MS, purpose, blocking, nbytes)
 
 
 # A data-parallel step of 100 ms (times in ms):
@@ -145,6 +147,107 @@ def test_exposed_context_and_expert_traffic_gets_its_own_advice(
     summary = rank_breakdown([step_breakdown(0, BASE, BASE + 100 * MS, spans)])
     assert summary.dominant == "exposed_comm"
     assert expected in advice(summary, RankContext(degrees={"cp": 4}))
+
+
+# --------------------------------------------------------------------------------------------
+# advice fits the device and the run
+# --------------------------------------------------------------------------------------------
+
+COMPUTE_BOUND = [phase("forward", 0, 40), phase("backward", 40, 90), phase("optimizer", 90, 95)]
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "triton", "bf16"),
+    [
+        ("cpu", "float32", False, False),  # Triton needs a GPU; bf16 is slower on CPUs
+        ("cuda:0", "float32", True, True),
+        ("cuda:1", "bfloat16", True, False),  # already computes in bf16
+    ],
+)
+def test_compute_advice_only_names_what_helps_on_the_device(
+    device: str, dtype: str, triton: bool, bf16: bool
+) -> None:
+    summary = rank_breakdown([step_breakdown(0, BASE, BASE + 100 * MS, COMPUTE_BOUND)])
+    assert summary.dominant == "compute"
+    text = advice(summary, RankContext(device=device, compute_dtype=dtype))
+    assert ("Triton" in text) is triton and ("bf16" in text) is bf16, text
+    assert "micro-batches" in text
+
+
+def tp_bound_step(ops: tuple[str, ...]) -> list[StepSpan]:
+    """A forward stalled by synchronous tensor-parallel collectives of the given ops."""
+    spans = [phase("forward", 0, 80), phase("backward", 80, 90), phase("optimizer", 90, 95)]
+    for i, op in enumerate(ops):  # 70 of forward's 80 ms are spent in the collectives
+        spans.append(comm("tp_activation", 5 + 37 * i, 40 + 37 * i, blocking=True, op=op))
+    return spans
+
+
+@pytest.mark.parametrize(
+    ("ops", "suggests_sp"),
+    [
+        (("all_reduce", "all_reduce"), True),  # Megatron f/g without sequence parallel
+        (("all_gather", "reduce_scatter"), False),  # sequence parallel is on
+    ],
+)
+def test_tensor_parallel_advice_never_suggests_sequence_parallel_when_on(
+    ops: tuple[str, ...], suggests_sp: bool
+) -> None:
+    summary = rank_breakdown([step_breakdown(0, BASE, BASE + 100 * MS, tp_bound_step(ops))])
+    assert summary.dominant == "exposed_comm"
+    assert summary.comm_ops_by_purpose == {"tp_activation": frozenset(ops)}
+    text = advice(summary, RankContext(degrees={"tp": 2}, device="cuda:0"))
+    assert ("sequence parallel" in text) is suggests_sp, text
+    assert "tp=2" in text and "NVLink" in text
+    assert "NVLink" not in advice(summary, RankContext(degrees={"tp": 2}, device="cpu"))
+
+
+def test_job_advice_quotes_the_per_rank_figure_the_table_shows() -> None:
+    # Two ranks each exposing 60 ms of gradient sync per step: the job's advice says 60, the
+    # figure in each rank's row, not 120 (two ranks waiting at once is not twice the wait).
+    spans = [
+        phase("forward", 0, 10),
+        phase("backward", 10, 30),
+        comm("grad_bucket", 30, 90, blocking=False, nbytes=2**20),
+        phase("optimizer", 90, 95),
+    ]
+    rank = rank_breakdown([step_breakdown(0, BASE, BASE + 100 * MS, spans)])
+    job = job_dominant([rank, rank])
+    assert job.seconds == pytest.approx(rank.seconds)
+    assert job.step_seconds == pytest.approx(0.1)
+    text = advice(job)
+    assert "60.0 ms/step per rank" in text and "120.0" not in text
+
+
+def test_optimizer_advice_offers_zero_only_where_it_can_help() -> None:
+    def optimizer_bound(*extra: StepSpan) -> str:
+        spans = [phase("forward", 0, 10), phase("backward", 10, 20), phase("optimizer", 20, 95)]
+        summary = rank_breakdown([step_breakdown(0, BASE, BASE + 100 * MS, [*spans, *extra])])
+        assert summary.dominant == "optimizer"
+        return advice(summary, RankContext(degrees={"dp": 2}))
+
+    assert "ZeRO" in optimizer_bound()
+    # ZeRO's parameter all-gather after the step: optimizer state is sharded already.
+    assert "ZeRO" not in optimizer_bound(
+        comm("param_gather", 95, 97, blocking=False, op="all_gather")
+    )
+    summary = rank_breakdown(
+        [step_breakdown(0, BASE, BASE + 100 * MS, [phase("optimizer", 0, 95)])]
+    )
+    assert "ZeRO" not in advice(summary, RankContext(degrees={"dp": 1}))  # nothing to shard over
+
+
+def test_gradient_advice_skips_compression_when_an_algorithm_already_runs_the_buckets() -> None:
+    def grad_bound(purpose: str) -> str:
+        spans = [
+            phase("forward", 0, 10),
+            phase("backward", 10, 30),
+            comm(purpose, 30, 90, blocking=False, nbytes=2**20),
+        ]
+        return advice(rank_breakdown([step_breakdown(0, BASE, BASE + 100 * MS, spans)]))
+
+    assert "compress gradients" in grad_bound("grad_bucket")
+    text = grad_bound("powersgd/grad_bucket")
+    assert "compress gradients" not in text and "'powersgd'" in text
 
 
 def test_breakdown_through_the_daemon_matches_hand_computation(daemon_server, daemon_stub) -> None:

@@ -45,9 +45,55 @@ def test_status_lists_ranks_of_every_host(two_daemons) -> None:
 
 def test_top_once_aggregates_hosts(two_daemons) -> None:
     a, b = two_daemons
-    result = runner.invoke(app, ["top", "--once", "--host", a.address, "--host", b.address])
+    # The job ended (finished jobs are listed when named).
+    args = ["top", "--once", "--job", "job-a", "--host", a.address, "--host", b.address]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "2/2" in result.output  # both ranks of the job, seen through two daemons
+
+
+def parse(result) -> dict:
+    assert result.output.lstrip().startswith("{"), result.output  # nothing but the document
+    return json.loads(result.output)
+
+
+def test_json_outputs_parse_and_carry_the_figures(two_daemons) -> None:
+    a, b = two_daemons
+    hosts = ["--host", a.address, "--host", b.address]
+    status = parse(runner.invoke(app, ["status", "--json", *hosts]))
+    assert (status["command"], status["schema_version"]) == ("status", 1)
+    assert [d["host"] for d in status["daemons"]] == [a.address, b.address]
+    assert all(d["error"] is None and d["status"]["ranks"] == 1 for d in status["daemons"])
+    ranks = sorted(status["ranks"], key=lambda r: r["rank"])
+    assert [(r["job_id"], r["rank"], r["device"]) for r in ranks] == [
+        ("job-a", 0, "cpu"),
+        ("job-a", 1, "cpu"),
+    ]
+    assert isinstance(ranks[0]["spans_received"], int)  # not protobuf's string for int64
+    for command in (["top", "--once", "--json"], ["top", "--json"]):
+        top = parse(runner.invoke(app, [*command, "--job", "job-a", *hosts]))
+        (job,) = top["jobs"]
+        assert (job["job_id"], job["ranks_reporting"], job["world_size"]) == ("job-a", 2, 2)
+        assert job["tokens_per_second"] == pytest.approx(
+            sum(r["tokens_per_second"] for r in top["ranks"])
+        )
+        assert [h["address"] for h in top["hosts"]] == [a.address, b.address]
+    verdict = parse(runner.invoke(app, ["bottleneck", "--json", "--job", "job-a", *hosts]))
+    assert {r["rank"] for r in verdict["ranks"]} == {0, 1}
+    assert all(r["comm_ops_by_purpose"]["grad_bucket"] == "all_reduce" for r in verdict["ranks"])
+    (job_verdict,) = verdict["jobs"]
+    assert job_verdict["job_id"] == "job-a" and job_verdict["advice"]
+    assert verdict["errors"] == [] and verdict["png"] is None
+
+
+def test_json_names_an_unreachable_host_and_fails(daemon_server) -> None:
+    hosts = ["--host", daemon_server.address, "--host", "127.0.0.1:9"]
+    for command in (["status"], ["top", "--once"], ["bottleneck"]):
+        result = runner.invoke(app, [*command, "--json", *hosts])
+        assert result.exit_code == 1
+        document = parse(result)
+        text = json.dumps(document)
+        assert "127.0.0.1:9" in text and "UNAVAILABLE" in text, command
 
 
 def test_job_aggregation_adds_achieved_and_peak() -> None:

@@ -77,12 +77,13 @@ def test_bottleneck_aggregates_hosts_and_flags_the_slow_rank(tmp_path) -> None:
         if line.startswith("│ cli")
     ]
     breakdown = [row for row in rows if len(row) == 11]
-    # rank 0: compute 20 + 20 ms, 45 ms of gaps; rank 1: compute 50 + 20 ms.
-    assert breakdown[0][1:] == ["0", "3", "100.0", "40.0", "0.0", "10.0", "0.0", "5.0", "45.0",
-                                "host_other"]  # fmt: skip
+    # rank 0: compute 20 + 20 ms, 45 ms of gaps; rank 1: compute 50 + 20 ms. No rank spends
+    # time in communication or a bubble: "-".
+    assert breakdown[0][1:] == ["0", "3", "100.0", "40.0", "-", "10.0", "-", "5.0", "45.0",
+                                "host/other"]  # fmt: skip
     assert breakdown[1][4] == "70.0" and breakdown[1][-1] == "compute"
     # Scored against both hosts' ranks: rank 1 computes 27% above the median.
-    stragglers = [row for row in rows if len(row) == 7]
+    stragglers = [row for row in rows if len(row) == 8]
     assert [row[1] for row in stragglers if row[-1] == "STRAGGLER"] == ["1"]
     assert "job cli — compute:" in result.output  # one verdict for the job over both hosts
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

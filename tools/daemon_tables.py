@@ -1,0 +1,114 @@
+"""Terminal tables of the daemon commands, laid out for the width they are printed at.
+
+A table is a list of `Column`s (a header with its unit, and how to read a cell from a row)
+and the rows. Below `NARROW_WIDTH` columns a table keeps to what a person needs on a small
+terminal: columns with nothing to show are dropped, so are columns marked `wide_only`, and
+job ids are shortened to the shortest form that still tells the jobs apart. Cells carry bare
+numbers, the unit is in the header ("step ms", not "123.4 ms" in every cell), so columns stay
+narrow enough that rich never has to cut a word into `tok…`.
+
+To add a column to a view, add a `Column` to its list; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+from rich.table import Table
+
+NARROW_WIDTH = 120  # below this many terminal columns, tables are compacted
+EMPTY_CELLS = frozenset({"", "-"})
+SHORT_JOB_ID = 12  # longest job id shown unshortened on a narrow terminal
+
+Row = TypeVar("Row")
+
+
+@dataclass(frozen=True, slots=True)
+class Column(Generic[Row]):
+    """One column: its header (unit included) and the text of its cell for a row."""
+
+    header: str
+    cell: Callable[[Row], str]
+    justify: Literal["left", "right", "center"] = "right"
+    wide_only: bool = False  # shown only at NARROW_WIDTH columns or more
+    keep_empty: bool = False  # shown even when no row has a value (key columns)
+
+
+def is_narrow(width: int) -> bool:
+    return width < NARROW_WIDTH
+
+
+def build_table(
+    title: str, columns: Sequence[Column[Row]], rows: Iterable[Row], width: int
+) -> Table:
+    """A rich table of `rows`, with the columns that fit a terminal `width` wide."""
+    rows = list(rows)
+    cells = [[column.cell(row) for column in columns] for row in rows]
+    keep = [
+        i
+        for i, column in enumerate(columns)
+        if not is_narrow(width)
+        or (
+            not column.wide_only
+            and (column.keep_empty or not rows or any(r[i] not in EMPTY_CELLS for r in cells))
+        )
+    ]
+    table = Table(title=title)
+    for i in keep:
+        # no_wrap: a figure split over two lines reads as two figures.
+        table.add_column(columns[i].header, justify=columns[i].justify, no_wrap=True)
+    for row in cells:
+        table.add_row(*(row[i] for i in keep))
+    return table
+
+
+def short_job_ids(job_ids: Iterable[str], width: int) -> dict[str, str]:
+    """job id -> the label shown for it: the id itself on a wide terminal or when short,
+    else its head and tail around an ellipsis, long enough to keep every id apart.
+
+    Head and tail both: a UUID differs from another in its first characters, a default id
+    made of a config name and a start time in its last ones.
+    """
+    ids = sorted(set(job_ids))
+    if not is_narrow(width):
+        return {job_id: job_id for job_id in ids}
+    labels: dict[str, str] = {}
+    long_ids = [job_id for job_id in ids if len(job_id) > SHORT_JOB_ID]
+    for job_id in ids:
+        if job_id not in long_ids:
+            labels[job_id] = job_id
+    for keep in range(4, max((len(j) for j in long_ids), default=0)):
+        candidates = {job_id: _abbreviate(job_id, keep) for job_id in long_ids}
+        shown = [*candidates.values(), *labels.values()]
+        if len(set(shown)) == len(shown):
+            return {**labels, **candidates}
+    return {**labels, **{job_id: job_id for job_id in long_ids}}
+
+
+def _abbreviate(job_id: str, keep: int) -> str:
+    head, tail = (keep + 1) // 2 + 2, keep // 2 + 2
+    if head + tail + 1 >= len(job_id):
+        return job_id
+    return f"{job_id[:head]}…{job_id[-tail:]}"
+
+
+def format_bytes(value: float) -> str:
+    """Bytes in B / KiB / MiB / GiB ("-" when negative: unknown)."""
+    if value < 0:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(value)
+
+
+def milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def percent(fraction: float) -> str:
+    """A 0..1 fraction as a bare percentage ("-" when negative: unknown)."""
+    return "-" if fraction < 0 else f"{fraction * 100:.0f}"
