@@ -314,7 +314,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not record_rank_error(exc, os.environ):
             raise
         return 1
+    finally:
+        _release_process_group()
     return 0
+
+
+def _release_process_group() -> None:
+    """Tear the process group down before the interpreter exits: a rank leaving with it alive
+    (after an error) aborts in C++ ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

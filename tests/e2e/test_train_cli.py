@@ -40,10 +40,86 @@ def test_train_two_ranks_loss_falls() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 ranks (pp=1 dp=2 cp=1 tp=1)" in result.stdout
     assert "MFU" in result.stdout
-    done = re.search(r"done: loss ([\d.]+) → ([\d.]+)", result.stdout)
+    done = re.search(r"done: loss ([\d.]+) → ([\d.]+) \(mean of steps 1–4 → 5–8\)", result.stdout)
     assert done, result.stdout
     first, last = map(float, done.groups())
     assert last < first - 0.2, f"loss did not fall: {first} → {last}"
+    # Log lines every 10 steps by default (not a terminal): the first and the last step here.
+    assert re.findall(r"^step (\d+)/8 loss", result.stdout, re.MULTILINE) == ["1", "8"]
+    assert re.search(r"step 8/8 .* elapsed \d+:\d\d:\d\d eta 0:00:00", result.stdout)
+    # The banner names the strategy, schedule, communication algorithm and data source.
+    assert "dp strategy ddp (" not in result.stdout  # DDP has no option worth naming here
+    assert "schedule accumulate · comm torch" in result.stdout
+    assert "data bundled corpus (" in result.stdout and "byte tokenizer" in result.stdout
+    assert "OMP_NUM_THREADS" not in result.stdout + result.stderr
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_a_rank_failure_is_one_line_with_the_full_report_in_the_run_dir(tmp_path: Path) -> None:
+    # A token directory that passes the launch checks (it exists) but that no rank can read.
+    data = tmp_path / "tokens"
+    data.mkdir()
+    (data / "meta.json").write_text('{"format": "plait-tokens", "format_version": 7}')
+    run_dir = tmp_path / "run"
+    result = _run(
+        [
+            "train",
+            "configs/tiny.toml",
+            "--nproc-per-node",
+            "2",
+            "--set",
+            f"data.path={data}",
+            "--set",
+            "telemetry.enabled=false",
+            "--set",
+            f"train.run_dir={run_dir}",
+        ],
+        timeout=220,
+    )
+    assert result.returncode == 1
+    output = (result.stdout + result.stderr).strip()
+    lines = output.splitlines()
+    assert len(lines) == 1, output
+    assert re.fullmatch(
+        rf"training failed: rank [01] failed: {re.escape(str(data / 'meta.json'))}: "
+        r"format_version 7 is not supported .*; rank [01] alike "
+        rf"\(full report: {re.escape(str(run_dir / 'launch.log'))}\)",
+        lines[0],
+    ), lines[0]
+    report = (run_dir / "launch.log").read_text()
+    assert "plait.tools.trainer FAILED" in report  # torchrun's own report
+    assert report.count("Traceback (most recent call last)") >= 2  # every rank's traceback
+    assert "TokenFileError" in report
+
+
+def test_dry_run_prints_the_mesh_and_estimates_without_launching() -> None:
+    result = _run(
+        [
+            "train",
+            "configs/tiny.toml",
+            "--nproc-per-node",
+            "4",
+            "--dry-run",
+            "--set",
+            "parallel.tp=2",
+            "--set",
+            "parallel.dp_strategy=zero2",
+        ],
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "dry run: llama/tiny · 125,248 parameters · 4 ranks (pp=1 dp=2 cp=1 tp=2)" in out
+    assert "dp groups: [0, 2] [1, 3]" in out and "tp groups: [0, 1] [2, 3]" in out
+    row = re.search(r"│\s+0 │\s+([\d,]+) │\s+([\d.]+) │\s+([\d.]+) │\s+([\d.]+) │", out)
+    assert row, out
+    params, param_mib, grad_mib, optim_mib = row.groups()
+    # tp=2 halves the parameters; zero2 shards gradients and AdamW's two fp32 moments over dp=2.
+    assert int(params.replace(",", "")) == 125_248 // 2
+    assert float(grad_mib) == pytest.approx(float(param_mib) / 2, abs=0.05)
+    assert float(optim_mib) == pytest.approx(float(param_mib), abs=0.05)
+    assert "Nothing was launched" in out and "torch.distributed" not in result.stderr
 
 
 def test_train_rejects_bad_config_before_launching() -> None:
