@@ -46,7 +46,9 @@ def panel_title(job_id: str, ranks: Sequence[metrics_pb2.BottleneckBreakdown],
                 figures: JobFigures | None) -> str:  # fmt: skip
     step = figures.step_seconds if figures else max(r.step_seconds for r in ranks)
     mfu = f"MFU {format_mfu(figures.mfu)}" if figures and figures.mfu is not None else "MFU n/a"
-    return f"job {job_id} — {mfu} — step {step * 1e3:.1f} ms"
+    # Two lines: a full job id (a UUID is 36 characters) beside the figures would run into
+    # the next panel's title.
+    return f"job {job_id}\n{mfu} · step {step * 1e3:.1f} ms"
 
 
 def write_bottleneck_png(
