@@ -41,14 +41,53 @@ def info(
         weights = read_checkpoint(directory, prefix="model.", with_objects=False)
     except PlaitError as exc:
         _fail(exc)
-    meta = objects.get("meta", {})
+    console.print(f"[green]ok[/green] {directory}", highlight=False, soft_wrap=True)
+    for label, value in info_rows(directory, objects.get("meta", {}), weights):
+        console.print(f"{label:<10} {value}", highlight=False, soft_wrap=True)
+
+
+def info_rows(
+    directory: Path, meta: dict[str, Any], weights: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """`plait ckpt info`'s lines, as (label, text): no Python reprs, plurals that agree."""
+    from plait.plugins.checkpoint.storage import MANIFEST
+
     numel = sum(t.numel() for t in weights.values())
-    console.print(f"[green]ok[/green] {directory}", highlight=False)
-    console.print(
-        f"{len(weights)} tensors, {numel:,} parameters · model {meta.get('model')} · saved by "
-        f"{meta.get('world_size', '?')} ranks {meta.get('degrees', '')}",
-        highlight=False,
+    manifest = json.loads((directory / MANIFEST).read_text())
+    files = manifest.get("files", {})
+    size = sum(int(f.get("size", 0)) for f in files.values())
+    model = meta.get("model") or {}
+    model_name = (
+        "/".join(str(model[k]) for k in ("name", "size") if model.get(k))
+        if isinstance(model, dict)
+        else str(model)
+    ) or "a model of its own (not a built-in family)"
+    world = meta.get("world_size")
+    degrees = meta.get("degrees") or {}
+    layout = " ".join(f"{axis}={degree}" for axis, degree in degrees.items())
+    saved_by = (
+        f"{_count(world, 'rank')}" if isinstance(world, int) else "an unknown number of ranks"
     )
+    if layout:
+        saved_by += f" ({layout})"
+    if meta.get("dp_strategy"):
+        saved_by += f" · dp strategy {meta['dp_strategy']}"
+    rows = [
+        ("step", str(manifest.get("step", "?"))),
+        ("model", f"{model_name} · {_count(len(weights), 'tensor')} · {numel:,} parameters"),
+        ("saved by", saved_by),
+        (
+            "files",
+            f"{_count(len(files), 'file')}, {size / 2**20:,.1f} MiB · sizes and CRC-32s verified",
+        ),
+    ]
+    if meta.get("format"):
+        rows.append(("format", str(meta["format"])))
+    return rows
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 @app.command("export")

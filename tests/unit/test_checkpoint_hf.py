@@ -95,7 +95,8 @@ def test_convert_to_torch_and_back(tmp_path: Path) -> None:
                                "--to", "dcp", "--step", "2"])  # fmt: skip
     assert back.exit_code == 0, back.output
     info = runner.invoke(app, ["info", str(tmp_path / "b")])
-    assert info.exit_code == 0 and "1 tensors, 12 parameters" in info.output, info.output
+    assert info.exit_code == 0 and "1 tensor · 12 parameters" in info.output, info.output
+    assert "{" not in info.output and "step       2" in info.output, info.output  # no reprs
 
 
 def _engine(model: dict[str, Any]) -> Any:
