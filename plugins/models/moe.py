@@ -33,7 +33,9 @@ They reach the training loss without changing the model's output: each MoE layer
 output through `inject_loss`, which is the identity forward and, backward, adds the gradient of
 the balancing loss (as if it had been added to the loss the engine differentiates). This works
 with any loss function, with micro-batches and pipeline stages, and needs no global state; the
-values are kept (detached) in `MoELayer.last_balance_loss` for reporting.
+values are kept (detached) in `MoELayer.last_balance_loss` for reporting. Under fp16 loss
+scaling the precision runtime sets `MoELayer.backward_loss_scale` to the loss scale before every
+forward, so the injected gradient is scaled (and later unscaled) like the main loss's.
 
 FLOPs per token count active parameters only (see `moe_flops_per_token`).
 
@@ -241,6 +243,9 @@ class MoELayer(UsesKernels):
         # Assignments per expert (after drops) since the last bias update / report.
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
         self.balance_loss_scale = 1.0  # set per step by the runtime: 1 / micro-batches
+        # The factor the engine's loss is multiplied by before backward (fp16 loss scaling),
+        # set by the precision runtime: the injected balancing gradient is scaled alike.
+        self.backward_loss_scale = 1.0
         self.last_balance_loss: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None  # assignments over capacity, last forward
 
@@ -321,7 +326,8 @@ class MoELayer(UsesKernels):
         balance = self.balance_loss(logits, probs, chosen)
         self.last_balance_loss = balance.detach()
         if balance.requires_grad:
-            out = inject_loss(out, balance, self.balance_loss_scale)
+            scale = self.balance_loss_scale * self.backward_loss_scale
+            out = inject_loss(out, balance, scale)
         return out
 
     @torch.no_grad()

@@ -13,6 +13,11 @@ runtime comes later in the engine's list):
    copied from the parameters, so TP/PP shards are counted once) and clips them.
 5. The optimizer steps the masters; `after_optimizer_step` casts them back into the parameters.
 
+Modules that add a loss of their own inside backward (the MoE balancing losses, injected by an
+autograd function rather than added to the loss the engine differentiates) expose a float
+`backward_loss_scale`; before every forward it is set to the loss scale, so their gradients are
+scaled like the main loss's and come out right when the scaler divides them.
+
 When another runtime builds the optimizer (ZeRO keeps its own shards; it can read the policy from
 `context.precision`), no masters are kept here and loss scaling works on the module's
 gradients directly.
@@ -29,9 +34,13 @@ from plait.core.comm import Comm, Group
 from plait.core.grad_norm import SHARDED_AXES_ATTR, clip_grads_, global_grad_norm
 from plait.core.memory import memory_report, storage_bytes
 from plait.core.mesh import Mesh
+from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
 from plait.core.transforms import PrecisionPolicy
 from plait.plugins.precision.scaler import DynamicLossScaler
+
+# The attribute a module that injects a loss inside backward exposes (see the module docstring).
+INJECTED_LOSS_SCALE_ATTR = "backward_loss_scale"
 
 
 class MixedPrecisionRuntime(ParallelRuntime):
@@ -58,6 +67,8 @@ class MixedPrecisionRuntime(ParallelRuntime):
         # (module parameter, its fp32 master), filled when this runtime builds the optimizer.
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self.optimizer: torch.optim.Optimizer | None = None
+        # Modules with a `backward_loss_scale` (found on the first forward).
+        self._loss_injectors: list[nn.Module] | None = None
 
     # -- reported figures ------------------------------------------------------------------------
 
@@ -92,6 +103,19 @@ class MixedPrecisionRuntime(ParallelRuntime):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss) if self.scaler is not None else loss
+
+    def before_forward(self, position: MicrobatchPosition) -> None:
+        del position
+        if self.scaler is None:
+            return
+        if self._loss_injectors is None:
+            self._loss_injectors = [
+                m
+                for m in self.module.modules()
+                if isinstance(getattr(m, INJECTED_LOSS_SCALE_ATTR, None), float)
+            ]
+        for module in self._loss_injectors:
+            setattr(module, INJECTED_LOSS_SCALE_ATTR, float(self.scaler.scale))
 
     def skip_step(self) -> bool:
         grads = self._copy_grads_to_masters() if self.pairs else self._module_grads()

@@ -83,6 +83,20 @@ def train_and_record(
             return _step(*args, **kwargs)
 
         engine.optimizer.step = record_then_step
+        exchanged = [0]  # rows this rank put into all-to-alls (forward and backward)
+        issue_all_to_all = engine.comm.all_to_all
+
+        def counting_all_to_all(
+            output: torch.Tensor,
+            input: torch.Tensor,
+            _issue: Any = issue_all_to_all,
+            _rows: list[int] = exchanged,
+            **kwargs: Any,
+        ) -> Any:
+            _rows[0] += input.shape[0]
+            return _issue(output, input, **kwargs)
+
+        engine.comm.all_to_all = counting_all_to_all
         dp, dp_size = engine.mesh.coordinate("dp"), engine.mesh.size("dp")
         share = train["global_batch_size"] // dp_size
         losses, grad_norms, dropped = [], [], 0
@@ -102,7 +116,8 @@ def train_and_record(
             "losses": losses,
             "grad_norms": grad_norms,
             "grads": recorded,
-            "dropped": dropped,  # over capacity in each step's last micro-batch
+            "dropped": dropped,
+            "all_to_all_rows": exchanged[0],  # over capacity in each step's last micro-batch
         }
     return results
 
@@ -132,3 +147,49 @@ def train_resume_save(
     )
     experts = sum(p.numel() for n, p in engine.module.named_parameters() if ".experts." in n)
     return {"rank": rank, "start": start, "losses": losses, "expert_numel": experts}
+
+
+def router_gradients(
+    rank: int, world_size: int, cases: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each case's fp32 router-weight gradients, unscaled, as the optimizer sees them at its
+    first step (under fp16 the masters' gradients, after the loss scale is divided out)."""
+    del rank, world_size
+    from plait.core.engine import Engine
+    from plait.core.plugins import Plugins
+
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for name, overrides in cases.items():
+        config = merged_config(overrides)
+        seq_len, batch = config["data"]["seq_len"], config["train"]["global_batch_size"]
+        tokens = torch.randint(
+            0, VOCAB_SIZE, (batch, seq_len + 1), generator=torch.Generator().manual_seed(3)
+        )
+        engine = Engine(config=config, plugins=Plugins.create(autoload=False))
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        for runtime in engine.runtimes:  # fp16 master weights stand for their parameters
+            for param, master in getattr(runtime, "pairs", []):
+                names[id(master)] = names[id(param)]
+        captured: dict[str, torch.Tensor] = {}
+        step_optimizer = engine.optimizer.step
+
+        def capture_then_step(
+            *args: Any,
+            _step: Any = step_optimizer,
+            _optimizer: Any = engine.optimizer,
+            _names: dict[int, str] = names,
+            _captured: dict[str, torch.Tensor] = captured,
+            **kwargs: Any,
+        ) -> Any:
+            for group in _optimizer.param_groups:
+                for p in group["params"]:
+                    name = _names[id(p)]
+                    if "router" in name and p.grad is not None and name not in _captured:
+                        _captured[name] = p.grad.detach().float().clone()
+            return _step(*args, **kwargs)
+
+        engine.optimizer.step = capture_then_step
+        engine.train_step((tokens[:, :-1], tokens[:, 1:]))
+        engine.close()
+        results[name] = captured
+    return results
