@@ -32,19 +32,30 @@ def sharded_axes(param: nn.Parameter) -> tuple[str, ...]:
 
 
 def global_grad_norm(params: Iterable[nn.Parameter], *, mesh: Mesh, comm: Comm) -> torch.Tensor:
-    """The L2 norm of all gradients of the model, identical on every rank."""
+    """The L2 norm of all gradients of the model, identical on every rank.
+
+    One `torch._foreach_norm` per group of parameters that share a shard weight (one group
+    without sharding), as torch's `clip_grad_norm_`: a handful of kernel launches however many
+    parameters the model has, not a few per parameter.
+    """
     params = [p for p in params if p.grad is not None]
     any_sharded = any(sharded_axes(p) for p in params)
     device = params[0].grad.device if params else mesh.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_weight: dict[tuple[float, torch.device], list[torch.Tensor]] = {}
     for p in params:
-        contribution = p.grad.detach().float().pow(2).sum()
+        weight = 1.0
         if any_sharded:
             shards = 1
             for axis in sharded_axes(p):
                 shards *= mesh.size(axis)
-            contribution = contribution * (shards / mesh.world_size)
-        total += contribution
+            weight = shards / mesh.world_size
+        by_weight.setdefault((weight, p.grad.device), []).append(p.grad)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (weight, _device), grads in by_weight.items():
+        with torch.no_grad():  # gradients are plain tensors: no per-gradient detach needed
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        squares = torch.linalg.vector_norm(torch.stack(norms)).square()
+        total += (squares * weight if weight != 1.0 else squares).to(device)
     if any_sharded and mesh.world_size > 1:
         comm.all_reduce(total, group=world_group(), op="sum", purpose=GRAD_NORM)
     return total.sqrt()
