@@ -1,28 +1,68 @@
 """The `plait` command line: train, config, plugins, demo, and the mounted command groups.
 
 Operator commands (daemon, status, top, trace, bottleneck), `plait data`, `plait schedule` and
-`plait kernels` live in their own modules and are mounted here.
+`plait kernels` live in their own modules and are mounted here. Modules listed in
+`LAZY_MODULES` (those that load gRPC, the daemon or torch at import) are imported only when one
+of their commands runs: `plait --help` lists their commands from their source, read with `ast`.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
+import click
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from plait.core.errors import PlaitError
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
 
+
+class _LazyCommands(TyperGroup):
+    """The top-level group: commands of `LAZY_MODULES` are imported when they run; while help
+    is formatted they are stand-ins carrying the name and help read from the module's source."""
+
+    _listing = False
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return names + [name for name in _lazy_help() if name not in names]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return command
+        module_name = _lazy_owner().get(cmd_name)
+        if module_name is None:
+            return None
+        if self._listing:
+            return click.Command(cmd_name, help=_lazy_help()[cmd_name])
+        group = typer.main.get_group(importlib.import_module(module_name).app)
+        for name, loaded in group.commands.items():
+            self.add_command(loaded, name)
+        return self.commands.get(cmd_name)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+
 app = typer.Typer(
+    cls=_LazyCommands,
     name="plait",
     help="plait: distributed training for transformer models, built from plugins.",
     no_args_is_help=True,
@@ -42,6 +82,10 @@ MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
     ("plait.tools.calibrate_commands", None),
     ("plait.tools.ckpt_commands", "ckpt"),
 )
+
+# Command modules merged at the top level whose imports are slow (gRPC and the daemon's
+# exporters): their commands are listed from their source and imported when one runs.
+LAZY_MODULES: tuple[str, ...] = ("plait.tools.daemon_commands",)
 
 Overrides = Annotated[
     list[str] | None,
@@ -309,8 +353,68 @@ def demo(
     raise typer.Exit(run_demo(nproc_per_node=nproc_per_node, steps=steps))
 
 
+def command_help_from_source(module_name: str) -> dict[str, str]:
+    """`{command: first help line}` of a module's `@app.command()` functions, read from its
+    source without importing it (the name typer gives: the decorator's, else the function's
+    with dashes; the help: `help=`, else the docstring's first line). Hidden ones are left out."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return {}
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    commands: dict[str, str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if not (
+                isinstance(decorator, ast.Call)
+                and isinstance(decorator.func, ast.Attribute)
+                and decorator.func.attr == "command"
+            ):
+                continue
+            options = {k.arg: _literal(k.value) for k in decorator.keywords}
+            if options.get("hidden") is True:
+                continue
+            given = _literal(decorator.args[0]) if decorator.args else options.get("name")
+            name = given if isinstance(given, str) else node.name.replace("_", "-")
+            text = options.get("help")
+            if not isinstance(text, str):
+                text = ast.get_docstring(node) or ""
+            commands[name] = text.strip().split("\n\n")[0].replace("\n", " ")
+    return commands
+
+
+def _literal(node: ast.expr) -> Any:
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return None
+
+
+_LAZY_HELP: dict[str, str] | None = None
+_LAZY_OWNER: dict[str, str] = {}
+
+
+def _lazy_help() -> dict[str, str]:
+    global _LAZY_HELP
+    if _LAZY_HELP is None:
+        _LAZY_HELP = {}
+        for module_name in LAZY_MODULES:
+            for name, text in command_help_from_source(module_name).items():
+                _LAZY_HELP[name] = text
+                _LAZY_OWNER[name] = module_name
+    return _LAZY_HELP
+
+
+def _lazy_owner() -> dict[str, str]:
+    _lazy_help()
+    return _LAZY_OWNER
+
+
 def _mount_apps() -> None:
     for module_name, name in MOUNTED_APPS:
+        if module_name in LAZY_MODULES:
+            continue  # mounted by _LazyCommands when one of its commands runs
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

@@ -1,0 +1,57 @@
+"""`plait --help` and `plait status` start fast: command modules that load gRPC, the daemon,
+torch or numpy are imported only when one of their commands runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import typer
+from typer.testing import CliRunner
+
+from plait.tools.cli import LAZY_MODULES, app, command_help_from_source
+
+HEAVY = ("torch", "grpc", "numpy", "plait.daemon.service", "opentelemetry.sdk")
+
+
+def test_help_imports_no_heavy_module_and_lists_every_command() -> None:
+    probe = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from plait.tools.cli import app\n"
+        "result = CliRunner().invoke(app, ['--help'], env={'COLUMNS': '200'})\n"
+        "assert result.exit_code == 0, result.output\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+        "print(result.output)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    loaded, _, help_text = result.stdout.partition("\n")
+    assert loaded == "[]", f"plait --help imported {loaded}"
+    for command in ("train", "plugins", "data", "ckpt", "status", "top", "bottleneck", "daemon"):
+        assert f"│ {command} " in help_text, help_text
+    assert "Show each daemon's state" in help_text  # help read from the lazy module's source
+
+
+def test_lazy_commands_listed_from_source_match_the_module() -> None:
+    import importlib
+
+    for module_name in LAZY_MODULES:
+        listed = command_help_from_source(module_name)
+        group = typer.main.get_group(importlib.import_module(module_name).app)
+        real = {
+            name: (command.help or "").strip().split("\n\n")[0].replace("\n", " ")
+            for name, command in group.commands.items()
+            if not command.hidden
+        }
+        assert listed == real
+
+
+def test_a_lazy_command_runs_through_the_top_level_app() -> None:
+    result = CliRunner().invoke(app, ["status", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "Usage: plait status" in result.output and "--json" in result.output
+    unknown = CliRunner().invoke(app, ["stauts"])
+    assert unknown.exit_code == 2 and "No such command" in unknown.output
