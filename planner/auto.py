@@ -139,3 +139,86 @@ def layout_from_config(config: Mapping[str, Any], *, world: int) -> Layout:
         recompute=recompute,
         sequence_parallel=bool(tp_section.get("sequence_parallel", False)) and tp > 1,
     )
+
+
+def layout_overrides(layout: Layout) -> list[str]:
+    """`layout_config(layout)` as `section.field=value` overrides (what `--set` takes)."""
+    out = []
+
+    def walk(prefix: str, values: Mapping[str, Any]) -> None:
+        for key, value in values.items():
+            if isinstance(value, Mapping):
+                walk(f"{prefix}{key}.", value)
+            elif isinstance(value, str):
+                out.append(f'{prefix}{key}="{value}"')
+            else:
+                out.append(
+                    f"{prefix}{key}={str(value).lower() if isinstance(value, bool) else value}"
+                )
+
+    walk("", layout_config(layout))
+    return out
+
+
+def detect_device(per_node: int) -> DeviceSpec:
+    """This node's device as the planner prices it: a CUDA GPU by its name and memory, else
+    the CPU from `plait calibrate`'s measured peak (split between the node's ranks)."""
+    from dataclasses import replace
+
+    import torch
+
+    from plait.planner.devices import DEVICES, GIB
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        memory = torch.cuda.get_device_properties(0).total_memory
+        for spec in DEVICES.values():
+            family = spec.name.split("-")[0]
+            if family in name and abs(spec.memory_bytes - memory) < 0.15 * spec.memory_bytes:
+                return spec
+        raise ConfigError(
+            f"--auto: no planner device matches {name!r} ({memory / GIB:.0f} GiB); known: "
+            f"{', '.join(DEVICES)}"
+        )
+    import os
+
+    from plait.core.peak_flops import host_cpu_calibration
+
+    calibration, _ = host_cpu_calibration()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    base = DEVICES["A100-80GB"]
+    return replace(
+        base,
+        name="cpu",
+        memory_bytes=ram / per_node,
+        peak_flops=calibration.flops / per_node,
+        memory_bandwidth=10e9 / per_node,
+        gemm_efficiency=0.8,
+        gemm_half_flops=1e8,
+        attention_efficiency=0.3,
+    )
+
+
+def auto_overrides(config: Any, *, world: int, per_node: int, console: Any) -> list[str]:
+    """For `plait train --auto`: plan `config` (a `PlaitConfig`) on `world` ranks, print the
+    choice and the resolved config with it, and return it as overrides for the ranks."""
+    from plait.core.config import dump_toml, load_config
+    from plait.planner.search import why_slower
+
+    data = config.model_dump(mode="json")
+    device = detect_device(per_node)
+    merged, result = auto_config(data, world=world, per_node=per_node, device=device)
+    best = result.best
+    console.print(
+        f"--auto: {best.layout.describe()} on {world} × {device.name}: predicted "
+        f"{best.time.total:.3f} s per step, {best.memory.total / 2**30:.2f} GiB per rank "
+        f"(of {len(result.ranked)} fitting meshes; next: "
+        + "; ".join(f"{c.layout.describe()} ({why_slower(c, best)})" for c in result.ranked[1:3])
+        + ")",
+        highlight=False,
+    )
+    resolved = load_config(merged)
+    console.print(
+        dump_toml(resolved.model_dump(mode="json")), highlight=False, markup=False, end=""
+    )
+    return layout_overrides(best.layout)
