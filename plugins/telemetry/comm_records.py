@@ -4,10 +4,18 @@
 tensor references, so buffers are not kept alive) and a start/end time. An op ends
 
 * for a synchronous op, when the hook returns;
-* for an asynchronous op, when its work completes: through `Work.get_future().then(...)` where
-  the backend supports futures (Gloo and NCCL collectives), else when `wait()` returns;
+* for an asynchronous op, when the caller's `wait()` on its work returns (`TimedWork`), or,
+  for an op nobody waits on, when the step's records are collected and its work reports
+  completion (`done`);
 * on CUDA, at CUDA events recorded around the op and read after the step (`resolve_cuda`), so
   the timing is the device's, and no `synchronize()` is ever added to the step.
+
+NOTE: an asynchronous op's end is deliberately *not* taken from a completion callback
+(`Work.get_future().then(...)`): the backend runs such a callback on its own thread, which
+must take the GIL from the training thread once per collective — the largest cost telemetry
+had on a step. The engine waits on every op it issues before using the result, so the wait is
+where the op's result becomes usable; an op that finished earlier is hidden under compute either
+way, which is what the bottleneck analysis measures.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ class CommRecord:
     cuda_start: Any = None
     cuda_end: Any = None
     anchor: CudaAnchor | None = None
+    work: Any = None  # an async op's handle until it finishes, to ask whether it completed
 
     @classmethod
     def begin(cls, request: CommRequest, step: int | None) -> CommRecord:
@@ -75,6 +84,13 @@ class CommRecord:
 
     @property
     def done(self) -> bool:
+        """Finished; an async op that nobody waited on is finished here once its work reports
+        completion (host-timed ops only: on CUDA an end event recorded now would also wait for
+        whatever the stream queued since)."""
+        if self.end_ns == 0 and self.work is not None and self.cuda_start is None:
+            completed = getattr(self.work, "is_completed", None)
+            if completed is not None and completed():
+                self.finish()
         if self.cuda_start is not None:
             return self.cuda_end is not None and self.end_ns != 0
         return self.end_ns != 0
@@ -90,9 +106,7 @@ class CommRecord:
             self.cuda_end.record()
         if self.end_ns == 0:
             self.end_ns = time.time_ns()
-
-    def finish_from_future(self, _future: Any) -> None:
-        self.finish()
+        self.work = None
 
     def start_cuda(self, anchor: CudaAnchor) -> None:
         import torch
@@ -117,7 +131,7 @@ class CommRecord:
 
 
 class TimedWork:
-    """Wraps a `Work` without a future: the record completes when `wait()` returns."""
+    """Wraps an async op's `Work`: the record completes when `wait()` returns."""
 
     __slots__ = ("_record", "_work")
 
@@ -126,9 +140,13 @@ class TimedWork:
         self._record = record
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs)
-        self._record.finish()
-        return result
+        try:
+            return self._work.wait(*args, **kwargs)
+        except BaseException as exc:
+            self._record.error = self._record.error or f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._record.finish()
 
     def is_completed(self) -> bool:
         completed = getattr(self._work, "is_completed", None)
@@ -138,16 +156,8 @@ class TimedWork:
         return getattr(self._work, name)
 
 
-def track_async_completion(work: Any, record: CommRecord) -> Any:
-    """Arrange for `record` to finish when `work` completes; return the handle to give back."""
-    get_future = getattr(work, "get_future", None)
-    if get_future is not None:
-        try:
-            future = get_future()
-        except (RuntimeError, NotImplementedError):
-            # Some backends (Gloo send/recv) have no future for their work.
-            future = None
-        if future is not None:
-            future.then(record.finish_from_future)
-            return work
+def track_async_completion(work: Any, record: CommRecord) -> TimedWork:
+    """Arrange for `record` to finish when `work` is waited on (or found complete at step end);
+    return the handle to give back. Nothing runs on the backend's threads."""
+    record.work = work
     return TimedWork(work, record)

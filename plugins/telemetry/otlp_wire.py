@@ -36,6 +36,7 @@ SPAN_KIND_INTERNAL = 1
 STATUS_CODE_ERROR = 2
 
 _PRIMITIVES = (str, bool, int, float)
+_TIMES = struct.Struct("<BBBQBQ")  # kind, then the start and end times (fixed64)
 _MAX_CACHED = 65536  # distinct (key, value) pairs kept encoded
 
 
@@ -138,17 +139,29 @@ class AttributeEncoder:
     ) -> bytes:
         """One `ScopeSpans.spans` entry: tag, length and the `Span` message (`attributes` as a
         mapping, or already encoded)."""
-        body = [_field(_SPAN_TRACE_ID, trace_id), _field(_SPAN_SPAN_ID, span_id)]
-        if parent_span_id:
-            body.append(_field(_SPAN_PARENT_ID, parent_span_id))
-        body.append(self.name(name))
-        body.append(bytes((_SPAN_KIND, SPAN_KIND_INTERNAL)))
-        body.append(struct.pack("<BQBQ", _SPAN_START, start_ns, _SPAN_END, end_ns))
-        body.append(attributes if isinstance(attributes, bytes) else self.attributes(attributes))
+        if len(trace_id) == 16 and len(span_id) == 8 and len(parent_span_id) in (0, 8):
+            # The ids' lengths are fixed: their tags and lengths are constants (the common case).
+            head = b"\x0a\x10" + trace_id + b"\x12\x08" + span_id
+            if parent_span_id:
+                head += b"\x22\x08" + parent_span_id
+        else:
+            head = _field(_SPAN_TRACE_ID, trace_id) + _field(_SPAN_SPAN_ID, span_id)
+            if parent_span_id:
+                head += _field(_SPAN_PARENT_ID, parent_span_id)
+        body = b"".join(
+            (
+                head,
+                self.name(name),
+                _TIMES.pack(
+                    _SPAN_KIND, SPAN_KIND_INTERNAL, _SPAN_START, start_ns, _SPAN_END, end_ns
+                ),
+                attributes if isinstance(attributes, bytes) else self.attributes(attributes),
+            )
+        )
         if error:
             status = _text(_STATUS_MESSAGE, error) + bytes((_STATUS_CODE, STATUS_CODE_ERROR))
-            body.append(_field(_SPAN_STATUS, status))
-        return _field(_SCOPE_SPANS_SPANS, b"".join(body))
+            body += _field(_SPAN_STATUS, status)
+        return _field(_SCOPE_SPANS_SPANS, body)
 
     def name(self, name: str) -> bytes:
         cached = self._keys.get("\0" + name)  # span names share the key cache, apart

@@ -1,0 +1,194 @@
+"""What telemetry costs the training thread, counted rather than timed.
+
+With the telemetry plugin exporting to a daemon, the training thread issues async and sync
+collectives and ends steps; every Python call it makes is recorded with `sys.setprofile`
+(which follows the calling thread only). It must never register a completion callback on a
+backend's work (the backend would run it on its own thread, taking the GIL once per op), never
+touch the OpenTelemetry SDK or protobuf, never encode a span, and make a handful of calls per op.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from plait.core.comm import Comm, Group
+from plait.core.config import load_config
+from plait.core.hookspecs import hookimpl
+from plait.core.plugins import Plugins
+from plait.core.records import CommRequest
+from plait.core.step import JobInfo, PhaseSpan, StepReport
+from plait.daemon.server import DaemonServer
+from plait.plugins.telemetry import TelemetryPlugin, make_plugin
+
+JOB = JobInfo(
+    job_id="thread", rank=0, local_rank=0, world_size=2, host="h", degrees={"dp": 2},
+    coordinates={"dp": 0}, device="cpu", device_name="cpu", compute_dtype="float32",
+    model_name="m", num_params=1, flops_per_token=1.0, tokens_per_step=1,
+)  # fmt: skip
+OPS_PER_STEP = 12
+# Calls the training thread may make per comm op inside telemetry's own files (the wrapper
+# generator's two resumptions, the record, the wait wrapper, finishing); measured 7.
+MAX_TELEMETRY_CALLS_PER_OP = 10
+
+
+class CountingFuture:
+    def __init__(self, work: FakeWork) -> None:
+        self.work = work
+
+    def then(self, callback: Any) -> CountingFuture:
+        self.work.callbacks += 1
+        return self
+
+    def wait(self) -> None:
+        self.work.completed = True
+
+
+class FakeWork:
+    """An async op's handle, like Gloo's: a future, `wait()` and `is_completed()`."""
+
+    def __init__(self) -> None:
+        self.completed = False
+        self.callbacks = 0
+        self.futures = 0
+
+    def get_future(self) -> CountingFuture:
+        self.futures += 1
+        return CountingFuture(self)
+
+    def wait(self) -> bool:
+        self.completed = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+class AsyncBackend:
+    """Answers every op with a `FakeWork` that completes when waited on (or when told)."""
+
+    def __init__(self) -> None:
+        self.works: list[FakeWork] = []
+
+    @hookimpl(trylast=True)
+    def plait_communicate(self, request: CommRequest) -> FakeWork:
+        work = FakeWork()
+        self.works.append(work)
+        return work
+
+
+def report(step: int) -> StepReport:
+    end = time.time_ns()
+    phases = tuple(
+        PhaseSpan(name=name, start_ns=end - 5_000_000 + i, end_ns=end - 1_000_000)
+        for i, name in enumerate(("forward", "backward", "optimizer"))
+    )
+    return StepReport(
+        step=step, loss=1.0, tokens=1, step_seconds=0.005, data_wait_seconds=0.0,
+        model_flops=1.0, lr=1e-3, start_ns=end - 5_000_000, end_ns=end, spans=phases,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rank() -> Iterator[tuple[Plugins, TelemetryPlugin, AsyncBackend]]:
+    backend = AsyncBackend()
+    with DaemonServer("127.0.0.1:0", host_interval=60.0) as server:
+        plugins = Plugins.create(autoload=False, builtins=(), extra=[("backend", backend)])
+        plugin = make_plugin()
+        plugins.register(plugin, "telemetry")
+        plugins.configure(load_config({"telemetry": {"daemon": server.address}}))
+        plugins.job_start(JOB)
+        assert plugin.exporter is not None, "the daemon was not reached"
+        yield plugins, plugin, backend
+        plugins.job_end()
+
+
+class CallRecorder:
+    """Every Python function the calling thread enters, by file and name."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[tuple[str, str]] = Counter()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            self.calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+
+    def __enter__(self) -> CallRecorder:
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def in_files(self, *fragments: str) -> int:
+        return sum(n for (path, _), n in self.calls.items() if any(f in path for f in fragments))
+
+
+def one_step(plugins: Plugins, step: int) -> list[Any]:
+    """A step of async ops (waited, like the DDP buckets) and sync ops; returns the handles."""
+    comm = Comm(plugins)
+    group = Group(name="dp", ranks=(0, 1))
+    tensor = torch.zeros(8)
+    plugins.step_start(step)
+    handles = [
+        comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+        for _ in range(OPS_PER_STEP // 2)
+    ]
+    for _ in range(OPS_PER_STEP // 2):
+        comm.all_reduce(tensor, group=group, purpose="metrics")
+    for handle in handles:
+        handle.wait()
+    plugins.step_end(report(step))
+    return handles
+
+
+def test_the_training_thread_registers_no_callbacks_and_builds_no_spans(
+    rank: tuple[Plugins, TelemetryPlugin, AsyncBackend],
+) -> None:
+    plugins, plugin, backend = rank
+    one_step(plugins, 0)  # warm caches (first-call imports) outside the count
+    backend.works.clear()
+    with CallRecorder() as recorder:
+        one_step(plugins, 1)
+    assert backend.works, "the backend saw no ops"
+    assert sum(w.callbacks for w in backend.works) == 0, "a completion callback per collective"
+    assert sum(w.futures for w in backend.works) == 0
+    touched = {path for path, _ in recorder.calls}
+    for forbidden in ("opentelemetry", "google/protobuf", "otlp_wire", "otlp_spans", "grpc"):
+        assert not [p for p in touched if forbidden in p], f"training thread ran {forbidden}"
+    assert ("exporter.py", "_drain") not in {(p.rsplit("/", 1)[-1], n) for p, n in recorder.calls}
+    per_op = recorder.in_files("plugins/telemetry/") / OPS_PER_STEP
+    assert per_op <= MAX_TELEMETRY_CALLS_PER_OP, recorder.calls
+
+
+def test_async_ops_end_when_waited_or_when_found_complete_at_step_end(
+    rank: tuple[Plugins, TelemetryPlugin, AsyncBackend],
+) -> None:
+    plugins, plugin, backend = rank
+    comm = Comm(plugins)
+    group = Group(name="dp", ranks=(0, 1))
+    tensor = torch.zeros(8)
+    plugins.step_start(5)
+    waited = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    finished_alone = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    never = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    records = list(plugin.records[-3:])
+    assert all(r.end_ns == 0 for r in records), "an op ended before anyone waited"
+    time.sleep(0.002)
+    waited.wait()
+    assert records[0].end_ns > records[0].start_ns and records[1].end_ns == 0
+    backend.works[-2].completed = True  # completes without a wait
+    plugins.step_end(report(5))
+    assert records[1].end_ns > 0, "a completed op nobody waited on stays open"
+    assert records[2].end_ns == 0 and plugin.records == [records[2]], "an op still running"
+    never.wait()
+    assert records[2].end_ns > 0
+    plugins.step_start(6)
+    plugins.step_end(report(6))
+    assert plugin.records == []
