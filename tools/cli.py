@@ -81,6 +81,7 @@ MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
     ("plait.tools.daemon_commands", None),
     ("plait.tools.calibrate_commands", None),
     ("plait.tools.ckpt_commands", "ckpt"),
+    ("plait.tools.plan_commands", "plan"),
 )
 
 # Command modules merged at the top level whose imports are slow (gRPC and the daemon's
@@ -158,6 +159,10 @@ def train(
             "--dry-run", help="print the mesh and per-rank memory estimates; start no rank"
         ),
     ] = False,
+    auto: Annotated[
+        bool,
+        typer.Option("--auto", help="choose the parallel layout with `plait plan`; print it"),
+    ] = False,
     overrides: Overrides = None,
 ) -> None:
     """Launch training through torch.distributed.run (torchrun)."""
@@ -180,6 +185,12 @@ def train(
         nnodes = nnodes or "1"
         # An elastic range (MIN:MAX) is checked at its largest size; every rank checks again.
         max_nodes = int(nnodes.rpartition(":")[2])
+        if auto:  # the planner's layout, passed to the ranks as overrides
+            from plait.planner.auto import auto_overrides
+
+            world = nproc_per_node * max_nodes
+            overrides += auto_overrides(cfg, world=world, per_node=nproc_per_node, console=console)
+            cfg = load_config(config, overrides)
         plugin_manager = Plugins.create(blocked=cfg.plugins.disable)
         check_config(cfg, plugin_manager, world_size=nproc_per_node * max_nodes)
         if dry_run:
