@@ -240,7 +240,10 @@ class Engine:
         num_params = sum(p.numel() for p in self.module.parameters())
         cfg = self.config
         return JobInfo(
-            job_id=cfg.telemetry.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+            # `plait train` sets PLAIT_JOB_ID (rendezvous id, or config name + launch time).
+            job_id=cfg.telemetry.job_id
+            or os.environ.get("PLAIT_JOB_ID")
+            or os.environ.get("TORCHELASTIC_RUN_ID", "local"),
             rank=self.mesh.rank,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=self.mesh.world_size,

@@ -57,6 +57,7 @@ from plait.core.peak_flops import PeakFlops, peak_flops_for
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
+    from plait.core.expert_load import ExpertLoad
     from plait.core.step import JobInfo, StepReport
 
 DEFAULT_DAEMON_ADDRESS = "127.0.0.1:7461"
@@ -311,6 +312,12 @@ def peak_flops_for_job(info: JobInfo) -> PeakFlops:
     return peak_flops_for(info.device, info.device_name, info.compute_dtype)
 
 
+def restart_attempt() -> int:
+    """torchrun's restart count for this launcher (0 outside torchrun or before a restart)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return int(value) if value.isdigit() else 0
+
+
 def resource_attributes(info: JobInfo, peak: PeakFlops) -> dict[str, Any]:
     """The OpenTelemetry resource of one rank (semantic-convention names where they exist)."""
     attributes: dict[str, Any] = {
@@ -322,6 +329,8 @@ def resource_attributes(info: JobInfo, peak: PeakFlops) -> dict[str, Any]:
         ATTR_RANK: info.rank,
         ATTR_LOCAL_RANK: info.local_rank,
         ATTR_WORLD_SIZE: info.world_size,
+        # torchrun counts its restarts; a new attempt is a new world of the job for the daemon.
+        schema.RESOURCE_RESTART_ATTEMPT: restart_attempt(),
         ATTR_DEVICE: info.device,
         ATTR_DEVICE_NAME: info.device_name,
         ATTR_COMPUTE_DTYPE: info.compute_dtype,
@@ -524,6 +533,24 @@ class RankTelemetry:
         self.step_duration.record(report.step_seconds)
         self.data_wait.record(report.data_wait_seconds)
         self.loss.set(report.loss)
+
+    def record_expert_load(self, step: int, load: ExpertLoad) -> None:
+        """One span per MoE layer with the step's tokens per expert and dropped tokens."""
+        for layer in load.layers:
+            attributes = {
+                schema.SPAN_STEP: step,
+                schema.SPAN_MOE_LAYER: layer.layer,
+                schema.SPAN_MOE_TOKENS_PER_EXPERT: list(layer.tokens_per_expert),
+                schema.SPAN_MOE_DROPPED: layer.dropped,
+            }
+            self.tracer.start_span(schema.EXPERT_LOAD_SPAN_NAME, attributes=attributes).end()
+
+    def end_job(self, outcome: str = schema.JOB_OUTCOME_FINISHED, last_step: int = -1) -> None:
+        """Tell the daemon this rank's run ended (sent with the next flush)."""
+        attributes: dict[str, Any] = {schema.SPAN_JOB_OUTCOME: outcome}
+        if last_step >= 0:
+            attributes[schema.SPAN_STEP] = last_step
+        self.tracer.start_span(schema.JOB_END_SPAN_NAME, attributes=attributes).end()
 
     def flush(self, timeout_seconds: float = EXPORT_TIMEOUT_SECONDS) -> None:
         """Send everything buffered now (the daemon sees a run's last steps before it exits)."""

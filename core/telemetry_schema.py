@@ -19,6 +19,9 @@ RESOURCE_JOB_ID = "plait.job.id"  # str, non-empty
 RESOURCE_RANK = "plait.rank"  # int, 0 <= rank < world_size
 RESOURCE_LOCAL_RANK = "plait.local_rank"  # int, 0 <= local_rank < world_size
 RESOURCE_WORLD_SIZE = "plait.world_size"  # int >= 1
+# Restart attempt of the rank's launcher (torchrun's TORCHELASTIC_RESTART_COUNT): 0 at first.
+# A rank with a larger attempt or another world size starts a new world of its job.
+RESOURCE_RESTART_ATTEMPT = "plait.restart.attempt"  # int >= 0
 RESOURCE_DEVICE = "plait.device"  # str: "cpu", "cuda:0"
 RESOURCE_DEVICE_NAME = "plait.device.name"  # str
 RESOURCE_COMPUTE_DTYPE = "plait.compute_dtype"  # str: "bfloat16", "float32", ...
@@ -60,16 +63,29 @@ SPAN_COMM_PEER = "plait.comm.peer"  # int >= 0: point-to-point peer
 SPAN_COMM_ASYNC = "plait.comm.async"  # bool: issued with async_op (overlappable)
 # Prefix of the free-form attributes a phase carries (`plait.` + the phase's own key).
 SPAN_PHASE_ATTRIBUTE_PREFIX = "plait."
+# The end of a rank's run (one span, sent as the rank shuts its telemetry down).
+SPAN_JOB_OUTCOME = "plait.job.outcome"  # str: one of JOB_OUTCOMES
+JOB_OUTCOME_FINISHED = "finished"
+JOB_OUTCOME_FAILED = "failed"
+JOB_OUTCOMES = (JOB_OUTCOME_FINISHED, JOB_OUTCOME_FAILED)
+# Expert load of one MoE layer in one step (one span per layer per step), whole job.
+SPAN_MOE_LAYER = "plait.moe.layer"  # str: the layer's module name
+SPAN_MOE_TOKENS_PER_EXPERT = "plait.moe.tokens_per_expert"  # int[]: kept assignments per expert
+SPAN_MOE_DROPPED = "plait.moe.dropped"  # int >= 0: assignments dropped over capacity
 
 # --------------------------------------------------------------------------------------------
 # span names and classes
 # --------------------------------------------------------------------------------------------
 
 STEP_SPAN_NAME = "step"
+JOB_END_SPAN_NAME = "plait.job.end"  # carries plait.job.outcome (and plait.step: the last)
+EXPERT_LOAD_SPAN_NAME = "plait.moe.load"  # carries plait.step and the plait.moe.* attributes
 # How the daemon classifies a span, first match wins (see `classify_span`).
 SPAN_KIND_COMM = "comm"  # has plait.comm.op
 SPAN_KIND_PHASE = "phase"  # has plait.phase
 SPAN_KIND_STEP = "step"  # named "step" and has plait.step.model_flops
+SPAN_KIND_JOB_END = "job_end"  # named "plait.job.end"
+SPAN_KIND_EXPERT_LOAD = "expert_load"  # named "plait.moe.load"
 SPAN_KIND_OTHER = "other"  # anything else: stored, shown in traces, not analysed
 # Phase names the bottleneck analysis knows, by the class their time goes to.
 PHASE_FORWARD = "forward"
@@ -125,7 +141,8 @@ METRIC_UNITS: dict[str, str] = {
 
 
 def classify_span(name: str, attributes: dict[str, object] | None) -> str:
-    """The span's kind: comm, phase, step or other (the daemon's rule, in this order)."""
+    """The span's kind: comm, phase, step, job_end, expert_load or other (the daemon's rule,
+    in this order)."""
     attributes = attributes or {}
     if SPAN_COMM_OP in attributes:
         return SPAN_KIND_COMM
@@ -133,4 +150,8 @@ def classify_span(name: str, attributes: dict[str, object] | None) -> str:
         return SPAN_KIND_PHASE
     if name == STEP_SPAN_NAME and SPAN_STEP_MODEL_FLOPS in attributes:
         return SPAN_KIND_STEP
+    if name == JOB_END_SPAN_NAME:
+        return SPAN_KIND_JOB_END
+    if name == EXPERT_LOAD_SPAN_NAME:
+        return SPAN_KIND_EXPERT_LOAD
     return SPAN_KIND_OTHER

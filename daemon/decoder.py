@@ -190,6 +190,7 @@ class RankIdentity:
     num_params: int
     coordinates: dict[str, int]
     degrees: dict[str, int]
+    restart_attempt: int = 0
 
     @property
     def key(self) -> RankKey:
@@ -252,6 +253,7 @@ def decode_resource(attributes: Mapping[str, Any]) -> RankIdentity | None:
         num_params=read_int(attributes, schema.RESOURCE_NUM_PARAMS, 0),
         coordinates=coordinates,
         degrees=degrees,
+        restart_attempt=read_int(attributes, schema.RESOURCE_RESTART_ATTEMPT, 0, high=INT32_MAX),
     )
 
 
@@ -281,6 +283,15 @@ class CommFigures:
     group: str
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertLoadFigures:
+    """What an expert-load span reports: one MoE layer, one step, the whole job."""
+
+    layer: str
+    tokens_per_expert: tuple[int, ...]
+    dropped: int
+
+
 @dataclass(slots=True)  # not frozen: frozen __init__ costs ~1 µs per span at the door
 class SpanRecord:
     """One received span. `kind` is "step", "phase", "comm" or "other"."""
@@ -295,6 +306,8 @@ class SpanRecord:
     step_figures: StepFigures | None = None
     comm: CommFigures | None = None
     phase: str = ""
+    outcome: str = ""  # job_end spans: one of schema.JOB_OUTCOMES
+    expert_load: ExpertLoadFigures | None = None
 
     @property
     def seconds(self) -> float:
@@ -320,7 +333,8 @@ def decode_span(
     kind = schema.classify_span(name, attributes)
     step = read_int(attributes, schema.SPAN_STEP, -1)
     figures = comm = None
-    phase = ""
+    expert_load = None
+    phase = outcome = ""
     if kind == schema.SPAN_KIND_STEP:
         figures = StepFigures(
             tokens=read_int(attributes, schema.SPAN_STEP_TOKENS, 0),
@@ -342,6 +356,23 @@ def decode_span(
         read_int_list(attributes, schema.SPAN_COMM_GROUP_RANKS)
     elif kind == schema.SPAN_KIND_PHASE:
         phase = read_str(attributes, schema.SPAN_PHASE)
+    elif kind == schema.SPAN_KIND_JOB_END:
+        outcome = read_str(attributes, schema.SPAN_JOB_OUTCOME, required=True)
+        if outcome not in schema.JOB_OUTCOMES:
+            allowed = ", ".join(schema.JOB_OUTCOMES)
+            raise Rejected(
+                schema.SPAN_JOB_OUTCOME, OUT_OF_RANGE, f"{_shown(outcome)} is not one of {allowed}"
+            )
+    elif kind == schema.SPAN_KIND_EXPERT_LOAD:
+        expert_load = ExpertLoadFigures(
+            layer=read_str(attributes, schema.SPAN_MOE_LAYER, required=True),
+            tokens_per_expert=read_int_list(
+                attributes, schema.SPAN_MOE_TOKENS_PER_EXPERT, high=INT64_MAX
+            ),
+            dropped=read_int(attributes, schema.SPAN_MOE_DROPPED, 0),
+        )
+        if not expert_load.tokens_per_expert:
+            raise Rejected(schema.SPAN_MOE_TOKENS_PER_EXPERT, MISSING, "no experts listed")
     return SpanRecord(
         name=name,
         kind=kind,
@@ -353,6 +384,8 @@ def decode_span(
         step_figures=figures,
         comm=comm,
         phase=phase,
+        outcome=outcome,
+        expert_load=expert_load,
     )
 
 

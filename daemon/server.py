@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
+from dataclasses import replace
 from types import FrameType
 
 import grpc
@@ -22,22 +23,22 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS
+from plait.daemon.analysis import StalePolicy
+from plait.daemon.config import MAX_MESSAGE_BYTES, DaemonConfig
 from plait.daemon.exporters import OtlpUpstream, PrometheusExporter
 from plait.daemon.forwarding import RetryPolicy
-from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang
+from plait.daemon.hangs import Hang
 from plait.daemon.host import HostCollector
 from plait.daemon.nvml import NvmlCollector
-from plait.daemon.otlp import DEFAULT_INGEST_CAPACITY, IngestLimiter, add_receivers
+from plait.daemon.otlp import IngestLimiter, add_receivers
 from plait.daemon.security import OVERSIZE_HEADROOM, CallCounters, CallGuard, SecurityConfig
 from plait.daemon.service import DaemonExtras, DaemonService, daemon_points
-from plait.daemon.store import DEFAULT_WINDOW_SPANS, DEFAULT_WINDOW_STEPS, TelemetryStore
-from plait.daemon.stragglers import DEFAULT_THRESHOLD
+from plait.daemon.store import TelemetryStore
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # largest request accepted (a rank's batch is ~2 MiB)
+__all__ = ["MAX_MESSAGE_BYTES", "DaemonConfig", "DaemonServer", "serve"]
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024  # a whole-window trace capture can be large
 HANG_CHECK_SECONDS = 1.0
 DAEMON_SERVICE = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
@@ -53,40 +54,37 @@ class DaemonServer:
 
     def __init__(
         self,
-        bind: str = DEFAULT_DAEMON_ADDRESS,
+        bind: str | None = None,
         *,
-        window_steps: int = DEFAULT_WINDOW_STEPS,
-        window_spans: int = DEFAULT_WINDOW_SPANS,
-        reflection_enabled: bool = True,
-        host_interval: float = 1.0,
-        max_workers: int = 64,
-        security: SecurityConfig | None = None,
-        max_message_bytes: int = MAX_MESSAGE_BYTES,
-        ingest_capacity: int = DEFAULT_INGEST_CAPACITY,
-        max_streams: int | None = None,
-        hang_timeout: float = DEFAULT_HANG_TIMEOUT_SECONDS,
-        straggler_threshold: float = DEFAULT_THRESHOLD,
-        otlp_endpoint: str | None = None,
-        otlp_insecure: bool | None = None,
-        otlp_retry: RetryPolicy | None = None,
-        otlp_queue_bytes: int | None = None,
-        prometheus: str | None = None,
+        config: DaemonConfig | None = None,
         nvml: NvmlCollector | None = None,
-        gpu_interval: float = 1.0,
+        otlp_retry: RetryPolicy | None = None,
+        **settings: object,
     ) -> None:
-        """`otlp_endpoint` "" forwards to `$OTEL_EXPORTER_OTLP_ENDPOINT`; None: no upstream.
+        """A daemon as `config` says (default `DaemonConfig()`), with `bind` and any
+        `DaemonConfig` field given as a keyword (`window_steps=64`) replacing the config's.
 
-        `prometheus` is "host:port" for `/metrics` (None: not served). Raises `SecurityError`
-        for a non-loopback bind without TLS and a token (unless `security.insecure`).
+        `nvml` replaces the GPU collector and `otlp_retry` the upstream retry policy (tests).
+        Raises `SecurityError` for a non-loopback bind without TLS and a token (unless
+        `security.insecure`), `TypeError` for a keyword that is no `DaemonConfig` field.
         """
+        config = replace(config or DaemonConfig(), **settings)  # type: ignore[arg-type]
+        if bind is not None:
+            config = replace(config, bind=bind)
+        self.config = config
+        bind = config.bind
+        max_message_bytes, max_workers = config.max_message_bytes, config.max_workers
+        max_streams, otlp_endpoint = config.max_streams, config.otlp_endpoint
         self.bind = bind
-        self.security = security or SecurityConfig()
+        self.security = config.security or SecurityConfig()
         self.security.check_bind(bind)
-        if prometheus is not None:
-            self.security.check_bind(prometheus)
-        self.store = TelemetryStore(window_steps=window_steps, window_spans=window_spans)
-        self.host = HostCollector(self.store.local_pids, interval=host_interval)
-        self.nvml = nvml if nvml is not None else NvmlCollector(interval=gpu_interval)
+        if config.prometheus is not None:
+            self.security.check_bind(config.prometheus)
+        self.store = TelemetryStore(
+            window_steps=config.window_steps, window_spans=config.window_spans
+        )
+        self.host = HostCollector(self.store.local_pids, interval=config.host_interval)
+        self.nvml = nvml if nvml is not None else NvmlCollector(interval=config.gpu_interval)
         self.stopping = threading.Event()
         self.counters = CallCounters()
         # Long-lived calls hold a worker thread each; keep a quarter for receivers and queries.
@@ -123,9 +121,14 @@ class DaemonServer:
         self.extras = DaemonExtras(
             nvml=self.nvml,
             counters=self.counters,
-            ingest_capacity=ingest_capacity,
-            hang_timeout_seconds=hang_timeout,
-            straggler_threshold=straggler_threshold,
+            ingest_capacity=config.ingest_capacity,
+            hang_timeout_seconds=config.hang_timeout,
+            straggler_threshold=config.straggler_threshold,
+            stale_policy=StalePolicy(
+                floor_seconds=config.stale_floor,
+                step_multiple=config.stale_step_multiple,
+                ceiling_seconds=config.stale_ceiling,
+            ),
         )
         self.service = DaemonService(
             self.store,
@@ -139,10 +142,10 @@ class DaemonServer:
             self.upstream = OtlpUpstream(
                 lambda: daemon_points(self.service),
                 endpoint=otlp_endpoint,
-                insecure=otlp_insecure,
+                insecure=config.otlp_insecure,
                 hostname=self.host.hostname,
                 retry=otlp_retry,
-                queue_bytes=otlp_queue_bytes,
+                queue_bytes=config.otlp_queue_bytes,
             )
             self.extras.exporters.append(self.upstream.describe())
             self.extras.forwarder_stats = self.upstream.stats
@@ -150,18 +153,18 @@ class DaemonServer:
         add_receivers(
             self.server,
             self.store,
-            limiter=IngestLimiter(ingest_capacity),
+            limiter=IngestLimiter(config.ingest_capacity),
             forward_spans=self.upstream.forward_spans if self.upstream else None,
             forward_metrics=self.upstream.forward_metrics if self.upstream else None,
         )
-        self.prometheus_address = prometheus
+        self.prometheus_address = config.prometheus
         self.prometheus: PrometheusExporter | None = None
         self.reported_hangs: dict[tuple[str, str, tuple[int, ...], int], Hang] = {}
         self._hang_thread = threading.Thread(
             target=self._watch_hangs, name="plait-hang-monitor", daemon=True
         )
         daemon_pb2_grpc.add_DaemonServicer_to_server(self.service, self.server)
-        if reflection_enabled:
+        if config.reflection_enabled:
             reflection.enable_server_reflection(
                 (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
             )

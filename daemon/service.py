@@ -1,7 +1,8 @@
-"""The `plait.v1.Daemon` gRPC service: ranks, metrics and MFU, bottlenecks, hangs, traces.
+"""The `plait.v1.Daemon` gRPC service: translates the analysis layer's records to protobuf.
 
-Also builds the flat list of figures (`DaemonPoint`s) the OTLP and Prometheus exporters publish,
-so an RPC, a scrape and an upstream export report the same numbers.
+What the figures mean is decided in `plait.daemon.analysis` (plain dataclasses, no gRPC); this
+module only takes the store's lock around an analysis and turns its records into `plait.v1`
+messages. The exporters' points come from the same analysis (`plait.daemon.points`).
 """
 
 from __future__ import annotations
@@ -14,28 +15,48 @@ from dataclasses import dataclass, field
 import grpc
 
 from plait import __version__
-from plait.core import mfu
-from plait.core import telemetry_schema as schema
-from plait.daemon.bottleneck import CLASSES, RankBreakdown, RankContext, advice, job_dominant
-from plait.daemon.bottleneck import rank_breakdown as summarise_steps
+from plait.daemon.analysis import (
+    DEFAULT_METRICS_WINDOW_STEPS,
+    BottleneckView,
+    ExpertLayerFigures,
+    JobFigures,
+    JobState,
+    MetricsView,
+    RankAnalysis,
+    RankFigures,
+    RankState,
+    StalePolicy,
+    bottleneck_view,
+    job_states,
+    metrics_view,
+    visible,
+)
+from plait.daemon.bottleneck import RankBreakdown, advice, job_dominant
 from plait.daemon.chrome_trace import chrome_trace_json
 from plait.daemon.exporters import DaemonPoint
 from plait.daemon.forwarding import ForwarderStats
 from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang, find_hangs
 from plait.daemon.host import HostCollector, HostSample
-from plait.daemon.nvml import NvmlCollector, metric_points
+from plait.daemon.nvml import NvmlCollector
 from plait.daemon.security import CallCounters
-from plait.daemon.store import RankWindow, TelemetryStore
+from plait.daemon.store import TelemetryStore
 from plait.daemon.stragglers import DEFAULT_THRESHOLD, RankTiming, StragglerScore, score_ranks
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc, metrics_pb2
 
-DEFAULT_METRICS_WINDOW_STEPS = 20
+__all__ = ["DEFAULT_METRICS_WINDOW_STEPS", "DaemonExtras", "DaemonService", "daemon_points"]
+
 # Spans reach the daemon up to one batch delay (plus an export) after they end.
 TRACE_FLUSH_SLACK_SECONDS = 1.5
 MAX_TRACE_SECONDS = 600.0
 
 
-def rank_info(window: RankWindow) -> metrics_pb2.RankInfo:
+# --------------------------------------------------------------------------------------------
+# analysis records -> plait.v1 messages
+# --------------------------------------------------------------------------------------------
+
+
+def rank_info(state: RankState) -> metrics_pb2.RankInfo:
+    window = state.window
     i = window.identity
     return metrics_pb2.RankInfo(
         job_id=i.job_id,
@@ -56,72 +77,99 @@ def rank_info(window: RankWindow) -> metrics_pb2.RankInfo:
         last_seen_unix_nano=window.last_seen_ns,
         spans_received=window.spans_received,
         steps_received=window.steps_received,
+        status=state.status,
+        restart_attempt=i.restart_attempt,
+        silent_seconds=state.silent_seconds,
+        stale_after_seconds=state.stale_after_seconds,
     )
 
 
-def device_index(device: str) -> int | None:
-    """ "cuda:3" -> 3 (NVML and CUDA agree on indices with CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
-    if device.startswith("cuda"):
-        _, _, index = device.partition(":")
-        return int(index) if index.isdigit() else 0
-    return None
-
-
-def rank_metrics(
-    window: RankWindow,
-    window_steps: int,
-    host: HostSample,
-    gpu_utilization: dict[int, float] | None = None,
-) -> metrics_pb2.RankMetrics:
-    identity = window.identity
-    steps = window.last_steps(window_steps)
-    rate = mfu.rank_throughput(window.samples(window_steps), identity.peak_flops)
-    comm = sum(window.comm_seconds(s.step) for s in steps) / len(steps) if steps else 0.0
-    process = host.processes.get(identity.key)
-    last = steps[-1] if steps else None
-    index = device_index(identity.device) if identity.host == host.hostname else None
-    utilization = (gpu_utilization or {}).get(index, -1.0) if index is not None else -1.0
+def rank_metrics(r: RankFigures) -> metrics_pb2.RankMetrics:
     return metrics_pb2.RankMetrics(
-        job_id=identity.job_id,
-        rank=identity.rank,
-        host=identity.host,
-        step=last.step if last else -1,
-        window_steps=rate.steps,
-        step_seconds=rate.step_seconds,
-        tokens_per_second=rate.tokens_per_second,
-        model_flops_per_second=rate.model_flops_per_second,
-        peak_flops=identity.peak_flops,
-        mfu=rate.mfu,
-        data_wait_seconds=sum(s.data_wait_seconds for s in steps) / len(steps) if steps else 0.0,
-        comm_seconds=comm,
-        comm_share=comm / rate.step_seconds if rate.step_seconds > 0 else 0.0,
-        loss=last.loss if last else 0.0,
-        cpu_percent=process.cpu_percent if process else -1.0,
-        memory_rss_bytes=process.rss_bytes if process else -1,
-        # The decoder bounds this metric, so the conversion cannot fail.
-        device_memory_bytes=int(window.metrics.get(schema.METRIC_DEVICE_MEMORY_USED, -1)),
-        device_utilization=utilization,
-        otel_metrics=window.metrics,
+        job_id=r.job_id,
+        rank=r.rank,
+        host=r.host,
+        step=r.step,
+        window_steps=r.window_steps,
+        step_seconds=r.step_seconds,
+        tokens_per_second=r.tokens_per_second,
+        model_flops_per_second=r.model_flops_per_second,
+        peak_flops=r.peak_flops,
+        mfu=r.mfu,
+        data_wait_seconds=r.data_wait_seconds,
+        comm_seconds=r.comm_seconds,
+        comm_share=r.comm_share,
+        loss=r.loss,
+        cpu_percent=r.usage.cpu_percent,
+        memory_rss_bytes=r.usage.memory_rss_bytes,
+        device_memory_bytes=r.device_memory_bytes,
+        device_utilization=r.usage.device_utilization,
+        otel_metrics=r.otel_metrics,
+        status=r.status,
+        silent_seconds=r.silent_seconds,
+        restart_attempt=r.restart_attempt,
     )
 
 
-def job_metrics(windows: list[RankWindow], window_steps: int) -> metrics_pb2.JobMetrics:
-    rate = mfu.job_throughput(
-        {w.identity.rank: w.samples(window_steps) for w in windows},
-        {w.identity.rank: w.identity.peak_flops for w in windows},
-        window_steps=window_steps,
+def expert_layer_load(f: ExpertLayerFigures) -> metrics_pb2.ExpertLayerLoad:
+    return metrics_pb2.ExpertLayerLoad(
+        layer=f.layer,
+        experts=f.experts,
+        step=f.step,
+        tokens=f.tokens,
+        max_tokens=f.max_tokens,
+        mean_tokens=f.mean_tokens,
+        imbalance=f.imbalance,
+        dropped=f.dropped,
+        dropped_fraction=f.dropped_fraction,
+        mean_imbalance=f.mean_imbalance,
+        steps=f.steps,
     )
+
+
+def job_metrics(j: JobFigures) -> metrics_pb2.JobMetrics:
     return metrics_pb2.JobMetrics(
-        job_id=windows[0].identity.job_id,
-        world_size=windows[0].identity.world_size,
-        ranks_reporting=len(windows),
-        step=max((w.last_steps(1)[0].step for w in windows if w.steps), default=-1),
-        window_steps=rate.steps,
-        step_seconds=rate.step_seconds,
-        tokens_per_second=rate.tokens_per_second,
-        model_flops_per_second=rate.model_flops_per_second,
-        peak_flops=rate.peak_flops,
-        mfu=rate.mfu,
+        job_id=j.job_id,
+        world_size=j.world.current_size,
+        ranks_reporting=j.ranks_reporting,
+        step=j.step,
+        window_steps=j.window_steps,
+        step_seconds=j.step_seconds,
+        tokens_per_second=j.tokens_per_second,
+        model_flops_per_second=j.model_flops_per_second,
+        peak_flops=j.peak_flops,
+        mfu=j.mfu,
+        state=j.state,
+        restarts=j.world.restarts,
+        world_sizes=j.world.sizes,
+        world_started_step=j.world.started_step,
+        ranks_stale=j.ranks_stale,
+        expert_load=[expert_layer_load(f) for f in j.expert_load],
+    )
+
+
+def bottleneck_breakdown(a: RankAnalysis) -> metrics_pb2.BottleneckBreakdown:
+    b = a.breakdown
+    return metrics_pb2.BottleneckBreakdown(
+        job_id=a.job_id,
+        rank=a.rank,
+        step_seconds=b.step_seconds,
+        compute_seconds=b.seconds["compute"],
+        exposed_comm_seconds=b.seconds["exposed_comm"],
+        data_wait_seconds=b.seconds["data"],
+        pipeline_bubble_seconds=b.seconds["pipeline_bubble"],
+        optimizer_seconds=b.seconds["optimizer"],
+        host_other_seconds=b.seconds["host_other"],
+        dominant=b.dominant,
+        steps=b.steps,
+        advice=a.advice,
+        exposed_comm_by_purpose=b.exposed_comm_by_purpose,
+        comm_seconds=b.comm_seconds,
+        median_step_seconds=b.median_step_seconds,
+        median_compute_seconds=b.median_compute_seconds,
+        comm_ops_by_purpose={
+            purpose: ",".join(sorted(ops)) for purpose, ops in b.comm_ops_by_purpose.items()
+        },
     )
 
 
@@ -137,46 +185,6 @@ def host_metrics(sample: HostSample) -> metrics_pb2.HostMetrics:
         net_sent_bytes_per_second=sample.net_sent_bytes_per_second,
         net_recv_bytes_per_second=sample.net_recv_bytes_per_second,
         sampled_unix_nano=sample.sampled_ns,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class RankAnalysis:
-    """One rank's bottleneck breakdown over a window, with what advice and scoring need."""
-
-    window_identity: tuple[str, int, str]  # job, rank, host
-    breakdown: RankBreakdown
-    context: RankContext
-
-
-def analyse(windows: list[RankWindow], window_steps: int) -> list[RankAnalysis]:
-    """Breakdowns of `windows`; call with the store's lock held."""
-    return [
-        RankAnalysis(
-            window_identity=(w.identity.job_id, w.identity.rank, w.identity.host),
-            breakdown=summarise_steps(w.breakdowns(window_steps)),
-            context=RankContext(
-                degrees=w.identity.degrees, comm_bytes_by_purpose=w.comm_volume(window_steps)
-            ),
-        )
-        for w in windows
-    ]
-
-
-def straggler_scores(analyses: list[RankAnalysis], threshold: float) -> list[StragglerScore]:
-    return score_ranks(
-        (
-            RankTiming(
-                job_id=a.window_identity[0],
-                rank=a.window_identity[1],
-                host=a.window_identity[2],
-                steps=a.breakdown.steps,
-                median_step_seconds=a.breakdown.median_step_seconds,
-                median_compute_seconds=a.breakdown.median_compute_seconds,
-            )
-            for a in analyses
-        ),
-        threshold,
     )
 
 
@@ -286,6 +294,7 @@ class DaemonExtras:
     # The upstream forwarder's counters and endpoint, when the daemon forwards.
     forwarder_stats: Callable[[], ForwarderStats] | None = None
     forwarder_endpoint: str = ""
+    stale_policy: StalePolicy = field(default_factory=StalePolicy)
 
 
 class DaemonService(daemon_pb2_grpc.DaemonServicer):
@@ -314,6 +323,56 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             timeout_seconds=self.extras.hang_timeout_seconds,
         )
 
+    # -- the analysis, under the store's lock ---------------------------------------------------
+
+    def _jobs(self, job_id: str, window_steps: int) -> list[JobState]:
+        return job_states(
+            self.store,
+            now_ns=time.time_ns(),
+            policy=self.extras.stale_policy,
+            window_steps=window_steps,
+            job_id=job_id,
+        )
+
+    def metrics_view(
+        self,
+        job_id: str = "",
+        window_steps: int = DEFAULT_METRICS_WINDOW_STEPS,
+        include_finished: bool = False,
+    ) -> MetricsView:
+        host = self.host.latest
+        utilization = self.extras.nvml.utilization_by_index() if self.extras.nvml else {}
+        with self.store.lock:
+            jobs = visible(
+                self._jobs(job_id, window_steps), include_finished=include_finished, job_id=job_id
+            )
+            return metrics_view(
+                jobs,
+                window_steps=window_steps,
+                host=host,
+                gpu_utilization=utilization,
+                include_superseded=include_finished,
+            )
+
+    def bottleneck_view(
+        self,
+        job_id: str = "",
+        window_steps: int = DEFAULT_METRICS_WINDOW_STEPS,
+        threshold: float = 0.0,
+        include_finished: bool = False,
+    ) -> BottleneckView:
+        with self.store.lock:
+            jobs = visible(
+                self._jobs(job_id, window_steps), include_finished=include_finished, job_id=job_id
+            )
+            return bottleneck_view(
+                jobs,
+                window_steps=window_steps,
+                threshold=threshold or self.extras.straggler_threshold,
+            )
+
+    # -- RPCs -----------------------------------------------------------------------------------
+
     def Status(
         self, request: daemon_pb2.StatusRequest, context: grpc.ServicerContext
     ) -> daemon_pb2.StatusResponse:
@@ -324,14 +383,16 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             drops = (store.spans_dropped, store.metric_points_dropped)
             rejected = store.rejected
             rejects = (rejected.spans, rejected.metric_points, dict(rejected.by_reason))
+            states = {j.job_id: j.state for j in self._jobs("", DEFAULT_METRICS_WINDOW_STEPS)}
         extras = self.extras
         nvml = extras.nvml
+        policy = extras.stale_policy
         return daemon_pb2.StatusResponse(
             version=__version__,
             hostname=self.host.hostname,
             bind_address=self.bind_address,
             uptime_seconds=time.monotonic() - self.started,
-            job_ids=store.job_ids(),
+            job_ids=sorted(states),
             ranks=ranks,
             spans_received=counters[0],
             metric_points_received=counters[1],
@@ -351,6 +412,10 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             rejected_by_reason=rejects[2],
             calls_rejected_by_reason=extras.counters.by_reason(),
             forwarder=self.forwarder_status(),
+            job_states=states,
+            stale_floor_seconds=policy.floor_seconds,
+            stale_step_multiple=policy.step_multiple,
+            stale_ceiling_seconds=policy.ceiling_seconds,
         )
 
     def forwarder_status(self) -> daemon_pb2.ForwarderStatus | None:
@@ -376,31 +441,29 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
         self, request: daemon_pb2.ListRanksRequest, context: grpc.ServicerContext
     ) -> daemon_pb2.ListRanksResponse:
         with self.store.lock:
-            ranks = [rank_info(w) for w in self.store.windows(request.job_id)]
+            jobs = self._jobs(request.job_id, DEFAULT_METRICS_WINDOW_STEPS)
+            ranks = [rank_info(r) for job in jobs for r in job.ranks]
         return daemon_pb2.ListRanksResponse(ranks=ranks)
 
-    def _metrics(self, job_id: str, window_steps: int) -> daemon_pb2.GetMetricsResponse:
-        window_steps = window_steps or DEFAULT_METRICS_WINDOW_STEPS
-        host = self.host.latest
-        response = daemon_pb2.GetMetricsResponse(
-            host=host_metrics(host), computed_unix_nano=time.time_ns()
+    def _metrics(
+        self, job_id: str, window_steps: int, include_finished: bool
+    ) -> daemon_pb2.GetMetricsResponse:
+        view = self.metrics_view(
+            job_id, window_steps or DEFAULT_METRICS_WINDOW_STEPS, include_finished
         )
-        with self.store.lock:
-            windows = self.store.windows(job_id)
-            utilization = self.extras.nvml.utilization_by_index() if self.extras.nvml else {}
-            response.ranks.extend(rank_metrics(w, window_steps, host, utilization) for w in windows)
-            by_job: dict[str, list[RankWindow]] = {}
-            for window in windows:
-                by_job.setdefault(window.identity.job_id, []).append(window)
-            response.jobs.extend(job_metrics(ws, window_steps) for ws in by_job.values())
-        return response
+        return daemon_pb2.GetMetricsResponse(
+            host=host_metrics(self.host.latest),
+            computed_unix_nano=time.time_ns(),
+            ranks=[rank_metrics(r) for r in view.ranks],
+            jobs=[job_metrics(j) for j in view.jobs],
+        )
 
     def GetMetrics(
         self, request: daemon_pb2.GetMetricsRequest, context: grpc.ServicerContext
     ) -> daemon_pb2.GetMetricsResponse:
         if request.window_steps < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "window_steps must be >= 0")
-        return self._metrics(request.job_id, request.window_steps)
+        return self._metrics(request.job_id, request.window_steps, request.include_finished)
 
     def StreamMetrics(
         self, request: daemon_pb2.StreamMetricsRequest, context: grpc.ServicerContext
@@ -409,7 +472,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative window or interval")
         interval = max(request.interval_seconds or 1.0, 0.05)
         while context.is_active() and not self.stopping.is_set():
-            yield self._metrics(request.job_id, request.window_steps)
+            yield self._metrics(request.job_id, request.window_steps, request.include_finished)
             if self.stopping.wait(interval):
                 return
 
@@ -418,43 +481,20 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
     ) -> daemon_pb2.GetBottleneckResponse:
         if request.window_steps < 0 or request.straggler_threshold < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative window or threshold")
-        window_steps = request.window_steps or DEFAULT_METRICS_WINDOW_STEPS
         threshold = request.straggler_threshold or self.extras.straggler_threshold
-        with self.store.lock:
-            analyses = analyse(self.store.windows(request.job_id), window_steps)
-        response = daemon_pb2.GetBottleneckResponse(straggler_threshold=threshold)
-        for analysis in analyses:
-            b = analysis.breakdown
-            job_id, rank, _ = analysis.window_identity
-            response.ranks.append(
-                metrics_pb2.BottleneckBreakdown(
-                    job_id=job_id,
-                    rank=rank,
-                    step_seconds=b.step_seconds,
-                    compute_seconds=b.seconds["compute"],
-                    exposed_comm_seconds=b.seconds["exposed_comm"],
-                    data_wait_seconds=b.seconds["data"],
-                    pipeline_bubble_seconds=b.seconds["pipeline_bubble"],
-                    optimizer_seconds=b.seconds["optimizer"],
-                    host_other_seconds=b.seconds["host_other"],
-                    dominant=b.dominant,
-                    steps=b.steps,
-                    advice=advice(b, analysis.context) if b.steps else "",
-                    exposed_comm_by_purpose=b.exposed_comm_by_purpose,
-                    comm_seconds=b.comm_seconds,
-                    median_step_seconds=b.median_step_seconds,
-                    median_compute_seconds=b.median_compute_seconds,
-                )
-            )
-        overall = job_dominant(a.breakdown for a in analyses)
-        if overall.steps:
-            context_degrees = analyses[0].context if analyses else RankContext()
-            response.dominant = overall.dominant
-            response.advice = advice(overall, context_degrees)
-        response.stragglers.extend(
-            straggler_message(s) for s in straggler_scores(analyses, threshold)
+        view = self.bottleneck_view(
+            request.job_id,
+            request.window_steps or DEFAULT_METRICS_WINDOW_STEPS,
+            threshold,
+            request.include_finished,
         )
-        return response
+        return daemon_pb2.GetBottleneckResponse(
+            ranks=[bottleneck_breakdown(a) for a in view.ranks],
+            dominant=view.dominant,
+            advice=view.advice,
+            stragglers=[straggler_message(s) for s in view.stragglers],
+            straggler_threshold=threshold,
+        )
 
     def CaptureTrace(
         self, request: daemon_pb2.CaptureTraceRequest, context: grpc.ServicerContext
@@ -484,75 +524,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
 def daemon_points(
     service: DaemonService, window_steps: int = DEFAULT_METRICS_WINDOW_STEPS
 ) -> list[DaemonPoint]:
-    """Every figure the exporters publish, computed now."""
-    points: list[DaemonPoint] = []
-    nvml = service.extras.nvml
-    if nvml is not None:
-        counters = {"hw.energy", "hw.errors"}
-        points.extend(
-            DaemonPoint(name, value, attrs, counter=name in counters)
-            for name, value, attrs in metric_points(nvml.latest)
-        )
-    metrics = service._metrics("", window_steps)
-    for r in metrics.ranks:
-        attrs = {schema.RESOURCE_JOB_ID: r.job_id, schema.RESOURCE_RANK: r.rank,
-                 schema.RESOURCE_HOST_NAME: r.host}  # fmt: skip
-        if not mfu.is_calibration_error(r.mfu):  # a wrong peak publishes no MFU at all
-            points.append(DaemonPoint("plait.rank.mfu", r.mfu, attrs))
-        points.append(DaemonPoint("plait.rank.step.duration", r.step_seconds, attrs))
-        points.append(DaemonPoint("plait.rank.tokens_per_second", r.tokens_per_second, attrs))
-    for j in metrics.jobs:
-        attrs = {schema.RESOURCE_JOB_ID: j.job_id}
-        if not mfu.is_calibration_error(j.mfu):
-            points.append(DaemonPoint("plait.job.mfu", j.mfu, attrs))
-        points.append(DaemonPoint("plait.job.tokens_per_second", j.tokens_per_second, attrs))
-        points.append(DaemonPoint("plait.job.step.duration", j.step_seconds, attrs))
-    with service.store.lock:
-        analyses = analyse(service.store.windows(), window_steps)
-        counts = (
-            service.store.spans_received,
-            service.store.spans_dropped,
-            service.store.metric_points_dropped,
-        )
-        rejects = (service.store.rejected.spans, service.store.rejected.metric_points)
-    for a in analyses:
-        job_id, rank, host = a.window_identity
-        attrs = {schema.RESOURCE_JOB_ID: job_id, schema.RESOURCE_RANK: rank,
-                 schema.RESOURCE_HOST_NAME: host}  # fmt: skip
-        for name in CLASSES:
-            points.append(
-                DaemonPoint(
-                    "plait.rank.bottleneck.seconds",
-                    a.breakdown.seconds[name],
-                    {**attrs, "plait.bottleneck.class": name},
-                )
-            )
-    for score in straggler_scores(analyses, service.extras.straggler_threshold):
-        t = score.timing
-        attrs = {schema.RESOURCE_JOB_ID: t.job_id, schema.RESOURCE_RANK: t.rank,
-                 schema.RESOURCE_HOST_NAME: t.host}  # fmt: skip
-        points.append(DaemonPoint("plait.rank.straggler.score", score.score, attrs))
-    points.append(DaemonPoint("plait.collective.hangs", float(len(service.hangs()))))
-    points.append(DaemonPoint("plait.daemon.spans.received", counts[0], counter=True))
-    forwarder = service.extras.forwarder_stats() if service.extras.forwarder_stats else None
-    forward_spans = forwarder.dropped_spans if forwarder else 0
-    forward_points = forwarder.dropped_metric_points if forwarder else 0
-    points.append(
-        DaemonPoint("plait.daemon.spans.dropped", counts[1] + forward_spans, counter=True)
-    )
-    points.append(
-        DaemonPoint("plait.daemon.metric_points.dropped", counts[2] + forward_points, counter=True)
-    )
-    # Rejects by reason; the totals are the sums over `reason`.
-    points.append(DaemonPoint("plait.daemon.spans.rejected", rejects[0], counter=True))
-    points.append(DaemonPoint("plait.daemon.metric_points.rejected", rejects[1], counter=True))
-    if forwarder is not None:
-        for reason, count in sorted(forwarder.dropped_by_reason.items()):
-            points.append(
-                DaemonPoint("plait.daemon.forward.dropped", count, {"reason": reason}, True)
-            )
-        points.append(DaemonPoint("plait.daemon.forward.queued", forwarder.queued_bytes))
-    points.append(
-        DaemonPoint("plait.daemon.calls.rejected", service.extras.counters.total, counter=True)
-    )
-    return points
+    """Every figure the exporters publish (`plait.daemon.points`), computed now."""
+    from plait.daemon.points import daemon_points as points
+
+    return points(service, window_steps)

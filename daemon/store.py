@@ -6,7 +6,15 @@ value of every metric it sent; older data falls off. All access goes through one
 the OTLP receivers and the query RPCs run on the gRPC server's thread pool.
 
 Phase and comm spans are also indexed by step (`RankWindow.step_spans`) for the bottleneck
-analysis, and each rank's last comm heartbeat is kept for the hang detector.
+analysis, each rank's last comm heartbeat is kept for the hang detector, expert-load spans by
+step, and a rank's end-of-run span as its outcome.
+
+**Worlds.** Each job keeps the history of its worlds (`JobWorlds`): a rank that appears with
+another world size than the current world's, or with a restart attempt above any seen in the job
+(torchrun's restart count), starts a new world; the ranks of the old world are then superseded.
+A rank belongs to the current world when it has its world size and has been heard from since the
+world started (`JobWorlds.is_member`). Which members are live, stale or ended is decided by the
+analysis (`plait.daemon.analysis`), which knows the time.
 """
 
 from __future__ import annotations
@@ -20,13 +28,30 @@ from typing import Any
 
 from plait.core.mfu import StepSample
 from plait.daemon.bottleneck import StepBreakdown, StepSpan, step_breakdown
-from plait.daemon.decoder import RankIdentity, RankKey, RejectCounts, Rejected, SpanRecord
+from plait.daemon.decoder import (
+    ExpertLoadFigures,
+    RankIdentity,
+    RankKey,
+    RejectCounts,
+    Rejected,
+    SpanRecord,
+)
 from plait.daemon.hangs import Heartbeat
 
 DEFAULT_WINDOW_STEPS = 512
 DEFAULT_WINDOW_SPANS = 50_000
+MAX_WORLDS_KEPT = 32  # per job; older worlds are only counted
 
-__all__ = ["RankIdentity", "RankKey", "RankWindow", "SpanRecord", "StepRecord", "TelemetryStore"]
+__all__ = [
+    "JobWorlds",
+    "RankIdentity",
+    "RankKey",
+    "RankWindow",
+    "SpanRecord",
+    "StepRecord",
+    "TelemetryStore",
+    "World",
+]
 Resource = RankIdentity | Mapping[str, Any]
 
 
@@ -76,6 +101,13 @@ class RankWindow:
     spans_received: int = 0
     steps_received: int = 0
     last_seen_ns: int = 0
+    first_seen_ns: int = 0
+    first_step: int | None = None  # the first step this rank reported (wire numbering)
+    outcome: str = ""  # "finished" / "failed" once the rank said its run ended
+    # step -> layer -> the step's expert load (whole job), the last window_steps steps.
+    expert_loads: OrderedDict[int, dict[str, ExpertLoadFigures]] = field(
+        default_factory=OrderedDict
+    )
 
     def __post_init__(self) -> None:
         self.spans = deque(maxlen=self.window_spans)
@@ -96,6 +128,8 @@ class RankWindow:
             )
             self.steps.move_to_end(span.step)
             self.steps_received += 1
+            if self.first_step is None or span.step < self.first_step:
+                self.first_step = span.step
             while len(self.steps) > self.window_steps:
                 self.steps.popitem(last=False)
         elif span.kind in ("comm", "phase") and span.step is not None:
@@ -124,6 +158,12 @@ class RankWindow:
                 self.comm_intervals.popitem(last=False)
             while len(self.step_spans) > 2 * self.window_steps:
                 self.step_spans.popitem(last=False)
+        elif span.expert_load is not None and span.step is not None:
+            self.expert_loads.setdefault(span.step, {})[span.expert_load.layer] = span.expert_load
+            while len(self.expert_loads) > self.window_steps:
+                self.expert_loads.popitem(last=False)
+        elif span.outcome:
+            self.outcome = span.outcome
 
     def last_steps(self, count: int) -> list[StepRecord]:
         records = list(self.steps.values())
@@ -165,6 +205,44 @@ class RankWindow:
         }
 
 
+@dataclass
+class World:
+    """One world of a job: its size, the restart attempt that formed it, when it started."""
+
+    size: int
+    attempt: int
+    started_ns: int
+
+
+@dataclass
+class JobWorlds:
+    """A job's worlds, oldest first (the last `MAX_WORLDS_KEPT`); `changes` counts them all."""
+
+    worlds: list[World] = field(default_factory=list)
+    max_attempt: int = 0
+    changes: int = 0  # worlds started after the first one (restarts and resizes)
+
+    @property
+    def current(self) -> World:
+        return self.worlds[-1]
+
+    def observe(self, identity: RankIdentity, now_ns: int) -> None:
+        """A rank appeared (first time, or with a new identity): does it start a new world?"""
+        attempt = identity.restart_attempt
+        if not self.worlds:
+            self.worlds.append(World(identity.world_size, attempt, now_ns))
+        elif identity.world_size != self.current.size or attempt > self.max_attempt:
+            self.worlds.append(World(identity.world_size, attempt, now_ns))
+            self.changes += 1
+            del self.worlds[:-MAX_WORLDS_KEPT]
+        self.max_attempt = max(self.max_attempt, attempt)
+
+    def is_member(self, window: RankWindow) -> bool:
+        """In the current world: its size, and heard from since the world started."""
+        world = self.current
+        return window.identity.world_size == world.size and window.last_seen_ns >= world.started_ns
+
+
 def _identity(resource: Resource) -> RankIdentity | None:
     if isinstance(resource, RankIdentity):
         return resource
@@ -184,6 +262,7 @@ class TelemetryStore:
         self.window_spans = window_spans
         self.lock = threading.Lock()
         self._ranks: dict[RankKey, RankWindow] = {}
+        self._jobs: dict[str, JobWorlds] = {}
         self.spans_received = 0
         self.spans_ignored = 0
         self.metric_points_received = 0
@@ -193,12 +272,19 @@ class TelemetryStore:
 
     def _window(self, identity: RankIdentity) -> RankWindow:
         window = self._ranks.get(identity.key)
+        now = time.time_ns()
         if window is None or window.identity != identity:
             # A restarted rank (new pid, new device) replaces its old window.
             window = RankWindow(identity, self.window_steps, self.window_spans)
+            window.first_seen_ns = now
             self._ranks[identity.key] = window
-        window.last_seen_ns = time.time_ns()
+            self._jobs.setdefault(identity.job_id, JobWorlds()).observe(identity, now)
+        window.last_seen_ns = now
         return window
+
+    def worlds(self, job_id: str) -> JobWorlds:
+        """The job's worlds (call with `lock` held)."""
+        return self._jobs[job_id]
 
     def add_spans(self, resource: Resource, spans: Iterable[SpanRecord]) -> int:
         """Store spans exported with `resource`; returns how many were kept.

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -216,6 +217,11 @@ def train(
             launcher += ["--local-addr", local_addr]
     else:
         launcher += ["--standalone"]
+    # The job id the ranks report (unless telemetry.job_id is set): the rendezvous id every node
+    # shares, else the config's name and the launch time, so two launches never merge in `top`.
+    launched = time.strftime("%Y%m%d-%H%M%S")
+    job_id = (rdzv_id or "plait") if rdzv_endpoint else (rdzv_id or f"{config.stem}-{launched}")
+    os.environ.setdefault("PLAIT_JOB_ID", job_id)
     worker = ["-m", "plait.tools.trainer", str(config)]
     for item in overrides:
         worker += ["--set", item]

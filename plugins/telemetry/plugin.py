@@ -25,6 +25,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from plait.core.comm import CompletedWork
+from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.hookspecs import hookimpl
 from plait.core.telemetry import (
     EXPORT_TIMEOUT_SECONDS,
@@ -62,6 +63,7 @@ class TelemetryPlugin:
         self.telemetry: RankTelemetry | None = None
         self.exporter: SpanExporter | None = None
         self.step: int | None = None
+        self.last_step = -1
         self.records: list[CommRecord] = []
         self._cuda_anchor: CudaAnchor | None = None
         self._uses_cuda = False
@@ -114,6 +116,11 @@ class TelemetryPlugin:
             return
         exporter.put_step(report)
         exporter.put_comm(self._finished_comm_records(final=False))
+        self.last_step = report.step
+        # A MoE model's router counts, published by whoever counted them this step.
+        load = EXPERT_LOAD_BOARD.take()
+        if load is not None and self.telemetry is not None:
+            self.telemetry.record_expert_load(report.step, load)
 
     @hookimpl
     def plait_job_end(self) -> None:
@@ -128,6 +135,7 @@ class TelemetryPlugin:
             torch.cuda.synchronize()
         exporter.put_comm(self._finished_comm_records(final=True))
         exporter.shutdown(EXPORT_TIMEOUT_SECONDS)
+        telemetry.end_job(last_step=self.last_step)  # the daemon shows the job finished
         telemetry.flush()
         telemetry.shutdown()
 

@@ -123,10 +123,17 @@ def synthetic_report(step: int, base_ns: int) -> StepReport:
     )
 
 
-def run_fake_rank(address: str, rank: int, steps: int, backend: FakeBackend) -> None:
-    """One rank's job through the real plugin manager, comm facade and telemetry plugin."""
+def run_fake_rank(
+    address: str, rank: int, steps: int, backend: FakeBackend, *, finish: bool = True
+) -> None:
+    """One rank's job through the real plugin manager, comm facade and telemetry plugin.
+
+    `finish=False` flushes everything but leaves out the end-of-run span, as a rank that is
+    still running (or was killed) would: the daemon keeps showing the job.
+    """
     plugins = Plugins.create(autoload=False, builtins=(), extra=[("fake_backend", backend)])
-    plugins.register(make_plugin(), "telemetry")
+    telemetry = make_plugin()
+    plugins.register(telemetry, "telemetry")
     plugins.configure(load_config({"telemetry": {"daemon": address}}))
     plugins.job_start(job_info(rank=rank))
     comm = Comm(plugins)
@@ -141,4 +148,6 @@ def run_fake_rank(address: str, rank: int, steps: int, backend: FakeBackend) -> 
         assert isinstance(backend.works[-2], FutureWork)
         backend.works[-2].future.complete()  # the async all-reduce finishes now
         plugins.step_end(synthetic_report(step, base))
+    if not finish and telemetry.telemetry is not None:
+        telemetry.telemetry.end_job = lambda **_: None  # type: ignore[method-assign]
     plugins.job_end()

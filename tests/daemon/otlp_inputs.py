@@ -113,6 +113,7 @@ class Probe:
         ranks = [r for r in self.metrics.ranks if r.job_id == job_id]
         for rank in ranks:
             rank.ClearField("otel_metrics")
+            rank.ClearField("silent_seconds")  # time since the rank was heard from: it moves
         return (
             [r.SerializeToString(deterministic=True) for r in ranks],
             [

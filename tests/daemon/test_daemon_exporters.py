@@ -45,7 +45,8 @@ def test_forwards_upstream_and_serves_prometheus(monkeypatch: pytest.MonkeyPatch
             "127.0.0.1:0", host_interval=0.2, otlp_endpoint="", prometheus="127.0.0.1:0"
         ).start()
         try:
-            run_fake_rank(server.address, rank=0, steps=3, backend=FakeBackend())
+            # Still running: finished jobs are not published.
+            run_fake_rank(server.address, rank=0, steps=3, backend=FakeBackend(), finish=False)
             # The ranks' spans arrive upstream as they were sent, resource and all.
             assert sink.wait_for(
                 lambda s: sum(r.get("plait.job.id") == "job-a" and sp.name == "step"

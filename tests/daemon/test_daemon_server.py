@@ -71,7 +71,9 @@ def test_shutdown_reports_not_serving_before_stopping() -> None:
 
 
 def test_stream_metrics_follows_new_steps(daemon_server: DaemonServer, daemon_stub) -> None:
-    stream = daemon_stub.StreamMetrics(daemon_pb2.StreamMetricsRequest(interval_seconds=0.05))
+    # The fake rank finishes at once: ask for finished jobs too, or it may be gone when read.
+    request = daemon_pb2.StreamMetricsRequest(interval_seconds=0.05, include_finished=True)
+    stream = daemon_stub.StreamMetrics(request)
     assert list(next(stream).ranks) == []
     run_fake_rank(daemon_server.address, rank=1, steps=2, backend=FakeBackend())
     deadline = time.monotonic() + 5
@@ -80,7 +82,8 @@ def test_stream_metrics_follows_new_steps(daemon_server: DaemonServer, daemon_st
         if response.ranks:
             break
     stream.cancel()
-    assert [(r.rank, r.step) for r in response.ranks] == [(1, 1)]
+    # Steps 0 and 1 on the wire are steps 1 and 2 as the trainer numbers them.
+    assert [(r.rank, r.step) for r in response.ranks] == [(1, 2)]
 
 
 def test_error_statuses(daemon_stub) -> None:

@@ -13,7 +13,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder")
+    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder", "job_states", "stale_floor_seconds", "stale_step_multiple", "stale_ceiling_seconds")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,13 @@ class StatusResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class JobStatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BIND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +59,10 @@ class StatusResponse(_message.Message):
     REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     CALLS_REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     FORWARDER_FIELD_NUMBER: _ClassVar[int]
+    JOB_STATES_FIELD_NUMBER: _ClassVar[int]
+    STALE_FLOOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STALE_STEP_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
+    STALE_CEILING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     bind_address: str
@@ -76,7 +87,11 @@ class StatusResponse(_message.Message):
     rejected_by_reason: _containers.ScalarMap[str, int]
     calls_rejected_by_reason: _containers.ScalarMap[str, int]
     forwarder: ForwarderStatus
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ...) -> None: ...
+    job_states: _containers.ScalarMap[str, str]
+    stale_floor_seconds: float
+    stale_step_multiple: float
+    stale_ceiling_seconds: float
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ..., job_states: _Optional[_Mapping[str, str]] = ..., stale_floor_seconds: _Optional[float] = ..., stale_step_multiple: _Optional[float] = ..., stale_ceiling_seconds: _Optional[float] = ...) -> None: ...
 
 class ForwarderStatus(_message.Message):
     __slots__ = ("endpoint", "queued_requests", "queued_bytes", "queue_capacity_bytes", "forwarded_requests", "retries", "dropped_requests", "dropped_spans", "dropped_metric_points", "dropped_by_reason", "rejected_upstream_items")
@@ -124,12 +139,14 @@ class ListRanksResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[_metrics_pb2.RankInfo, _Mapping]]] = ...) -> None: ...
 
 class GetMetricsRequest(_message.Message):
-    __slots__ = ("job_id", "window_steps")
+    __slots__ = ("job_id", "window_steps", "include_finished")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FINISHED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     window_steps: int
-    def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ...) -> None: ...
+    include_finished: bool
+    def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ..., include_finished: _Optional[bool] = ...) -> None: ...
 
 class GetMetricsResponse(_message.Message):
     __slots__ = ("ranks", "jobs", "host", "computed_unix_nano")
@@ -144,24 +161,28 @@ class GetMetricsResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[_metrics_pb2.RankMetrics, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[_metrics_pb2.JobMetrics, _Mapping]]] = ..., host: _Optional[_Union[_metrics_pb2.HostMetrics, _Mapping]] = ..., computed_unix_nano: _Optional[int] = ...) -> None: ...
 
 class StreamMetricsRequest(_message.Message):
-    __slots__ = ("job_id", "window_steps", "interval_seconds")
+    __slots__ = ("job_id", "window_steps", "interval_seconds", "include_finished")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FINISHED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     window_steps: int
     interval_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
+    include_finished: bool
+    def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ..., interval_seconds: _Optional[float] = ..., include_finished: _Optional[bool] = ...) -> None: ...
 
 class GetBottleneckRequest(_message.Message):
-    __slots__ = ("job_id", "window_steps", "straggler_threshold")
+    __slots__ = ("job_id", "window_steps", "straggler_threshold", "include_finished")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FINISHED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     window_steps: int
     straggler_threshold: float
-    def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ..., straggler_threshold: _Optional[float] = ...) -> None: ...
+    include_finished: bool
+    def __init__(self, job_id: _Optional[str] = ..., window_steps: _Optional[int] = ..., straggler_threshold: _Optional[float] = ..., include_finished: _Optional[bool] = ...) -> None: ...
 
 class GetBottleneckResponse(_message.Message):
     __slots__ = ("ranks", "advice", "dominant", "stragglers", "straggler_threshold")

@@ -3,12 +3,12 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RankInfo(_message.Message):
-    __slots__ = ("job_id", "rank", "local_rank", "world_size", "host", "pid", "device", "device_name", "compute_dtype", "peak_flops", "peak_flops_source", "model_name", "num_params", "coordinates", "degrees", "last_seen_unix_nano", "spans_received", "steps_received")
+    __slots__ = ("job_id", "rank", "local_rank", "world_size", "host", "pid", "device", "device_name", "compute_dtype", "peak_flops", "peak_flops_source", "model_name", "num_params", "coordinates", "degrees", "last_seen_unix_nano", "spans_received", "steps_received", "status", "restart_attempt", "silent_seconds", "stale_after_seconds")
     class CoordinatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,10 @@ class RankInfo(_message.Message):
     LAST_SEEN_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     SPANS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     STEPS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SILENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STALE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     local_rank: int
@@ -59,10 +63,14 @@ class RankInfo(_message.Message):
     last_seen_unix_nano: int
     spans_received: int
     steps_received: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., peak_flops: _Optional[float] = ..., peak_flops_source: _Optional[str] = ..., model_name: _Optional[str] = ..., num_params: _Optional[int] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., degrees: _Optional[_Mapping[str, int]] = ..., last_seen_unix_nano: _Optional[int] = ..., spans_received: _Optional[int] = ..., steps_received: _Optional[int] = ...) -> None: ...
+    status: str
+    restart_attempt: int
+    silent_seconds: float
+    stale_after_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., peak_flops: _Optional[float] = ..., peak_flops_source: _Optional[str] = ..., model_name: _Optional[str] = ..., num_params: _Optional[int] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., degrees: _Optional[_Mapping[str, int]] = ..., last_seen_unix_nano: _Optional[int] = ..., spans_received: _Optional[int] = ..., steps_received: _Optional[int] = ..., status: _Optional[str] = ..., restart_attempt: _Optional[int] = ..., silent_seconds: _Optional[float] = ..., stale_after_seconds: _Optional[float] = ...) -> None: ...
 
 class RankMetrics(_message.Message):
-    __slots__ = ("job_id", "rank", "host", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "data_wait_seconds", "comm_seconds", "comm_share", "loss", "cpu_percent", "memory_rss_bytes", "device_memory_bytes", "device_utilization", "otel_metrics")
+    __slots__ = ("job_id", "rank", "host", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "data_wait_seconds", "comm_seconds", "comm_share", "loss", "cpu_percent", "memory_rss_bytes", "device_memory_bytes", "device_utilization", "otel_metrics", "status", "silent_seconds", "restart_attempt")
     class OtelMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +97,9 @@ class RankMetrics(_message.Message):
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     OTEL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SILENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     host: str
@@ -108,10 +119,39 @@ class RankMetrics(_message.Message):
     device_memory_bytes: int
     device_utilization: float
     otel_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., comm_seconds: _Optional[float] = ..., comm_share: _Optional[float] = ..., loss: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device_utilization: _Optional[float] = ..., otel_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    status: str
+    silent_seconds: float
+    restart_attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., comm_seconds: _Optional[float] = ..., comm_share: _Optional[float] = ..., loss: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device_utilization: _Optional[float] = ..., otel_metrics: _Optional[_Mapping[str, float]] = ..., status: _Optional[str] = ..., silent_seconds: _Optional[float] = ..., restart_attempt: _Optional[int] = ...) -> None: ...
+
+class ExpertLayerLoad(_message.Message):
+    __slots__ = ("layer", "experts", "step", "tokens", "max_tokens", "mean_tokens", "imbalance", "dropped", "dropped_fraction", "mean_imbalance", "steps")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    layer: str
+    experts: int
+    step: int
+    tokens: int
+    max_tokens: int
+    mean_tokens: float
+    imbalance: float
+    dropped: int
+    dropped_fraction: float
+    mean_imbalance: float
+    steps: int
+    def __init__(self, layer: _Optional[str] = ..., experts: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mean_tokens: _Optional[float] = ..., imbalance: _Optional[float] = ..., dropped: _Optional[int] = ..., dropped_fraction: _Optional[float] = ..., mean_imbalance: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class JobMetrics(_message.Message):
-    __slots__ = ("job_id", "world_size", "ranks_reporting", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu")
+    __slots__ = ("job_id", "world_size", "ranks_reporting", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "state", "restarts", "world_sizes", "world_started_step", "ranks_stale", "expert_load")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_REPORTING_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +162,12 @@ class JobMetrics(_message.Message):
     MODEL_FLOPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
     MFU_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_STARTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_STALE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     ranks_reporting: int
@@ -132,7 +178,13 @@ class JobMetrics(_message.Message):
     model_flops_per_second: float
     peak_flops: float
     mfu: float
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_reporting: _Optional[int] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ...) -> None: ...
+    state: str
+    restarts: int
+    world_sizes: _containers.RepeatedScalarFieldContainer[int]
+    world_started_step: int
+    ranks_stale: int
+    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLayerLoad]
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_reporting: _Optional[int] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., world_sizes: _Optional[_Iterable[int]] = ..., world_started_step: _Optional[int] = ..., ranks_stale: _Optional[int] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLayerLoad, _Mapping]]] = ...) -> None: ...
 
 class HostMetrics(_message.Message):
     __slots__ = ("hostname", "cpu_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes", "net_bytes_sent", "net_bytes_recv", "net_sent_bytes_per_second", "net_recv_bytes_per_second", "sampled_unix_nano")

@@ -1,0 +1,108 @@
+"""The flat list of figures (`DaemonPoint`s) the OTLP and Prometheus exporters publish.
+
+Built from the analysis layer's records (`plait.daemon.analysis`), the same ones the RPCs
+translate, so a scrape, an upstream export and `plait top` report the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plait.core import mfu
+from plait.core import telemetry_schema as schema
+from plait.daemon.analysis import DEFAULT_METRICS_WINDOW_STEPS, RANK_ENDED, RANK_LIVE
+from plait.daemon.bottleneck import CLASSES
+from plait.daemon.exporters import DaemonPoint
+from plait.daemon.nvml import metric_points
+
+if TYPE_CHECKING:
+    from plait.daemon.service import DaemonService
+
+GAUGE_COUNTERS = frozenset({"hw.energy", "hw.errors"})
+
+
+def _rank_attributes(job_id: str, rank: int, host: str) -> dict[str, object]:
+    return {
+        schema.RESOURCE_JOB_ID: job_id,
+        schema.RESOURCE_RANK: rank,
+        schema.RESOURCE_HOST_NAME: host,
+    }
+
+
+def daemon_points(
+    service: DaemonService, window_steps: int = DEFAULT_METRICS_WINDOW_STEPS
+) -> list[DaemonPoint]:
+    """Every figure the exporters publish, computed now (finished jobs left out)."""
+    points: list[DaemonPoint] = []
+    nvml = service.extras.nvml
+    if nvml is not None:
+        points.extend(
+            DaemonPoint(name, value, attrs, counter=name in GAUGE_COUNTERS)
+            for name, value, attrs in metric_points(nvml.latest)
+        )
+    metrics = service.metrics_view(window_steps=window_steps)
+    for r in metrics.ranks:
+        attrs = _rank_attributes(r.job_id, r.rank, r.host)
+        if r.status not in (RANK_LIVE, RANK_ENDED):
+            continue  # a stale or superseded rank's last figures would read as current
+        if not mfu.is_calibration_error(r.mfu):  # a wrong peak publishes no MFU at all
+            points.append(DaemonPoint("plait.rank.mfu", r.mfu, attrs))
+        points.append(DaemonPoint("plait.rank.step.duration", r.step_seconds, attrs))
+        points.append(DaemonPoint("plait.rank.tokens_per_second", r.tokens_per_second, attrs))
+    for j in metrics.jobs:
+        attrs = {schema.RESOURCE_JOB_ID: j.job_id}
+        if not mfu.is_calibration_error(j.mfu):
+            points.append(DaemonPoint("plait.job.mfu", j.mfu, attrs))
+        points.append(DaemonPoint("plait.job.tokens_per_second", j.tokens_per_second, attrs))
+        points.append(DaemonPoint("plait.job.step.duration", j.step_seconds, attrs))
+        points.append(DaemonPoint("plait.job.ranks.reporting", j.ranks_reporting, attrs))
+        points.append(DaemonPoint("plait.job.ranks.stale", j.ranks_stale, attrs))
+        points.append(DaemonPoint("plait.job.world.size", j.world.current_size, attrs))
+        points.append(DaemonPoint("plait.job.restarts", j.world.restarts, attrs))
+        for layer in j.expert_load:
+            layer_attrs = {**attrs, schema.SPAN_MOE_LAYER: layer.layer}
+            points.append(DaemonPoint("plait.moe.expert.imbalance", layer.imbalance, layer_attrs))
+            points.append(DaemonPoint("plait.moe.tokens.dropped", layer.dropped, layer_attrs))
+    bottleneck = service.bottleneck_view(window_steps=window_steps)
+    for a in bottleneck.ranks:
+        attrs = _rank_attributes(a.job_id, a.rank, a.host)
+        for name in CLASSES:
+            points.append(
+                DaemonPoint(
+                    "plait.rank.bottleneck.seconds",
+                    a.breakdown.seconds[name],
+                    {**attrs, "plait.bottleneck.class": name},
+                )
+            )
+    for score in bottleneck.stragglers:
+        t = score.timing
+        attrs = _rank_attributes(t.job_id, t.rank, t.host)
+        points.append(DaemonPoint("plait.rank.straggler.score", score.score, attrs))
+    points.append(DaemonPoint("plait.collective.hangs", float(len(service.hangs()))))
+    store = service.store
+    with store.lock:
+        counts = (store.spans_received, store.spans_dropped, store.metric_points_dropped)
+        rejects = (store.rejected.spans, store.rejected.metric_points)
+    points.append(DaemonPoint("plait.daemon.spans.received", counts[0], counter=True))
+    forwarder = service.extras.forwarder_stats() if service.extras.forwarder_stats else None
+    forward_spans = forwarder.dropped_spans if forwarder else 0
+    forward_points = forwarder.dropped_metric_points if forwarder else 0
+    points.append(
+        DaemonPoint("plait.daemon.spans.dropped", counts[1] + forward_spans, counter=True)
+    )
+    points.append(
+        DaemonPoint("plait.daemon.metric_points.dropped", counts[2] + forward_points, counter=True)
+    )
+    # Rejects by reason; the totals are the sums over `reason`.
+    points.append(DaemonPoint("plait.daemon.spans.rejected", rejects[0], counter=True))
+    points.append(DaemonPoint("plait.daemon.metric_points.rejected", rejects[1], counter=True))
+    if forwarder is not None:
+        for reason, count in sorted(forwarder.dropped_by_reason.items()):
+            points.append(
+                DaemonPoint("plait.daemon.forward.dropped", count, {"reason": reason}, True)
+            )
+        points.append(DaemonPoint("plait.daemon.forward.queued", forwarder.queued_bytes))
+    points.append(
+        DaemonPoint("plait.daemon.calls.rejected", service.extras.counters.total, counter=True)
+    )
+    return points
