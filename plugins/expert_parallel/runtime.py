@@ -26,6 +26,7 @@ from torch import nn
 
 from plait.core.comm import Comm, Group, world_group
 from plait.core.comm_algorithms import GRAD_NORM, METRICS
+from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.grad_norm import clip_grads_, sharded_axes
 from plait.core.mesh import Mesh
 from plait.core.names import normalised_name
@@ -87,12 +88,28 @@ class ExpertParallelRuntime(ParallelRuntime):
         if not self.layers:
             return
         loads = torch.stack([layer.tokens_per_expert for layer in self.layers]).float()
+        # Dropped assignments ride along as one more column (layers that do not count them: 0).
+        dropped = torch.stack(
+            [getattr(layer, "dropped_tokens", loads.new_zeros(())) for layer in self.layers]
+        ).to(loads)
+        counts = torch.cat([loads, dropped.unsqueeze(1)], dim=1)
         if self.load_group.size > 1:
-            self.comm.all_reduce(loads, group=self.load_group, op="sum", purpose=METRICS)
+            self.comm.all_reduce(counts, group=self.load_group, op="sum", purpose=METRICS)
+        loads, dropped = counts[:, :-1], counts[:, -1]
         for layer, load in zip(self.layers, loads, strict=True):
             layer.update_expert_bias(load)
             layer.tokens_per_expert.zero_()
+            if isinstance(getattr(layer, "dropped_tokens", None), torch.Tensor):
+                layer.dropped_tokens.zero_()
         self.last_load = loads
+        EXPERT_LOAD_BOARD.publish(self._layer_names(), loads, dropped)
+
+    def _layer_names(self) -> list[str]:
+        """Module names of the MoE layers (what reports call them), found once."""
+        if not hasattr(self, "_names"):
+            by_id = {id(m): normalised_name(n) for n, m in self.module.named_modules()}
+            self._names = [by_id.get(id(layer), f"moe{i}") for i, layer in enumerate(self.layers)]
+        return self._names
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor | None:
         """The global norm when experts are sharded: an expert slice is held by world / ep

@@ -242,6 +242,8 @@ class MoELayer(UsesKernels):
         )
         # Assignments per expert (after drops) since the last bias update / report.
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+        # Assignments dropped over capacity since the last clear (reported with the loads).
+        self.register_buffer("dropped_tokens", torch.zeros(()), persistent=False)
         self.balance_loss_scale = 1.0  # set per step by the runtime: 1 / micro-batches
         # The factor the engine's loss is multiplied by before backward (fp16 loss scaling),
         # set by the precision runtime: the injected balancing gradient is scaled alike.
@@ -317,6 +319,7 @@ class MoELayer(UsesKernels):
         with torch.no_grad():
             self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
             self.last_dropped = mask.numel() - mask.sum()
+            self.dropped_tokens += self.last_dropped.to(self.dropped_tokens.dtype)
         flat = x.reshape(batch * seq, dim)
         routed = self.run_experts(flat.index_select(0, token), counts)
         weighted = routed * gate.unsqueeze(-1).to(routed.dtype)
@@ -388,6 +391,7 @@ class MoE(Llama):
         for layer in self.moe_layers():
             layer.router.expert_bias.zero_()
             layer.tokens_per_expert.zero_()
+            layer.dropped_tokens.zero_()
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
