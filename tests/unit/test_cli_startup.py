@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -55,3 +57,31 @@ def test_a_lazy_command_runs_through_the_top_level_app() -> None:
     assert "Usage: plait status" in result.output and "--json" in result.output
     unknown = CliRunner().invoke(app, ["stauts"])
     assert unknown.exit_code == 2 and "No such command" in unknown.output
+
+
+def test_source_listing_follows_typers_naming_rules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "stranger_commands.py").write_text(
+        "import typer\n"
+        "app = typer.Typer()\n"
+        "@app.command()\n"
+        "def show_jobs():\n"
+        '    """List the jobs.\n\n    More text."""\n'
+        '@app.command("kill")\n'
+        "def _kill():\n"
+        '    """Stop a job."""\n'
+        '@app.command(name="pause", help="Pause a job.")\n'
+        "def pause_it():\n"
+        '    """Not this."""\n'
+        "@app.command(hidden=True)\n"
+        "def secret():\n"
+        "    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    listed = command_help_from_source("stranger_commands")
+    assert listed == {"show-jobs": "List the jobs.", "kill": "Stop a job.", "pause": "Pause a job."}
+    import importlib
+
+    group = typer.main.get_group(importlib.import_module("stranger_commands").app)
+    assert sorted(listed) == sorted(n for n, c in group.commands.items() if not c.hidden)
