@@ -8,7 +8,7 @@ plugins (compression, ring/tree all-reduce, a parameter server) can take an op o
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,6 +19,10 @@ from plait.core.records import CommOp, CommRequest
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
+
+# `CommRequest.attributes` keys of an all-to-all with variable blocks (rows per rank, dim 0).
+INPUT_SPLIT_SIZES = "input_split_sizes"
+OUTPUT_SPLIT_SIZES = "output_split_sizes"
 
 
 class Work(Protocol):
@@ -174,10 +178,40 @@ class Comm:
         input: torch.Tensor,
         *,
         group: Group,
+        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | None = None,
         async_op: bool = False,
         purpose: str = "generic",
     ) -> Work:
-        return self._issue("all_to_all", (output, input), group, async_op=async_op, purpose=purpose)
+        """Block j of `input` (dim 0) goes to the group's j-th rank; block i of `output` comes
+        from its i-th rank. Equal blocks (dim 0 / group size rows) unless split sizes are
+        given, as `torch.distributed.all_to_all_single` takes them: `input_split_sizes[j]` rows
+        to rank j, `output_split_sizes[i]` rows from rank i (then only real rows travel).
+        The sizes ride on the request as `attributes[INPUT_SPLIT_SIZES]` and
+        `attributes[OUTPUT_SPLIT_SIZES]` (lists of ints)."""
+        attributes: dict[str, Any] = {}
+        for field_name, splits, tensor in (
+            (INPUT_SPLIT_SIZES, input_split_sizes, input),
+            (OUTPUT_SPLIT_SIZES, output_split_sizes, output),
+        ):
+            if splits is None:
+                continue
+            sizes = [int(n) for n in splits]
+            if len(sizes) != group.size or min(sizes) < 0 or sum(sizes) != tensor.shape[0]:
+                raise ValueError(
+                    f"all_to_all {field_name} {sizes}: needs {group.size} non-negative sizes "
+                    f"(one per rank of group {group.name!r}) summing to dim 0 of its tensor, "
+                    f"{tensor.shape[0]}"
+                )
+            attributes[field_name] = sizes
+        return self._issue(
+            "all_to_all",
+            (output, input),
+            group,
+            async_op=async_op,
+            purpose=purpose,
+            attributes=attributes,
+        )
 
     def broadcast(
         self, tensor: torch.Tensor, *, src: int, group: Group, purpose: str = "generic"

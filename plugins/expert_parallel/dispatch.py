@@ -6,17 +6,16 @@ row per assignment) and the count per expert. Rank p of the ep group holds exper
 
 1. The per-expert counts are all-gathered (E integers per rank): every rank then knows what
    every rank sends to every other, so no second count exchange is needed.
-2. Dispatch: one all-to-all moves each destination's rows to it. `Comm.all_to_all` has equal
-   splits, so each (source, destination) block is padded to the largest block in the group;
-   the padding is the only overhead over a variable-split all-to-all (`bytes_per_step` in the
-   bench reports both).
-3. The received rows are reordered expert-major (expert j's rows from every source together)
-   and run through the local experts with one grouped GEMM.
-4. Combine: the inverse reorder, one all-to-all back, and the rows are returned in the order
-   they came in.
+2. Dispatch: one all-to-all with variable split sizes moves each destination's rows to it
+   (`input_split_sizes[d]` = my rows for rank d's experts, `output_split_sizes[s]` = rank s's
+   rows for mine): only real rows travel, no padding.
+3. The received rows (source-major) are reordered expert-major (expert j's rows from every
+   source together) and run through the local experts with one grouped GEMM.
+4. Combine: the inverse reorder and the transposed all-to-all (splits swapped) bring every row
+   back to its rank, in the order it was sent: the order `x` came in.
 
-Both all-to-alls are autograd functions whose backward is the same all-to-all of the gradient
-(an equal-split all-to-all is its own transpose).
+Both all-to-alls are autograd functions whose backward is the transposed exchange of the
+gradient (the same all-to-all with input and output splits swapped).
 """
 
 from __future__ import annotations
@@ -31,24 +30,50 @@ from plait.core.comm_algorithms import MOE_COMBINE, MOE_DISPATCH
 
 
 class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all of dim 0 over `group`; backward is the same exchange."""
+    """Variable-split all-to-all of dim 0 over `group`; backward sends the gradient back."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: Group, purpose: str) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        comm: Comm,
+        group: Group,
+        purpose: str,
+        send: list[int],
+        receive: list[int],
+    ) -> torch.Tensor:
         ctx.comm, ctx.group, ctx.purpose = comm, group, purpose
-        out = torch.empty_like(x)
-        comm.all_to_all(out, x.contiguous(), group=group, purpose=purpose)
+        ctx.send, ctx.receive = send, receive
+        out = x.new_empty(sum(receive), *x.shape[1:])
+        comm.all_to_all(
+            out,
+            x.contiguous(),
+            group=group,
+            input_split_sizes=send,
+            output_split_sizes=receive,
+            purpose=purpose,
+        )
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out = torch.empty_like(grad)
-        ctx.comm.all_to_all(out, grad.contiguous(), group=ctx.group, purpose=ctx.purpose)
-        return out, None, None, None
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        ctx.comm.all_to_all(
+            out,
+            grad.contiguous(),
+            group=ctx.group,
+            input_split_sizes=ctx.receive,
+            output_split_sizes=ctx.send,
+            purpose=ctx.purpose,
+        )
+        return out, None, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, comm: Comm, group: Group, purpose: str) -> torch.Tensor:
-    return _AllToAll.apply(x, comm, group, purpose)
+def all_to_all(
+    x: torch.Tensor, comm: Comm, group: Group, purpose: str, send: list[int], receive: list[int]
+) -> torch.Tensor:
+    """`send[d]` rows of `x` (in order) to rank d of `group`; `receive[s]` rows from rank s."""
+    return _AllToAll.apply(x, comm, group, purpose, send, receive)
 
 
 class ExpertDispatch:
@@ -67,8 +92,13 @@ class ExpertDispatch:
         self.experts, self.comm, self.group = experts, comm, group
         self.rank, self.size, self.num_experts = rank, group.size, num_experts
         self.local = num_experts // group.size
-        self.padded_rows = 0  # rows this rank sent in the last dispatch, padding included
-        self.sent_rows = 0  # rows it would send without padding
+        # Rows this rank sent to (received from) the ep group in forward dispatches since the
+        # last `reset_counters` (the combine sends the received rows back; backward repeats both).
+        self.rows_sent = 0
+        self.rows_received = 0
+
+    def reset_counters(self) -> None:
+        self.rows_sent = self.rows_received = 0
 
     def gather_counts(self, counts: torch.Tensor) -> list[list[int]]:
         """counts[src][expert] over the ep group."""
@@ -84,34 +114,25 @@ class ExpertDispatch:
         matrix = self.gather_counts(counts)
         # block[s][d]: rows source s sends to destination d.
         block = [[sum(row[d * local : (d + 1) * local]) for d in range(size)] for row in matrix]
-        chunk = max(1, max(max(row) for row in block))
-        device = x.device
-
-        # Where each of my sorted rows goes in the padded send buffer.
-        send_slots: list[int] = []
-        for d in range(size):
-            send_slots.extend(range(d * chunk, d * chunk + block[me][d]))
-        send_index = torch.tensor(send_slots, dtype=torch.long, device=device)
-        padded = x.new_zeros(size * chunk, x.shape[1]).index_copy(0, send_index, x)
-        received = all_to_all(padded, self.comm, self.group, MOE_DISPATCH)
+        send = block[me]
+        receive = [block[s][me] for s in range(size)]
+        received = all_to_all(x, self.comm, self.group, MOE_DISPATCH, send, receive)
 
         # Received rows, expert-major: local expert j's rows from source 0, 1, …
+        mine = [row[me * local : (me + 1) * local] for row in matrix]  # [source][local expert]
+        source_start = [sum(receive[:s]) for s in range(size)]
         take: list[int] = []
-        local_counts = [0] * local
         for j in range(local):
             for s in range(size):
-                row = matrix[s]
-                start = s * chunk + sum(row[me * local : me * local + j])
-                n = row[me * local + j]
-                take.extend(range(start, start + n))
-                local_counts[j] += n
-        take_index = torch.tensor(take, dtype=torch.long, device=device)
+                start = source_start[s] + sum(mine[s][:j])
+                take.extend(range(start, start + mine[s][j]))
+        local_counts = [sum(mine[s][j] for s in range(size)) for j in range(local)]
+        take_index = torch.tensor(take, dtype=torch.long, device=x.device)
         expert_in = received.index_select(0, take_index)
         expert_out = self.experts(expert_in, torch.tensor(local_counts, device=counts.device))
 
-        back = expert_out.new_zeros(size * chunk, expert_out.shape[1]).index_copy(
-            0, take_index, expert_out
-        )
-        returned = all_to_all(back, self.comm, self.group, MOE_COMBINE)
-        self.padded_rows, self.sent_rows = size * chunk, x.shape[0]
-        return returned.index_select(0, send_index)
+        # Back to source-major order, then each source's rows home.
+        back = torch.empty_like(expert_out).index_copy(0, take_index, expert_out)
+        self.rows_sent += x.shape[0]
+        self.rows_received += received.shape[0]
+        return all_to_all(back, self.comm, self.group, MOE_COMBINE, receive, send)

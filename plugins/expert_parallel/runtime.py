@@ -10,7 +10,9 @@ What it does each step, for every MoE layer of the model:
   auxiliary-loss-free balancing: every rank applies the same update), then keeps the step's
   loads for reports and clears the counters.
 
-Checkpoints: expert tensors are declared as rows `[first_expert, first_expert + L)` of the
+Checkpoints: the layers' routing state (`routing_buffers()`, the loss-free balancing bias) is
+declared as whole tensors beside the parameters, so a resumed run routes as the saved one did.
+Expert tensors are declared as rows `[first_expert, first_expert + L)` of the
 global stacked tensor (num_experts along dim 0), not replicated over dp (the expert-data-parallel
 replicas hold identical rows, which the checkpoint writer stores once), so a checkpoint saved
 at one ep degree loads at any other.
@@ -19,6 +21,7 @@ at one ep degree loads at any other.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -42,7 +45,9 @@ class MoELayerLike(Protocol):
     `experts`, a module whose parameters stack the experts along dim 0 and whose
     `first_expert` is the global index of row 0; `run_experts(x, counts)` (replaceable);
     `tokens_per_expert`, a buffer of assignments counted since the last clear;
-    `balance_loss_scale`; `update_expert_bias(load)`."""
+    `balance_loss_scale`; `update_expert_bias(load)`. Optionally `routing_buffers()`: state
+    of the routing that no optimizer holds (the loss-free balancing bias), by name under the
+    layer, which checkpoints then save and restore."""
 
     experts: nn.Module
     tokens_per_expert: torch.Tensor
@@ -140,6 +145,7 @@ class ExpertParallelRuntime(ParallelRuntime):
         return norm
 
     def state_layout(self, previous: StateLayout) -> StateLayout:
+        previous = self._with_routing_state(previous)
         layout = self.layout
         if layout.degree == 1:
             return previous
@@ -153,6 +159,34 @@ class ExpertParallelRuntime(ParallelRuntime):
             return entry.map_tensors(place) if layout.is_expert(entry.name) else entry
 
         return previous.map(refine)
+
+    def _with_routing_state(self, previous: StateLayout) -> StateLayout:
+        """`previous` plus each layer's routing state (`routing_buffers()`: the loss-free
+        balancing bias), so checkpoints save and restore it like a parameter: whole on every
+        rank, replicated like the layer's router (over dp and tp, not over pipeline stages),
+        named after the layer's parameters (a pipeline stage's renamed ones included)."""
+        by_param = {id(entry.param): entry for entry in previous.parameters}
+        extra: list[ParameterLayout] = []
+        for layer in self.layers:
+            buffers = layer.routing_buffers() if hasattr(layer, "routing_buffers") else {}
+            if not buffers:
+                continue
+            local_name, anchor = next(
+                (n, by_param[id(p)])
+                for n, p in layer.named_parameters()  # type: ignore[attr-defined]
+                if id(p) in by_param and not n.startswith("experts.")
+            )
+            prefix = anchor.name[: len(anchor.name) - len(normalised_name(local_name))]
+            replicated = anchor.value.replicated_over
+            for name, buffer in buffers.items():
+                extra.append(
+                    ParameterLayout(
+                        name=f"{prefix}{normalised_name(name)}",
+                        param=buffer,
+                        value=TensorLayout.whole(buffer, replicated_over=replicated),
+                    )
+                )
+        return replace(previous, parameters=(*previous.parameters, *extra))
 
     def state_dict(self) -> dict[str, Any]:
         return {"ep": self.layout.degree}

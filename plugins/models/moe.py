@@ -333,6 +333,13 @@ class MoELayer(UsesKernels):
             out = inject_loss(out, balance, scale)
         return out
 
+    def routing_buffers(self) -> dict[str, torch.Tensor]:
+        """Routing state no optimizer holds, by name under this layer, for checkpoints: the
+        loss-free balancing bias when it is on (an HF Mixtral has no place for it)."""
+        return (
+            {"router.expert_bias": self.router.expert_bias} if self.config.bias_update_rate else {}
+        )
+
     @torch.no_grad()
     def update_expert_bias(self, load: torch.Tensor) -> None:
         """DeepSeek-V3: raise the bias of underloaded experts, lower it for overloaded ones."""

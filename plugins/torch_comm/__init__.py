@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from plait.core.comm import CompletedWork, Work
+from plait.core.comm import INPUT_SPLIT_SIZES, OUTPUT_SPLIT_SIZES, CompletedWork, Work
 from plait.core.hookspecs import hookimpl
 from plait.core.records import CommRequest
 
@@ -44,7 +44,14 @@ def run_torch_distributed(request: CommRequest) -> Work:
             work = _ALL_GATHER(output, input, group=group, async_op=async_op)
         case "all_to_all":
             output, input = request.tensors
-            work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
+            work = dist.all_to_all_single(
+                output,
+                input,
+                output_split_sizes=request.attributes.get(OUTPUT_SPLIT_SIZES),
+                input_split_sizes=request.attributes.get(INPUT_SPLIT_SIZES),
+                group=group,
+                async_op=async_op,
+            )
         case "broadcast":
             (tensor,) = request.tensors
             work = dist.broadcast(tensor, src=request.peer, group=group, async_op=async_op)

@@ -123,9 +123,11 @@ def train_and_record(
 
 
 def checkpoint_config(ep: int, steps: int) -> dict[str, Any]:
-    """The tiny MoE model on 2 ranks at ep 1 (experts replicated) or ep 2."""
+    """The tiny MoE model on 2 ranks at ep 1 (experts replicated) or ep 2, with the loss-free
+    balancing bias on (a step of 0.05 moves the routing within the first steps)."""
     return {
-        "model": {"name": "moe", "size": "tiny", "overrides": {"max_seq_len": 32}},
+        "model": {"name": "moe", "size": "tiny",
+                  "overrides": {"max_seq_len": 32, "bias_update_rate": 0.05}},
         "data": {"seq_len": 16},
         "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "seed": 7,
                   "device": "cpu"},
@@ -146,7 +148,8 @@ def train_resume_save(
         checkpoint_config(ep, steps), ckpt_dir, steps, (save_at,), resume
     )
     experts = sum(p.numel() for n, p in engine.module.named_parameters() if ".experts." in n)
-    return {"rank": rank, "start": start, "losses": losses, "expert_numel": experts}
+    bias = [m.router.expert_bias.tolist() for m in _moe_layers(engine.module)]
+    return {"rank": rank, "start": start, "losses": losses, "expert_numel": experts, "bias": bias}
 
 
 def router_gradients(

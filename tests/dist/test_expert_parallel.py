@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.core.testing import merged_config, run_distributed
+from plait.plugins.models.moe import MoEConfig
 from tests.dist.moe_workers import train_and_record
 
 pytestmark = pytest.mark.dist
@@ -137,6 +138,17 @@ def test_four_ranks_match_one_process(
     name: str, four_ranks: list[dict[str, Any]], reference: dict[str, dict[str, Any]]
 ) -> None:
     _compare(name, four_ranks, reference[name])
+
+
+def test_only_routed_rows_travel(two_ranks: list[dict[str, Any]]) -> None:
+    """Dropless ep2: the all-to-alls carry every assignment exactly 4 times (dispatch, combine
+    and their backward), summed over ranks: the variable splits send no padding."""
+    config = merged_config(TWO_RANKS["ep2"][0])
+    model = MoEConfig.from_preset("tiny")
+    tokens = config["train"]["global_batch_size"] * config["data"]["seq_len"] * STEPS
+    assignments = tokens * model.top_k * model.num_moe_layers
+    assert sum(r["ep2"]["all_to_all_rows"] for r in two_ranks) == 4 * assignments
+    assert all(r["ep1-zero3"]["all_to_all_rows"] == 0 for r in two_ranks)
 
 
 def test_capacity_cases_drop_tokens(

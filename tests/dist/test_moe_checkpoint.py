@@ -1,6 +1,7 @@
 """MoE checkpoints reshard across expert-parallel degrees: expert tensors are declared as rows of
 the global stacked tensor, so ep2 saves and ep1 (experts replicated) resumes, and back, with the
-losses of an uninterrupted ep2 run."""
+losses of an uninterrupted ep2 run. The routing bias of loss-free balancing is saved with them
+(it is on and moves every step): a resume that lost it would route differently."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ def test_ep2_to_ep1_to_ep2(tmp_path: Path) -> None:
     for step in (2, 3):
         assert abs(ep1[0]["losses"][step] - reference[step]) <= TOL, (step, ep1, reference)
     assert abs(back[0]["losses"][3] - reference[3]) <= TOL
+    # Every run ends at the same step: the bias it ends with is the uninterrupted run's.
+    final_bias = uninterrupted[0]["bias"]
+    assert any(any(b != 0 for b in layer) for layer in final_bias), final_bias
+    for run in (ep1, back):
+        for got, expected in zip(run[0]["bias"], final_bias, strict=True):
+            assert got == pytest.approx(expected, abs=1e-6), (got, expected)

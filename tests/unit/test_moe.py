@@ -4,6 +4,8 @@ per-expert load of a skewed input."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -157,3 +159,31 @@ def test_bias_update_flattens_a_skewed_load(plugins: Plugins) -> None:
     after = _imbalance(layer, held_out)
     print(f"bias update: max/mean load {before:.2f} -> {after:.2f}")
     assert before > 2.0 and after < 0.6 * before
+
+
+class _Recorder:
+    """Stands in for the plugin manager: keeps the requests the comm facade issues."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    def communicate(self, request: Any) -> None:
+        self.requests.append(request)
+
+
+def test_all_to_all_carries_checked_split_sizes() -> None:
+    from plait.core.comm import INPUT_SPLIT_SIZES, OUTPUT_SPLIT_SIZES, Comm, Group
+
+    recorder = _Recorder()
+    comm = Comm(recorder)  # type: ignore[arg-type]
+    group = Group(name="ep", ranks=(0, 1))
+    out, x = torch.empty(5, 2), torch.empty(3, 2)
+    comm.all_to_all(out, x, group=group, input_split_sizes=[0, 3], output_split_sizes=[4, 1])
+    (request,) = recorder.requests
+    assert request.attributes == {INPUT_SPLIT_SIZES: [0, 3], OUTPUT_SPLIT_SIZES: [4, 1]}
+    comm.all_to_all(torch.empty(4, 2), torch.empty(4, 2), group=group)
+    assert recorder.requests[-1].attributes == {}  # equal blocks: no sizes
+    with pytest.raises(ValueError, match=r"input_split_sizes \[1, 1\].*summing to dim 0.*3"):
+        comm.all_to_all(out, x, group=group, input_split_sizes=[1, 1])
+    with pytest.raises(ValueError, match=r"output_split_sizes \[5\]: needs 2"):
+        comm.all_to_all(out, x, group=group, output_split_sizes=[5])
