@@ -29,8 +29,9 @@ def two_daemons():
         DaemonServer("127.0.0.1:0", host_interval=0.2) as a,
         DaemonServer("127.0.0.1:0", host_interval=0.2) as b,
     ):
-        run_fake_rank(a.address, rank=0, steps=3, backend=FakeBackend())
-        run_fake_rank(b.address, rank=1, steps=3, backend=FakeBackend())
+        # Mid-run (no end-of-run span): a finished job would be hidden without --all.
+        run_fake_rank(a.address, rank=0, steps=3, backend=FakeBackend(), finish=False)
+        run_fake_rank(b.address, rank=1, steps=3, backend=FakeBackend(), finish=False)
         yield a, b
 
 
@@ -82,7 +83,10 @@ def test_json_outputs_parse_and_carry_the_figures(two_daemons) -> None:
     assert {r["rank"] for r in verdict["ranks"]} == {0, 1}
     assert all(r["comm_ops_by_purpose"]["grad_bucket"] == "all_reduce" for r in verdict["ranks"])
     (job_verdict,) = verdict["jobs"]
-    assert job_verdict["job_id"] == "job-a" and job_verdict["advice"]
+    assert job_verdict["job_id"] == "job-a" and job_verdict["dominant"] == "compute"
+    # Advised for the ranks' device (CPU, from ListRanks): no Triton, no bf16.
+    text = job_verdict["advice"]
+    assert "more cores per rank" in text and "Triton" not in text and "bf16" not in text
     assert verdict["errors"] == [] and verdict["png"] is None
 
 

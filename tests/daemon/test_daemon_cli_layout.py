@@ -81,7 +81,9 @@ def test_top_at_80_columns_fits_and_keeps_what_matters() -> None:
     assert max(len(line) for line in lines) <= 80
     headers = header_cells(lines)
     assert not [h for h in headers if "…" in h], headers  # no header cut into "tok…"
-    for wanted in ("tokens/s", "step ms", "comm %", "data ms", "MFU", "memory GiB"):
+    for wanted in ("tokens/s", "step ms", "MFU"):
+        assert headers.count(wanted) == 2, wanted  # the jobs table's and the ranks'
+    for wanted in ("comm %", "data ms", "memory GiB"):
         assert wanted in headers
     # Columns no CPU rank fills are gone; so is the host column (one host, named below).
     assert "GPU %" not in headers and "memory" not in headers
