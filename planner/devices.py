@@ -42,6 +42,10 @@ class DeviceSpec:
     intra_node: Link
     inter_node: Link
     usable_memory_fraction: float = 0.92  # allocator fragmentation, CUDA context, NCCL buffers
+    # Ranks per core when several ranks share a CPU host's cores (1: a dedicated device). The
+    # rates above are then those measured with every rank busy; a rank idling in a pipeline
+    # bubble hands its share of the cores to the others, so idle time costs less.
+    oversubscription: float = 1.0
 
     def gemm_seconds(self, flops: float, gemm_flops: float) -> float:
         """Time of `flops` of matmul work done in GEMMs of `gemm_flops` each."""

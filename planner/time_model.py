@@ -231,7 +231,12 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         backward=b_chunk,
         p2p=p2p,
     )
-    bubble = max(makespan - microbatches * cost.total, 0.0)
+    busy = microbatches * cost.total
+    if device.oversubscription > 1:
+        # Ranks sharing cores: the schedule's critical path runs at the rate of a rank with
+        # the cores to itself (faster by the oversubscription), the work at the shared rate.
+        makespan = max(makespan / device.oversubscription, busy)
+    bubble = max(makespan - busy, 0.0)
 
     params = max(stage_parameters(job, layout, s) for s in {0, last})
     dp_comm = _dp_seconds(

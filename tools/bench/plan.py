@@ -15,16 +15,21 @@ Then it trains a tiny Llama under every layout of `LAYOUTS` (dp / ZeRO 1-3 / rec
 tp with and without sp / pp with 1F1B and interleaving / tp × pp), rounds alternating the
 order, and measures per layout the median step time (`--steps` timed steps after `--warmup`)
 and each rank's peak memory: what it holds between steps (parameters, gradients, optimizer
-state from tensor storage, `Engine.memory_report`) plus the highest net allocation during a
-profiled step (`tools/bench/zero.py`'s `step_peak_bytes`). The planner predicts both for the
-same job; the table prints them side by side with the errors, the Spearman correlation of the
-two rankings and how far the predicted best is from the measured best.
+state from tensor storage, `Engine.memory_report`) plus the highest live total of the tensor
+storages that aten ops create during one more step (`tools/bench/memory.py`'s
+`LiveTensorMeter`; buffers a collective library allocates itself are not seen). CPU seconds per
+step are recorded too: on a shared machine they are disturbed much less than wall time. The
+planner predicts step time and memory for the same job; the table prints them side by side with
+the errors, the Spearman correlation of the two rankings and how far the predicted best is from
+the measured best.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -184,26 +189,32 @@ def _local_batches(args: argparse.Namespace, dp: int, dp_rank: int, count: int) 
 
 def measure_layout(args: argparse.Namespace, layout: Layout) -> dict[str, float]:
     from plait.core.engine import Engine
-    from plait.tools.bench.zero import step_peak_bytes
+    from plait.tools.bench.memory import LiveTensorMeter
 
     engine = Engine(config=engine_config(args, layout))
     dp, dp_rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
-    batches = _local_batches(args, dp, dp_rank, args.warmup + args.steps + 2)
+    batches = _local_batches(args, dp, dp_rank, args.warmup + args.steps + 1)
     for batch in batches[: args.warmup]:
         engine.train_step(batch)
-    times = []
+    times, cpu = [], []
     for batch in batches[args.warmup : args.warmup + args.steps]:
         torch.distributed.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         engine.train_step(batch)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
     torch.distributed.barrier()
     report = engine.memory_report()
     held = report.get("resident_total", report["total"])
-    profiled = iter(batches[-2:])
-    peak = held + step_peak_bytes(lambda: engine.train_step(next(profiled)))
+    gc.collect()
+    with LiveTensorMeter() as meter:
+        engine.train_step(batches[-1])
     engine.close()
-    return {"step_seconds": statistics.median(times), "peak_bytes": float(peak)}
+    return {
+        "step_seconds": statistics.median(times),
+        "cpu_seconds": statistics.median(cpu),
+        "peak_bytes": float(held + meter.peak),
+    }
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -253,6 +264,7 @@ def cpu_device(per_rank: list[dict[str, Any]]) -> DeviceSpec:
         intra_node=link,
         inter_node=link,
         usable_memory_fraction=1.0,
+        oversubscription=max(WORLD / (os.cpu_count() or WORLD), 1.0),
     )
 
 
@@ -322,7 +334,10 @@ def main() -> None:
         )
         memory = max(statistics.median(m["peak_bytes"] for m in rank) for rank in runs)
         predicted = price(job, layout)
-        rows.append((name, step, memory, predicted))
+        cpu = statistics.median(
+            max(rank[i].get("cpu_seconds", 0.0) for rank in runs) for i in range(rounds)
+        )
+        rows.append((name, step, memory, predicted, cpu))
 
     print(
         f"planner vs measured: llama dim={args.dim} layers={args.layers} seq={args.seq_len} "
@@ -340,7 +355,7 @@ def main() -> None:
         f"{'layout':44} {'step ms':>8} {'pred ms':>8} {'ratio':>6} {'peak MiB':>9} "
         f"{'pred MiB':>9} {'mem err':>8}"
     )
-    for name, step, memory, predicted in rows:
+    for name, step, memory, predicted, _ in rows:
         predicted_memory = predicted.memory.total
         print(
             f"{name:44} {step * 1e3:8.1f} {predicted.time.total * 1e3:8.1f} "
@@ -352,7 +367,11 @@ def main() -> None:
     memory_errors = [abs(r[3].memory.total / r[2] - 1) for r in rows]
     best_measured = min(measured)
     predicted_best = min(range(len(rows)), key=predicted_times.__getitem__)
-    print(f"Spearman(predicted, measured step time) = {spearman(predicted_times, measured):.3f}")
+    cpu_measured = [r[4] for r in rows]
+    print(
+        f"Spearman(predicted, measured step time) = {spearman(predicted_times, measured):.3f}; "
+        f"against measured CPU seconds per step: {spearman(predicted_times, cpu_measured):.3f}"
+    )
     print(
         f"memory error: max {max(memory_errors) * 100:.1f} %, mean "
         f"{statistics.mean(memory_errors) * 100:.1f} %"
