@@ -27,6 +27,11 @@ from rich.console import Console
 from rich.live import Live
 
 from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS
+from plait.daemon.config import (
+    DEFAULT_STALE_CEILING_SECONDS,
+    DEFAULT_STALE_FLOOR_SECONDS,
+    DEFAULT_STALE_STEP_MULTIPLE,
+)
 from plait.daemon.service import hang_from_message, rescore_stragglers
 from plait.proto.plait.v1 import daemon_pb2
 from plait.proto.plait.v1.daemon_pb2_grpc import DaemonStub as Stub
@@ -40,6 +45,7 @@ from plait.tools.daemon_client import (
     open_stub,
     resolve_hosts,
 )
+from plait.tools.daemon_jobs import expert_rows
 from plait.tools.daemon_pictures import JobFigures, write_bottleneck_png
 from plait.tools.daemon_views import (
     BottleneckView,
@@ -57,6 +63,11 @@ __all__ = ["JobSummary", "aggregate_jobs", "app", "render_hangs", "render_top"]
 
 app = typer.Typer(help="The node daemon and the commands that query it.")
 console = Console()
+
+
+ShowAll = Annotated[
+    bool, typer.Option("--all", help="also finished jobs and ranks of earlier worlds")
+]
 
 
 def _emit_json(command: str, document: dict) -> None:
@@ -119,10 +130,20 @@ def daemon(
         bool,
         typer.Option(help="measure this host's CPU peak FLOP/s at start unless it is cached"),
     ] = True,
+    stale_floor: Annotated[
+        float, typer.Option(help="seconds of silence after which any rank is stale", min=0.1)
+    ] = DEFAULT_STALE_FLOOR_SECONDS,
+    stale_steps: Annotated[
+        float, typer.Option(help="a rank is stale after this many of its median steps", min=0)
+    ] = DEFAULT_STALE_STEP_MULTIPLE,
+    stale_ceiling: Annotated[
+        float, typer.Option(help="seconds of silence after which a rank is always stale", min=0.1)
+    ] = DEFAULT_STALE_CEILING_SECONDS,
 ) -> None:
     """Run the node daemon (OTLP receiver, plait.v1, health) until SIGTERM or Ctrl-C."""
     import os
 
+    from plait.daemon.config import DaemonConfig
     from plait.daemon.security import SecurityConfig, SecurityError
     from plait.daemon.server import DaemonServer, serve
 
@@ -132,8 +153,8 @@ def daemon(
     ):
         otlp_endpoint = ""  # the exporter reads the standard variables
     try:
-        server = DaemonServer(
-            bind,
+        config = DaemonConfig(
+            bind=bind,
             window_steps=window_steps,
             window_spans=window_spans,
             reflection_enabled=reflection,
@@ -151,7 +172,11 @@ def daemon(
             straggler_threshold=straggler_threshold,
             otlp_endpoint=otlp_endpoint,
             prometheus=prometheus,
+            stale_floor=stale_floor,
+            stale_step_multiple=stale_steps,
+            stale_ceiling=stale_ceiling,
         )
+        server = DaemonServer(config=config)
     except (OSError, RuntimeError, SecurityError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(2) from None
@@ -180,29 +205,46 @@ def status(
     hosts: Hosts = None,
     job: Annotated[str, typer.Option(help="job id")] = "",
     as_json: Json = False,
+    show_all: ShowAll = False,
 ) -> None:
-    """Show each daemon's state and the ranks reporting to it."""
+    """Show each daemon's state, its jobs (state, worlds, restarts) and the ranks reporting."""
+    metrics_request = daemon_pb2.GetMetricsRequest(job_id=job, include_finished=show_all)
 
-    def query(stub: Stub) -> tuple[daemon_pb2.StatusResponse, daemon_pb2.ListRanksResponse]:
+    def query(
+        stub: Stub,
+    ) -> tuple[
+        daemon_pb2.StatusResponse, daemon_pb2.ListRanksResponse, daemon_pb2.GetMetricsResponse
+    ]:
         return (
             stub.Status(daemon_pb2.StatusRequest(), timeout=RPC_TIMEOUT_SECONDS),
             stub.ListRanks(daemon_pb2.ListRanksRequest(job_id=job), timeout=RPC_TIMEOUT_SECONDS),
+            stub.GetMetrics(metrics_request, timeout=RPC_TIMEOUT_SECONDS),
         )
 
     results = call_all(resolve_hosts(hosts), query)
-    daemons, ranks, errors = [], [], []
+    daemons, ranks, metrics, errors = [], [], [], []
     for host, result in results.items():
         if isinstance(result, grpc.RpcError):
             errors.append((host, error_text(result)))
             continue
-        state, listing = result
+        state, listing, figures = result
         daemons.append(DaemonRow(host, state))
-        ranks.extend(listing.ranks)
+        # Finished jobs and earlier worlds' ranks only with --all (or the job asked for).
+        ranks.extend(
+            r
+            for r in listing.ranks
+            if show_all
+            or job
+            or (r.status != "superseded" and state.job_states.get(r.job_id) != "finished")
+        )
+        metrics.append(figures)
     view = StatusView(
         daemons=daemons,
         ranks=ranks,
         hangs=[hang_from_message(h) for d in daemons for h in d.state.hangs],
         errors=errors,
+        jobs=aggregate_jobs(metrics),
+        experts=expert_rows(metrics),
     )
     if as_json:
         _emit_json("status", status_document(view))
@@ -286,11 +328,14 @@ def top(
     as_json: Annotated[
         bool, typer.Option("--json", help="print one snapshot as JSON and exit (implies --once)")
     ] = False,
+    show_all: ShowAll = False,
 ) -> None:
     """Live per-rank table: step, tokens/s, MFU, step time, communication share, memory."""
     targets = resolve_hosts(hosts)
     if once or as_json:
-        request = daemon_pb2.GetMetricsRequest(job_id=job, window_steps=window_steps)
+        request = daemon_pb2.GetMetricsRequest(
+            job_id=job, window_steps=window_steps, include_finished=show_all
+        )
         results = call_all(
             targets, lambda stub: stub.GetMetrics(request, timeout=RPC_TIMEOUT_SECONDS)
         )
@@ -306,7 +351,7 @@ def top(
             raise typer.Exit(1)
         return
     request = daemon_pb2.StreamMetricsRequest(
-        job_id=job, window_steps=window_steps, interval_seconds=interval
+        job_id=job, window_steps=window_steps, interval_seconds=interval, include_finished=show_all
     )
     followers = [_Follower(host, request) for host in targets]
     try:
@@ -337,10 +382,14 @@ def bottleneck(
     ] = 0.2,
     png: Annotated[Path | None, typer.Option("--png", help="write a stacked bar chart")] = None,
     as_json: Json = False,
+    show_all: ShowAll = False,
 ) -> None:
     """Per-rank breakdown of step time (compute, exposed comm, data, bubble, optimizer, host)."""
     request = daemon_pb2.GetBottleneckRequest(
-        job_id=job, window_steps=window_steps, straggler_threshold=threshold
+        job_id=job,
+        window_steps=window_steps,
+        straggler_threshold=threshold,
+        include_finished=show_all,
     )
 
     def query(
@@ -356,7 +405,9 @@ def bottleneck(
             stub.GetBottleneck(request, timeout=RPC_TIMEOUT_SECONDS),
             stub.ListRanks(daemon_pb2.ListRanksRequest(job_id=job), timeout=RPC_TIMEOUT_SECONDS),
             stub.GetMetrics(
-                daemon_pb2.GetMetricsRequest(job_id=job, window_steps=window_steps),
+                daemon_pb2.GetMetricsRequest(
+                    job_id=job, window_steps=window_steps, include_finished=show_all
+                ),
                 timeout=RPC_TIMEOUT_SECONDS,
             ),
         )

@@ -8,7 +8,7 @@ answer is never a row: the views return its error as a line printed under the ta
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -24,6 +24,14 @@ from plait.daemon.bottleneck import (
 )
 from plait.daemon.hangs import Hang, merge_hangs
 from plait.proto.plait.v1 import daemon_pb2, metrics_pb2
+from plait.tools.daemon_jobs import (
+    ExpertRow,
+    JobWorld,
+    expert_columns,
+    expert_rows,
+    job_world,
+    world_columns,
+)
 from plait.tools.daemon_tables import (
     Column,
     build_table,
@@ -92,6 +100,10 @@ def rank_info_columns(jobs: Mapping[str, str]) -> list[Column[metrics_pb2.RankIn
     return [
         Column("job", lambda r: jobs.get(r.job_id, r.job_id), "left", keep_empty=True),
         Column("rank", lambda r: str(r.rank), keep_empty=True),
+        Column("status", lambda r: r.status or "-", "left"),
+        Column("world", lambda r: str(r.world_size)),
+        Column("attempt", lambda r: str(r.restart_attempt) if r.restart_attempt else "-"),
+        Column("silent s", lambda r: f"{r.silent_seconds:.0f}", wide_only=True),
         Column("host", lambda r: r.host, "left"),
         Column("pid", lambda r: str(r.pid), wide_only=True),
         Column("device", lambda r: r.device or "-", "left"),
@@ -110,6 +122,8 @@ class StatusView:
     ranks: list[metrics_pb2.RankInfo]
     hangs: list[Hang]
     errors: list[HostError]
+    jobs: list[JobSummary] = field(default_factory=list)
+    experts: list[ExpertRow] = field(default_factory=list)  # one per MoE layer
 
     def render(self, width: int) -> Group:
         ids = {j for d in self.daemons for j in d.state.job_ids} | {r.job_id for r in self.ranks}
@@ -118,8 +132,12 @@ class StatusView:
         parts: list[RenderableType] = [
             build_table("daemons", daemon_columns(jobs), self.daemons, width),
             *error_lines(self.errors),
-            build_table("ranks", rank_info_columns(jobs), self.ranks, width),
         ]
+        if self.jobs:
+            parts.append(build_table("jobs", job_columns(jobs), self.jobs, width))
+        if self.experts:
+            parts.append(build_table("expert load", expert_columns(jobs), self.experts, width))
+        parts.append(build_table("ranks", rank_info_columns(jobs), self.ranks, width))
         rejects = [
             (d.host, reason, count)
             for d in self.daemons
@@ -202,6 +220,7 @@ class JobSummary:
     model_flops_per_second: float
     peak_flops: float
     step_seconds: float
+    world: JobWorld = field(default_factory=JobWorld)  # state, worlds, restarts
 
     @property
     def mfu(self) -> float:
@@ -224,6 +243,7 @@ def aggregate_jobs(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[J
             model_flops_per_second=sum(j.model_flops_per_second for j in jobs),
             peak_flops=sum(j.peak_flops for j in jobs),
             step_seconds=max(j.step_seconds for j in jobs),
+            world=job_world(jobs),
         )
         for job_id, jobs in sorted(by_job.items())
     ]
@@ -233,6 +253,7 @@ def job_columns(jobs: Mapping[str, str]) -> list[Column[JobSummary]]:
     return [
         Column("job", lambda j: jobs.get(j.job_id, j.job_id), "left", keep_empty=True),
         Column("ranks", lambda j: f"{j.ranks_reporting}/{j.world_size}"),
+        *world_columns(),
         Column("step", lambda j: str(j.step)),
         Column("tokens/s", lambda j: f"{j.tokens_per_second:,.0f}"),
         Column("TFLOP/s", lambda j: f"{j.model_flops_per_second / 1e12:.3f}"),
@@ -260,6 +281,7 @@ def rank_metric_columns(
             wide_only=narrow and _uniform(rows, "job_id"),
         ),
         Column("rank", lambda r: str(r.rank), keep_empty=True),
+        Column("status", lambda r: r.status if r.status != "live" else "", "left"),
         Column("step", lambda r: str(r.step)),
         Column("tokens/s", lambda r: f"{r.tokens_per_second:,.0f}"),
         Column("MFU", lambda r: format_mfu(r.mfu)),
@@ -304,6 +326,7 @@ class TopView:
     ranks: list[metrics_pb2.RankMetrics]
     hosts: list[HostRow]
     errors: list[HostError]
+    experts: list[ExpertRow] = field(default_factory=list)  # one per MoE layer
 
     @classmethod
     def from_latest(cls, latest: Mapping[str, daemon_pb2.GetMetricsResponse | str]) -> TopView:
@@ -316,6 +339,7 @@ class TopView:
             ),
             hosts=[HostRow(a, r.host) for a, r in latest.items() if not isinstance(r, str)],
             errors=[(a, r) for a, r in latest.items() if isinstance(r, str)],
+            experts=expert_rows(responses),
         )
 
     def render(self, width: int) -> Group:
@@ -323,6 +347,11 @@ class TopView:
         parts: list[RenderableType] = [
             build_table("jobs", job_columns(jobs), self.jobs, width),
             build_table("ranks", rank_metric_columns(jobs, self.ranks, width), self.ranks, width),
+            *(
+                [build_table("expert load", expert_columns(jobs), self.experts, width)]
+                if self.experts
+                else []
+            ),
             build_table("hosts", host_columns(width), self.hosts, width),
             *error_lines(self.errors),
         ]
