@@ -85,7 +85,11 @@ def _final_report(address: str, console: Console) -> None:
     console.rule("what the daemon saw")
     with grpc.insecure_channel(address) as channel:
         stub = daemon_pb2_grpc.DaemonStub(channel)
-        metrics = stub.GetMetrics(daemon_pb2.GetMetricsRequest(), timeout=5.0)
+        # The demo's job has finished by now: ask for finished jobs too.
+        request = daemon_pb2.GetMetricsRequest(include_finished=True)
+        metrics = stub.GetMetrics(request, timeout=5.0)
         console.print(daemon_commands.render_top({address: metrics}))
     console.rule("bottleneck report")
-    daemon_commands.bottleneck(hosts=[address], job="", window_steps=20, threshold=0.2, png=None)
+    daemon_commands.bottleneck(
+        hosts=[address], job="", window_steps=20, threshold=0.2, png=None, show_all=True
+    )
