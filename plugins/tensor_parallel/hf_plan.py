@@ -14,6 +14,11 @@ a plait style or is refused by name, with the list plait supports:
 
 Replicated modules need nothing from the plan: plait's own `[tp] sequence_parallel` splits the
 norms' sequence and sums every replicated parameter's partial gradient over tp.
+
+Families whose `transformers` classes declare no plan get plait's (`UNDECLARED_PLANS`, in
+plait's styles): GPT-2 fuses q, k and v into one `Conv1D` (`c_attn`, split `colwise_qkv`: each
+third by whole heads) and ties its head to the token embedding (both split by vocabulary rows,
+so each rank's head shard is its embedding shard).
 """
 
 from __future__ import annotations
@@ -50,6 +55,36 @@ def declared_hf_plan(model: nn.Module) -> dict[str, str] | None:
     prefix = getattr(model, "base_model_prefix", "")
     nested = prefix and isinstance(getattr(model, prefix, None), nn.Module)
     return {(f"{prefix}.{k}" if nested else k): v for k, v in base.items()}
+
+
+# Plans, in plait's styles and named under `base_model_prefix`, for `transformers` families that
+# declare none; `HEAD_STYLE` is added for the model's `lm_head` when it has one.
+UNDECLARED_PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "wte": "vocab",
+        "h.*.attn.c_attn": "colwise_qkv",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
+}
+HEAD_STYLE = ("lm_head", "colwise_gather")
+
+
+def undeclared_hf_plan(model: nn.Module) -> dict[str, str] | None:
+    """plait's plan (full module names, plait's styles) for a `transformers` family that
+    declares none, or `None` if plait has none for it either."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    base = UNDECLARED_PLANS.get(model_type) if isinstance(model_type, str) else None
+    if base is None:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    nested = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+    plan = {(f"{prefix}.{k}" if nested else k): v for k, v in base.items()}
+    head, style = HEAD_STYLE
+    if isinstance(getattr(model, head, None), nn.Linear):
+        plan[head] = style
+    return plan
 
 
 def translate_hf_plan(plan: dict[str, str]) -> dict[str, str]:

@@ -32,6 +32,9 @@ from plait.plugins.tensor_parallel.tp_communications import (
 )
 
 TP_DIM_ATTR = "_plait_tp_dim"
+# Set on a shard of a fused projection (GPT-2's `c_attn`: q | k | v along the output features):
+# the number of equal parts, each split across ranks, that the shard concatenates.
+TP_PARTS_ATTR = "_plait_tp_parts"
 # Activations are (batch, seq, features): the sequence dim sequence parallelism splits.
 SEQUENCE_DIM = 1
 
@@ -39,12 +42,26 @@ InputMode = Literal["copy", "gather_sequence", "region"]
 OutputMode = Literal["all_reduce", "reduce_scatter_sequence"]
 
 
-def shard_parameter(tensor: torch.Tensor, dim: int, index: slice) -> nn.Parameter:
-    """A new parameter holding `tensor[index]` along `dim`, marked as a tp shard."""
-    piece = tensor.detach().narrow(dim, index.start, index.stop - index.start).clone()
+def shard_parameter(
+    tensor: torch.Tensor, dim: int, index: slice, *, parts: int = 1
+) -> nn.Parameter:
+    """A new parameter holding `tensor[index]` along `dim`, marked as a tp shard.
+
+    With `parts > 1` the tensor is `parts` equal pieces along `dim` (a fused projection) and
+    `index` is this rank's slice of one piece: the shard concatenates that slice of each piece.
+    """
+    source = tensor.detach()
+    part_length = source.shape[dim] // parts
+    pieces = [
+        source.narrow(dim, part * part_length + index.start, index.stop - index.start)
+        for part in range(parts)
+    ]
+    piece = torch.cat(pieces, dim) if parts > 1 else pieces[0].clone()
     param = nn.Parameter(piece, requires_grad=tensor.requires_grad)
     mark_sharded(param, ("tp",))
     setattr(param, TP_DIM_ATTR, dim)
+    if parts > 1:
+        setattr(param, TP_PARTS_ATTR, parts)
     return param
 
 
@@ -52,6 +69,37 @@ def even_slice(length: int, tp: TensorParallelGroup) -> slice:
     """This rank's contiguous 1/size of `length` (callers check divisibility first)."""
     per_rank = length // tp.size
     return slice(tp.rank * per_rank, (tp.rank + 1) * per_rank)
+
+
+def output_dim(module: nn.Module) -> int | None:
+    """The weight dim holding the output features of a linear map, or `None` if `module` is not
+    one: 0 for `nn.Linear` (`y = x Wᵀ + b`), 1 for `transformers`' `Conv1D` (GPT-2's layers,
+    `y = x W + b` with `W` stored in × out). Shards keep the source layout, so a checkpoint
+    of a tensor-parallel run holds the tensors a `transformers` model loads."""
+    if isinstance(module, nn.Linear):
+        return 0
+    weight = getattr(module, "weight", None)
+    if (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and getattr(module, "nf", None) == weight.shape[1]
+    ):
+        return 1
+    return None
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(input, output) features of a linear map `output_dim` recognises."""
+    weight = module.weight
+    out_dim = output_dim(module)
+    assert out_dim is not None and isinstance(weight, torch.Tensor)
+    return weight.shape[1 - out_dim], weight.shape[out_dim]
+
+
+def _as_linear_weight(weight: torch.Tensor, out_dim: int) -> torch.Tensor:
+    """The weight as `F.linear` takes it (out × in): a transpose view for a `Conv1D` layout."""
+    return weight if out_dim == 0 else weight.t()
 
 
 class SequenceShard:
@@ -138,6 +186,7 @@ class ColumnParallelLinear(nn.Module):
         tp: TensorParallelGroup,
         input_mode: InputMode = "copy",
         gather_output: bool = False,
+        out_dim: int = 0,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -145,19 +194,31 @@ class ColumnParallelLinear(nn.Module):
         self.bias = bias
         self.input_mode: InputMode = input_mode
         self.gather_output = gather_output
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
+        self.out_dim = out_dim
+        self.in_features = weight.shape[1 - out_dim]
+        self.out_features = weight.shape[out_dim]
         # Set by the enclosing region while it runs under sequence parallelism.
         self.sequence_source: SequenceShard | None = None
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, tp: TensorParallelGroup, rows: slice | None = None
+        cls,
+        linear: nn.Module,
+        *,
+        tp: TensorParallelGroup,
+        rows: slice | None = None,
+        parts: int = 1,
     ) -> ColumnParallelLinear:
-        rows = rows or even_slice(linear.out_features, tp)
-        weight = shard_parameter(linear.weight, 0, rows)
-        bias = shard_parameter(linear.bias, 0, rows) if linear.bias is not None else None
-        return cls(weight, bias, tp=tp)
+        """This rank's output rows of an `nn.Linear` or `Conv1D`; `parts > 1` for a fused
+        projection whose output features are `parts` equal blocks, each split across ranks."""
+        out_dim = output_dim(linear)
+        assert out_dim is not None
+        _, out_features = features(linear)
+        rows = rows or even_slice(out_features // parts, tp)
+        weight = shard_parameter(linear.weight, out_dim, rows, parts=parts)
+        bias = linear.bias
+        bias = shard_parameter(bias, 0, rows, parts=parts) if bias is not None else None
+        return cls(weight, bias, tp=tp, out_dim=out_dim)
 
     def local_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -174,7 +235,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.local_linear(x, self.weight, self.bias)
+        out = self.local_linear(x, _as_linear_weight(self.weight, self.out_dim), self.bias)
         return gather_from_tensor_region(out, self.tp, -1) if self.gather_output else out
 
     def extra_repr(self) -> str:
@@ -218,23 +279,29 @@ class RowParallelLinear(nn.Module):
         *,
         tp: TensorParallelGroup,
         output_mode: OutputMode = "all_reduce",
+        out_dim: int = 0,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.weight = weight
         self.bias = bias
         self.output_mode: OutputMode = output_mode
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
+        self.out_dim = out_dim
+        self.in_features = weight.shape[1 - out_dim]
+        self.out_features = weight.shape[out_dim]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, tp: TensorParallelGroup) -> RowParallelLinear:
-        weight = shard_parameter(linear.weight, 1, even_slice(linear.in_features, tp))
+    def from_linear(cls, linear: nn.Module, *, tp: TensorParallelGroup) -> RowParallelLinear:
+        """This rank's input columns of an `nn.Linear` or `Conv1D`."""
+        out_dim = output_dim(linear)
+        assert out_dim is not None
+        in_features, _ = features(linear)
+        weight = shard_parameter(linear.weight, 1 - out_dim, even_slice(in_features, tp))
         bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        return cls(weight, bias, tp=tp)
+        return cls(weight, bias, tp=tp, out_dim=out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = F.linear(x, _as_linear_weight(self.weight, self.out_dim))
         if self.output_mode == "reduce_scatter_sequence":
             out = reduce_scatter_to_sequence_region(partial, self.tp, SEQUENCE_DIM)
         else:

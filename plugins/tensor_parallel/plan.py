@@ -6,11 +6,17 @@ A plan maps module-name patterns to a style, the convention of Hugging Face's `t
 - `colwise`: an `nn.Linear` split by output features (`ColumnParallelLinear`);
 - `colwise_gather`: the same, with the ranks' outputs gathered (a head whose loss the model
   computes itself from full logits, as `transformers` models do);
+- `colwise_qkv`: a fused q | k | v projection (GPT-2's `c_attn`), each third split by whole
+  heads; the attention's head counts and split size become this rank's;
 - `rowwise`: an `nn.Linear` split by input features (`RowParallelLinear`);
 - `vocab`: an `nn.Embedding` split by vocabulary rows (`VocabParallelEmbedding`);
 - `positions`: a replicated position-embedding table looked up with positions `0..s−1` of the
   local sequence; under sequence parallelism its indices are offset to this rank's shard;
 - `none`: remove an entry inherited from the model's own plan.
+
+Linears are `nn.Linear` or `transformers`' `Conv1D` (GPT-2), whose shards keep its in × out
+layout. Parameters shared by two planned modules (a head tied to the token embedding) stay
+shared: both are split by vocabulary rows, so the head reuses the embedding's shard.
 
 Built-in models declare `tp_plan` (and `tp_param_plan` for loose parameters that follow a
 column-parallel output, such as GPT-2's `w1_bias`); a `transformers` model's own plan is
@@ -24,8 +30,10 @@ TP degree divides them and replicated otherwise.
 
 Under sequence parallelism the built-in models enter sequence shards at the vocab-parallel
 embedding (reduce-scatter). A `transformers` model derives its positions and causal mask from
-the embeddings' length, so there the sequence is split at the entry of the first block instead
-and the embedding's output stays whole.
+the embeddings' length and may reshape by it after its blocks, so there the sequence is split
+at the entry of the first block and gathered again at the exit of the last: the embeddings,
+the final norm and the head run on the whole sequence (their gradients are whole, not summed
+over tp).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from plait.plugins.tensor_parallel.hf_plan import (
     hf_head_counts,
     is_hf_model,
     translate_hf_plan,
+    undeclared_hf_plan,
 )
 from plait.plugins.tensor_parallel.layers import (
     SEQUENCE_DIM,
@@ -54,16 +63,22 @@ from plait.plugins.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     even_slice,
+    features,
     gather_sequence_shard,
+    output_dim,
     shard_parameter,
 )
 from plait.plugins.tensor_parallel.tp_communications import (
     TensorParallelGroup,
     copy_to_tensor_region,
+    gather_from_tensor_region,
     scatter_to_sequence_region,
 )
 
-STYLES = ("colwise", "colwise_gather", "rowwise", "vocab", "positions", "none")
+STYLES = ("colwise", "colwise_gather", "colwise_qkv", "rowwise", "vocab", "positions", "none")
+LINEAR_STYLES = ("colwise", "colwise_gather", "colwise_qkv", "rowwise")
+# q, k and v: the blocks of a fused projection's output features.
+QKV_PARTS = 3
 # Built-in position tables (GPT-2) that sequence parallelism must offset.
 DEFAULT_POSITION_MODULES = ("pos_embeddings",)
 
@@ -85,9 +100,13 @@ def resolve_plan(
 ) -> dict[str, str]:
     """The model's declared plan with `overrides` applied; `none` entries are dropped."""
     if is_hf_model(model):
-        # `transformers` models expose their own `tp_plan`, in transformers' style names.
+        # `transformers` models expose their own `tp_plan`, in transformers' style names; for
+        # families that declare none plait has its own.
         hf_plan = declared_hf_plan(model) if attribute == "tp_plan" else None
-        declared = translate_hf_plan(hf_plan or {})
+        if hf_plan is None and attribute == "tp_plan":
+            declared = undeclared_hf_plan(model) or {}
+        else:
+            declared = translate_hf_plan(hf_plan or {})
     else:
         declared = dict(getattr(model, attribute, {}) or {})
     plan = {**declared, **dict(overrides)}
@@ -271,6 +290,27 @@ class SequenceEntry:
         return args, {**kwargs, key: scatter_to_sequence_region(kwargs[key], self.tp, SEQUENCE_DIM)}
 
 
+class SequenceExit:
+    """Forward hook of the last block of a `transformers` model under sequence parallelism:
+    all-gather the sequence again (backward keeps this rank's shard of the gradient), because
+    what follows runs on the whole sequence on every rank and may reshape by its length (GPT-2
+    views its output as `(-1, seq, dim)`)."""
+
+    def __init__(self, tp: TensorParallelGroup) -> None:
+        self.tp = tp
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        del module, args
+        if isinstance(output, torch.Tensor):
+            return gather_from_tensor_region(output, self.tp, SEQUENCE_DIM)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (gather_from_tensor_region(output[0], self.tp, SEQUENCE_DIM), *output[1:])
+        raise ConfigError(
+            f"tp.sequence_parallel: the last block returned {type(output).__name__}; expected "
+            "the hidden states (a tensor, or a tuple starting with them)"
+        )
+
+
 class PositionOffset:
     """Forward pre-hook of a position table under sequence parallelism: positions `0..s/tp−1`
     become this rank's `r·s/tp .. (r+1)·s/tp−1`."""
@@ -299,7 +339,7 @@ def apply_plan(
     modules = dict(model.named_modules())
     split_at_first_block = sequence_parallel and is_hf_model(model)
     styles = match_plan([n for n in modules if n], plan)
-    if not any(s in ("colwise", "rowwise", "vocab") for s in styles.values()):
+    if not any(s in ("colwise", "colwise_qkv", "rowwise", "vocab") for s in styles.values()):
         raise ConfigError(
             f"tensor parallelism: the plan matches no module of {type(model).__name__}; built-in "
             f"models declare `tp_plan`, other models pass [tp] plan = {{pattern = style}} "
@@ -314,10 +354,14 @@ def apply_plan(
                 replicated_rows[f"{name}.{names[1]}"] = replicated_rows[f"{name}.{names[2]}"] = rows
             _localise_head_counts(module, tp, kv_split=rows is None)
 
+    shared = _shared_weights(modules, styles)
     for name, style in styles.items():
         module = modules[name]
-        if style in ("colwise", "colwise_gather", "rowwise") and not isinstance(module, nn.Linear):
-            raise ConfigError(f"tp.plan: {name!r} is {style} but a {type(module).__name__}")
+        if style in LINEAR_STYLES and output_dim(module) is None:
+            raise ConfigError(
+                f"tp.plan: {name!r} is {style} but a {type(module).__name__} (an nn.Linear or "
+                "transformers' Conv1D is needed)"
+            )
         if style in ("vocab", "positions") and not isinstance(module, nn.Embedding):
             raise ConfigError(f"tp.plan: {name!r} is {style} but a {type(module).__name__}")
         new: nn.Module
@@ -328,23 +372,29 @@ def apply_plan(
             layout.tp_reduced_params.extend(new.parameters())
             layout.replicated_kv_heads = True
         elif style == "colwise_gather":
-            if module.out_features % tp.size:
-                raise _indivisible("output features", name, module.out_features, tp.size)
+            _, out_features = features(module)
+            if out_features % tp.size:
+                raise _indivisible("output features", name, out_features, tp.size)
             new = ColumnParallelLinear.from_linear(module, tp=tp)
             new.gather_output = True
+        elif style == "colwise_qkv":
+            _localise_fused_attention(name, modules, tp)
+            new = ColumnParallelLinear.from_linear(module, tp=tp, parts=QKV_PARTS)
         elif style == "colwise":
             what = "vocabulary (vocab_size)" if name == output_module else "output features"
             if name.rpartition(".")[2] in ("w1", "w3"):
                 what = "FFN hidden size (hidden_dim)"
-            if module.out_features % tp.size:
-                raise _indivisible(what, name, module.out_features, tp.size)
+            _, out_features = features(module)
+            if out_features % tp.size:
+                raise _indivisible(what, name, out_features, tp.size)
             new = ColumnParallelLinear.from_linear(module, tp=tp)
             if name == output_module:
                 new.gather_output = not loss_parallel
                 layout.vocab_parallel_output = loss_parallel
         elif style == "rowwise":
-            if module.in_features % tp.size:
-                raise _indivisible("input features", name, module.in_features, tp.size)
+            in_features, _ = features(module)
+            if in_features % tp.size:
+                raise _indivisible("input features", name, in_features, tp.size)
             new = RowParallelLinear.from_linear(module, tp=tp)
             if sequence_parallel:
                 new.output_mode = "reduce_scatter_sequence"
@@ -362,11 +412,17 @@ def apply_plan(
         _set_submodule(model, name, new)
         layout.styles[name] = style
 
+    _retie(model, shared)
     _shard_loose_parameters(model, param_plan or {}, tp)
-    _mark_regions(model, layout, tp, sequence_parallel)
+    # A `transformers` model's sequence shards live inside its blocks only, so columns outside
+    # them (the head) take the whole sequence.
+    _mark_regions(model, layout, tp, sequence_parallel, outside_sharded=not split_at_first_block)
+    sequence_sharded: nn.Module = model
     if split_at_first_block:
-        _, blocks = find_block_container(model, field="tp.sequence_parallel")
-        next(iter(blocks.children())).register_forward_pre_hook(SequenceEntry(tp), with_kwargs=True)
+        _, sequence_sharded = find_block_container(model, field="tp.sequence_parallel")
+        blocks = list(sequence_sharded.children())
+        blocks[0].register_forward_pre_hook(SequenceEntry(tp), with_kwargs=True)
+        blocks[-1].register_forward_hook(SequenceExit(tp))
     elif sequence_parallel:
         _check_sequence_parallel_ends(model, layout, output_module)
         for name in DEFAULT_POSITION_MODULES:
@@ -375,14 +431,79 @@ def apply_plan(
                 table.register_forward_pre_hook(PositionOffset(tp))
                 layout.styles[name] = "positions"
     if sequence_parallel:
-        # Every replicated parameter now sees only this rank's sequence shard (norms, biases
-        # added after a reduce-scatter, position tables): its gradient is partial.
+        # Every replicated parameter that sees only this rank's sequence shard (norms, biases
+        # added after a reduce-scatter, position tables; in a `transformers` model, those of
+        # its blocks) has a partial gradient.
         reduced = {id(p) for p in layout.tp_reduced_params}
-        for param in model.parameters():
+        for param in sequence_sharded.parameters():
             if "tp" not in sharded_axes(param) and id(param) not in reduced:
                 layout.tp_reduced_params.append(param)
                 reduced.add(id(param))
     return layout
+
+
+def _localise_fused_attention(
+    name: str, modules: Mapping[str, nn.Module], tp: TensorParallelGroup
+) -> None:
+    """The attention owning a fused q | k | v projection computes with this rank's heads: its
+    head count and the size it splits the projection's output by become local (GPT-2's
+    `num_heads` and `split_size`; heads stay `head_dim` wide)."""
+    parent_name = name.rpartition(".")[0]
+    attention = modules[parent_name]
+    _, out_features = features(modules[name])
+    heads = getattr(attention, "num_heads", None)
+    if not isinstance(heads, int) or out_features % QKV_PARTS:
+        raise ConfigError(
+            f"tp.plan: {name!r} is colwise_qkv, so {parent_name!r} must be an attention with "
+            f"`num_heads` and q | k | v output features of equal size ({out_features} given)"
+        )
+    if heads % tp.size:
+        raise _indivisible("attention heads (n_heads)", parent_name, heads, tp.size)
+    attention.num_heads = heads // tp.size
+    for attr in ("split_size", "embed_dim"):
+        if isinstance(getattr(attention, attr, None), int):
+            setattr(attention, attr, getattr(attention, attr) // tp.size)
+
+
+@dataclass(frozen=True)
+class _SharedWeight:
+    """A weight two planned modules share (a head tied to the token embedding)."""
+
+    owner: str  # the vocab-parallel embedding whose shard both use
+    users: tuple[str, ...]
+
+
+def _shared_weights(
+    modules: Mapping[str, nn.Module], styles: Mapping[str, str]
+) -> list[_SharedWeight]:
+    by_weight: dict[int, list[str]] = {}
+    for name in styles:
+        weight = getattr(modules[name], "weight", None)
+        if isinstance(weight, nn.Parameter):
+            by_weight.setdefault(id(weight), []).append(name)
+    shared = []
+    for names in by_weight.values():
+        if len(names) < 2:
+            continue
+        owners = [n for n in names if styles[n] == "vocab"]
+        users = tuple(n for n in names if n not in owners)
+        if len(owners) != 1 or any(styles[n] not in ("colwise", "colwise_gather") for n in users):
+            raise ConfigError(
+                f"tp.plan: {', '.join(names)} share one weight, split as "
+                f"{', '.join(styles[n] for n in names)}; a shared weight can be split only as "
+                "one 'vocab' embedding and 'colwise' / 'colwise_gather' heads (same rows)"
+            )
+        shared.append(_SharedWeight(owner=owners[0], users=users))
+    return shared
+
+
+def _retie(model: nn.Module, shared: list[_SharedWeight]) -> None:
+    """Point each head at its embedding's shard: the same vocabulary rows on this rank, so one
+    parameter (and one gradient, summed from both uses) as in the unsharded model."""
+    for weight in shared:
+        embedding = model.get_submodule(weight.owner)
+        for user in weight.users:
+            model.get_submodule(user).weight = embedding.weight
 
 
 def _shard_loose_parameters(
@@ -402,8 +523,16 @@ def _shard_loose_parameters(
 
 
 def _mark_regions(
-    model: nn.Module, layout: TensorParallelLayout, tp: TensorParallelGroup, sequence_parallel: bool
+    model: nn.Module,
+    layout: TensorParallelLayout,
+    tp: TensorParallelGroup,
+    sequence_parallel: bool,
+    *,
+    outside_sharded: bool,
 ) -> None:
+    """Parallel regions apply f (or the sequence all-gather) once on entry; a column-parallel
+    linear outside every region does it itself, gathering the sequence when its input is
+    sequence-sharded there (`outside_sharded`)."""
     rope = tuple(
         t
         for t in (getattr(model, "rope_cos", None), getattr(model, "rope_sin", None))
@@ -424,7 +553,8 @@ def _mark_regions(
                 in_region.add(id(column))
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear) and id(module) not in in_region:
-            module.input_mode = "gather_sequence" if sequence_parallel else "copy"
+            gather = sequence_parallel and outside_sharded
+            module.input_mode = "gather_sequence" if gather else "copy"
 
 
 def _check_sequence_parallel_ends(

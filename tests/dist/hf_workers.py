@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import plait
@@ -60,25 +61,68 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
 
-def plain_loop(family: str) -> list[float]:
-    """The reference: the user's own loop on one process, the whole global batch per step."""
+def plain_loop(family: str) -> tuple[list[float], list[float], nn.Module]:
+    """The reference: the user's own loop on one process, the whole global batch per step.
+    Losses, gradient norms (AdamW would hide a gradient scaled by a constant; the norm does
+    not) and the trained model."""
     model = build(family)
     opt = optimizer(model.parameters())
-    losses = []
+    losses, grad_norms = [], []
     for tokens in batches():
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        norms = [p.grad.norm() for p in model.parameters() if p.grad is not None]
+        grad_norms.append(torch.linalg.vector_norm(torch.stack(norms)).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, grad_norms, model
+
+
+def global_parameters(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter reassembled from the pieces the ranks declare they hold: what a
+    checkpoint of the run would contain."""
+    from plait.plugins.checkpoint.layout import first_replica, layout_for, tensor_pieces
+
+    writer = first_replica(engine)
+    mine = {
+        entry.name: (
+            tuple(pieces.global_shape),
+            [(c.offsets, c.tensor.detach().clone()) for c in pieces.chunks],
+        )
+        for entry in layout_for(engine).parameters
+        for pieces in [tensor_pieces(entry.value, is_writer=writer)]
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    full: dict[str, torch.Tensor] = {}
+    for held in everyone:
+        for name, (shape, chunks) in held.items():
+            tensor = full.setdefault(name, torch.full(shape, float("nan")))
+            for offsets, chunk in chunks:
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape, strict=True))
+                tensor[index] = chunk
+    return full
+
+
+def max_parameter_difference(engine: Any, reference: nn.Module) -> float:
+    """Largest difference between the run's reassembled parameters and the reference model's
+    (NaN where a piece of a parameter is held by no rank, or a parameter is missing)."""
+    full = global_parameters(engine)
+    worst = 0.0
+    for name, param in reference.named_parameters():
+        got = full.get(name)
+        if got is None or got.shape != param.shape:
+            return float("nan")
+        worst = max(worst, (got - param.detach()).abs().max().item())
+    return worst
 
 
 def train_layouts(rank: int, world_size: int, family: str, layouts: dict[str, dict]) -> dict:
     """Every layout on these ranks, each from a fresh model; losses per step by layout."""
     del rank
-    reference = plain_loop(family)
-    results: dict[str, Any] = {"reference": reference}
+    reference, reference_grad_norms, reference_model = plain_loop(family)
+    results: dict[str, Any] = {"reference": reference, "reference_grad_norms": reference_grad_norms}
     for name, overrides in layouts.items():
         config = copy.deepcopy(overrides)
         config.setdefault("telemetry", {"enabled": False})
@@ -86,10 +130,16 @@ def train_layouts(rank: int, world_size: int, family: str, layouts: dict[str, di
         engine = plait.initialize(build(family), config=config, optimizer=optimizer)
         dp, dp_rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
         share = GLOBAL_BATCH // dp
-        losses = []
+        losses, grad_norms = [], []
         for tokens in batches():
             mine = tokens[dp_rank * share : (dp_rank + 1) * share]
             losses.append(engine.train_step({"input_ids": mine, "labels": mine}))
-        results[name] = {"losses": losses, "flops_per_token": engine.flops_per_token}
+            grad_norms.append(engine.last_report.grad_norm)
+        results[name] = {
+            "losses": losses,
+            "grad_norms": grad_norms,
+            "flops_per_token": engine.flops_per_token,
+            "parameter_difference": max_parameter_difference(engine, reference_model),
+        }
         engine.close()
     return results
