@@ -14,11 +14,15 @@ from typing import Any
 
 import grpc
 import pytest
+from rich.console import Console
+from typer.testing import CliRunner
 
 from plait.core import mfu
 from plait.daemon.config import DaemonConfig
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.tools import daemon_commands
+from tests.daemon.otlp_inputs import rank_resource, step_spans, trace_request
 from tests.daemon.world_producers import produce
 
 STALE_FLOOR = 2.0  # seconds; a live producer is heard from every ~0.2 s (heartbeats)
@@ -87,7 +91,10 @@ def rank(response: daemon_pb2.GetMetricsResponse, job_id: str, number: int) -> A
 
 @pytest.mark.timeout(180)
 def test_a_lost_node_goes_stale_and_the_restarted_world_replaces_it(
-    server: DaemonServer, stub: daemon_pb2_grpc.DaemonStub, spawn: Callable[..., Any]
+    server: DaemonServer,
+    stub: daemon_pb2_grpc.DaemonStub,
+    spawn: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     job_id = "elastic"
     survivor = spawn(server.address, job_id, 0, 2, 0, 0, FOREVER, FAST)
@@ -147,6 +154,14 @@ def test_a_lost_node_goes_stale_and_the_restarted_world_replaces_it(
     )
     assert rank(everything, job_id, 1).status == "superseded"
 
+    # What an operator reads: 1/1 ranks, worlds 2 → 1, one restart, since step 41.
+    monkeypatch.setattr(daemon_commands, "console", Console(width=200))
+    shown = CliRunner().invoke(daemon_commands.app, ["top", "--once", "--host", server.address])
+    assert shown.exit_code == 0, shown.output
+    (row,) = [line for line in shown.output.splitlines() if "│ elastic" in line][:1]
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]
+    assert cells[:6] == ["elastic", "1/1", "running", "2 → 1", "1", "41"]
+
 
 @pytest.mark.timeout(120)
 def test_finished_jobs_are_hidden_and_killed_ones_go_stale(
@@ -181,3 +196,57 @@ def test_finished_jobs_are_hidden_and_killed_ones_go_stale(
         daemon_pb2.GetBottleneckRequest(include_finished=True), timeout=10
     )
     assert {b.job_id for b in all_ranks.ranks} == {"done"}
+
+
+def send(server: DaemonServer, resource: dict[str, Any], spans: list[Any]) -> None:
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    with grpc.insecure_channel(server.address) as channel:
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+        response = stub.Export(trace_request(resource, spans), timeout=10)
+        assert not response.HasField("partial_success"), response
+
+
+def end_span(outcome: str, step: int) -> Any:
+    from plait.core import telemetry_schema as schema
+    from tests.daemon.otlp_inputs import SpanSpec
+
+    now = time.time_ns()
+    attributes = {schema.SPAN_JOB_OUTCOME: outcome, schema.SPAN_STEP: step}
+    return SpanSpec(schema.JOB_END_SPAN_NAME, now, now, attributes)
+
+
+def test_a_rank_that_says_it_failed_fails_the_job_and_a_bad_outcome_is_rejected(
+    server: DaemonServer, stub: daemon_pb2_grpc.DaemonStub
+) -> None:
+    base = time.time_ns() - 10**9
+    for number in (0, 1):
+        send(server, rank_resource("job", number), step_spans(0, 3, base))
+    send(server, rank_resource("job", 0), [end_span("finished", 2)])
+    status = stub.Status(daemon_pb2.StatusRequest(), timeout=10)
+    assert dict(status.job_states) == {"job": "running"}  # rank 1 has not ended
+    send(server, rank_resource("job", 1), [end_span("failed", 2)])
+    status = stub.Status(daemon_pb2.StatusRequest(), timeout=10)
+    assert dict(status.job_states) == {"job": "failed"}
+    shown = stub.GetMetrics(daemon_pb2.GetMetricsRequest(), timeout=10)
+    assert job(shown, "job").state == "failed"  # failed jobs stay in view
+    assert {r.status for r in shown.ranks} == {"ended"}
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    with grpc.insecure_channel(server.address) as channel:
+        traces = trace_service_pb2_grpc.TraceServiceStub(channel)
+        bad = trace_request(rank_resource("job", 0), [end_span("crashed", 2)])
+        response = traces.Export(bad, timeout=10)
+    assert response.partial_success.rejected_spans == 1
+    assert "plait.job.outcome" in response.partial_success.error_message
+    assert "finished, failed" in response.partial_success.error_message
+
+
+def test_a_daemon_config_names_the_setting_it_refuses() -> None:
+    with pytest.raises(ValueError, match="stale_floor must be > 0"):
+        DaemonConfig(stale_floor=0)
+    with pytest.raises(ValueError, match=r"stale_ceiling \(10\) must be >= stale_floor"):
+        DaemonConfig(stale_floor=30, stale_ceiling=10)
+    with pytest.raises(TypeError, match="stale_flor"):
+        DaemonServer("127.0.0.1:0", stale_flor=3)  # type: ignore[arg-type]
