@@ -385,7 +385,8 @@ def test_a_failed_prepare_leaves_no_directory_it_created(tmp_path: Path) -> None
 
 @pytest.fixture(scope="module")
 def bpe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A byte-level BPE of 400 ids trained on the bundled corpus by the `tokenizers` library."""
+    """A byte-level BPE of 400 ids trained on the bundled corpus by the `tokenizers` library,
+    plus one token added after training (id 400, outside the BPE model's own vocabulary)."""
     tokenizers = pytest.importorskip("tokenizers")
     from plait.plugins.data.corpus import bundled_corpus_file
 
@@ -399,6 +400,7 @@ def bpe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
         show_progress=False,
     )
     tokenizer.train([str(bundled_corpus_file())], trainer)
+    tokenizer.add_tokens(["<|user|>"])
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
     tokenizer.save(str(path))
     return path
@@ -408,7 +410,7 @@ def test_prepare_with_a_tokenizers_file(tmp_path: Path, bpe_file: Path) -> None:
     from tokenizers import Tokenizer as HFTokenizer
 
     source = tmp_path / "corpus.txt"
-    text = TEXT + "def main(argv):\n    return parser.parse_args(argv)\n" * 20
+    text = TEXT + "<|user|> def main(argv):\n    return parser.parse_args(argv)\n" * 20
     source.write_text(text, encoding="utf-8")
     out = tmp_path / "bpe-tokens"
     result = CliRunner().invoke(app, ["prepare", str(source), "-o", str(out), "-t", str(bpe_file)])
@@ -417,14 +419,15 @@ def test_prepare_with_a_tokenizers_file(tmp_path: Path, bpe_file: Path) -> None:
     reference = HFTokenizer.from_file(str(bpe_file))
     expected = reference.encode(text, add_special_tokens=False).ids
     assert token_file.tokens.tolist() == expected  # the library's own ids, in order
-    assert token_file.vocab_size == reference.get_vocab_size(with_added_tokens=True) == 400
-    assert token_file.meta.dtype == "uint16"  # 400 ids do not fit a byte
+    assert token_file.vocab_size == reference.get_vocab_size(with_added_tokens=True) == 401
+    assert 400 in expected  # the added token is counted in the vocabulary
+    assert token_file.meta.dtype == "uint16"  # 401 ids do not fit a byte
     assert token_file.meta.tokenizer.startswith("tokenizer.json (BPE")
     assert token_file.count < len(text.encode("utf-8")) / 1.5  # merges learned on the corpus
     assert reference.decode(token_file.tokens.tolist()) == text  # byte-level BPE is lossless
     # The sampler reads it like any token file.
     inputs, targets = TokenBatches(token_file, seq_len=8, global_batch_size=2).next_batch()
-    assert int(inputs.max()) < 400 and torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert int(inputs.max()) < 401 and torch.equal(inputs[:, 1:], targets[:, :-1])
 
 
 def test_a_file_that_is_not_a_tokenizer_is_an_error(tmp_path: Path) -> None:
