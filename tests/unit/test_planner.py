@@ -174,6 +174,9 @@ def test_step_time_terms_respond_to_the_layout() -> None:
     assert base.tp_comm == 0 and base.pipeline_bubble == 0 and base.dp_comm > 0
     tp = estimate_step_time(job, Layout(dp=8, tp=2, zero=1, micro_batch=1))
     assert tp.tp_comm > 0
+    # all-gather + reduce-scatter move what an all-reduce moves, in as many steps
+    sp = estimate_step_time(job, Layout(dp=8, tp=2, zero=1, micro_batch=1, sequence_parallel=True))
+    assert sp.tp_comm == pytest.approx(tp.tp_comm)
     pp = estimate_step_time(job, Layout(dp=4, pp=4, zero=1, micro_batch=1, schedule="1f1b"))
     assert pp.pipeline_bubble > 0
     full = estimate_step_time(job, Layout(dp=16, zero=1, micro_batch=1, recompute="full"))
@@ -259,6 +262,8 @@ def test_enumeration_rules() -> None:
             assert job.global_batch // (layout.dp * layout.micro_batch) >= layout.pp
         assert not (layout.zero == 3 and layout.pp > 1)
     assert {layout.tp for layout in layouts} == {1, 2, 4}
+    wide = _job(world=16, per_node=8, global_batch=32)  # 4 heads: no tp 8 even in a node of 8
+    assert max(layout.tp for layout in enumerate_layouts(wide)) == 4
     fixed = list(enumerate_layouts(job, SearchSpace(fixed={"tp": 2, "pp": 2})))
     assert fixed and all(layout.tp == 2 and layout.pp == 2 for layout in fixed)
 
