@@ -39,9 +39,11 @@ def quiet_repeated_notices(env: Mapping[str, str]) -> None:
     """On a rank that is not the one to speak, drop the notices another rank prints alike."""
     ranks = {"rank": int(env.get("RANK", "0")), "local_rank": int(env.get("LOCAL_RANK", "0"))}
     for notice in REPEATED_NOTICES:
+        logger = logging.getLogger(notice.logger)
+        # Drop the filters of an earlier run in this process first (tests run several).
+        for old in [f for f in logger.filters if isinstance(f, _DropRepeated)]:
+            logger.removeFilter(old)
+    for notice in REPEATED_NOTICES:
         if ranks[notice.said_by] != 0:
             logger = logging.getLogger(notice.logger)
-            # Replace an earlier filter of ours (a second run in the same process).
-            for old in [f for f in logger.filters if isinstance(f, _DropRepeated)]:
-                logger.removeFilter(old)
             logger.addFilter(_DropRepeated((notice.message_prefix,)))
