@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
 from rich.table import Table
+from rich.text import Text
 
 NARROW_WIDTH = 120  # below this many terminal columns, tables are compacted
 EMPTY_CELLS = frozenset({"", "-"})
 SHORT_JOB_ID = 12  # longest job id shown unshortened on a narrow terminal
+WRAPPED_MIN_WIDTH = 14  # a free-text column is given at least this many characters
+CELL_OVERHEAD = 3  # a cell's padding and its border
 
 Row = TypeVar("Row")
 
@@ -30,10 +33,16 @@ class Column(Generic[Row]):
     """One column: its header (unit included) and the text of its cell for a row."""
 
     header: str
-    cell: Callable[[Row], str]
+    cell: Callable[[Row], str]  # rich markup allowed
     justify: Literal["left", "right", "center"] = "right"
     wide_only: bool = False  # shown only at NARROW_WIDTH columns or more
-    keep_empty: bool = False  # shown even when no row has a value (key columns)
+    keep_empty: bool = False  # a key column: shown even when empty, never dropped to fit
+    wraps: bool = False  # free text (lists, explanations): wraps inside its cell
+    priority: int = 1  # when a table is too wide, the lowest go first (rightmost first)
+    narrow_header: str = ""  # a shorter header for below NARROW_WIDTH columns
+
+    def title(self, width: int) -> str:
+        return self.narrow_header if self.narrow_header and is_narrow(width) else self.header
 
 
 def is_narrow(width: int) -> bool:
@@ -43,7 +52,11 @@ def is_narrow(width: int) -> bool:
 def build_table(
     title: str, columns: Sequence[Column[Row]], rows: Iterable[Row], width: int
 ) -> Table:
-    """A rich table of `rows`, with the columns that fit a terminal `width` wide."""
+    """A rich table of `rows`, with the columns that fit a terminal `width` wide.
+
+    Figures are never cut ("tok…"): a column of figures is as wide as its widest cell or
+    header; free-text columns wrap; if the table is still too wide, columns go by priority.
+    """
     rows = list(rows)
     cells = [[column.cell(row) for column in columns] for row in rows]
     keep = [
@@ -55,13 +68,36 @@ def build_table(
             and (column.keep_empty or not rows or any(r[i] not in EMPTY_CELLS for r in cells))
         )
     ]
+    natural = [
+        max([_cell_len(column.title(width))] + [_cell_len(r[i]) for r in cells])
+        for i, column in enumerate(columns)
+    ]
+    need = [
+        min(natural[i], WRAPPED_MIN_WIDTH) if column.wraps else natural[i]
+        for i, column in enumerate(columns)
+    ]
+    while sum(need[i] + CELL_OVERHEAD for i in keep) + 1 > width:
+        droppable = [i for i in keep if not columns[i].keep_empty]
+        if not droppable:
+            break
+        keep.remove(min(droppable, key=lambda i: (columns[i].priority, -i)))
     table = Table(title=title)
     for i in keep:
-        # no_wrap: a figure split over two lines reads as two figures.
-        table.add_column(columns[i].header, justify=columns[i].justify, no_wrap=True)
+        column = columns[i]
+        if column.wraps:
+            table.add_column(column.title(width), justify=column.justify, overflow="fold")
+        else:
+            # no_wrap and a minimum width: a figure split or cut reads as another figure.
+            table.add_column(
+                column.title(width), justify=column.justify, no_wrap=True, min_width=need[i]
+            )
     for row in cells:
         table.add_row(*(row[i] for i in keep))
     return table
+
+
+def _cell_len(markup: str) -> int:
+    return max((Text.from_markup(line).cell_len for line in markup.split("\n")), default=0)
 
 
 def short_job_ids(job_ids: Iterable[str], width: int) -> dict[str, str]:

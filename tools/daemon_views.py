@@ -85,14 +85,25 @@ def daemon_columns(jobs: Mapping[str, str]) -> list[Column[DaemonRow]]:
         Column("host", lambda d: d.host, "left", keep_empty=True),
         Column("version", lambda d: d.state.version, wide_only=True),
         Column("uptime s", lambda d: f"{d.state.uptime_seconds:.0f}"),
-        Column("jobs", lambda d: ", ".join(jobs.get(j, j) for j in d.state.job_ids) or "-", "left"),
+        Column(
+            "jobs",
+            lambda d: ", ".join(jobs.get(j, j) for j in d.state.job_ids) or "-",
+            "left",
+            wraps=True,
+        ),
         Column("ranks", lambda d: str(d.state.ranks)),
         Column("spans", lambda d: str(d.state.spans_received)),
         Column("metric points", lambda d: str(d.state.metric_points_received), wide_only=True),
-        Column("dropped", lambda d: _dropped(d.state), "left"),
-        Column("rejected", lambda d: _rejected(d.state), "left"),
-        Column("GPUs", lambda d: d.state.gpu_collector, "left", wide_only=True),
-        Column("exporters", lambda d: ", ".join(d.state.exporters) or "-", "left", wide_only=True),
+        Column("dropped", lambda d: _dropped(d.state), "left", wraps=True),
+        Column("rejected", lambda d: _rejected(d.state), "left", wraps=True),
+        Column("GPUs", lambda d: d.state.gpu_collector, "left", wide_only=True, wraps=True),
+        Column(
+            "exporters",
+            lambda d: ", ".join(d.state.exporters) or "-",
+            "left",
+            wide_only=True,
+            wraps=True,
+        ),
     ]
 
 
@@ -104,15 +115,24 @@ def rank_info_columns(jobs: Mapping[str, str]) -> list[Column[metrics_pb2.RankIn
         Column("world", lambda r: str(r.world_size)),
         Column("attempt", lambda r: str(r.restart_attempt) if r.restart_attempt else "-"),
         Column("silent s", lambda r: f"{r.silent_seconds:.0f}", wide_only=True),
-        Column("host", lambda r: r.host, "left"),
+        # When too wide, what goes first: the mesh, the dtype and the host (priority 0).
+        Column("host", lambda r: r.host, "left", priority=0),
         Column("pid", lambda r: str(r.pid), wide_only=True),
         Column("device", lambda r: r.device or "-", "left"),
-        Column("device name", lambda r: r.device_name or "-", "left", wide_only=True),
-        Column("dtype", lambda r: r.compute_dtype or "-", "left"),
+        Column("device name", lambda r: r.device_name or "-", "left", wide_only=True, wraps=True),
+        Column("dtype", lambda r: r.compute_dtype or "-", "left", priority=0),
         Column("peak TFLOP/s", lambda r: f"{r.peak_flops / 1e12:.3f}"),
-        Column("peak from", lambda r: r.peak_flops_source or "-", "left", wide_only=True),
-        Column("mesh", lambda r: " ".join(f"{a}={c}" for a, c in sorted(r.coordinates.items()))),
-        Column("steps", lambda r: str(r.steps_received)),
+        Column(
+            "peak from", lambda r: r.peak_flops_source or "-", "left", wide_only=True, wraps=True
+        ),
+        Column(
+            "mesh",
+            lambda r: " ".join(f"{a}={c}" for a, c in sorted(r.coordinates.items())),
+            "left",
+            wraps=True,
+            priority=0,
+        ),
+        Column("steps", lambda r: str(r.steps_received), priority=2),
     ]
 
 
@@ -381,14 +401,15 @@ def render_top(
 # plait bottleneck
 # --------------------------------------------------------------------------------------------
 
-# (header, BottleneckBreakdown field), in the order the classes take precedence.
+# (header, header below 120 columns, BottleneckBreakdown field), in the order the classes
+# take precedence.
 BOTTLENECK_FIELDS = (
-    ("compute", "compute_seconds"),
-    ("exposed comm", "exposed_comm_seconds"),
-    ("data", "data_wait_seconds"),
-    ("bubble", "pipeline_bubble_seconds"),
-    ("optimizer", "optimizer_seconds"),
-    ("host/other", "host_other_seconds"),
+    ("compute", "compute", "compute_seconds"),
+    ("exposed comm", "comm", "exposed_comm_seconds"),
+    ("data", "data", "data_wait_seconds"),
+    ("bubble", "bubble", "pipeline_bubble_seconds"),
+    ("optimizer", "optim", "optimizer_seconds"),
+    ("host/other", "other", "host_other_seconds"),
 )
 DOMINANT_FIELDS = {
     "compute": "compute_seconds",
@@ -400,7 +421,9 @@ DOMINANT_FIELDS = {
 }
 
 
-def _class_column(header: str, attribute: str) -> Column[metrics_pb2.BottleneckBreakdown]:
+def _class_column(
+    header: str, narrow_header: str, attribute: str
+) -> Column[metrics_pb2.BottleneckBreakdown]:
     def cell(r: metrics_pb2.BottleneckBreakdown) -> str:
         value = getattr(r, attribute)
         if not value:
@@ -409,7 +432,7 @@ def _class_column(header: str, attribute: str) -> Column[metrics_pb2.BottleneckB
         is_dominant = DOMINANT_FIELDS.get(r.dominant) == attribute
         return f"[bold]{milliseconds(value)}[/bold]" if is_dominant else milliseconds(value)
 
-    return Column(header, cell)
+    return Column(header, cell, narrow_header=narrow_header)
 
 
 def bottleneck_columns(
@@ -426,7 +449,7 @@ def bottleneck_columns(
         Column("rank", lambda r: str(r.rank), keep_empty=True),
         Column("steps", lambda r: str(r.steps), wide_only=True),
         Column("step ms", lambda r: milliseconds(r.step_seconds)),
-        *(_class_column(header, attribute) for header, attribute in BOTTLENECK_FIELDS),
+        *(_class_column(*names) for names in BOTTLENECK_FIELDS),
         Column(
             "dominant",
             lambda r: CLASS_LABELS.get(r.dominant, r.dominant) or "-",

@@ -60,6 +60,15 @@ def printed(renderable: object, width: int) -> list[str]:
     return console.export_text().splitlines()
 
 
+def assert_whole_tables(lines: list[str], width: int) -> None:
+    """Every table fits `width` and is drawn whole: closed on the right, no column squeezed
+    to nothing (what rich does to a table wider than the terminal)."""
+    assert max(len(line) for line in lines) <= width
+    rows = [line.rstrip() for line in lines if line[:1] in "┏┃┡│└"]
+    assert all(line[-1] in "┓┃┩│┘" for line in rows), "\n".join(lines)
+    assert not [line for line in rows if "┳┳" in line or "┃┃" in line], "\n".join(lines)
+
+
 def header_cells(lines: list[str]) -> list[str]:
     return [cell.strip() for line in lines if line.startswith("┃") for cell in line.split("┃")]
 
@@ -78,7 +87,7 @@ def test_short_job_ids_tell_jobs_apart_by_head_or_tail() -> None:
 def test_top_at_80_columns_fits_and_keeps_what_matters() -> None:
     lines = printed(TopView.from_latest({"127.0.0.1:7070": metrics_response()}).render(80), 80)
     text = "\n".join(lines)
-    assert max(len(line) for line in lines) <= 80
+    assert_whole_tables(lines, 80)
     headers = header_cells(lines)
     assert not [h for h in headers if "…" in h], headers  # no header cut into "tok…"
     for wanted in ("tokens/s", "step ms", "MFU"):
@@ -143,12 +152,49 @@ def bottleneck_view() -> BottleneckView:
 
 def test_bottleneck_at_80_columns_drops_classes_nobody_spends_time_in() -> None:
     narrow = printed(bottleneck_view().render(80), 80)
-    assert max(len(line) for line in narrow) <= 80
+    assert_whole_tables(narrow, 80)
     headers = header_cells(narrow)
     assert "bubble" not in headers and "steps" not in headers and "job" not in headers
-    assert {"rank", "step ms", "compute", "exposed comm", "data", "host/other"} <= set(headers)
+    assert {"rank", "step ms", "compute", "comm", "data", "optim", "other"} <= set(headers)
     assert any(line.startswith("│") and "220.5" in line for line in narrow)
     wide = header_cells(printed(bottleneck_view().render(200), 200))
     assert "bubble" in wide and "job" in wide and "steps" in wide
     verdict = [line for line in printed(bottleneck_view().render(80), 80) if "job " in line]
     assert verdict and "healthy case" in " ".join(verdict)
+
+
+def test_status_at_80_columns_drops_low_priority_columns_instead_of_cutting_them() -> None:
+    ranks = [
+        metrics_pb2.RankInfo(
+            job_id=job_id,
+            rank=rank,
+            world_size=2,
+            host="node-a",
+            pid=4242,
+            device="cuda:0",
+            device_name="NVIDIA H100 80GB HBM3",
+            compute_dtype="bfloat16",
+            peak_flops=989e12,
+            peak_flops_source="table: NVIDIA H100 SXM (bfloat16 dense)",
+            steps_received=120,
+            coordinates={"dp": rank, "tp": 0, "pp": 0, "cp": 0},
+        )
+        for job_id in (JOB_A, JOB_B)
+        for rank in (0, 1)
+    ]
+    state = daemon_pb2.StatusResponse(
+        version="0.1.0", ranks=4, job_ids=[JOB_A, JOB_B], gpu_collector="NVML: 8 GPUs"
+    )
+    view = StatusView([DaemonRow("10.0.0.1:7070", state)], ranks, [], [])
+    narrow = printed(view.render(80), 80)
+    assert_whole_tables(narrow, 80)
+    headers = header_cells(narrow)
+    assert not [h for h in headers if "…" in h], headers
+    assert {"job", "rank", "device", "peak TFLOP/s", "steps"} <= set(headers)
+    assert "mesh" not in headers and "pid" not in headers  # gone to fit, not cut to "me…"
+    assert not [line for line in narrow if "…" in line and "3f2b…" not in line]
+    wide = printed(view.render(200), 200)
+    assert_whole_tables(wide, 200)
+    wide_headers = header_cells(wide)
+    assert {"mesh", "pid", "device name", "peak from", "dtype"} <= set(wide_headers)
+    assert "NVIDIA H100" in "\n".join(wide)  # free text wraps inside its cell
