@@ -1,9 +1,10 @@
 """Expert parallelism against one process: the tiny MoE model at ep2 (2 ranks) and ep2 × dp2
 (4 ranks), dropless and with a capacity factor that drops tokens, with the routing-bias update
-and shared experts, and MoE under ZeRO-1/2/3 at ep 1 and 2 (expert segments over a one-rank and
-a two-rank expert-dp group), pp2 and activation checkpointing: the loss within 1e-5 and every
-gradient a rank holds (ZeRO-2/3: the global gradient norm) within 2e-5 at each of 5 steps, and
-every parameter piece within 2e-5 after them. One spawn per world size trains every case."""
+and shared experts, ep2 × tp2 (attention tensor-parallel, experts whole), MoE under ZeRO-1/2/3
+at ep 1 and 2 (expert segments over a one-rank and a two-rank expert-dp group), pp2 and
+activation checkpointing: the loss within 1e-5 and every gradient a rank holds (ZeRO-2/3: the
+global gradient norm) within 2e-5 at each of 5 steps, and every parameter piece within 2e-5
+after them. One spawn per world size trains every case."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ FOUR_RANKS = {
     "ep4-capacity": (_config(CAPACITY, ep=4), _config(CAPACITY)),
     "ep2-pp2-1f1b": (_config(ep=2, pp=2, extra={"schedule": {"name": "1f1b"}}), _config()),
     "ep2-dp2-ac": (_config(ep=2, transforms={"ep": "ep", "ac": "checkpoint"}), _config()),
+    # Attention tensor-parallel over tp 2, experts whole on each tp rank, ep 2 = dp 2.
+    "ep2-tp2": (_config(ep=2, tp=2), _config()),
     # Expert segments reduced and sharded over the 2-rank expert-dp group, the rest over dp 4.
     "ep2-dp2-zero1": (_config(ep=2, dp_strategy="zero1"), _config()),
     "ep2-dp2-zero2": (_config(ep=2, dp_strategy="zero2"), _config()),
