@@ -115,6 +115,11 @@ class Job:
     # A fused attention kernel (FlashAttention, SDPA) keeps no score matrix; without one the
     # scores, their softmax and its dropout mask are kept and streamed through memory.
     fused_attention: bool = True
+    # What the model's implementation keeps for backward over what the per-token count in
+    # `memory_model` says (1: the formula); measured once per model family and host by
+    # e.g. `tools/bench/plan.py` (saved bytes after one forward ÷
+    # `memory_model.formula_saved_bytes`).
+    activation_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "world", "per_node"):

@@ -125,7 +125,7 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
         rank=stage,
     )
     chunk_layers = layers / layout.virtual_stages
-    act = precision.activation_bytes
+    act = precision.activation_bytes * job.activation_ratio
     activations = in_flight_chunks * chunk_layers * kept * tokens * act
     if layout.recompute != "none":
         activations += full * tokens * act  # the block being rebuilt in backward
@@ -160,3 +160,13 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
 
 def fits(estimate: MemoryEstimate, usable_bytes: float) -> bool:
     return math.isfinite(estimate.total) and estimate.total <= usable_bytes
+
+
+def formula_saved_bytes(job: Job, *, micro_batch: int) -> float:
+    """What the formula says one process keeps after a forward of `micro_batch` sequences
+    (no parallelism, no recomputation): every layer's activations and the loss's log-softmax."""
+    layout = Layout(dp=1, micro_batch=micro_batch)
+    kept, _ = activation_elements_per_token(job, layout)
+    tokens = micro_batch * job.seq_len
+    act = job.precision.activation_bytes
+    return job.model.n_layers * kept * tokens * act + tokens * job.model.vocab_size * 4

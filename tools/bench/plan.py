@@ -27,6 +27,7 @@ the measured best.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -41,6 +42,7 @@ from plait.core.testing import run_distributed
 from plait.planner.comm_model import CommSample, fit_links
 from plait.planner.devices import DeviceSpec, Link, efficiency_from_gemm_rates
 from plait.planner.layouts import PRECISIONS, Job, Layout
+from plait.planner.memory_model import formula_saved_bytes
 from plait.planner.search import price
 
 WORLD = 4
@@ -189,6 +191,7 @@ def _local_batches(args: argparse.Namespace, dp: int, dp_rank: int, count: int) 
 
 def measure_layout(args: argparse.Namespace, layout: Layout) -> dict[str, float]:
     from plait.core.engine import Engine
+    from plait.core.memory import optimizer_state_tensors
     from plait.tools.bench.memory import LiveTensorMeter
 
     engine = Engine(config=engine_config(args, layout))
@@ -206,8 +209,12 @@ def measure_layout(args: argparse.Namespace, layout: Layout) -> dict[str, float]
     torch.distributed.barrier()
     report = engine.memory_report()
     held = report.get("resident_total", report["total"])
+    # Storages held between steps are in `held`; the meter counts only what the step creates.
+    params = list(engine.module.parameters())
+    state = [*params, *(p.grad for p in params if p.grad is not None)]
+    state += optimizer_state_tensors(engine.optimizer)
     gc.collect()
-    with LiveTensorMeter() as meter:
+    with LiveTensorMeter(exclude=state) as meter:
         engine.train_step(batches[-1])
     engine.close()
     return {
@@ -217,9 +224,31 @@ def measure_layout(args: argparse.Namespace, layout: Layout) -> dict[str, float]
     }
 
 
+def saved_activation_bytes(args: argparse.Namespace, micro_batch: int = 1) -> float:
+    """Bytes autograd keeps after one forward + loss of the model in one process (no ranks)."""
+    from plait.core.kernels import Kernels
+    from plait.core.plugins import Plugins
+    from plait.plugins.models import resolve_model_config
+    from plait.tools.bench.memory import LiveTensorMeter
+
+    plugins = Plugins.create(autoload=False)
+    config = resolve_model_config("llama", "tiny", model_overrides(args))
+    model = plugins.model("llama").build(config, Kernels(plugins))
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 256, (micro_batch, args.seq_len + 1))
+    gc.collect()
+    with LiveTensorMeter(exclude=list(model.parameters())) as meter:
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        gc.collect()
+        saved = meter.live - loss.untyped_storage().nbytes()
+    return float(saved)
+
+
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     del world
     torch.manual_seed(rank)
+    saved = saved_activation_bytes(args)
     compute = calibrate_compute(args)
     comm = calibrate_comm()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in LAYOUTS}
@@ -227,7 +256,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     for round_index in range(args.rounds):
         for name in names if round_index % 2 == 0 else reversed(names):
             runs[name].append(measure_layout(args, LAYOUTS[name]))
-    return {"compute": compute, "comm": comm, "runs": runs}
+    return {"compute": compute, "comm": comm, "runs": runs, "saved_activation_bytes": saved}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +354,11 @@ def main() -> None:
         device=device,
         precision=PRECISIONS["fp32"],
     )
+    # One forward in one process calibrates the activation count for this implementation.
+    saved = statistics.median(r.get("saved_activation_bytes", 0.0) for r in per_rank)
+    if saved > 0:
+        ratio = saved / formula_saved_bytes(job, micro_batch=1)
+        job = dataclasses.replace(job, activation_ratio=ratio)
     rows = []
     for name, layout in LAYOUTS.items():
         runs = [r["runs"][name] for r in per_rank]  # per rank, per round
@@ -350,6 +384,7 @@ def main() -> None:
         f"{device.gemm_efficiency:.2f} g_half {device.gemm_half_flops:.2e}, attention "
         f"{device.attention_efficiency:.2f}, memory {device.memory_bandwidth / 1e9:.1f} GB/s, "
         f"link α {device.intra_node.alpha * 1e6:.0f} µs β {device.intra_node.beta / 1e9:.2f} GB/s"
+        f", activations ×{job.activation_ratio:.2f} of the per-token formula"
     )
     print(
         f"{'layout':44} {'step ms':>8} {'pred ms':>8} {'ratio':>6} {'peak MiB':>9} "
