@@ -387,3 +387,45 @@ def test_cli_plan_defaults_to_search_and_reports_errors(tmp_path, monkeypatch) -
     slow = runner.invoke(app, ["search", "llama:7b", "--world", "16", "--global-batch", "64",
                                "--seq-len", "4096", "--top", "1"])  # fmt: skip
     assert slow.exit_code == 0 and "links from" in slow.output
+
+
+def test_cli_calibrate_and_explain_read_the_daemon(tmp_path, monkeypatch) -> None:
+    from plait.planner import daemon_client
+    from plait.tools.plan_commands import app
+
+    link = Link(alpha=5e-5, beta=2e9)
+    events = [
+        {"name": "process_name", "ph": "M", "pid": r, "tid": 0,
+         "args": {"name": f"rank {r} (node0, job j)"}}
+        for r in range(2)
+    ] + [
+        {"name": "all_reduce", "cat": "comm", "ph": "X", "ts": 0, "pid": 0,
+         "dur": collective_seconds("all_reduce", 2, n, link) * 1e6,
+         "args": {"plait.comm.op": "all_reduce", "plait.comm.bytes": n,
+                  "plait.comm.group_ranks": [0, 1]}}
+        for n in (1e4, 1e6, 1e8)
+    ]  # fmt: skip
+    monkeypatch.setattr(
+        daemon_client, "capture_trace", lambda host, job="": {"traceEvents": events}
+    )
+    out = tmp_path / "links.json"
+    runner = CliRunner()
+    result = runner.invoke(app, ["calibrate", "--host", "h:1", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    fitted = LinkCalibration.load(out).intra
+    assert fitted is not None and fitted.beta == pytest.approx(2e9, rel=1e-3)
+
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[model]\nname = "llama"\nsize = "tiny"\n[train]\nglobal_batch_size = 8\n'
+        '[parallel]\ndp_strategy = "zero1"\n'
+    )
+    breakdown = _Breakdown(step_seconds=1.0, compute_seconds=0.9, exposed_comm_seconds=0.05)
+    monkeypatch.setattr(daemon_client, "measured_breakdown", lambda *a, **k: [breakdown])
+    result = runner.invoke(
+        app,
+        ["explain", "--config", str(config), "--world", "2", "--per-node", "2",
+         "--host", "h:1", "--links", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "tp1 pp1 dp2 zero1" in result.output and "compute was off most" in result.output
