@@ -25,7 +25,7 @@ from plait.tools import daemon_commands
 from tests.daemon.otlp_inputs import rank_resource, step_spans, trace_request
 from tests.daemon.world_producers import produce
 
-STALE_FLOOR = 2.0  # seconds; a live producer is heard from every ~0.2 s (heartbeats)
+STALE_FLOOR = 4.0  # seconds; a live producer is heard from every ~0.2 s (heartbeats)
 FAST, SLOW = 0.05, 0.12  # step seconds of rank 0 and rank 1: the job's step time is rank 1's
 FOREVER = 100_000  # steps: the producer runs until killed
 
