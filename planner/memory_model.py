@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from plait.planner.layouts import Job, Layout
 from plait.planner.schedule_model import max_in_flight
 
-DDP_BUCKET_BYTES = 25 * 2**20  # the last bucket's all-reduce cannot overlap backward
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and ZeRO's default bucket (`bucket_mb`)
+ZERO2_BUCKETS_IN_FLIGHT = 2  # plait.plugins.zero.stage12.MAX_IN_FLIGHT
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,14 +137,17 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
         upcast = 4 if act < 4 else 0
         logits = tokens * per_token * (act + upcast + 4 + 4)
     buffers = 0.0
-    # DDP and ZeRO-1/2 reduce the gradients where they accumulate (the buckets are the
-    # gradients' storage), so no bucket is counted twice.
+    # DDP and ZeRO-1 reduce the gradients where they accumulate (the buckets are the
+    # gradients' storage). ZeRO-2 fills a full bucket before reduce-scattering it, at most
+    # ZERO2_BUCKETS_IN_FLIGHT at once; ZeRO-3 holds the gathered unit, the prefetched one and
+    # the unit's full gradient bucket.
+    if layout.zero == 2:
+        full_grads = params * precision.grad_bytes
+        buffers += min(ZERO2_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES, full_grads)
     if layout.zero >= 3:
         largest_layer = model.params_per_layer / layout.tp
-        buffers += 2 * largest_layer * precision.param_bytes  # gathered unit + prefetched one
-        # each unit's full gradient bucket lives until its asynchronous reduce-scatter ends;
-        # in the worst case all of them at the end of backward
-        buffers += params * precision.grad_bytes * (1 - 1 / layout.dp)
+        buffers += 2 * largest_layer * precision.param_bytes
+        buffers += largest_layer * precision.grad_bytes
     if layout.pp > 1:
         buffers += 2 * tokens * model.dim / (layout.tp if layout.sequence_parallel else 1) * act
     return MemoryEstimate(

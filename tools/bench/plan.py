@@ -13,11 +13,14 @@ this machine, all ranks at once so that they share the cores as they will in tra
 
 Then it trains a tiny Llama under every layout of `LAYOUTS` (dp / ZeRO 1-3 / recomputation /
 tp with and without sp / pp with 1F1B and interleaving / tp × pp), rounds alternating the
-order, and measures per layout the median step time (`--steps` timed steps after `--warmup`)
+order, and measures per layout the step time (the slowest rank's; the fastest such step of all rounds,
+since load from other processes only ever slows a step down; `--steps` timed steps after
+`--warmup`)
 and each rank's peak memory: what it holds between steps (parameters, gradients, optimizer
 state from tensor storage, `Engine.memory_report`) plus the highest live total of the tensor
 storages that aten ops create during one more step (`tools/bench/memory.py`'s
-`LiveTensorMeter`; buffers a collective library allocates itself are not seen). CPU seconds per
+`LiveTensorMeter`; buffers a collective library allocates itself are not seen; ZeRO-3's gathered
+units, resized in place, are added from its runtime's report). CPU seconds per
 step are recorded too: on a shared machine they are disturbed much less than wall time. The
 planner predicts step time and memory for the same job; the table prints them side by side with
 the errors, the Spearman correlation of the two rankings and how far the predicted best is from
@@ -216,11 +219,15 @@ def measure_layout(args: argparse.Namespace, layout: Layout) -> dict[str, float]
     gc.collect()
     with LiveTensorMeter(exclude=state) as meter:
         engine.train_step(batches[-1])
+    # ZeRO-3 gathers units into storage it resizes in place, which the meter does not see as
+    # new tensors: add the runtime's own peak of gathered parameters.
+    gathered = engine.memory_report().get("peak_gathered_parameters", 0)
     engine.close()
     return {
+        "step_times": times,
         "step_seconds": statistics.median(times),
         "cpu_seconds": statistics.median(cpu),
-        "peak_bytes": float(held + meter.peak),
+        "peak_bytes": float(held + meter.peak + gathered),
     }
 
 
@@ -363,8 +370,15 @@ def main() -> None:
     for name, layout in LAYOUTS.items():
         runs = [r["runs"][name] for r in per_rank]  # per rank, per round
         rounds = len(runs[0])
-        step = statistics.median(
-            max(rank[i]["step_seconds"] for rank in runs) for i in range(rounds)
+        # A step lasts as long as its slowest rank; load from other processes only ever slows
+        # a step down, so the fastest such step over all rounds is the least disturbed figure.
+        step = min(
+            max(times)
+            for i in range(rounds)
+            for times in zip(
+                *(rank[i].get("step_times", [rank[i]["step_seconds"]]) for rank in runs),
+                strict=True,
+            )
         )
         memory = max(statistics.median(m["peak_bytes"] for m in rank) for rank in runs)
         predicted = price(job, layout)
