@@ -23,6 +23,7 @@ instead (which rejects malformed bytes as before).
 
 from __future__ import annotations
 
+import operator
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ _DOUBLE = struct.Struct("<d")
 _FIXED64 = struct.Struct("<Q")
 _MAX_CACHED = 65536
 _MAX_NUMBERS = 4096
+_MAX_SHAPES = 8  # layouts tried per entry count
 
 # Wire types.
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -204,6 +206,25 @@ _VIEWS = _view_classes()
 _REQUEST_VIEW = _VIEWS["Request"]
 
 
+class _Shape:
+    """Where a span's repeating entries sit among its `count` entries (`positions`), and the
+    templates seen with that layout, keyed by those entries' bytes."""
+
+    __slots__ = ("fixed", "positions", "templates", "varying")
+
+    def __init__(self, positions: tuple[int, ...], count: int) -> None:
+        self.positions = positions
+        self.varying = tuple(i for i in range(count) if i not in positions)
+        self.fixed = operator.itemgetter(*positions)  # entries -> the template's key
+        self.templates: dict[Any, _Template] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    attributes: dict[str, Any]  # the repeating entries, decoded
+    lists: tuple[str, ...]  # keys whose values are lists (copied, never shared)
+
+
 class TraceRequestReader:
     """Reads `ExportTraceServiceRequest` bytes; keeps a cache of decoded attribute entries."""
 
@@ -211,6 +232,8 @@ class TraceRequestReader:
         self._pairs: dict[bytes, tuple[str, Any]] = {}  # entry bytes -> (key, value)
         self._keys: dict[bytes, str] = {}  # key bytes -> key
         self._numbers: dict[bytes, tuple[str, int]] = {}  # recent integer entries
+        self._shapes: dict[int, list[_Shape]] = {}  # entry count -> shapes seen
+        self._templates = 0
 
     def read(self, buf: bytes) -> list[WireResource]:
         try:
@@ -236,17 +259,11 @@ class TraceRequestReader:
     def _span(self, span: Any, scope_index: int, span_index: int) -> WireSpan:
         if span.events or span.links:
             raise Decline("span events or links")
-        pairs = self._pairs
-        attributes: dict[str, Any] = {}
-        numbers = self._numbers
-        for entry in span.attributes:
-            pair = pairs.get(entry) or numbers.get(entry)
-            if pair is None:
-                key, value = self._entry(entry)
-                attributes[key] = value
-                continue
-            value = pair[1]
-            attributes[pair[0]] = list(value) if type(value) is list else value
+        entries = tuple(span.attributes)
+        attributes = self._from_template(entries)
+        if attributes is None:
+            attributes = self._attributes(entries)
+            self._learn(entries, attributes)
         return WireSpan(
             scope_index,
             span_index,
@@ -256,6 +273,67 @@ class TraceRequestReader:
             attributes,
             span.status.code == 2,  # STATUS_CODE_ERROR
         )
+
+    def _attributes(self, entries: tuple[bytes, ...]) -> dict[str, Any]:
+        """Every entry decoded in wire order (a key given twice: the last one wins)."""
+        pairs = self._pairs
+        attributes: dict[str, Any] = {}
+        numbers = self._numbers
+        for entry in entries:
+            pair = pairs.get(entry) or numbers.get(entry)
+            if pair is None:
+                key, value = self._entry(entry)
+                attributes[key] = value
+                continue
+            value = pair[1]
+            attributes[pair[0]] = list(value) if type(value) is list else value
+        return attributes
+
+    def _from_template(self, entries: tuple[bytes, ...]) -> dict[str, Any] | None:
+        """The attributes of a span whose repeating entries were seen together before: those
+        are copied from the template, only the others (numbers) are read."""
+        for shape in self._shapes.get(len(entries), ()):
+            template = shape.templates.get(shape.fixed(entries))
+            if template is None:
+                continue
+            attributes = template.attributes.copy()
+            for key in template.lists:
+                attributes[key] = list(attributes[key])
+            numbers, pairs = self._numbers, self._pairs
+            for position in shape.varying:
+                entry = entries[position]
+                pair = numbers.get(entry) or pairs.get(entry)
+                if pair is None:
+                    key, value = self._entry(entry)
+                else:
+                    key, value = pair
+                    if type(value) is list:
+                        value = list(value)
+                attributes[key] = value
+            # A key given twice: wire order decides which value wins, so read it in order.
+            return attributes if len(attributes) == len(entries) else None
+        return None
+
+    def _learn(self, entries: tuple[bytes, ...], attributes: dict[str, Any]) -> None:
+        """Remember which entries of this span repeat (cached strings, bools, lists) as a
+        template, keyed by their bytes at their positions."""
+        if len(attributes) != len(entries) or self._templates >= _MAX_CACHED:
+            return
+        pairs = self._pairs
+        fixed = tuple(i for i, entry in enumerate(entries) if entry in pairs)
+        if not fixed:
+            return
+        shapes = self._shapes.setdefault(len(entries), [])
+        shape = next((s for s in shapes if s.positions == fixed), None)
+        if shape is None:
+            if len(shapes) >= _MAX_SHAPES:
+                return
+            shape = _Shape(fixed, len(entries))
+            shapes.append(shape)
+        values = dict(pairs[entries[i]] for i in fixed)
+        lists = tuple(key for key, value in values.items() if type(value) is list)
+        shape.templates[shape.fixed(entries)] = _Template(values, lists)
+        self._templates += 1
 
     def _entry(self, entry: bytes) -> tuple[str, Any]:
         """A `KeyValue`'s bytes decoded; strings, bools and lists are cached (numbers vary)."""

@@ -82,7 +82,7 @@ def test_spans_metrics_and_mfu_reach_the_daemon(daemon_server: DaemonServer, dae
     assert send.seconds >= 0.02  # ended at wait(), which took 20 ms: no future for send
     bucket = by_seq[("all_reduce", 1)]
     assert bucket.attributes[names.ATTR_COMM_ASYNC] is True
-    # the async op ends when its future completes, after the send's wait
+    # the async op ends when it is waited on, after the send's wait
     assert bucket.end_ns >= send.end_ns
     assert len(backend.requests) == 12
 
