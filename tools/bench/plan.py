@@ -13,9 +13,9 @@ this machine, all ranks at once so that they share the cores as they will in tra
 
 Then it trains a tiny Llama under every layout of `LAYOUTS` (dp / ZeRO 1-3 / recomputation /
 tp with and without sp / pp with 1F1B and interleaving / tp × pp), rounds alternating the
-order, and measures per layout the step time (the slowest rank's; the fastest such step of all rounds,
-since load from other processes only ever slows a step down; `--steps` timed steps after
-`--warmup`)
+order, and measures per layout the step time (the slowest rank's; the fastest such step of
+all rounds, since load from other processes only ever slows a step down; `--steps` timed steps
+after `--warmup`)
 and each rank's peak memory: what it holds between steps (parameters, gradients, optimizer
 state from tensor storage, `Engine.memory_report`) plus the highest live total of the tensor
 storages that aten ops create during one more step (`tools/bench/memory.py`'s
