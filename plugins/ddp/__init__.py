@@ -5,6 +5,9 @@ Gradients live in flat per-bucket buffers (each `param.grad` is a view, as torch
 post-accumulate-grad hooks as soon as its last gradient is ready, while backward is still
 running, and in bucket order so every rank issues the same collectives in the same order.
 Reductions are skipped on all but the last micro-batch of a step (gradient accumulation).
+As in torch DDP, the first bucket is small (`first_bucket_mb`) so communication starts early,
+and after the first step the buckets are re-cut in the order backward really produced the
+gradients (`rebuild_buckets`), so no bucket waits on a gradient computed much later.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ class DDPConfig(Section):
     """`[ddp]` section."""
 
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB")
+    first_bucket_mb: float = Field(
+        1.0, gt=0, description="size cap of the first bucket, reduced earliest in backward"
+    )
+    rebuild_buckets: bool = Field(
+        True, description="re-cut the buckets in the gradient order the first backward shows"
+    )
     broadcast_parameters: bool = Field(
         True, description="copy dp rank 0's parameters to every replica at start"
     )
@@ -53,6 +62,8 @@ def shard_ddp(model: nn.Module, *, context: ShardContext, config: DDPConfig) -> 
         bucket_bytes=int(config.bucket_mb * 2**20),
         broadcast_parameters=config.broadcast_parameters,
         group_of=group_of,
+        first_bucket_bytes=int(config.first_bucket_mb * 2**20),
+        rebuild_buckets=config.rebuild_buckets,
     )
     return Sharded(module=model, runtime=runtime)
 

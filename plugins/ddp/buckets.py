@@ -43,30 +43,65 @@ class BucketedAllReduce(ParallelRuntime):
         bucket_bytes: int,
         broadcast_parameters: bool = True,
         group_of: Callable[[nn.Parameter], Group] | None = None,
+        first_bucket_bytes: int | None = None,
+        rebuild_buckets: bool = True,
     ) -> None:
         """`group_of(param)` picks a parameter's reduction group when it is not `group` (expert
-        parameters are reduced over the expert-data-parallel group only)."""
+        parameters are reduced over the expert-data-parallel group only). `first_bucket_bytes`
+        caps the first bucket, so the first reduction starts early in backward."""
         self.comm = comm
         self.group = group
-        # Gradients become ready roughly in reverse registration order.
-        params = [p for p in module.parameters() if p.requires_grad][::-1]
-        pick = group_of or (lambda _: group)
-        runs: list[tuple[Group, list[nn.Parameter]]] = []
-        for p in params:  # a bucket never mixes groups: cut where the group changes
-            if not runs or runs[-1][0] != pick(p):
-                runs.append((pick(p), []))
-            runs[-1][1].append(p)
-        grouped = [(g, ps) for g, run in runs for ps in assign_buckets(run, bucket_bytes)]
-        self.buckets = [self._make_bucket(i, ps, g) for i, (g, ps) in enumerate(grouped)]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.bucket_bytes = bucket_bytes
+        self.first_bucket_bytes = first_bucket_bytes
+        self._group_of = group_of or (lambda _: group)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        # Gradients become ready roughly in reverse registration order; the first backward
+        # records the real order and the buckets are rebuilt in it (`rebuild_buckets`).
+        self._install_buckets(self._params[::-1])
         self._sync_this_backward = True
         self._next_to_launch = 0
         self._reduces = any(b.group.size > 1 for b in self.buckets)
+        self._recording: dict[int, nn.Parameter] | None = {} if rebuild_buckets else None
+        self._observed: list[nn.Parameter] | None = None
         if self._reduces:
             if broadcast_parameters:
                 self._broadcast_parameters(module)
-            for p in params:
+            for p in self._params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _install_buckets(self, ordered: list[nn.Parameter]) -> None:
+        """Cut `ordered` (expected gradient-ready order) into buckets, each a flat buffer that
+        the parameters' `.grad` are views of; a bucket never mixes reduction groups."""
+        runs: list[tuple[Group, list[nn.Parameter]]] = []
+        for p in ordered:  # cut where the group changes
+            if not runs or runs[-1][0] != self._group_of(p):
+                runs.append((self._group_of(p), []))
+            runs[-1][1].append(p)
+        grouped, first = [], self.first_bucket_bytes
+        for g, run in runs:
+            for ps in assign_buckets(run, self.bucket_bytes, first_bucket_bytes=first):
+                grouped.append((g, ps))
+                first = None  # only the very first bucket of the step is small
+        self.buckets = [self._make_bucket(i, ps, g) for i, (g, ps) in enumerate(grouped)]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    def _rebuild_in_observed_order(self, observed: list[nn.Parameter]) -> None:
+        """Rebuild the buckets in the order the first backward produced gradients (as torch
+        DDP does after its first iteration), so each bucket fills up in one stretch of backward
+        and the first one launches early. Rank 0's order is used everywhere (a collective), so
+        every rank keeps issuing identical reductions; parameters without a gradient go last."""
+        seen = {id(p) for p in observed}
+        order = observed + [p for p in self._params[::-1] if id(p) not in seen]
+        index = {id(p): i for i, p in enumerate(self._params)}
+        indices = torch.tensor([index[id(p)] for p in order], dtype=torch.int64)
+        if self.group.size > 1:
+            self.comm.broadcast(
+                indices, src=self.group.ranks[0], group=self.group, purpose=PARAM_SYNC
+            )
+        order = [self._params[i] for i in indices.tolist()]
+        if [id(p) for p in order] == [id(p) for b in self.buckets for p in b.params]:
+            return
+        self._install_buckets(order)
 
     def _make_bucket(self, index: int, params: list[nn.Parameter], group: Group) -> Bucket:
         total = sum(p.numel() for p in params)
@@ -101,6 +136,8 @@ class BucketedAllReduce(ParallelRuntime):
     # -- hooks and launches ------------------------------------------------------------------
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self._recording is not None:
+            self._recording.setdefault(id(param), param)  # first time each one is ready
         if not self._sync_this_backward:
             return
         bucket = self._bucket_of[id(param)]
@@ -163,8 +200,13 @@ class BucketedAllReduce(ParallelRuntime):
             bucket.work, bucket.launched, bucket.ready = None, False, 0
         self._next_to_launch = 0
         self._sync_this_backward = True
+        if self._recording is not None:  # the first step's order is known: rebuild after it
+            self._observed, self._recording = list(self._recording.values()), None
 
     def zero_grad(self) -> bool:
+        if self._observed is not None:  # gradients are consumed: the buffers may be replaced
+            observed, self._observed = self._observed, None
+            self._rebuild_in_observed_order(observed)
         for bucket in self.buckets:
             bucket.buffer.zero_()
             self._restore_views(bucket)

@@ -141,3 +141,73 @@ def overlap_probe(rank: int, world_size: int) -> dict[str, Any]:
         "num_buckets": len(buckets),
         "last_bucket_ready_ns": [ready_ns[id(p)] for p in buckets[-1].params],
     }
+
+
+class HeadFirstLM(TinyLM):
+    """The same network with its modules registered head first: reverse registration order
+    (DDP's first guess at the gradient order) is then the reverse of backward's real order."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.blocks = TinyLM().blocks
+        self.embed = nn.Embedding(VOCAB, DIM)
+
+
+def bucket_layout_probe(rank: int, world_size: int) -> dict[str, Any]:
+    """Bucket order before and after the first step, backward's real gradient order, whether
+    every `.grad` is a view of its bucket, and the losses, with and without the rebuild."""
+    del rank
+    return {f"rebuild={r}": _bucket_layout(r, world_size) for r in (True, False)}
+
+
+def _bucket_layout(rebuild: bool, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = HeadFirstLM()
+    engine = plait.initialize(
+        model,
+        config={
+            "ddp": {"bucket_mb": 0.01, "first_bucket_mb": 0.004, "rebuild_buckets": rebuild},
+            "telemetry": {"enabled": False},
+            "train": {"micro_batch_size": 2, "max_grad_norm": 1.0},
+        },
+        plugins=Plugins.create(autoload=False),
+    )
+    runtime = engine.runtimes[0]
+    names = {id(p): n for n, p in model.named_parameters()}
+    ready: list[str] = []
+    copies: list[str] = []  # gradients that, once accumulated, were not in their bucket
+
+    def on_ready(q: torch.Tensor) -> None:
+        ready.append(names[id(q)])
+        (bucket,) = [b for b in runtime.buckets if any(p is q for p in b.params)]
+        if q.grad.untyped_storage().data_ptr() != bucket.buffer.untyped_storage().data_ptr():
+            copies.append(names[id(q)])
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(on_ready)
+
+    def order() -> list[list[str]]:
+        return [[names[id(p)] for p in b.params] for b in runtime.buckets]
+
+    before, losses = order(), []
+    for inputs, targets in global_batches(3, 2 * world_size):
+        ready.clear()
+        losses.append(engine.train_step((inputs[:2], targets[:2])))
+    return {
+        "before": before,
+        "after": order(),
+        "ready_order": list(ready),
+        "first_bucket_bytes": runtime.buckets[0].buffer.numel() * 4,
+        "first_bucket_largest_param": max(p.numel() * 4 for p in runtime.buckets[0].params),
+        # Backward accumulated straight into the buckets (checked as each gradient was ready,
+        # every micro-batch of every step), and the gradients are still views after the step.
+        "grads_are_bucket_views": not copies
+        and all(
+            p.grad is not None
+            and p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+            for b in runtime.buckets
+            for p in b.params
+        ),
+        "losses": losses,
+    }

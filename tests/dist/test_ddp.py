@@ -58,3 +58,26 @@ def test_first_bucket_all_reduce_issued_during_backward() -> None:
             "the first bucket's all-reduce must be issued before the last bucket's gradients "
             "are ready"
         )
+
+
+def test_buckets_follow_backward_order_and_hold_the_gradients() -> None:
+    results = run_distributed(ddp_workers.bucket_layout_probe, 2)
+    for r in results:
+        rebuilt, kept = r["rebuild=True"], r["rebuild=False"]
+        # The first guess (reverse registration) starts with the embedding, whose gradient is
+        # the last one backward produces; after the first step the buckets follow backward.
+        assert rebuilt["before"][0][0] == "embed.weight"
+        assert [n for b in rebuilt["after"] for n in b] == rebuilt["ready_order"]
+        assert rebuilt["after"][0][0] == rebuilt["ready_order"][0] != "embed.weight"
+        assert kept["after"] == kept["before"]
+        for layout in (rebuilt, kept):
+            # The first bucket is capped (a single larger parameter still gets a bucket).
+            cap = max(0.004 * 2**20, layout["first_bucket_largest_param"])
+            assert layout["first_bucket_bytes"] <= cap
+            assert len(layout["after"]) > 2
+            # Gradients live in the buckets (no copy in or out), across the rebuild too.
+            assert layout["grads_are_bucket_views"]
+        torch.testing.assert_close(
+            torch.tensor(rebuilt["losses"]), torch.tensor(kept["losses"]), rtol=1e-6, atol=1e-6
+        )
+    assert results[0]["rebuild=True"]["after"] == results[1]["rebuild=True"]["after"]
