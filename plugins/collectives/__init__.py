@@ -121,7 +121,7 @@ class CollectivesPlugin(CommBinding):
             else:
                 ring_all_reduce(
                     comm, tensor, group=group, rank=rank, reduce_op=request.reduce_op,
-                    purpose=purpose,
+                    purpose=purpose, piece_bytes=self.options.piece_bytes,
                 )  # fmt: skip
 
         def steps(comm: Comm, group: Group) -> None:
@@ -133,7 +133,7 @@ class CollectivesPlugin(CommBinding):
                 output, source = request.tensors
                 ring_reduce_scatter(
                     comm, output, source, group=group, rank=rank, reduce_op=request.reduce_op,
-                    purpose=purpose,
+                    purpose=purpose, piece_bytes=self.options.piece_bytes,
                 )  # fmt: skip
 
         return self.runner.run(request, steps, comm)

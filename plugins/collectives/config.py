@@ -26,6 +26,11 @@ class RingConfig(Section):
     """Ring all-reduce: reduce-scatter then all-gather around the group, n-1 steps each."""
 
     purposes: list[str] = Field(default_factory=list, description=PURPOSES_HELP)
+    piece_bytes: int = Field(
+        1 << 20,
+        gt=0,
+        description="chunks travel in pieces of this size, pipelined from step to step",
+    )
 
 
 class TreeConfig(Section):

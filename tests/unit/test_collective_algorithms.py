@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import re
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,6 +110,7 @@ def run_all_reduce(
 
 ALGORITHMS = {
     "ring": (ring_all_reduce, {}),
+    "ring_pieces": (ring_all_reduce, {"piece_bytes": 8}),  # 2-element pieces, pipelined
     "tree_halving": (halving_doubling_all_reduce, {"small_message_bytes": 0}),
     "tree_doubling": (halving_doubling_all_reduce, {"small_message_bytes": 1 << 30}),
 }
@@ -156,7 +158,7 @@ def test_bandwidth_optimal_algorithms_send_two_thirds_of_the_vector_at_three(
     numel = 1024 * world_size
     inputs = [torch.ones(numel) for _ in range(world_size)]
     optimal = 2 * (world_size - 1) * numel // world_size
-    for name in ("ring", "tree_halving"):
+    for name in ("ring", "ring_pieces", "tree_halving"):
         algorithm, kwargs = ALGORITHMS[name]
         _, network = run_all_reduce(algorithm, inputs, "sum", **kwargs)
         assert network.sent_elements == [optimal] * world_size, name
@@ -167,8 +169,11 @@ def test_bandwidth_optimal_algorithms_send_two_thirds_of_the_vector_at_three(
     assert network.sent_elements == [steps * numel] * world_size
 
 
+@pytest.mark.parametrize("piece_bytes", [1 << 20, 8], ids=["whole-chunks", "pieces"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
-def test_ring_reduce_scatter_leaves_rank_i_chunk_i_and_sends_one_phase(world_size: int) -> None:
+def test_ring_reduce_scatter_leaves_rank_i_chunk_i_and_sends_one_phase(
+    world_size: int, piece_bytes: int
+) -> None:
     numel = 6 * world_size
     inputs = [torch.arange(numel, dtype=torch.float32) * (r + 1) for r in range(world_size)]
     outputs = [torch.empty(6) for _ in range(world_size)]
@@ -178,7 +183,7 @@ def test_ring_reduce_scatter_leaves_rank_i_chunk_i_and_sends_one_phase(world_siz
     def rank_main(rank: int) -> None:
         ring_reduce_scatter(
             network.comm(rank), outputs[rank], inputs[rank], group=group, rank=rank,
-            reduce_op="avg", purpose="test/generic",
+            reduce_op="avg", purpose="test/generic", piece_bytes=piece_bytes,
         )  # fmt: skip
 
     with ThreadPoolExecutor(world_size) as pool:
@@ -189,6 +194,93 @@ def test_ring_reduce_scatter_leaves_rank_i_chunk_i_and_sends_one_phase(world_siz
         torch.testing.assert_close(output, mean[rank * 6 : (rank + 1) * 6])
         assert torch.equal(inputs[rank], torch.arange(numel, dtype=torch.float32) * (rank + 1))
     assert network.sent_elements == [(world_size - 1) * 6] * world_size
+
+
+class LazyNetwork:
+    """Gloo-like sends: the receiver reads the sender's buffer when it waits, and a send is
+    complete only once read, so overwriting a buffer whose send is in flight corrupts the
+    result. Records each rank's sends and receive-waits in order."""
+
+    def __init__(self, world_size: int) -> None:
+        self.channels = {
+            (a, b): queue.Queue() for a in range(world_size) for b in range(world_size)
+        }
+        self.events: list[list[str]] = [[] for _ in range(world_size)]
+
+    def comm(self, rank: int) -> Any:
+        network = self
+
+        class Sent:
+            def __init__(self, tensor: torch.Tensor) -> None:
+                self.tensor, self.read = tensor, threading.Event()
+
+            def wait(self) -> bool:
+                assert self.read.wait(timeout=10), "send never received"
+                return True
+
+        class Received:
+            def __init__(self, source: queue.Queue[Sent], into: torch.Tensor) -> None:
+                self.source, self.into = source, into
+
+            def wait(self) -> bool:
+                sent = self.source.get(timeout=10)
+                network.events[rank].append("wait")
+                assert sent.tensor.shape == self.into.shape, "send and receive sizes differ"
+                self.into.copy_(sent.tensor)
+                sent.read.set()
+                return True
+
+        class RankComm:
+            def send(self, tensor: torch.Tensor, *, dst: int, **_: Any) -> Any:
+                network.events[rank].append("send")
+                sent = Sent(tensor)
+                network.channels[(rank, dst)].put(sent)
+                return sent
+
+            def recv(self, tensor: torch.Tensor, *, src: int, **_: Any) -> Any:
+                return Received(network.channels[(src, rank)], tensor)
+
+        return RankComm()
+
+
+def _lazy_ring(inputs: list[torch.Tensor], piece_bytes: int) -> tuple[list[Any], LazyNetwork]:
+    network = LazyNetwork(len(inputs))
+    group = Group(name="world", ranks=tuple(range(len(inputs))))
+    tensors = [t.clone() for t in inputs]
+    with ThreadPoolExecutor(len(inputs)) as pool:
+        futures = [
+            pool.submit(
+                ring_all_reduce,
+                network.comm(r),
+                tensors[r],
+                group=group,
+                rank=r,
+                reduce_op="avg",
+                purpose="test/generic",
+                piece_bytes=piece_bytes,
+            )
+            for r in range(len(inputs))
+        ]
+        for future in futures:
+            future.result(timeout=30)
+    return tensors, network
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_pieces_are_pipelined_and_exact_when_sends_are_read_late(world_size: int) -> None:
+    generator = torch.Generator().manual_seed(world_size)
+    inputs = [torch.randn(64 * world_size, generator=generator) for _ in range(world_size)]
+    results, network = _lazy_ring(inputs, piece_bytes=16 * 4)  # 4 pieces of each 64-float chunk
+    expected = torch.stack(inputs).mean(0)
+    for result in results:
+        torch.testing.assert_close(result, expected)
+        assert torch.equal(result, results[0])
+    for events in network.events:
+        waits = [i for i, e in enumerate(events) if e == "wait"]
+        assert events.count("send") == 2 * (world_size - 1) * 4  # every piece of every step
+        # Pipelined: the next step's first piece goes out after the first piece of this step
+        # arrived, while the other three are still awaited (not once the whole chunk is in).
+        assert "send" in events[waits[0] : waits[3]], events[: waits[3] + 1]
 
 
 def _request(op: str = "all_reduce", purpose: str = GRAD_BUCKET, **fields: Any) -> CommRequest:

@@ -5,8 +5,9 @@
 Spawns the ranks (Gloo on CPU, over a FileStore), then for every message size and algorithm
 times fp32 all-reduces with purpose `"grad_bucket"`, so the compression and parameter-server
 plugins take them over exactly as they would take over a data-parallel gradient bucket. The
-table gives the median latency, the algorithm bandwidth (message bytes / latency, as in
-nccl-tests' `algbw`), the bytes each rank really put on the wire per op (counted by the traffic
+algorithms take turns op by op. The table gives the median latency, the algorithm bandwidth
+(message bytes / latency, as in nccl-tests' `algbw`), the bus bandwidth (`2(n-1)/n` times that,
+nccl-tests' `busbw`), the bytes each rank really put on the wire per op (counted by the traffic
 meter on the communicate hook) and the speed against the backend's all-reduce of the same size.
 Compression trades accuracy for bytes; only the latency and byte columns compare like with like.
 """
@@ -75,24 +76,29 @@ def build_comm(comm_section: dict[str, object]) -> tuple[Comm, TrafficMeter, Plu
 
 
 def repetitions(nbytes: int) -> int:
-    return max(3, min(40, (32 * 1024**2) // max(nbytes, 1)))
+    return max(6, min(40, (32 * 1024**2) // max(nbytes, 1)))
 
 
 def bench_rank(
     rank: int, world_size: int, sizes: Sequence[int], algorithms: Sequence[str]
 ) -> list[tuple[str, int, float, float]]:
-    """Every rank runs every case; returns (algorithm, bytes, median seconds, wire bytes/op)."""
+    """Every rank runs every case; returns (algorithm, bytes, median seconds, wire bytes/op).
+
+    For each size the algorithms take turns op by op (the order rotating every repetition), so
+    a burst of load on a shared machine hits all of them alike."""
     rows = []
     group = world_group()
     for nbytes in sizes:
         numel = max(1, nbytes // 4)
-        for name in algorithms:
-            comm, meter, plugins = build_comm(ALGORITHMS[name])
-            generator = torch.Generator().manual_seed(rank)
-            data = torch.randn(numel, generator=generator)
-            reps = repetitions(nbytes)
-            samples = []
-            for rep in range(reps + 2):
+        built = {name: build_comm(ALGORITHMS[name]) for name in algorithms}
+        generator = torch.Generator().manual_seed(rank)
+        data = torch.randn(numel, generator=generator)
+        reps = repetitions(nbytes)
+        samples: dict[str, list[float]] = {name: [] for name in algorithms}
+        for rep in range(reps + 2):
+            shift = rep % len(algorithms)
+            for name in [*algorithms[shift:], *algorithms[:shift]]:
+                comm, meter, _ = built[name]
                 bucket = data.clone()
                 dist.barrier()
                 start = time.perf_counter()
@@ -108,20 +114,25 @@ def bench_rank(
                 if rep == 1:
                     meter.reset()  # the first two calls warm up (and let PowerSGD pick its Q)
                 if rep >= 2:
-                    samples.append(elapsed)
+                    samples[name].append(elapsed)
+        for name in algorithms:
+            comm, meter, plugins = built[name]
             # An algorithm's traffic is its sub-ops; the backend's is the request itself.
             own = GRAD_BUCKET if name == "torch" else None
             wire = meter.bytes_for(lambda p, own=own: p == own if own else p != GRAD_BUCKET)
             wire /= reps
             plugins.job_end()  # drains the parameter server, stops the algorithm's worker
-            rows.append((name, numel * 4, statistics.median(samples), wire))
+            rows.append((name, numel * 4, statistics.median(samples[name]), wire))
     return rows
 
 
 def render(rows: list[tuple[str, int, float, float]], world_size: int) -> str:
+    """`busbw` is nccl-tests' bus bandwidth, 2(n-1)/n · size / time: what each rank's link
+    carried per second in a bandwidth-optimal all-reduce, comparable across group sizes."""
     backend = {size: seconds for name, size, seconds, _ in rows if name == "torch"}
+    bus_factor = 2 * (world_size - 1) / world_size
     header = (
-        f"{'algorithm':<13}{'size':>10}{'latency':>12}{'algbw':>12}"
+        f"{'algorithm':<13}{'size':>10}{'latency':>12}{'algbw':>12}{'busbw':>12}"
         f"{'wire/rank':>12}{'vs torch':>10}"
     )
     lines = [f"all-reduce, fp32, {world_size} ranks, Gloo on CPU", header, "-" * len(header)]
@@ -129,7 +140,8 @@ def render(rows: list[tuple[str, int, float, float]], world_size: int) -> str:
         speed = backend.get(size, float("nan")) / seconds
         lines.append(
             f"{name:<13}{human_bytes(size):>10}{seconds * 1e6:>10.0f}us"
-            f"{size / seconds / 1e6:>8.0f} MB/s{human_bytes(wire):>12}{speed:>9.2f}x"
+            f"{size / seconds / 1e6:>8.0f} MB/s{bus_factor * size / seconds / 1e6:>8.0f} MB/s"
+            f"{human_bytes(wire):>12}{speed:>9.2f}x"
         )
     return "\n".join(lines)
 
