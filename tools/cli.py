@@ -198,7 +198,11 @@ def train(
             from plait.tools.dry_run import print_dry_run
 
             print_dry_run(
-                cfg, plugin_manager, world_size=nproc_per_node * max_nodes, console=console
+                cfg,
+                plugin_manager,
+                world_size=nproc_per_node * max_nodes,
+                per_node=nproc_per_node,
+                console=console,
             )
             return
     except PlaitError as exc:

@@ -1,18 +1,12 @@
 """`plait train --dry-run`: the mesh and each rank's memory, estimated without starting a rank.
 
-The model is built on the meta device (no memory, no initialisation), so its parameters are
-counted exactly by name; how a rank's share follows from the degrees is an estimate:
-
-- pipeline stages split the transformer blocks evenly (the embedding on the first stage, the
-  final norm and output head on the last); tensor parallelism divides a stage's parameters by tp;
-- gradients take the parameters' size; AdamW keeps two fp32 moments per parameter; ZeRO shards
-  optimizer state (zero1), also gradients (zero2) and also parameters (zero3) over dp;
-- activations of one micro-batch per block follow Korthikanti et al. 2022 (`s·b·h·(34 +
-  5·a·s/h)` bytes at 2 bytes per value, doubled for fp32), divided by tp with sequence
-  parallelism (else only the 24 of 34 inside the tensor-parallel regions) and by cp; full
-  activation checkpointing keeps each block's input (`2·s·b·h`) plus one block's activations;
-  a pipeline schedule keeps up to pp micro-batches in flight on the first stage. The logits of
-  one micro-batch (`b·s·V/tp` fp32, with their gradient) are added on the last stage.
+The model is built on the meta device (no memory, no initialisation), so its parameters, and
+each pipeline stage's share of them, are counted exactly by name. The bytes come from the
+planner's memory model (`plait.planner.memory_model`, the one `plait plan` and `--auto` use):
+model state by ZeRO stage and precision, activations by tp / sp / cp / schedule / recomputation
+(Korthikanti et al. 2022), the loss's logits and communication buffers, for the rank with the
+most (the first or the last pipeline stage). Memory does not depend on the device, so none is
+detected: the dry run starts nothing and measures nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ if TYPE_CHECKING:
 
     from plait.core.config import PlaitConfig
     from plait.core.plugins import Plugins
+    from plait.planner.memory_model import MemoryEstimate
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _FIRST_STAGE = re.compile(r"embed|wte|wpe|tok_")
@@ -36,18 +31,12 @@ _FIRST_STAGE = re.compile(r"embed|wte|wpe|tok_")
 
 @dataclass(frozen=True, slots=True)
 class RankEstimate:
-    """One pipeline stage's rank: bytes of each kind of memory (every dp/tp/cp rank alike)."""
+    """The rank with the most memory: its pipeline stage, its parameters counted on the meta
+    device, and the planner's bytes for it."""
 
     stage: int
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int
     num_parameters: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+    memory: MemoryEstimate
 
 
 def mesh_groups(degrees: dict[str, int]) -> dict[str, list[list[int]]]:
@@ -88,131 +77,84 @@ def build_meta_model(config: PlaitConfig, plugins: Plugins) -> tuple[Any, Any]:
         return record.build(model_config, kernels), model_config
 
 
-def strategy_options(config: PlaitConfig, plugins: Plugins, name: str | None) -> dict[str, Any]:
-    """Strategy `name`'s config section with its defaults (empty when it has none)."""
-    for (_, registered), (_, record) in plugins.strategies().items():
-        if registered == name and record.config_cls is not None:
-            section = record.config_section or name
-            return config.section(section, record.config_cls).model_dump(mode="json")
-    return {}
-
-
-def estimate(
-    config: PlaitConfig,
-    plugins: Plugins,
-    degrees: dict[str, int],
-    model: Any,
-    model_config: Any,
-) -> list[RankEstimate]:
-    """Per-stage estimates (see the module docstring for what each figure assumes)."""
-    tp, pp, cp, dp = degrees["tp"], degrees["pp"], degrees["cp"], degrees["dp"]
-    n_layers = int(getattr(model_config, "n_layers", 0) or 0)
-    stage_params = [0] * pp
+def stage_parameter_counts(model: Any, n_layers: int, pp: int) -> list[int]:
+    """Parameters of each pipeline stage: blocks split evenly in order, the embedding on the
+    first stage, everything else outside the blocks (final norm, output head) on the last."""
+    counts = [0] * pp
     for name, param in model.named_parameters():
         match = _LAYER.search(name)
         if match and n_layers:
             stage = min(int(match.group(1)) * pp // n_layers, pp - 1)
         else:
             stage = 0 if _FIRST_STAGE.search(name) else pp - 1
-        stage_params[stage] += param.numel()
+        counts[stage] += param.numel()
+    return counts
 
-    precision = strategy_options(config, plugins, config.parallel.transforms.get("precision"))
-    param_bytes = 2 if precision.get("param_dtype") in ("bf16", "fp16") else 4
-    act_bytes = 2 if precision.get("dtype") in ("bf16", "fp16") else 4
-    strategy = config.parallel.dp_strategy
-    zero = int(strategy[-1]) if re.fullmatch(r"zero[123]", strategy) else 0
 
-    batch = config.train.global_batch_size // dp
-    micro = config.train.micro_batch_size or batch
-    seq = config.data.seq_len // cp
-    hidden = int(getattr(model_config, "dim", 0) or getattr(model_config, "hidden_size", 0) or 0)
-    heads = int(getattr(model_config, "n_heads", 1) or 1)
-    vocab = int(getattr(model_config, "vocab_size", 0) or 0)
-    tp_options = strategy_options(config, plugins, config.parallel.tp_strategy) if tp > 1 else {}
-    sequence_parallel = bool(tp_options.get("sequence_parallel", False))
-    checkpointed = "ac" in config.parallel.transforms
-    per_value = act_bytes / 2  # the formula counts 2-byte values
-    inside_tp = 24 + 5 * heads * seq / max(hidden, 1)
-    block = (
-        seq * micro * hidden * ((inside_tp + 10) / tp if sequence_parallel else inside_tp / tp + 10)
+def estimate(config: PlaitConfig, *, world_size: int, per_node: int, model: Any) -> RankEstimate:
+    """The planner's estimate for the rank with the most memory under `config`'s layout."""
+    from plait.planner.auto import job_for_config, layout_from_config
+    from plait.planner.devices import DEVICES
+    from plait.planner.memory_model import estimate_memory
+
+    data = config.model_dump(mode="json")
+    # The job's device prices time only; memory is the same on any, so a nominal one is given.
+    job = job_for_config(
+        data, world=world_size, per_node=per_node, device=next(iter(DEVICES.values()))
     )
-    block *= per_value
-    blocks_per_stage = max(1, n_layers // pp) if n_layers else 0
-    in_flight = pp if config.schedule.name != "accumulate" and pp > 1 else 1
-
-    estimates = []
-    for stage, count in enumerate(stage_params):
-        num = count // tp
-        if checkpointed:
-            acts = blocks_per_stage * 2 * seq * micro * hidden * per_value + block
-        else:
-            acts = blocks_per_stage * block
-        acts *= in_flight if stage == 0 else max(1, in_flight - stage)
-        if stage == pp - 1 and vocab:
-            acts += 2 * micro * seq * vocab * 4 / tp
-        estimates.append(
-            RankEstimate(
-                stage=stage,
-                num_parameters=num,
-                parameters=int(num * param_bytes / (dp if zero >= 3 else 1)),
-                gradients=int(num * param_bytes / (dp if zero >= 2 else 1)),
-                optimizer=int(num * 8 / (dp if zero >= 1 else 1)),
-                activations=int(acts),
-            )
-        )
-    return estimates
+    layout = layout_from_config(data, world=world_size)
+    memory = estimate_memory(job, layout)
+    counts = stage_parameter_counts(model, job.model.n_layers, layout.pp)
+    return RankEstimate(
+        stage=memory.stage, num_parameters=counts[memory.stage] // layout.tp, memory=memory
+    )
 
 
 def print_dry_run(
-    config: PlaitConfig, plugins: Plugins, *, world_size: int, console: Console
+    config: PlaitConfig, plugins: Plugins, *, world_size: int, per_node: int, console: Console
 ) -> None:
-    """Print the mesh, its groups and each stage's per-rank memory estimate."""
+    """Print the mesh, its groups and the estimate for the rank with the most memory."""
     from rich.table import Table
 
     par = config.parallel
     degrees = resolve_degrees(world_size, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
-    model, model_config = build_meta_model(config, plugins)
+    model, _ = build_meta_model(config, plugins)
     total = sum(p.numel() for p in model.parameters())
+    transforms = " ".join(f"{a}={n}" for a, n in sorted(par.transforms.items()))
     console.print(
         f"dry run: {config.model.name}/{config.model.size} · {total:,} parameters · "
         f"{world_size} rank{'s' if world_size > 1 else ''} "
         f"({' '.join(f'{a}={degrees[a]}' for a in MESH_AXES)}) · dp strategy {par.dp_strategy}"
-        + (
-            " · transforms " + " ".join(f"{a}={n}" for a, n in sorted(par.transforms.items()))
-            if par.transforms
-            else ""
-        ),
+        + (f" · transforms {transforms}" if transforms else ""),
         highlight=False,
         soft_wrap=True,
     )
     for axis, groups in mesh_groups(degrees).items():
         shown = " ".join(str(g) for g in groups[:8]) + (" …" if len(groups) > 8 else "")
         console.print(f"{axis} groups: {shown}", highlight=False, soft_wrap=True)
-    table = Table(title="estimated memory per rank (MiB)", title_justify="left")
-    for column in (
-        "stage",
-        "parameters",
-        "param MiB",
-        "grad MiB",
-        "optimizer MiB",
-        "activations MiB",
-        "total MiB",
-    ):
+    rank = estimate(config, world_size=world_size, per_node=per_node, model=model)
+    m = rank.memory
+    table = Table(
+        title=f"estimated memory of the fullest rank (pipeline stage {rank.stage}), MiB",
+        title_justify="left",
+    )
+    columns = {
+        "parameters": f"{rank.num_parameters:,}",
+        "param MiB": m.parameters,
+        "grad MiB": m.gradients,
+        "optimizer MiB": m.master_weights + m.optimizer_state,
+        "activations MiB": m.activations,
+        "logits MiB": m.logits,
+        "buffers MiB": m.buffers,
+        "total MiB": m.total,
+    }
+    for column in columns:
         table.add_column(column, justify="right")
-    mib = 2**20
-    for e in estimate(config, plugins, degrees, model, model_config):
-        table.add_row(
-            str(e.stage),
-            f"{e.num_parameters:,}",
-            *(
-                f"{v / mib:,.1f}"
-                for v in (e.parameters, e.gradients, e.optimizer, e.activations, e.total)
-            ),
-        )
+    table.add_row(*(v if isinstance(v, str) else f"{v / 2**20:,.1f}" for v in columns.values()))
     console.print(table)
     console.print(
-        "estimates, not measurements: parameters are counted on the meta device; the rest "
-        "follows from the degrees (see `plait.tools.dry_run`). Nothing was launched.",
+        "estimates, not measurements: parameters are counted on the meta device, bytes by the "
+        "planner's memory model (plait.planner.memory_model). Nothing was launched.",
         highlight=False,
         soft_wrap=True,
     )
