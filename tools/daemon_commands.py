@@ -495,9 +495,23 @@ def trace(
         span_count += result.span_count  # type: ignore[attr-defined]
     merged = merge_traces(documents)
     output.write_text(json.dumps(merged))
-    pids = sorted({e["pid"] for e in merged["traceEvents"] if e["ph"] == "X"})
     console.print(
-        f"wrote {span_count} spans from ranks {pids} to {output} (open in https://ui.perfetto.dev)"
+        f"wrote {span_count} spans from {_traced_ranks(merged)} to {output} "
+        "(open in https://ui.perfetto.dev)",
+        highlight=False,
     )
     if failed:
         raise typer.Exit(1)
+
+
+def _traced_ranks(trace: dict) -> str:
+    """ "ranks [0, 1]", or per job when the trace holds several ("job a ranks [0, 1], …")."""
+    traced = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    processes = trace["otherData"].get("processes", {})
+    by_job: dict[str, list[int]] = {}
+    for pid in sorted(traced):
+        process = processes.get(str(pid), {"job_id": "", "rank": pid})
+        by_job.setdefault(process["job_id"], []).append(process["rank"])
+    if len(by_job) <= 1:
+        return f"ranks {next(iter(by_job.values()), [])}"
+    return ", ".join(f"job {job_id} ranks {ranks}" for job_id, ranks in sorted(by_job.items()))

@@ -122,6 +122,7 @@ def test_trace_merges_hosts_into_one_file(two_daemons, tmp_path) -> None:
     events = json.loads(output.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
     assert sum(e["cat"] == "comm" for e in events if e["ph"] == "X") == 2 * 3 * 3
+    assert "spans from ranks [0, 1] to" in result.output
 
 
 def test_unreachable_host_is_reported_and_fails(daemon_server) -> None:
