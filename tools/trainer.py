@@ -266,6 +266,8 @@ def mean_loss_line(summary: TrainingSummary) -> str:
     first_step = summary.first_step + 1
     last_step = summary.first_step + len(losses)
     first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    if window == 1:
+        return f"loss {first:.4f} → {last:.4f} (steps {first_step} → {last_step})"
     return (
         f"loss {first:.4f} → {last:.4f} (mean of steps {first_step}–{first_step + window - 1} "
         f"→ {last_step - window + 1}–{last_step})"
@@ -291,7 +293,8 @@ def _print_summary(console: Console, summary: TrainingSummary) -> None:
     console.print(f"throughput: {attempt}", highlight=False, soft_wrap=True)
     mem = summary.memory
     console.print(
-        "memory (rank 0): " + " · ".join(f"{k} {v / 2**20:,.2f} MiB" for k, v in mem.items()),
+        "memory (rank 0): "
+        + " · ".join(f"{k.replace('_', ' ')} {v / 2**20:,.2f} MiB" for k, v in mem.items()),
         highlight=False,
         soft_wrap=True,
     )
