@@ -1,12 +1,13 @@
 """A rank producer in its own process: real OTLP exports through plait's telemetry plugin.
 
-`produce` runs steps of `step_seconds` (real time) until `steps` are done or the process is
-killed, as a training rank would; the tests kill it to play a lost node and start another with
+`produce` runs steps in real time until `steps` are done or the process is killed, as a
+training rank would; the tests kill it to play a lost node and start another with
 a new world size and restart attempt to play torchrun's restart.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -48,18 +49,32 @@ def produce(
     attempt: int,
     first_step: int,
     steps: int,
-    step_seconds: float,
+    busy_seconds: float,
+    epoch: float | None = None,
+    period: float = 0.1,
 ) -> None:
-    """Steps `first_step ..` of one rank of `job_id`; ends the job cleanly after `steps`."""
+    """`steps` steps of one rank of `job_id`, then the end of its run.
+
+    As in synchronous training, the ranks of a world step together: step `first_step + n`
+    starts at `epoch + n × period` on every rank given the same epoch (a late rank joins at
+    the current step; None: the epoch is when this rank is ready, its first step is
+    `first_step`), and takes `busy_seconds` of it on this rank.
+    """
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     os.environ["PLAIT_HEARTBEAT_INTERVAL_MS"] = "200"
     plugins = Plugins.create(autoload=False, builtins=())
     plugins.register(make_plugin(), "telemetry")
     plugins.configure(load_config({"telemetry": {"daemon": address}}))
     plugins.job_start(job_info(rank=rank, world_size=world_size, job_id=job_id))
-    for step in range(first_step, first_step + steps):
+    epoch = time.time() if epoch is None else epoch
+    n = 0
+    for _ in range(steps):
+        n = max(n, math.floor((time.time() - epoch) / period))
+        time.sleep(max(0.0, epoch + n * period - time.time()))
+        step = first_step + n
         plugins.step_start(step)
         start = time.time_ns()
-        time.sleep(step_seconds)
+        time.sleep(busy_seconds)
         plugins.step_end(report(step, start, time.time_ns()))
+        n += 1
     plugins.job_end()
