@@ -109,3 +109,32 @@ def test_a_misspelt_field_or_section_gets_a_suggestion() -> None:
 def test_version_is_printed() -> None:
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output.startswith("plait "), result.output
+
+
+def test_train_output_and_validation_fields() -> None:
+    train = load_config({}).train
+    assert (train.log_every, train.eval_every, train.eval_batches) == (10, 0, 2)
+    for override, allowed in (
+        ("train.eval_fraction=1.5", "< 1"),
+        ("train.eval_fraction=0", "> 0"),
+        ("train.eval_every=-1", ">= 0"),
+        ("train.log_every=0", "> 0"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config({}, [override])
+        field = override.split("=")[0]
+        assert field in str(err.value) and allowed in str(err.value), (override, str(err.value))
+
+
+def test_validation_refuses_layouts_that_split_sequences() -> None:
+    from types import SimpleNamespace
+
+    from plait.tools.validation import check_validation_layout
+
+    config = load_config({}, ["train.eval_every=5", "parallel.pp=2"])
+    sizes = {"pp": 2, "cp": 1}
+    engine = SimpleNamespace(config=config, mesh=SimpleNamespace(size=lambda a: sizes[a]))
+    with pytest.raises(ConfigError, match=r"train.eval_every = 5 .* parallel.pp = 2"):
+        check_validation_layout(engine)  # type: ignore[arg-type]
+    sizes["pp"] = 1
+    check_validation_layout(engine)  # type: ignore[arg-type]
