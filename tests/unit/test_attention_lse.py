@@ -4,14 +4,11 @@ under the interpreter, and the merge rule context parallelism builds on it."""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from plait.plugins.kernels_torch import ops as reference
+from tests.unit.triton_interpreter import interpreted_only
 
 
 def _inputs(dtype: torch.dtype, *, heads: int = 4, kv_heads: int = 2, seq: int = 19):
@@ -74,6 +71,7 @@ def test_blocks_merged_by_lse_equal_attention_over_the_whole() -> None:
 
 
 @pytest.mark.triton
+@interpreted_only
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("causal", [True, False])
 def test_triton_lse_matches_reference(causal: bool) -> None:

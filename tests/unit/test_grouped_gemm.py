@@ -4,16 +4,13 @@ tile, non-power-of-two widths), forward and both gradients."""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from plait.core.kernels import Kernels
 from plait.core.plugins import Plugins
 from plait.plugins.kernels_torch.grouped_gemm import grouped_mm as reference
+from tests.unit.triton_interpreter import interpreted_only
 
 COUNTS = [5, 0, 37, 1, 20]  # an empty group, a group of one, one spanning two row tiles
 
@@ -39,7 +36,7 @@ def test_reference_is_a_matmul_per_group() -> None:
 
 
 @pytest.mark.triton
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+@interpreted_only
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_triton_matches_reference() -> None:
     pytest.importorskip("triton")
@@ -60,7 +57,7 @@ def test_triton_matches_reference() -> None:
 
 
 @pytest.mark.triton
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+@interpreted_only
 def test_facade_gives_triton_when_asked_on_cpu() -> None:
     pytest.importorskip("triton")
     kernels = Kernels(Plugins.create(autoload=False), prefer=["triton"])

@@ -7,11 +7,6 @@ chunks and attention tiles). Everything is fp32; tolerances are stated per op.
 
 from __future__ import annotations
 
-import os
-
-# The interpreter must be on before any kernel module runs its `triton.jit` decorators.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -23,16 +18,14 @@ from plait.core.plugins import Plugins
 from plait.plugins.kernels_torch import ops as reference
 from plait.plugins.kernels_triton.attention import attention
 from plait.plugins.kernels_triton.cross_entropy import softmax_cross_entropy
+from tests.unit.triton_interpreter import interpreted_only
 
 pytestmark = [
     pytest.mark.triton,
     # The interpreter runs on numpy, which warns when exp saturates to inf; the kernels rely on
     # that saturation (sigmoid tails), as GPU exp does silently.
     pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1",
-        reason="TRITON_INTERPRET was set to something other than 1 before this module loaded",
-    ),
+    interpreted_only,
 ]
 
 FP32 = {"atol": 1e-5, "rtol": 1e-4}
