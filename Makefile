@@ -4,13 +4,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 
-.PHONY: demo test lint format protos bench clean
+.PHONY: demo test test-gpu lint format protos bench clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch is pinned so pip takes the CPU build that lies on disk instead of downloading one.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# The elastic-rendezvous test starts an etcd server; install it where apt and root allow.
+	command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get install -y -q etcd-server >/dev/null 2>&1; } || echo "etcd-server not installed: the etcd test will skip"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -18,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The GPU tier on a CUDA machine: Triton compiles its kernels (the interpreter stays off).
+test-gpu: $(STAMP)
+	TRITON_INTERPRET=0 $(BIN)/python -m pytest -q -rs tests/gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
