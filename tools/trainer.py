@@ -132,6 +132,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     )
     start = time.perf_counter()
     tokens_done = 0
+    step_seconds = 0.0  # the steps' own time, as metrics.jsonl records it (no eval, no saves)
     with progress:
         task = progress.add_task("train", total=train.steps, completed=start_step, stats="")
         for step in range(start_step, train.steps):
@@ -143,6 +144,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
             steps_done = step + 1
             summary.losses.append(loss)
             tokens_done += report.tokens
+            step_seconds += report.step_seconds
             val_loss = None
             if validation is not None and validation.due(
                 steps_done, last=steps_done == train.steps
@@ -191,7 +193,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     earlier = records.earlier if records is not None else EarlierSteps()
     summary.run_steps = earlier.steps + len(summary.losses)
     summary.run_tokens = earlier.tokens + tokens_done
-    summary.run_seconds = earlier.seconds + elapsed
+    summary.run_seconds = earlier.seconds + step_seconds
     if is_leader:
         _print_summary(console, summary)
     engine.close()
@@ -288,7 +290,7 @@ def _print_summary(console: Console, summary: TrainingSummary) -> None:
         run_rate = summary.run_tokens / summary.run_seconds if summary.run_seconds else 0.0
         attempt += (
             f" · whole run ({summary.run_steps} steps across restarts): {run_rate:,.0f} tok/s "
-            f"over {_clock(summary.run_seconds)} of steps"
+            f"over {_clock(summary.run_seconds)} of step time"
         )
     console.print(f"throughput: {attempt}", highlight=False, soft_wrap=True)
     mem = summary.memory

@@ -83,6 +83,7 @@ def test_records_hold_every_step_once_with_validation(tmp_path: Path) -> None:
     # The summary: mean losses, and the whole run's throughput across the restart.
     assert "done: loss" in output and "(mean of steps 5–6 → 7–8)" in output
     assert second.run_steps == 8 and second.run_tokens == 8 * 4 * 32
+    assert second.run_seconds == pytest.approx(sum(line["step_seconds"] for line in lines))
     assert "whole run (8 steps across restarts)" in output
     # Log lines every train.log_every steps, plus the first of the attempt and the last.
     assert _logged_steps(first_output) == [1, 4, 6] and _logged_steps(output) == [5, 8]
