@@ -178,6 +178,10 @@ class FaultInjectionSection(Section):
     only_first_attempt: bool = Field(
         True, description="only before the first torchrun restart (so the job can finish)"
     )
+    scope: Literal["rank", "node"] = Field(
+        "rank",
+        description="'rank': the rank alone; 'node': its torchrun agent first (a node lost)",
+    )
 
 
 class CheckpointIOSection(Section):

@@ -1,5 +1,9 @@
 """Fault injection for restart tests: a rank SIGKILLs itself after a given step.
 
+With `scope = "node"` it first SIGKILLs its torchrun agent (its parent process), so the node
+leaves the job as a crashed machine does: no agent is left to restart it, and the other nodes
+must go on without it (an elastic `--nnodes MIN:MAX` range) or wait for it to come back.
+
 Registered by the `Checkpointer` only when `[checkpoint_io.fault_injection] kill_after_step` is
 set, so production runs never carry it. A SIGKILL cannot be caught or cleaned up after: it is the
 honest model of a machine or process dying mid-run.
@@ -33,10 +37,13 @@ class FaultInjector:
     @hookimpl
     def plait_step_end(self, report: StepReport) -> None:
         if report.step + 1 == self.config.kill_after_step and self._armed():
+            what = "its node" if self.config.scope == "node" else "itself"
             print(
-                f"fault injection: rank {self.config.rank} kills itself after step "
+                f"fault injection: rank {self.config.rank} kills {what} after step "
                 f"{report.step + 1}",
                 file=sys.stderr,
                 flush=True,
             )
+            if self.config.scope == "node":
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
