@@ -335,8 +335,17 @@ class TraceRequestReader:
         shape.templates[shape.fixed(entries)] = _Template(values, lists)
         self._templates += 1
 
+    def _key(self, name_bytes: bytes) -> str:
+        key = self._keys.get(name_bytes)
+        if key is None:
+            key = _text(name_bytes, 0, len(name_bytes))
+            if len(self._keys) < _MAX_CACHED:
+                self._keys[name_bytes] = key
+        return key
+
     def _entry(self, entry: bytes) -> tuple[str, Any]:
-        """A `KeyValue`'s bytes decoded; strings, bools and lists are cached (numbers vary)."""
+        """A `KeyValue`'s bytes decoded; strings, bools and lists are cached, and the last few
+        thousand numbers (a step number repeats in its step's spans, a sequence number never)."""
         # An int is `0x0A len key 0x12 len 0x18 varint`: read it without the general walk.
         size = entry[1] if len(entry) > 1 and entry[0] == 0x0A else 0x80
         value_at = 2 + size
@@ -347,12 +356,7 @@ class TraceRequestReader:
             and entry[value_at + 1] == len(entry) - value_at - 2
             and entry[value_at + 2] == 0x18
         ):
-            name_bytes = entry[2:value_at]
-            key = self._keys.get(name_bytes)
-            if key is None:
-                key = _text(name_bytes, 0, len(name_bytes))
-                if len(self._keys) < _MAX_CACHED:
-                    self._keys[name_bytes] = key
+            key = self._key(entry[2:value_at])
             raw, at = _varint(entry, value_at + 3, len(entry))
             if at == len(entry):
                 number = raw - (1 << 64) if raw >= 1 << 63 else raw
@@ -362,6 +366,18 @@ class TraceRequestReader:
                     self._numbers.clear()
                 self._numbers[entry] = (key, number)
                 return key, number
+        elif (
+            size < 0x80
+            and len(entry) == value_at + 11
+            and entry[value_at : value_at + 3] == b"\x12\x09\x21"
+        ):
+            # A double is `0x0A len key 0x12 0x09 0x21 <8 bytes>` (loss, learning rate, FLOPs).
+            key = self._key(entry[2:value_at])
+            number = _DOUBLE.unpack_from(entry, value_at + 3)[0]
+            if len(self._numbers) >= _MAX_NUMBERS:
+                self._numbers.clear()
+            self._numbers[entry] = (key, number)
+            return key, number
         key, value = self._key_value(entry, 0, len(entry))
         if type(value) in (str, bool, list) and len(self._pairs) < _MAX_CACHED:
             self._pairs[entry] = (key, value)

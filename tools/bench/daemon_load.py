@@ -1,6 +1,7 @@
 """Daemon under load: ingest rate and query latency with exporters flooding and clients querying.
 
     python tools/bench/daemon_load.py [--clients 32] [--ranks 2] [--flooders 3] [--seconds 10]
+                                      [--query-interval 0]
 
 The daemon runs in its own process (as in production). `--ranks` processes export like
 training ranks: every 50 ms a step with five phase spans and three collectives, through the
@@ -8,15 +9,19 @@ real telemetry plugin and its exporter, heartbeat included. `--flooders` process
 exporters with no training to wait for: each sends a rank's spans (steps, phases and
 collectives, as plait's exporter encodes them) back to back, so the daemon ingests as fast as
 it can. `--clients` client threads each hold a `StreamMetrics` stream open (0.2 s interval)
-and, meanwhile, issue `GetMetrics`, `GetBottleneck` and `Status` calls back to back, timing
-each one. Reported: calls, errors, p50/p99/max latency per method, and the spans the daemon
-stored per second while the clients ran (from its own counters), plus what it dropped.
+and, meanwhile, issue `GetMetrics`, `GetBottleneck` and `Status` calls, timing each one: back
+to back by default, or one round every `--query-interval` seconds (as `plait top` refreshes).
+Reported: calls, errors, p50/p99/max latency per method, the spans the daemon stored per second
+while the clients ran (from its own counters), plus what it dropped, the daemon process's CPU
+time per stored span (what one core would ingest, whatever the machine's load) and the load
+average.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -209,8 +214,11 @@ class LoadResult:
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_clients(address: str, clients: int, seconds: float) -> LoadResult:
-    """`clients` threads, each streaming and querying for `seconds`; every error is kept."""
+def run_clients(
+    address: str, clients: int, seconds: float, query_interval: float = 0.0
+) -> LoadResult:
+    """`clients` threads, each streaming and querying for `seconds` (a round of queries every
+    `query_interval` seconds, 0: back to back); every error is kept."""
     result = LoadResult()
     calls = {
         "GetMetrics": lambda stub: stub.GetMetrics(daemon_pb2.GetMetricsRequest(), timeout=10),
@@ -241,6 +249,7 @@ def run_clients(address: str, clients: int, seconds: float) -> LoadResult:
             start_together.wait()
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
+                next_round = time.monotonic() + query_interval
                 for method, call in calls.items():
                     began = time.perf_counter()
                     try:
@@ -252,6 +261,7 @@ def run_clients(address: str, clients: int, seconds: float) -> LoadResult:
                     elapsed = time.perf_counter() - began
                     with result.lock:
                         result.latencies.setdefault(method, []).append(elapsed)
+                time.sleep(max(0.0, min(next_round, deadline) - time.monotonic()))
             stream.cancel()
             follower.join(timeout=5)
 
@@ -271,13 +281,27 @@ def _serve(address_queue: mp.Queue, stop: mp.Event) -> None:  # type: ignore[typ
         stop.wait()
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (Linux `/proc`; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--flooders", type=int, default=3, help="exporters sending flat out")
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--query-interval", type=float, default=0.0, help="seconds between query rounds"
+    )
     args = parser.parse_args()
+    load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
     addresses, stop = ctx.Queue(), ctx.Event()
     daemon = ctx.Process(target=_serve, args=(addresses, stop))
@@ -308,9 +332,11 @@ def main() -> None:
             stub = daemon_pb2_grpc.DaemonStub(channel)
             return stub.Status(daemon_pb2.StatusRequest(), timeout=30).spans_received
 
-    before, began = stored(), time.perf_counter()
-    result = run_clients(address, args.clients, args.seconds)
-    ingest_rate = (stored() - before) / (time.perf_counter() - began)
+    before, began, cpu_before = stored(), time.perf_counter(), process_cpu_seconds(daemon.pid)
+    result = run_clients(address, args.clients, args.seconds, args.query_interval)
+    spans_stored = stored() - before
+    ingest_rate = spans_stored / (time.perf_counter() - began)
+    daemon_cpu = process_cpu_seconds(daemon.pid) - cpu_before
     with grpc.insecure_channel(address) as channel:
         status = daemon_pb2_grpc.DaemonStub(channel).Status(daemon_pb2.StatusRequest())
     flooded = sum(sent_queue.get(timeout=120) for _ in flooders)
@@ -319,9 +345,10 @@ def main() -> None:
     stop.set()
     daemon.join()
 
+    pace = f"every {args.query_interval:g}s" if args.query_interval > 0 else "back to back"
     table = Table(
-        title=f"{args.clients} clients querying, {args.ranks} ranks and {args.flooders} "
-        f"flooding exporters, {args.seconds:g}s"
+        title=f"{args.clients} clients querying {pace}, {args.ranks} ranks and "
+        f"{args.flooders} flooding exporters, {args.seconds:g}s"
     )
     for column in ("method", "calls", "p50 ms", "p99 ms", "max ms", "mean ms"):
         table.add_column(column, justify="right")
@@ -344,6 +371,14 @@ def main() -> None:
     console.print(
         f"ingest while the clients ran: {ingest_rate:,.0f} spans/s stored "
         f"({args.flooders} flooding exporters sent {flooded:,} spans in all)"
+    )
+    per_span = daemon_cpu / max(spans_stored, 1)
+    console.print(
+        f"daemon process CPU: {daemon_cpu / args.seconds:.0%} of a core, "
+        f"{per_span * 1e6:.1f} µs per stored span (queries included) = "
+        f"{1 / per_span if per_span > 0 else float('nan'):,.0f} spans per CPU-second; "
+        f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, "
+        f"{os.cpu_count()} CPUs"
     )
 
 
