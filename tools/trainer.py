@@ -116,8 +116,6 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
 
         for line in run_lines(engine, rank_peak, batches):
             console.print(line, highlight=False, soft_wrap=True)
-        if start_step:
-            console.print(f"resumed at step {start_step}", highlight=False)
     live = is_leader and console.is_terminal
     progress = Progress(
         TextColumn("[bold]step {task.completed}/{task.total}"),
