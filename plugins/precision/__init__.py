@@ -6,6 +6,7 @@ Selected with `parallel.transforms = { precision = "amp" }` and configured in `[
     dtype = "bf16"          # compute dtype: "bf16" or "fp16"
     param_dtype = "bf16"    # parameters (and gradients): the compute dtype, or "fp32" for autocast
     reduce_dtype = "fp32"   # dtype of data-parallel gradient reductions (default: param_dtype)
+    fp8 = false             # linear layers in fp8 through torch._scaled_mm (Ada / Hopper GPUs)
 
 The transform runs after pipeline / tensor / context / expert parallelism and before activation
 checkpointing, compile and data parallel (`records.SHARD_ORDER`), so data parallel builds its
@@ -24,6 +25,7 @@ from plait.core.config import Section
 from plait.core.errors import ConfigError
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
+from plait.plugins.precision.fp8 import check_fp8_device, convert_to_float8
 from plait.plugins.precision.policy import (
     AutocastHooks,
     PrecisionPolicy,
@@ -70,6 +72,22 @@ class AmpConfig(Section):
         2.0, gt=1, description="fp16: scale multiplier after growth_interval clean steps"
     )
     min_scale: float = Field(1.0, gt=0, description="fp16: the scale never backs off below this")
+    fp8: bool = Field(
+        False,
+        description="linear layers compute in fp8 (e4m3 forward, e5m2 gradients, dynamic "
+        "per-tensor scales) through torch._scaled_mm; bf16 only, GPUs of compute capability "
+        ">= 8.9 (Ada, Hopper)",
+    )
+    fp8_skip: list[str] = Field(
+        default_factory=lambda: ["output", "lm_head"],
+        description="fp8: linear layers (full or last name component) kept in the compute dtype",
+    )
+
+    @model_validator(mode="after")
+    def _fp8_over_bf16(self) -> AmpConfig:
+        if self.fp8 and self.dtype != "bf16":
+            raise ValueError(f"fp8 runs over bf16 compute: set dtype = 'bf16' (got {self.dtype!r})")
+        return self
 
     @model_validator(mode="after")
     def _param_dtype_fits(self) -> AmpConfig:
@@ -104,6 +122,13 @@ def apply_mixed_precision(
         policy = make_policy(config.dtype, config.param_dtype, config.reduce_dtype)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if config.fp8:
+        check_fp8_device(context.device)
+        if not convert_to_float8(model, skip=config.fp8_skip):
+            raise ConfigError(
+                "amp.fp8: no nn.Linear of the model has both dims divisible by 16 outside "
+                f"amp.fp8_skip = {config.fp8_skip}; nothing would run in fp8"
+            )
     if policy.master_weights:
         cast_parameters_(model, policy.param_dtype)
         model.register_forward_pre_hook(

@@ -107,3 +107,16 @@ def phase_coverage(rank: int, world_size: int) -> dict:
         ratios.append(device / wall)
     engine.close()
     return {"ratios": ratios, "phases": [s.name for s in engine.last_report.spans]}
+
+
+def fp8_against_bf16(rank: int, world_size: int, steps: int) -> dict[str, list[float]]:
+    """The same model and batches in bf16 and with fp8 linear layers."""
+    del rank, world_size
+    losses = {}
+    for name, fp8 in (("bf16", False), ("fp8", True)):
+        sections = {"amp": {"dtype": "bf16", "fp8": fp8}, "train": {"steps": steps}}
+        engine = Engine(config=config(**sections))
+        batches = _batches(engine)
+        losses[name] = [engine.train_step(batches.next_batch()) for _ in range(steps)]
+        engine.close()
+    return losses
