@@ -46,6 +46,9 @@ class DeviceSpec:
     # rates above are then those measured with every rank busy; a rank idling in a pipeline
     # bubble hands its share of the cores to the others, so idle time costs less.
     oversubscription: float = 1.0
+    # Fixed seconds per transformer block and forward pass (backward: twice) for launching its
+    # ~25 kernels whatever their size (~4 µs each on a GPU); on CPU, Python dispatch.
+    block_overhead: float = 1e-4
 
     def gemm_seconds(self, flops: float, gemm_flops: float) -> float:
         """Time of `flops` of matmul work done in GEMMs of `gemm_flops` each."""

@@ -2,7 +2,9 @@
 
 Compute: each block's matmul FLOPs at the GEMM efficiency of its size
 (`DeviceSpec.gemm_seconds`), attention FLOPs at the attention kernels' efficiency, element-wise
-work (norms, residuals, rotary, activation) at memory bandwidth; backward costs twice the
+work (norms, residuals, rotary, activation) at memory bandwidth, plus a fixed cost per block and
+pass for launching its ops (`DeviceSpec.block_overhead`: what makes many small micro-batches
+slower than a few large ones); backward costs twice the
 forward's matmuls, 2.5 times its attention. Recomputation adds a forward (full) or the
 element-wise part (selective) to every backward.
 
@@ -116,8 +118,11 @@ def _block_times(job: Job, layout: Layout) -> _PassTimes:
     t_matmul = device.gemm_seconds(matmul, gemm_size)
     t_attention = attention / (device.peak_flops * device.attention_efficiency)
     t_elementwise = elementwise / device.memory_bandwidth
-    forward = t_matmul + t_attention + t_elementwise
-    backward = 2 * t_matmul + ATTENTION_BACKWARD_FACTOR * t_attention + 2 * t_elementwise
+    overhead = device.block_overhead  # launching the block's ops, whatever their size
+    forward = t_matmul + t_attention + t_elementwise + overhead
+    backward = (
+        2 * t_matmul + ATTENTION_BACKWARD_FACTOR * t_attention + 2 * t_elementwise + 2 * overhead
+    )
     recompute = {"full": forward, "selective": t_elementwise}.get(layout.recompute, 0.0)
 
     comm = 0.0
@@ -184,7 +189,8 @@ def _head_times(job: Job, layout: Layout) -> tuple[float, float]:
     t_matmul = device.gemm_seconds(matmul, matmul)
     loss_bytes = tokens * model.vocab_size / layout.tp * 4 * 4  # softmax read/write, fp32
     t_loss = loss_bytes / device.memory_bandwidth
-    return t_matmul + t_loss, 2 * t_matmul + t_loss
+    overhead = device.block_overhead
+    return t_matmul + t_loss + overhead, 2 * (t_matmul + overhead) + t_loss
 
 
 def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:

@@ -7,6 +7,7 @@ this machine, all ranks at once so that they share the cores as they will in tra
 
 * GEMM rate at several sizes → peak and efficiency curve (`devices.efficiency_from_gemm_rates`);
 * the attention kernel's rate (SDPA forward + backward) and memory bandwidth (tensor copies);
+* the fixed cost of a block's forward pass (the model's step at 1 and 4 sequences);
 * Gloo collectives (all-reduce, all-gather, reduce-scatter, send/recv) at several sizes on
   groups of 2 and 4 → α and β of the link (`comm_model.fit_links`, the code
   `plait plan calibrate` runs on the daemon's spans).
@@ -231,17 +232,50 @@ def measure_layout(args: argparse.Namespace, layout: Layout) -> dict[str, float]
     }
 
 
-def saved_activation_bytes(args: argparse.Namespace, micro_batch: int = 1) -> float:
-    """Bytes autograd keeps after one forward + loss of the model in one process (no ranks)."""
+def _local_model(args: argparse.Namespace) -> torch.nn.Module:
     from plait.core.kernels import Kernels
     from plait.core.plugins import Plugins
     from plait.plugins.models import resolve_model_config
-    from plait.tools.bench.memory import LiveTensorMeter
 
     plugins = Plugins.create(autoload=False)
     config = resolve_model_config("llama", "tiny", model_overrides(args))
     model = plugins.model("llama").build(config, Kernels(plugins))
     model.init_weights(seed=0)
+    return model
+
+
+def block_overhead(args: argparse.Namespace) -> float:
+    """Fixed seconds per block and forward pass: forward + backward of the whole model at 1
+    and 4 sequences, every rank at once; `t(b) = F + b·V` gives the fixed part `F`, spread
+    over (blocks + head) × (forward + 2 × backward)."""
+    model = _local_model(args)
+    seconds = {}
+    for batch in (1, 4):
+        tokens = torch.randint(0, 256, (batch, args.seq_len + 1))
+
+        def step(tokens: torch.Tensor = tokens) -> None:
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), tokens[:, 1:].flatten()
+            ).backward()
+
+        step()
+        torch.distributed.barrier()
+        trials = []
+        for _ in range(5):
+            start = time.perf_counter()
+            step()
+            trials.append(time.perf_counter() - start)
+        seconds[batch] = min(trials)
+    fixed = max((4 * seconds[1] - seconds[4]) / 3, 0.0)
+    return fixed / (3 * (args.layers + 1))
+
+
+def saved_activation_bytes(args: argparse.Namespace, micro_batch: int = 1) -> float:
+    """Bytes autograd keeps after one forward + loss of the model in one process (no ranks)."""
+    from plait.tools.bench.memory import LiveTensorMeter
+
+    model = _local_model(args)
     tokens = torch.randint(0, 256, (micro_batch, args.seq_len + 1))
     gc.collect()
     with LiveTensorMeter(exclude=list(model.parameters())) as meter:
@@ -257,6 +291,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     torch.manual_seed(rank)
     saved = saved_activation_bytes(args)
     compute = calibrate_compute(args)
+    compute["block_overhead"] = block_overhead(args)
     comm = calibrate_comm()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in LAYOUTS}
     names = list(LAYOUTS)
@@ -300,6 +335,7 @@ def cpu_device(per_rank: list[dict[str, Any]]) -> DeviceSpec:
         intra_node=link,
         inter_node=link,
         usable_memory_fraction=1.0,
+        block_overhead=statistics.median(r["compute"].get("block_overhead", 0.0) for r in per_rank),
         oversubscription=max(WORLD / (os.cpu_count() or WORLD), 1.0),
     )
 
@@ -398,7 +434,8 @@ def main() -> None:
         f"{device.gemm_efficiency:.2f} g_half {device.gemm_half_flops:.2e}, attention "
         f"{device.attention_efficiency:.2f}, memory {device.memory_bandwidth / 1e9:.1f} GB/s, "
         f"link α {device.intra_node.alpha * 1e6:.0f} µs β {device.intra_node.beta / 1e9:.2f} GB/s"
-        f", activations ×{job.activation_ratio:.2f} of the per-token formula"
+        f", activations ×{job.activation_ratio:.2f} of the per-token formula, "
+        f"{device.block_overhead * 1e3:.2f} ms fixed per block pass"
     )
     print(
         f"{'layout':44} {'step ms':>8} {'pred ms':>8} {'ratio':>6} {'peak MiB':>9} "
