@@ -52,7 +52,9 @@ def transform_names(engine: Engine, resolved: dict[str, Any]) -> list[str]:
         if engine.mesh.size(axis) > 1:
             parts.append(f"{axis} {_with_options(getattr(par, f'{axis}_strategy'), resolved)}")
     for axis, name in sorted(par.transforms.items()):
-        label = {"ac": "activation checkpointing", "ep": f"ep={par.ep}"}.get(axis, axis)
+        label = {"ac": "activation checkpointing", "ep": f"expert parallel ep={par.ep}"}.get(
+            axis, axis
+        )
         parts.append(f"{label} {_with_options(name, resolved)}")
     parts.append(f"schedule {cfg.schedule.name}")
     if cfg.schedule.virtual_stages > 1:
