@@ -267,6 +267,10 @@ def status_document(view: StatusView) -> dict:
         + [{"host": host, "error": error, "status": None} for host, error in view.errors],
         "ranks": [daemon_json.message_dict(r) for r in view.ranks],
         "hangs": [asdict(h) for h in merge_hangs(view.hangs)],
+        "jobs": [{**daemon_json.dataclass_dict(j), "mfu": j.mfu} for j in view.jobs],
+        "expert_load": [
+            {"job_id": e.job_id, **daemon_json.message_dict(e.load)} for e in view.experts
+        ],
     }
 
 
@@ -310,6 +314,9 @@ def top_document(view: TopView) -> dict:
     return {
         "jobs": [{**daemon_json.dataclass_dict(j), "mfu": j.mfu} for j in view.jobs],
         "ranks": [daemon_json.message_dict(r) for r in view.ranks],
+        "expert_load": [
+            {"job_id": e.job_id, **daemon_json.message_dict(e.load)} for e in view.experts
+        ],
         "hosts": [
             {"address": h.address, "error": None, "host": daemon_json.message_dict(h.host)}
             for h in view.hosts

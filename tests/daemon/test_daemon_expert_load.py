@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from plait.core.names import normalised_name
 from plait.core.plugins import Plugins
 from plait.daemon.bottleneck import RankBreakdown, RankContext, expert_load_advice
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2
+from plait.tools import daemon_commands
 
 STEPS = 4
 TOP_K = 2
@@ -98,6 +101,18 @@ def test_the_daemons_imbalance_figures_equal_the_routers_count(
         history = [max(step[name][0]) * len(kept) / sum(step[name][0]) for step in counted]
         assert layer.mean_imbalance == pytest.approx(sum(history) / STEPS)
     assert sum(d for _, d in last.values()) > 0  # capacity 1.0 dropped some: the count is tested
+
+    # The operator's view: plait status and plait top carry the same figures per layer.
+    hosts = ["--host", daemon_server.address, "--job", "moe"]
+    for command in (["status", "--json"], ["top", "--once", "--json"]):
+        shown = CliRunner().invoke(daemon_commands.app, [*command, *hosts])
+        assert shown.exit_code == 0, shown.output
+        document = json.loads(shown.output)
+        by_layer = {e["layer"]: e for e in document["expert_load"]}
+        assert set(by_layer) == set(counters)
+        for name, entry in by_layer.items():
+            assert entry["max_tokens"] == max(last[name][0]) and entry["job_id"] == "moe"
+            assert entry["imbalance"] == pytest.approx(layers[name].imbalance)
 
 
 def test_expert_load_advice_names_the_imbalance_and_the_all_to_all() -> None:
