@@ -414,9 +414,10 @@ def collect_garbage_less_often() -> None:
     NOTE: storing a span allocates a dozen small container objects (records, attribute dicts,
     interval tuples), and the windows keep hundreds of thousands of them alive. With the default
     threshold the collector runs every ~60 spans and, every few hundred thousand, walks the
-    whole window; at 100k spans/s that was a third of the daemon's CPU, in bursts of tens of
-    milliseconds that also stalled queries. Nothing the store keeps forms reference cycles, so
-    collecting less often costs no memory that matters. Never lowers a threshold set higher.
+    whole window: with five ranks' windows full, storing cost 31 CPU-µs per span against 17
+    with this threshold (same requests, same process), in bursts of tens of milliseconds that
+    also stall queries. Nothing the store keeps forms reference cycles, so collecting less
+    often costs no memory that matters. Never lowers a threshold set higher.
     """
     first, second, third = gc.get_threshold()
     if 0 < first < INGEST_GC_THRESHOLD:
