@@ -11,8 +11,9 @@ def assign_buckets(
     """Group parameters (already in expected gradient-ready order) into buckets by size,
     never mixing dtypes or devices in one bucket.
 
-    `first_bucket_bytes` caps the first bucket (torch DDP uses 1 MiB): its reduction can start
-    as soon as the first few gradients of backward exist instead of after a full bucket's worth.
+    `first_bucket_bytes` caps the first bucket (torch DDP uses 1 MiB; never above
+    `bucket_bytes`): its reduction can start as soon as the first few gradients of backward
+    exist instead of after a full bucket's worth.
     """
     buckets: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
@@ -20,7 +21,8 @@ def assign_buckets(
     for p in params:
         nbytes = p.numel() * p.element_size()
         kind_changes = current and (p.dtype, p.device) != (current[0].dtype, current[0].device)
-        cap = bucket_bytes if buckets or first_bucket_bytes is None else first_bucket_bytes
+        first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
+        cap = bucket_bytes if buckets else min(first, bucket_bytes)
         if current and (size + nbytes > cap or kind_changes):
             buckets.append(current)
             current, size = [], 0
