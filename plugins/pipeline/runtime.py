@@ -2,10 +2,11 @@
 
 Execution model (the one `checker.check_schedule` verifies): a rank runs its action list in
 order; a send is an asynchronous `comm.send` issued right after the compute that produced its
-tensor and completed at `SyncGradients`; a receive is posted in list order and waited on before
-the next action (the schedule builder puts receives right before the compute that needs the
-last of them, and a channel delivers in order, so this never waits longer than waiting at the
-compute would). Shapes are known in advance — `[micro_batch, seq, dim]` in the parameters'
+tensor and completed at `SyncGradients`; a receive is waited on before the next action (the
+schedule builder puts receives right before the compute that needs the last of them, and a
+channel delivers in order, so this never waits longer than waiting at the compute would). A
+receive is posted ahead, before the compute action that precedes it in the list, so the
+peer's message travels while this rank computes; receives keep their list order. Shapes are known in advance — `[micro_batch, seq, dim]` in the parameters'
 dtype — so no shape is ever exchanged.
 
 A rank's first global stage consumes the micro-batch's inputs, its last computes the loss with
@@ -44,10 +45,12 @@ from plait.core.comm import Work
 from plait.core.comm_algorithms import GENERIC
 from plait.core.grad_norm import mark_sharded
 from plait.core.schedule import (
+    Action,
     Backward,
     Forward,
     RecvActivation,
     RecvGrad,
+    ScheduleRequest,
     SendActivation,
     SendGrad,
 )
@@ -98,6 +101,9 @@ class _StepRun:
     state: StepState
     saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
     received: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
+    # Receives posted ahead, before the compute that precedes them in the action list.
+    posted: dict[MessageKey, tuple[Work, torch.Tensor]] = field(default_factory=dict)
+    ahead: dict[Action, list[RecvActivation | RecvGrad]] = field(default_factory=dict)
     outgoing: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
     sends: list[tuple[Work, torch.Tensor]] = field(default_factory=list)
     idle_spans: list[PhaseSpan] = field(default_factory=list)
@@ -131,6 +137,7 @@ class PipelineRuntime(ParallelRuntime):
         self.last_bubble_fraction: float | None = None
         self.last_stage_times: StageTimes | None = None
         self._run: _StepRun | None = None
+        self._ahead: dict[int, dict[Action, list[RecvActivation | RecvGrad]]] = {}
         # (shape, this rank's copy or None) of every parameter stages on several ranks share,
         # in the same order on every pipeline rank.
         self.tied = list(tied)
@@ -160,7 +167,7 @@ class PipelineRuntime(ParallelRuntime):
                 # pp = 2 it is replicated over pp, and its norm counts once per replica.
                 if id(p) not in tied:
                     mark_sharded(p, ("pp",))
-        run = _StepRun(state=step)
+        run = _StepRun(state=step, ahead=self._receives_ahead(step.num_microbatches))
         self._run = run
         return {
             Forward: lambda action: self._forward(run, action),
@@ -171,10 +178,49 @@ class PipelineRuntime(ParallelRuntime):
             RecvGrad: lambda action: self._recv(run, action, "grad"),
         }
 
+    def _receives_ahead(
+        self, num_microbatches: int
+    ) -> dict[Action, list[RecvActivation | RecvGrad]]:
+        """For each compute action, the receives that follow it in this rank's action list
+        (before the next compute): they are posted before it runs, so the peer's message
+        arrives while this rank computes instead of after. Channel order is kept: receives are
+        posted in list order, only earlier."""
+        if num_microbatches not in self._ahead:
+            config = self.context.config
+            actions = self.context.plugins.schedule(
+                ScheduleRequest(
+                    name=config.schedule.name,
+                    num_microbatches=num_microbatches,
+                    stage=self.context.mesh.coordinate("pp"),
+                    num_stages=self.context.mesh.size("pp"),
+                    virtual_stages=config.schedule.virtual_stages,
+                )
+            )
+            ahead: dict[Action, list[RecvActivation | RecvGrad]] = {}
+            compute: Action | None = None
+            for action in actions:
+                if isinstance(action, Forward | Backward):
+                    compute = action
+                elif isinstance(action, RecvActivation | RecvGrad) and compute is not None:
+                    ahead.setdefault(compute, []).append(action)
+            self._ahead[num_microbatches] = ahead
+        return self._ahead[num_microbatches]
+
+    def _post_ahead(self, run: _StepRun, action: Forward | Backward) -> None:
+        for receive in run.ahead.get(action, ()):
+            kind = "activation" if isinstance(receive, RecvActivation) else "grad"
+            key = (kind, receive.microbatch, receive.chunk)
+            run.posted[key] = self._post_recv(run, receive, kind)
+
     def sync_gradients(self) -> None:
         run, self._run = self._run, None
         if run is None:
             return
+        if run.posted:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: receives {sorted(run.posted)} were posted ahead "
+                "but the step never reached them; the executed actions differ from the schedule"
+            )
         for work, _ in run.sends:
             work.wait()
         run.sends.clear()
@@ -249,6 +295,7 @@ class PipelineRuntime(ParallelRuntime):
 
     def _forward(self, run: _StepRun, action: Forward) -> None:
         mb, chunk = action.microbatch, action.chunk
+        self._post_ahead(run, action)
         run.state.runner.before_forward(action)
         start = time.time_ns()
         batch = run.state.inputs[mb]
@@ -271,6 +318,7 @@ class PipelineRuntime(ParallelRuntime):
     def _backward(self, run: _StepRun, action: Backward) -> None:
         mb, chunk = action.microbatch, action.chunk
         key = (mb, chunk)
+        self._post_ahead(run, action)
         if action.kind != "weight" and not self._is_last(chunk):
             run.saved[key].output_grad = run.received.pop(("grad", mb, chunk))
         run.state.runner.before_backward(action)
@@ -394,11 +442,11 @@ class PipelineRuntime(ParallelRuntime):
             seq //= tensor_parallel.degree
         return batch, seq, self.hidden_dim
 
-    def _recv(self, run: _StepRun, action: RecvActivation | RecvGrad, kind: str) -> None:
-        mb = action.microbatch
-        shape = self._boundary_shape(run.state.inputs[mb])
-        device = self.context.device
-        buffer = torch.empty(shape, dtype=self._activation_dtype(), device=device)
+    def _post_recv(
+        self, run: _StepRun, action: RecvActivation | RecvGrad, kind: str
+    ) -> tuple[Work, torch.Tensor]:
+        shape = self._boundary_shape(run.state.inputs[action.microbatch])
+        buffer = torch.empty(shape, dtype=self._activation_dtype(), device=self.context.device)
         work = self.comm.recv(
             buffer,
             src=self.group.ranks[action.peer_stage],
@@ -406,6 +454,12 @@ class PipelineRuntime(ParallelRuntime):
             async_op=True,
             purpose="activation" if kind == "activation" else "activation_grad",
         )
+        return work, buffer
+
+    def _recv(self, run: _StepRun, action: RecvActivation | RecvGrad, kind: str) -> None:
+        mb = action.microbatch
+        posted = run.posted.pop((kind, mb, action.chunk), None)
+        work, buffer = posted if posted is not None else self._post_recv(run, action, kind)
         start = time.time_ns()
         work.wait()
         end = time.time_ns()

@@ -8,6 +8,7 @@ engine on the already-initialised process group.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Generator
 from typing import Any
@@ -33,11 +34,26 @@ class OpCounter:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.recv_issued_ns: list[int] = []  # when each receive was posted
 
     @hookimpl(wrapper=True)
     def plait_communicate(self, request: CommRequest) -> Generator[None, Work, Work]:
         self.counts[request.purpose] += 1
+        if request.op == "recv":
+            self.recv_issued_ns.append(time.time_ns())
         return (yield)
+
+
+def receives_posted_in_their_own_action(counter: OpCounter, spans: Any) -> int:
+    """How many of the step's receives were posted by their own receive action, not ahead
+    (inside the compute action before it)."""
+    actions = [s for s in spans if s.name != "idle"]  # idle spans lie inside receive actions
+    return sum(
+        1
+        for t in counter.recv_issued_ns
+        for s in actions
+        if s.name == "recv" and s.start_ns <= t <= s.end_ns
+    )
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -146,13 +162,18 @@ def train(
         )
         names = {id(p): full_name(n) for n, p in engine.module.named_parameters()}
         dp_size, dp_rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
-        losses, norms, bubbles, idle_spans = [], [], [], 0
+        losses, norms, bubbles, idle_spans, late_receives = [], [], [], 0, 0
         for inputs, targets in global_batches(steps, global_batch):
+            counter.recv_issued_ns.clear()
             share = global_batch // dp_size
             rows = slice(dp_rank * share, (dp_rank + 1) * share)
             losses.append(engine.train_step((inputs[rows], targets[rows])))
             norms.append(engine.last_report.grad_norm)
             idle_spans += sum(1 for s in engine.last_report.spans if s.name == "idle")
+            late_receives = max(
+                late_receives,
+                receives_posted_in_their_own_action(counter, engine.last_report.spans),
+            )
             pipeline_runtime = next(
                 (rt for rt in engine.runtimes if isinstance(rt, PipelineRuntime)), None
             )
@@ -171,6 +192,7 @@ def train(
                 "grads": grads,
                 "bubbles": bubbles,
                 "idle_spans": idle_spans,
+                "late_receives": late_receives,  # most in one step
                 "num_microbatches": global_batch // dp_size,
                 "plan": None if plan is None else [c.layers for c in plan.chunks],
                 "ops_per_step": {k: v / steps for k, v in counter.counts.items()},
