@@ -6,8 +6,9 @@ tensor and completed at `SyncGradients`; a receive is waited on before the next 
 schedule builder puts receives right before the compute that needs the last of them, and a
 channel delivers in order, so this never waits longer than waiting at the compute would). A
 receive is posted ahead, before the compute action that precedes it in the list, so the
-peer's message travels while this rank computes; receives keep their list order. Shapes are known in advance — `[micro_batch, seq, dim]` in the parameters'
-dtype — so no shape is ever exchanged.
+peer's message travels while this rank computes; receives keep their list order. Shapes are
+known in advance — `[micro_batch, seq, dim]` in the parameters' dtype — so no shape is ever
+exchanged.
 
 A rank's first global stage consumes the micro-batch's inputs, its last computes the loss with
 the engine's loss function. A built-in model's chunk is called as `chunk(tokens_or_hidden)`; a
