@@ -31,7 +31,6 @@ from plait.daemon.analysis import (
     metrics_view,
     visible,
 )
-from plait.daemon.bottleneck import RankBreakdown, advice, job_dominant
 from plait.daemon.chrome_trace import chrome_trace_json
 from plait.daemon.exporters import DaemonPoint
 from plait.daemon.forwarding import ForwarderStats
@@ -253,32 +252,6 @@ def rescore_stragglers(
         for s in response.stragglers
     ]
     return [straggler_message(score) for score in score_ranks(timings, threshold)]
-
-
-def job_advice(ranks: Sequence[metrics_pb2.BottleneckBreakdown]) -> tuple[str, str]:
-    """(dominant class, advice) for ranks gathered from any number of daemons."""
-    breakdowns = [
-        RankBreakdown(
-            steps=r.steps,
-            step_seconds=r.step_seconds,
-            seconds={
-                "compute": r.compute_seconds,
-                "exposed_comm": r.exposed_comm_seconds,
-                "data": r.data_wait_seconds,
-                "pipeline_bubble": r.pipeline_bubble_seconds,
-                "optimizer": r.optimizer_seconds,
-                "host_other": r.host_other_seconds,
-            },
-            comm_seconds=r.comm_seconds,
-            exposed_comm_by_purpose=dict(r.exposed_comm_by_purpose),
-            median_step_seconds=r.median_step_seconds,
-            median_compute_seconds=r.median_compute_seconds,
-            microbatches=0,
-        )
-        for r in ranks
-    ]
-    overall = job_dominant(breakdowns)
-    return (overall.dominant, advice(overall)) if overall.steps else ("", "")
 
 
 @dataclass
