@@ -67,65 +67,40 @@ class ModelShape:
 
 def shape_from_config(family: str, config: Any, *, name: str = "") -> ModelShape:
     """The shape of a built-in family's config (`LlamaConfig`, `GPT2Config`, `MoEConfig`)."""
-    label = name or f"{family}"
-    if family == "llama":
-        total_body = config.num_params(exclude_embeddings=True)
-        head = config.dim + config.dim * config.vocab_size
-        per_layer = (total_body - head) // config.n_layers
-        return ModelShape(
-            name=label,
-            n_layers=config.n_layers,
-            dim=config.dim,
-            n_heads=config.n_heads,
-            kv_heads=config.kv_heads,
-            ffn_dim=config.hidden_dim,
-            ffn_matrices=3,
-            vocab_size=config.vocab_size,
-            params_per_layer=per_layer,
-            active_params_per_layer=per_layer,
-            embedding_params=config.vocab_size * config.dim,
-            head_params=head,
-        )
-    if family == "gpt2":
-        total_body = config.num_params(exclude_embeddings=True)
-        head = 2 * config.dim + config.dim * config.vocab_size
-        per_layer = (total_body - head) // config.n_layers
-        return ModelShape(
-            name=label,
-            n_layers=config.n_layers,
-            dim=config.dim,
-            n_heads=config.n_heads,
-            kv_heads=config.n_heads,
-            ffn_dim=config.hidden_dim,
-            ffn_matrices=2,
-            vocab_size=config.vocab_size,
-            params_per_layer=per_layer,
-            active_params_per_layer=per_layer,
-            embedding_params=(config.vocab_size + config.max_seq_len) * config.dim,
-            head_params=head,
-        )
-    if family == "moe":
-        head = config.dim + config.dim * config.vocab_size
-        all_body = config.num_params(exclude_embeddings=True) - head
-        active_body = config.num_active_params(exclude_embeddings=True) - head
-        return ModelShape(
-            name=label,
-            n_layers=config.n_layers,
-            dim=config.dim,
-            n_heads=config.n_heads,
-            kv_heads=config.kv_heads,
-            ffn_dim=config.expert_hidden_dim,
-            ffn_matrices=3,
-            vocab_size=config.vocab_size,
-            params_per_layer=all_body // config.n_layers,
-            active_params_per_layer=active_body // config.n_layers,
-            embedding_params=config.vocab_size * config.dim,
-            head_params=head,
-            num_experts=config.num_experts,
-            top_k=config.top_k,
-            expert_dim=config.expert_hidden_dim,
-        )
-    raise ConfigError(f"model.name: the planner knows llama, gpt2 and moe, not {family!r}")
+    if family not in ("llama", "gpt2", "moe"):
+        raise ConfigError(f"model.name: the planner knows llama, gpt2 and moe, not {family!r}")
+    gpt2 = family == "gpt2"
+    # The final norm (GPT-2's has a bias) and the output matrix, outside the blocks.
+    head = (2 if gpt2 else 1) * config.dim + config.dim * config.vocab_size
+    all_body = config.num_params(exclude_embeddings=True) - head
+    active_body = (
+        config.num_active_params(exclude_embeddings=True) - head if family == "moe" else all_body
+    )
+    embedding_rows = config.vocab_size + (config.max_seq_len if gpt2 else 0)
+    experts = (
+        {
+            "num_experts": config.num_experts,
+            "top_k": config.top_k,
+            "expert_dim": config.expert_hidden_dim,
+        }
+        if family == "moe"
+        else {}
+    )
+    return ModelShape(
+        name=name or family,
+        n_layers=config.n_layers,
+        dim=config.dim,
+        n_heads=config.n_heads,
+        kv_heads=config.n_heads if gpt2 else config.kv_heads,
+        ffn_dim=config.expert_hidden_dim if family == "moe" else config.hidden_dim,
+        ffn_matrices=2 if gpt2 else 3,
+        vocab_size=config.vocab_size,
+        params_per_layer=all_body // config.n_layers,
+        active_params_per_layer=active_body // config.n_layers,
+        embedding_params=embedding_rows * config.dim,
+        head_params=head,
+        **experts,
+    )
 
 
 def resolve_shape(spec: str, overrides: dict[str, Any] | None = None) -> ModelShape:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from plait.core.config import load_config
@@ -429,3 +430,21 @@ def test_cli_calibrate_and_explain_read_the_daemon(tmp_path, monkeypatch) -> Non
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "tp1 pp1 dp2 zero1" in result.output and "compute was off most" in result.output
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_shapes_count_what_the_built_model_holds(family: str) -> None:
+    from plait.core.kernels import Kernels
+    from plait.core.plugins import Plugins
+    from plait.planner.model_shape import shape_from_config
+    from plait.plugins.models import gpt2, llama, resolve_model_config
+
+    config = resolve_model_config(family, "small", {"dim": 64, "n_heads": 4, "n_layers": 2})
+    build = llama.build_llama if family == "llama" else gpt2.build_gpt2
+    with torch.device("meta"):
+        model = build(config, Kernels(Plugins.create(autoload=False)))
+    shape = shape_from_config(family, config)
+    block = next(iter(model.layers.values()))
+    assert shape.params_per_layer == sum(p.numel() for p in block.parameters())
+    ffn = sum(p.numel() for p in block.feed_forward.parameters() if p.dim() == 2)
+    assert ffn == shape.ffn_matrices * shape.dim * shape.ffn_dim
