@@ -352,29 +352,17 @@ def _torch_pipelining(spec: Spec) -> Callable[[Any], float]:
 
 def _torch_dtensor_tp(spec: Spec) -> Callable[[Any], float]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
         loss_parallel,
         parallelize_module,
     )
 
+    from plait.tools.bench.tp import dtensor_llama_plan
+
     model = _build_model(spec)
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-    plan: dict[str, Any] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    }
-    for i in range(spec.layers):
-        prefix = f"layers.{i}."
-        for name in ("attention.wq", "attention.wk", "attention.wv"):
-            plan[prefix + name] = ColwiseParallel()
-        plan[prefix + "attention.wo"] = RowwiseParallel()
-        plan[prefix + "feed_forward.w1"] = ColwiseParallel()
-        plan[prefix + "feed_forward.w3"] = ColwiseParallel()
-        plan[prefix + "feed_forward.w2"] = RowwiseParallel()
-    parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh, dtensor_llama_plan(spec.layers))
     # foreach kernels cannot mix DTensor and plain tensors: one parameter group of each.
     sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
     plain = [p for p in model.parameters() if not isinstance(p, DTensor)]

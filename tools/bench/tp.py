@@ -86,12 +86,30 @@ def run_plait(rank: int, world: int, args: argparse.Namespace, sp: bool) -> dict
     return _timed(engine.train_step, args)
 
 
+def dtensor_llama_plan(n_layers: int) -> dict[str, Any]:
+    """The built-in Llama's Megatron layout in DTensor's parallel styles (the peer's plan)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(n_layers):
+        prefix = f"layers.{i}."
+        for name in ("attention.wq", "attention.wk", "attention.wv"):
+            plan[prefix + name] = ColwiseParallel()
+        plan[prefix + "attention.wo"] = RowwiseParallel()
+        plan[prefix + "feed_forward.w1"] = ColwiseParallel()
+        plan[prefix + "feed_forward.w3"] = ColwiseParallel()
+        plan[prefix + "feed_forward.w2"] = RowwiseParallel()
+    return plan
+
+
 def run_torch_dtensor(rank: int, world: int, args: argparse.Namespace) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
         loss_parallel,
         parallelize_module,
     )
@@ -109,19 +127,7 @@ def run_torch_dtensor(rank: int, world: int, args: argparse.Namespace) -> dict[s
     with torch.no_grad():
         model.init_weights(seed=0)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    plan: dict[str, Any] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    }
-    for i in range(model_config.n_layers):
-        prefix = f"layers.{i}."
-        for name in ("attention.wq", "attention.wk", "attention.wv"):
-            plan[prefix + name] = ColwiseParallel()
-        plan[prefix + "attention.wo"] = RowwiseParallel()
-        plan[prefix + "feed_forward.w1"] = ColwiseParallel()
-        plan[prefix + "feed_forward.w3"] = ColwiseParallel()
-        plan[prefix + "feed_forward.w2"] = RowwiseParallel()
-    parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh, dtensor_llama_plan(model_config.n_layers))
     # foreach kernels cannot mix DTensor and plain tensors: one parameter group of each.
     sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
     plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
