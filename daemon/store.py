@@ -85,6 +85,17 @@ def union_seconds(intervals: Iterable[tuple[int, int]]) -> float:
     return total / 1e9
 
 
+@dataclass(slots=True)
+class _StepAnalysis:
+    """A step's figures, with the spans (list and length) and step record they came from."""
+
+    spans: list[StepSpan] | None
+    count: int
+    comm_seconds: float
+    record: StepRecord | None = None
+    breakdown: StepBreakdown | None = None
+
+
 @dataclass
 class RankWindow:
     """The rolling window of one rank."""
@@ -94,8 +105,8 @@ class RankWindow:
     window_spans: int
     spans: deque[SpanRecord] = field(init=False)
     steps: OrderedDict[int, StepRecord] = field(default_factory=OrderedDict)
-    comm_intervals: OrderedDict[int, list[tuple[int, int]]] = field(default_factory=OrderedDict)
     step_spans: OrderedDict[int, list[StepSpan]] = field(default_factory=OrderedDict)
+    step_spans_kept: int = 0  # entries in `step_spans`, at most `window_spans`
     metrics: dict[str, float] = field(default_factory=dict)
     heartbeat: Heartbeat | None = None
     spans_received: int = 0
@@ -108,6 +119,8 @@ class RankWindow:
     expert_loads: OrderedDict[int, dict[str, ExpertLoadFigures]] = field(
         default_factory=OrderedDict
     )
+    # step -> what the analysis computed from its spans, while they are unchanged.
+    _analysed: dict[int, _StepAnalysis] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.spans = deque(maxlen=self.window_spans)
@@ -131,11 +144,12 @@ class RankWindow:
             if self.first_step is None or span.step < self.first_step:
                 self.first_step = span.step
             while len(self.steps) > self.window_steps:
-                self.steps.popitem(last=False)
+                old_step, _ = self.steps.popitem(last=False)
+                if old_step not in self.step_spans:
+                    self._analysed.pop(old_step, None)
         elif span.kind in ("comm", "phase") and span.step is not None:
             comm = span.comm
             if comm is not None:
-                self.comm_intervals.setdefault(span.step, []).append((span.start_ns, span.end_ns))
                 step_span = StepSpan(
                     kind="comm",
                     name=comm.op,
@@ -153,11 +167,16 @@ class RankWindow:
                     end_ns=span.end_ns,
                 )
             self.step_spans.setdefault(span.step, []).append(step_span)
-            # Spans may arrive before their step span; keep twice the window of steps.
-            while len(self.comm_intervals) > 2 * self.window_steps:
-                self.comm_intervals.popitem(last=False)
-            while len(self.step_spans) > 2 * self.window_steps:
-                self.step_spans.popitem(last=False)
+            self.step_spans_kept += 1
+            # Spans may arrive before their step span: keep twice the window of steps, and at
+            # most `window_spans` spans in all (a producer that sends the same steps again and
+            # again must not grow a step's list without bound).
+            while len(self.step_spans) > 2 * self.window_steps or (
+                self.step_spans_kept > self.window_spans and len(self.step_spans) > 1
+            ):
+                step, dropped = self.step_spans.popitem(last=False)
+                self.step_spans_kept -= len(dropped)
+                self._analysed.pop(step, None)
         elif span.expert_load is not None and span.step is not None:
             self.expert_loads.setdefault(span.step, {})[span.expert_load.layer] = span.expert_load
             while len(self.expert_loads) > self.window_steps:
@@ -181,15 +200,33 @@ class RankWindow:
             for r in self.last_steps(count)
         ]
 
+    def _analysed_spans(self, step: int) -> _StepAnalysis:
+        """What the analysis computed from `step`'s spans, computed again only when one arrived
+        since (a step's spans are only ever appended; a trimmed step's list is a new list)."""
+        spans = self.step_spans.get(step)
+        count = len(spans) if spans is not None else 0
+        cached = self._analysed.get(step)
+        if cached is None or cached.spans is not spans or cached.count != count:
+            comm = union_seconds((s.start_ns, s.end_ns) for s in spans or () if s.kind == "comm")
+            cached = _StepAnalysis(spans, count, comm)
+            self._analysed[step] = cached
+        return cached
+
     def comm_seconds(self, step: int) -> float:
-        return union_seconds(self.comm_intervals.get(step, ()))
+        """Time during which a collective of `step` was running, overlapped or not."""
+        return self._analysed_spans(step).comm_seconds
+
+    def breakdown(self, record: StepRecord) -> StepBreakdown:
+        analysed = self._analysed_spans(record.step)
+        if analysed.record is not record:  # first asked, or the step span came again
+            spans = analysed.spans or ()
+            analysed.breakdown = step_breakdown(record.step, record.start_ns, record.end_ns, spans)
+            analysed.record = record
+        return analysed.breakdown  # type: ignore[return-value]
 
     def breakdowns(self, count: int) -> list[StepBreakdown]:
         """The bottleneck breakdown of each of the last `count` steps (0: the whole window)."""
-        return [
-            step_breakdown(r.step, r.start_ns, r.end_ns, self.step_spans.get(r.step, ()))
-            for r in self.last_steps(count)
-        ]
+        return [self.breakdown(r) for r in self.last_steps(count)]
 
     def comm_volume(self, count: int) -> dict[str, tuple[int, int]]:
         """purpose -> (collectives per step, mean bytes per collective) over the last steps."""
