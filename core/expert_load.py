@@ -4,7 +4,9 @@ The record is shared by whoever counts it (the expert-parallel runtime, after th
 step, with the counts summed over the data-parallel ranks) and whoever reports it (the
 telemetry plugin, at the end of the step). Neither imports the other: the runtime publishes the
 step's counts on `BOARD` and the reporter takes them. Counts are published as tensors and turned
-into integers only when taken, so publishing costs the training thread no device sync.
+into integers only when resolved: the telemetry plugin takes the published tensors on the
+training thread (`take_published`, no device sync) and resolves them on its exporter thread,
+which waits for an event recorded after the counts were copied to the host.
 """
 
 from __future__ import annotations
@@ -38,12 +40,39 @@ class ExpertLoad:
     layers: tuple[LayerLoad, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class PublishedExpertLoad:
+    """One step's counts as published: tensors, possibly on a device, not yet read back."""
+
+    layers: tuple[str, ...]
+    tokens: torch.Tensor  # (layers, experts), on the host
+    dropped: torch.Tensor | None  # (layers,), or None when not counted
+    copied: torch.cuda.Event | None = None  # recorded after device-to-host copies
+
+    def resolve(self) -> ExpertLoad:
+        """The counts as integers (waits for the device-to-host copies only; any thread)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = self.tokens.round().long().tolist()
+        drops = (
+            self.dropped.round().long().tolist()
+            if self.dropped is not None
+            else [0] * len(self.layers)
+        )
+        return ExpertLoad(
+            tuple(
+                LayerLoad(name, tuple(row), drop)
+                for name, row, drop in zip(self.layers, rows, drops, strict=True)
+            )
+        )
+
+
 class ExpertLoadBoard:
     """The last step's counts, published by the counter and taken (once) by the reporter."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: tuple[tuple[str, ...], torch.Tensor, torch.Tensor | None] | None = None
+        self._pending: PublishedExpertLoad | None = None
 
     def publish(
         self, layers: Sequence[str], tokens: torch.Tensor, dropped: torch.Tensor | None = None
@@ -58,28 +87,30 @@ class ExpertLoadBoard:
             raise ValueError(
                 f"expert load: dropped must be ({len(layers)},), got {tuple(dropped.shape)}"
             )
+        copied = None
+        if tokens.is_cuda:
+            # Copied to (pinned) host memory behind the work that counted them; the event says
+            # when the copies landed, so the reader waits for them, not for the device.
+            tokens = tokens.detach().to("cpu", non_blocking=True)
+            dropped = None if dropped is None else dropped.detach().to("cpu", non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            tokens = tokens.detach().clone()
+            dropped = None if dropped is None else dropped.detach().clone()
         with self._lock:
-            self._pending = (
-                tuple(layers),
-                tokens.detach().clone(),
-                None if dropped is None else dropped.detach().clone(),
-            )
+            self._pending = PublishedExpertLoad(tuple(layers), tokens, dropped, copied)
+
+    def take_published(self) -> PublishedExpertLoad | None:
+        """The counts published since the last take, still as tensors; None if none were."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
 
     def take(self) -> ExpertLoad | None:
         """The counts published since the last take, as integers; None if none were."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        names, tokens, dropped = pending
-        rows = tokens.round().long().tolist()
-        drops = dropped.round().long().tolist() if dropped is not None else [0] * len(names)
-        return ExpertLoad(
-            tuple(
-                LayerLoad(name, tuple(row), drop)
-                for name, row, drop in zip(names, rows, drops, strict=True)
-            )
-        )
+        pending = self.take_published()
+        return None if pending is None else pending.resolve()
 
 
 # The process's board: one training job per process publishes here.

@@ -28,20 +28,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import grpc
-from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.util.re import parse_env_headers
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -49,6 +42,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from plait.core import telemetry_schema as schema
 from plait.daemon.forwarding import Forwarder, ForwarderStats, RetryPolicy, outgoing
 from plait.daemon.hangs import Hang
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +179,16 @@ class OtlpUpstream:
             send_timeout_seconds=FORWARD_TIMEOUT_SECONDS,
             **limits,
         )
+
+        # The SDK is loaded only for an upstream: a daemon without one (and `plait status`,
+        # which shares these modules) never imports it.
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         resource = Resource.create({"service.name": "plait-daemon", "host.name": hostname})
         self.meter_provider = MeterProvider(

@@ -2,7 +2,7 @@
 
 Ranks do not say "I entered op k" on the hot path. The telemetry plugin keeps, per rank, the
 ops issued but not completed and the last sequence number issued on every group; a separate
-short-interval metric reader (`plait.core.telemetry.HEARTBEAT_INTERVAL_MS`) publishes them as
+short-interval metric reader (`plait.plugins.telemetry.heartbeat`) publishes them as
 three OTLP gauges, read in a background thread:
 
 * `plait.comm.heartbeat` — always present: this export is a heartbeat (replaces the last one);

@@ -21,7 +21,7 @@ _PROCESS_NAME = re.compile(r"rank (\d+) \((.*), job (.*)\)")
 
 
 def _stub(host: str) -> tuple[Any, Any]:
-    from plait.core.telemetry import DaemonClientAuth
+    from plait.core.daemon_auth import DaemonClientAuth
     from plait.proto.plait.v1 import daemon_pb2_grpc
 
     channel = DaemonClientAuth.from_env().channel(host)

@@ -9,7 +9,8 @@ from typing import Annotated, TypeVar
 import grpc
 import typer
 
-from plait.core.telemetry import DaemonClientAuth, resolve_daemon_address
+from plait.core.daemon_address import resolve_daemon_address
+from plait.core.daemon_auth import DaemonClientAuth
 from plait.proto.plait.v1 import daemon_pb2_grpc
 
 Hosts = Annotated[

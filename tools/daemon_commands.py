@@ -26,7 +26,7 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from plait.core.telemetry import DEFAULT_DAEMON_ADDRESS
+from plait.core.daemon_address import DEFAULT_DAEMON_ADDRESS
 from plait.daemon.config import (
     DEFAULT_STALE_CEILING_SECONDS,
     DEFAULT_STALE_FLOOR_SECONDS,

@@ -22,7 +22,7 @@ class RepeatedNotice:
 
 REPEATED_NOTICES = (
     RepeatedNotice("plait.plugins.checkpoint.checkpointer", "resumed from ", "rank"),
-    RepeatedNotice("plait.core.telemetry", "plait telemetry: no daemon reachable", "local_rank"),
+    RepeatedNotice("plait.telemetry", "plait telemetry: no daemon reachable", "local_rank"),
 )
 
 

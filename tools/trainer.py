@@ -61,7 +61,7 @@ class TrainingSummary:
 
 def _rank_peak(engine: Engine) -> PeakFlops:
     """This rank's peak for the job's compute dtype: the same figure the daemon divides by."""
-    from plait.core.telemetry import peak_flops_for_job
+    from plait.core.telemetry_resource import peak_flops_for_job
 
     return peak_flops_for_job(engine._job_info())
 

@@ -3,6 +3,8 @@
 What the training thread pays per step is two `deque.append`s of tuples holding records that
 are already immutable: `(STEP, report)` — the engine's frozen `StepReport` with its phase spans
 — and `(COMM, records)` — the step's finished comm records, which nothing mutates once done.
+A MoE model's expert load (`(EXPERT_LOAD, …)`, its counts possibly still on the device) and the
+end of the run (`(JOB_END, …)`) are queued the same way, with the time they were queued.
 Everything else happens on the exporter thread: span ids, attributes, OTLP protobuf bytes
 (`plait.plugins.telemetry.otlp_wire`), batching (up to `max_batch` spans per request, at least
 every `batch_delay` seconds), sending, the step metrics (`on_step`), and waiting for phases
@@ -16,17 +18,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from plait.core import telemetry_schema as names
+from plait.core.expert_load import ExpertLoad, PublishedExpertLoad
 from plait.core.phase_timing import DEVICE_TIMING, DeviceInterval, device_interval
 from plait.core.step import PhaseSpan, StepReport
 from plait.plugins.telemetry import otlp_spans, otlp_wire
 from plait.plugins.telemetry.comm_records import CommRecord
 
-STEP, COMM = 0, 1
+STEP, COMM, EXPERT_LOAD, JOB_END = 0, 1, 2, 3
 BATCH_DELAY_SECONDS = 0.5
 MAX_BATCH_SPANS = 4096
 MAX_QUEUE_RECORDS = 65536
@@ -86,6 +90,18 @@ class SpanExporter:
             return
         self._queue.append((COMM, records))
 
+    def put_expert_load(self, step: int, load: ExpertLoad | PublishedExpertLoad) -> None:
+        """One span per MoE layer; counts still on the device are read on the exporter thread."""
+        if len(self._queue) >= self.max_queue:
+            self.dropped += 1
+            return
+        self._queue.append((EXPERT_LOAD, (step, load, time.time_ns())))
+
+    def put_job_end(self, outcome: str, last_step: int = -1) -> None:
+        """The end-of-run span, sent after every span queued before it. Never dropped: it is
+        what tells the daemon the run finished."""
+        self._queue.append((JOB_END, (outcome, last_step, time.time_ns())))
+
     # -- any thread ------------------------------------------------------------------------------
 
     def flush(self, timeout: float) -> bool:
@@ -128,18 +144,24 @@ class SpanExporter:
 
     def _drain(self, *, final: bool) -> None:
         spans: list[bytes] = []
+        ends: list[bytes] = []  # after the phases still waiting for the device, below
         while self._queue:
             kind, payload = self._queue.popleft()
             if kind == STEP:
                 spans.extend(self._step_spans(payload))
                 if self._on_step is not None:
                     self._on_step(payload)
-            else:
+            elif kind == COMM:
                 spans.extend(self._comm_span(record) for record in payload)
+            elif kind == EXPERT_LOAD:
+                spans.extend(self._expert_load_spans(*payload))
+            else:
+                ends.append(self._job_end_span(*payload))
             if len(spans) >= self.max_batch:
                 self._export(spans)
                 spans = []
         spans.extend(self._ready_phases(final=final))
+        spans.extend(ends)
         if spans:
             self._export(spans)
 
@@ -235,4 +257,31 @@ class SpanExporter:
             end_ns=record.end_ns,
             attributes=attributes,
             error=record.error,
+        )
+
+    def _expert_load_spans(
+        self, step: int, load: ExpertLoad | PublishedExpertLoad, time_ns: int
+    ) -> list[bytes]:
+        if isinstance(load, PublishedExpertLoad):
+            load = load.resolve()
+        return [
+            self._encoder.span(
+                names.EXPERT_LOAD_SPAN_NAME,
+                trace_id=otlp_spans.new_trace_id(),
+                span_id=otlp_spans.new_span_id(),
+                start_ns=time_ns,
+                end_ns=time_ns,
+                attributes=otlp_spans.expert_load_attributes(step, layer),
+            )
+            for layer in load.layers
+        ]
+
+    def _job_end_span(self, outcome: str, last_step: int, time_ns: int) -> bytes:
+        return self._encoder.span(
+            names.JOB_END_SPAN_NAME,
+            trace_id=otlp_spans.new_trace_id(),
+            span_id=otlp_spans.new_span_id(),
+            start_ns=time_ns,
+            end_ns=time_ns,
+            attributes=otlp_spans.job_end_attributes(outcome, last_step),
         )

@@ -1,4 +1,5 @@
-"""The attributes of step, phase and comm spans (`plait.core.telemetry_schema` names), and ids.
+"""The attributes of step, phase, comm, expert-load and end-of-run spans
+(`plait.core.telemetry_schema` names), and ids.
 
 The exporter thread calls these and writes the spans with `plait.plugins.telemetry.otlp_wire`;
 the training thread never does.
@@ -10,6 +11,7 @@ import os
 from typing import Any
 
 from plait.core import telemetry_schema as names
+from plait.core.expert_load import LayerLoad
 from plait.core.step import PhaseSpan, StepReport
 from plait.plugins.telemetry.comm_records import CommRecord
 
@@ -80,4 +82,21 @@ def phase_attributes(
     for key, value in phase.attributes.items():
         if key != skip:
             attributes[names.SPAN_PHASE_ATTRIBUTE_PREFIX + key] = value
+    return attributes
+
+
+def expert_load_attributes(step: int, layer: LayerLoad) -> dict[str, Any]:
+    return {
+        names.SPAN_STEP: step,
+        names.SPAN_MOE_LAYER: layer.layer,
+        names.SPAN_MOE_TOKENS_PER_EXPERT: list(layer.tokens_per_expert),
+        names.SPAN_MOE_DROPPED: layer.dropped,
+    }
+
+
+def job_end_attributes(outcome: str, last_step: int) -> dict[str, Any]:
+    """The outcome, and the last step when one ran (`last_step` < 0: none did)."""
+    attributes: dict[str, Any] = {names.SPAN_JOB_OUTCOME: outcome}
+    if last_step >= 0:
+        attributes[names.SPAN_STEP] = last_step
     return attributes

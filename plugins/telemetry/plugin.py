@@ -3,18 +3,19 @@
 Hooks:
 
 * `plait_configure` reads the daemon address (`telemetry.daemon`, else `$PLAIT_DAEMON`).
-* `plait_job_start` builds the rank's OpenTelemetry providers (`plait.core.telemetry`), with the
-  `JobInfo` as resource attributes, and the span exporter thread; no daemon → one warning and
-  every other hook is a no-op.
+* `plait_job_start` builds the rank's telemetry (`rank_telemetry.RankTelemetry`): the span
+  exporter thread and the metric providers, with the `JobInfo` as resource attributes; no
+  daemon → one warning and every other hook is a no-op.
 * `plait_communicate` (`wrapper=True`) records every op the comm facade issues: op, bytes,
   dtype, group name and ranks, sequence number, purpose, start and end.
 * `plait_step_end` queues the step's report (its phase spans inside) and its finished comm
   records to the exporter (`plait.plugins.telemetry.exporter`), which builds the step span, the
   phase spans and the comm spans as its children, sends them and records the step metrics,
-  all off the training thread.
-* `plait_job_end` queues what is left, flushes and shuts the exporters down.
+  all off the training thread. A MoE model's expert load of the step is queued the same way,
+  its counts still as published (read back on the exporter thread).
+* `plait_job_end` queues what is left and the end-of-run span, then shuts the exporters down.
 
-A comm heartbeat (`RankTelemetry.start_heartbeat`) reports, from the metric reader's thread,
+A comm heartbeat (`plait.plugins.telemetry.heartbeat`) reports, from the metric reader's thread,
 the collectives this rank entered and has not finished and the last sequence number issued per
 group, which is what the daemon's hang detector needs while a collective is blocked.
 """
@@ -25,17 +26,13 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from plait.core.comm import CompletedWork
+from plait.core.daemon_address import resolve_daemon_address
 from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.hookspecs import hookimpl
-from plait.core.telemetry import (
-    EXPORT_TIMEOUT_SECONDS,
-    INSTRUMENTATION_NAME,
-    RankTelemetry,
-    resolve_daemon_address,
-)
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor, track_async_completion
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.plugins.telemetry.otlp_spans import comm_attributes
+from plait.plugins.telemetry.rank_telemetry import RankTelemetry
 
 if TYPE_CHECKING:
     from plait.core.comm import Work
@@ -84,15 +81,7 @@ class TelemetryPlugin:
         telemetry = RankTelemetry.start(info, resolve_daemon_address(self.configured_address))
         if telemetry is None:
             return
-        from plait import __version__
-
-        self.exporter = SpanExporter(
-            send=telemetry.send_spans,
-            resource=telemetry.resource_attributes,
-            scope=(INSTRUMENTATION_NAME, __version__),
-            on_step=telemetry.record_step,
-            device=info.device,
-        )
+        self.exporter = telemetry.spans
         self.telemetry = telemetry
         telemetry.start_heartbeat(self.comm_in_flight)
 
@@ -118,7 +107,7 @@ class TelemetryPlugin:
         exporter.put_comm(self._finished_comm_records(final=False))
         self.last_step = report.step
         # A MoE model's router counts, published by whoever counted them this step.
-        load = EXPERT_LOAD_BOARD.take()
+        load = EXPERT_LOAD_BOARD.take_published()
         if load is not None and self.telemetry is not None:
             self.telemetry.record_expert_load(report.step, load)
 
@@ -134,10 +123,8 @@ class TelemetryPlugin:
             # Once, at shutdown: lets the last step's CUDA events be read.
             torch.cuda.synchronize()
         exporter.put_comm(self._finished_comm_records(final=True))
-        exporter.shutdown(EXPORT_TIMEOUT_SECONDS)
         telemetry.end_job(last_step=self.last_step)  # the daemon shows the job finished
-        telemetry.flush()
-        telemetry.shutdown()
+        telemetry.shutdown()  # sends everything queued, the end of the run last
 
     # -- communication --------------------------------------------------------------------------
 

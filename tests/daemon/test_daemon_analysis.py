@@ -10,7 +10,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as names
 from plait.daemon.bottleneck import (
     RankContext,
     StepSpan,
@@ -252,8 +252,8 @@ def test_gradient_advice_skips_compression_when_an_algorithm_already_runs_the_bu
 
 def test_breakdown_through_the_daemon_matches_hand_computation(daemon_server, daemon_stub) -> None:
     """The same step sent as OTLP spans: the daemon's GetBottleneck gives the same numbers."""
-    resource = Resource.create({names.ATTR_JOB_ID: "synthetic", names.ATTR_RANK: 0,
-                                names.ATTR_WORLD_SIZE: 1})  # fmt: skip
+    resource = Resource.create({names.RESOURCE_JOB_ID: "synthetic", names.RESOURCE_RANK: 0,
+                                names.RESOURCE_WORLD_SIZE: 1})  # fmt: skip
     provider = TracerProvider(resource=resource)
     exporter = OTLPSpanExporter(endpoint=daemon_server.address, insecure=True, timeout=5)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -261,19 +261,19 @@ def test_breakdown_through_the_daemon_matches_hand_computation(daemon_server, da
     for step in range(2):
         offset = step * 100 * MS
         for span in DP_STEP:
-            attributes: dict[str, object] = {names.ATTR_STEP: step}
+            attributes: dict[str, object] = {names.SPAN_STEP: step}
             if span.kind == "phase":
-                attributes[names.ATTR_PHASE] = span.name
+                attributes[names.SPAN_PHASE] = span.name
             else:
                 attributes |= {
-                    names.ATTR_COMM_OP: span.name,
-                    names.ATTR_COMM_PURPOSE: span.purpose,
-                    names.ATTR_COMM_ASYNC: not span.blocking,
-                    names.ATTR_COMM_BYTES: span.nbytes,
+                    names.SPAN_COMM_OP: span.name,
+                    names.SPAN_COMM_PURPOSE: span.purpose,
+                    names.SPAN_COMM_ASYNC: not span.blocking,
+                    names.SPAN_COMM_BYTES: span.nbytes,
                 }
             tracer.start_span(span.name, start_time=span.start_ns + offset,
                               attributes=attributes).end(end_time=span.end_ns + offset)  # fmt: skip
-        step_attributes = {names.ATTR_STEP: step, names.ATTR_STEP_MODEL_FLOPS: 1e9}
+        step_attributes = {names.SPAN_STEP: step, names.SPAN_STEP_MODEL_FLOPS: 1e9}
         tracer.start_span("step", start_time=BASE + offset, attributes=step_attributes).end(
             end_time=BASE + offset + 100 * MS
         )

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as names
 from plait.daemon.hangs import Heartbeat, InflightOp
 from plait.daemon.server import DaemonServer
 from plait.tools import daemon_commands
@@ -31,7 +31,7 @@ def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
 def send_steps(address: str, rank: int, forward_ms: int, steps: int = 3) -> None:
     """100 ms steps of one rank of job "cli": data 10 ms, forward, backward 20 ms, optimizer."""
     resource = Resource.create(
-        {names.ATTR_JOB_ID: "cli", names.ATTR_RANK: rank, names.ATTR_WORLD_SIZE: 2}
+        {names.RESOURCE_JOB_ID: "cli", names.RESOURCE_RANK: rank, names.RESOURCE_WORLD_SIZE: 2}
     )
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(
@@ -49,10 +49,10 @@ def send_steps(address: str, rank: int, forward_ms: int, steps: int = 3) -> None
             ("optimizer", 90, 95),
         )
         for name, begin, end in phases:
-            attributes = {names.ATTR_STEP: step, names.ATTR_PHASE: name}
+            attributes = {names.SPAN_STEP: step, names.SPAN_PHASE: name}
             span = tracer.start_span(name, start_time=start + begin * MS, attributes=attributes)
             span.end(end_time=start + end * MS)
-        attributes = {names.ATTR_STEP: step, names.ATTR_STEP_MODEL_FLOPS: 1e9}
+        attributes = {names.SPAN_STEP: step, names.SPAN_STEP_MODEL_FLOPS: 1e9}
         tracer.start_span("step", start_time=start, attributes=attributes).end(
             end_time=start + 100 * MS
         )
@@ -93,11 +93,13 @@ def test_status_shows_hangs_and_daemon_refuses_public_bind() -> None:
     with DaemonServer("127.0.0.1:0", host_interval=0.2, hang_timeout=1.0) as server:
         now = time.time_ns()
         group = ("tp", (0, 1))
-        resource = {names.ATTR_JOB_ID: "cli", names.ATTR_RANK: 0, names.ATTR_WORLD_SIZE: 2}
+        resource = {
+            names.RESOURCE_JOB_ID: "cli", names.RESOURCE_RANK: 0, names.RESOURCE_WORLD_SIZE: 2
+        }  # fmt: skip
         stuck = InflightOp("tp", (0, 1), "all_gather", 41, "tp_activation", now - 3 * 10**9)
         server.store.set_heartbeat(resource, Heartbeat(now, (stuck,), {group: 41}))
         server.store.set_heartbeat(
-            {**resource, names.ATTR_RANK: 1}, Heartbeat(now, (), {group: 40})
+            {**resource, names.RESOURCE_RANK: 1}, Heartbeat(now, (), {group: 40})
         )
         result = runner.invoke(app, ["status", "--host", server.address])
     assert result.exit_code == 0, result.output

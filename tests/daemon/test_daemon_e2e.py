@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as names
 from plait.core.testing import run_distributed
 from plait.proto.plait.v1 import daemon_pb2
 from tests.daemon.daemon_workers import JOB_ID, train_with_telemetry
@@ -42,9 +42,9 @@ def test_two_rank_run_reports_to_the_daemon(daemon_server, daemon_stub) -> None:
     step_seconds: dict[int, dict[int, float]] = defaultdict(dict)
     step_flops: dict[int, float] = {}
     for event in (e for e in events if e["cat"] == "step"):
-        step = event["args"][names.ATTR_STEP]
+        step = event["args"][names.SPAN_STEP]
         step_seconds[step][event["pid"]] = event["dur"] / 1e6
-        step_flops[step] = event["args"][names.ATTR_STEP_MODEL_FLOPS]
+        step_flops[step] = event["args"][names.SPAN_STEP_MODEL_FLOPS]
     assert sorted(step_seconds) == list(range(STEPS))
     assert step_flops[0] == pytest.approx(result["flops_per_token"] * 2 * 4 * 16)
     slowest = sum(max(by_rank.values()) for by_rank in step_seconds.values())
@@ -64,10 +64,10 @@ def test_two_rank_run_reports_to_the_daemon(daemon_server, daemon_stub) -> None:
         assert rank.otel_metrics["plait.job.tokens"] == STEPS * 2 * 4 * 16
 
     # Every gradient all-reduce went through the communicate hook and was traced on both ranks.
-    buckets = [e for e in events if e["args"].get(names.ATTR_COMM_PURPOSE) == "grad_bucket"]
+    buckets = [e for e in events if e["args"].get(names.SPAN_COMM_PURPOSE) == "grad_bucket"]
     per_rank = defaultdict(list)
     for event in buckets:
-        per_rank[event["pid"]].append(event["args"][names.ATTR_COMM_SEQ])
-        assert event["args"][names.ATTR_COMM_GROUP_RANKS] == [0, 1]
+        per_rank[event["pid"]].append(event["args"][names.SPAN_COMM_SEQ])
+        assert event["args"][names.SPAN_COMM_GROUP_RANKS] == [0, 1]
     assert set(per_rank) == {0, 1} and sorted(per_rank[0]) == sorted(per_rank[1])
     assert len(per_rank[0]) >= STEPS

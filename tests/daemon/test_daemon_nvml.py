@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from plait.core import telemetry
+from plait.core import telemetry_schema
 from plait.daemon.nvml import NvmlCollector, metric_points
 from plait.daemon.server import DaemonServer
 from plait.daemon.service import daemon_points
@@ -159,9 +159,9 @@ def test_daemon_reports_gpu_collector_and_publishes_hw_metrics() -> None:
         assert {"hw.gpu.utilization", "hw.power", "hw.energy", "hw.errors"} <= names
         # A rank on this host using cuda:0 gets GPU 0's utilization in its metrics.
         resource = {
-            telemetry.ATTR_JOB_ID: "gpu",
-            telemetry.ATTR_RANK: 0,
-            telemetry.ATTR_DEVICE: "cuda:0",
+            telemetry_schema.RESOURCE_JOB_ID: "gpu",
+            telemetry_schema.RESOURCE_RANK: 0,
+            telemetry_schema.RESOURCE_DEVICE: "cuda:0",
             "host.name": server.host.hostname,
         }
         server.store.add_metric_points(resource, {"plait.train.loss": 1.0})

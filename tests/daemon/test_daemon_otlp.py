@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from plait.core import telemetry as names
+from plait.core import telemetry_schema as names
 from plait.core.config import load_config
-from plait.core.telemetry import RankTelemetry
 from plait.daemon.server import DaemonServer
 from plait.plugins.telemetry import make_plugin
+from plait.plugins.telemetry.rank_telemetry import RankTelemetry
 from plait.proto.plait.v1 import daemon_pb2
 from tests.daemon.daemon_fakes import (
     MODEL_FLOPS,
@@ -70,18 +70,18 @@ def test_spans_metrics_and_mfu_reach_the_daemon(daemon_server: DaemonServer, dae
         (p.name, p.start_ns, p.end_ns) for p in first_report.spans
     ]
     by_seq = {
-        (c.attributes[names.ATTR_COMM_OP], c.attributes[names.ATTR_COMM_SEQ]): c for c in comms
+        (c.attributes[names.SPAN_COMM_OP], c.attributes[names.SPAN_COMM_SEQ]): c for c in comms
     }
     sync = by_seq[("all_reduce", 0)].attributes
-    assert sync[names.ATTR_COMM_BYTES] == 16 and sync[names.ATTR_COMM_DTYPE] == "float32"
-    assert sync[names.ATTR_COMM_GROUP] == "dp" and sync[names.ATTR_COMM_GROUP_RANKS] == [0, 1]
-    assert sync[names.ATTR_COMM_PURPOSE] == "metrics" and sync[names.ATTR_STEP] == 0
+    assert sync[names.SPAN_COMM_BYTES] == 16 and sync[names.SPAN_COMM_DTYPE] == "float32"
+    assert sync[names.SPAN_COMM_GROUP] == "dp" and sync[names.SPAN_COMM_GROUP_RANKS] == [0, 1]
+    assert sync[names.SPAN_COMM_PURPOSE] == "metrics" and sync[names.SPAN_STEP] == 0
     send = by_seq[("send", 2)]
-    assert send.attributes[names.ATTR_COMM_DTYPE] == "bfloat16"
-    assert send.attributes[names.ATTR_COMM_PEER] == 1
+    assert send.attributes[names.SPAN_COMM_DTYPE] == "bfloat16"
+    assert send.attributes[names.SPAN_COMM_PEER] == 1
     assert send.seconds >= 0.02  # ended at wait(), which took 20 ms: no future for send
     bucket = by_seq[("all_reduce", 1)]
-    assert bucket.attributes[names.ATTR_COMM_ASYNC] is True
+    assert bucket.attributes[names.SPAN_COMM_ASYNC] is True
     # the async op ends when it is waited on, after the send's wait
     assert bucket.end_ns >= send.end_ns
     assert len(backend.requests) == 12
@@ -108,7 +108,7 @@ def test_daemon_going_away_mid_run_warns_once(caplog: pytest.LogCaptureFixture) 
     server.stop(grace=0)
     with caplog.at_level(logging.WARNING):
         for i in range(3):
-            telemetry.tracer.start_span("step", attributes={names.ATTR_STEP: i}).end()
+            telemetry.tracer.start_span("step", attributes={names.SPAN_STEP: i}).end()
             telemetry.flush(timeout_seconds=3)
         started = time.monotonic()
         telemetry.shutdown()

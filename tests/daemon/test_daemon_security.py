@@ -17,8 +17,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-from plait.core import telemetry as names
-from plait.core.telemetry import DaemonClientAuth
+from plait.core import daemon_auth
+from plait.core import telemetry_schema as names
+from plait.core.daemon_auth import DaemonClientAuth
 from plait.daemon.security import SecurityConfig, SecurityError, is_loopback
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
@@ -53,8 +54,8 @@ def otlp_request(
     spans: int, *, attribute_bytes: int = 0
 ) -> trace_service_pb2.ExportTraceServiceRequest:
     resource_attributes = [
-        KeyValue(key=names.ATTR_JOB_ID, value=AnyValue(string_value="sec")),
-        KeyValue(key=names.ATTR_RANK, value=AnyValue(int_value=0)),
+        KeyValue(key=names.RESOURCE_JOB_ID, value=AnyValue(string_value="sec")),
+        KeyValue(key=names.RESOURCE_RANK, value=AnyValue(int_value=0)),
     ]
     padding = [KeyValue(key="padding", value=AnyValue(string_value="x" * attribute_bytes))]
     request = trace_service_pb2.ExportTraceServiceRequest()
@@ -120,8 +121,8 @@ def test_token_is_checked_on_every_call(tls_daemon: DaemonServer, pki: TestPki) 
 def test_rank_exports_over_tls_with_token(
     tls_daemon: DaemonServer, pki: TestPki, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(names.TOKEN_ENV, TOKEN)
-    monkeypatch.setenv(names.CA_CERT_ENV, str(pki.ca))
+    monkeypatch.setenv(daemon_auth.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(daemon_auth.CA_CERT_ENV, str(pki.ca))
     run_fake_rank(tls_daemon.address, rank=0, steps=2, backend=FakeBackend())
     with DaemonClientAuth.from_env().channel(tls_daemon.address) as channel:
         ranks = daemon_pb2_grpc.DaemonStub(channel).ListRanks(daemon_pb2.ListRanksRequest())
@@ -224,5 +225,5 @@ def test_token_file_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     token_file = tmp_path / "token"
     token_file.write_text(f"{TOKEN}\n")
     assert SecurityConfig.create(token_file=token_file).token == TOKEN
-    monkeypatch.setenv(names.TOKEN_ENV, "from-env")
+    monkeypatch.setenv(daemon_auth.TOKEN_ENV, "from-env")
     assert SecurityConfig.create().token == "from-env"

@@ -8,9 +8,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from plait.core import telemetry as names
-from plait.core.telemetry import RankTelemetry
+from plait.core import telemetry_schema as names
 from plait.daemon.chrome_trace import merge_traces
+from plait.plugins.telemetry.rank_telemetry import RankTelemetry
 from plait.proto.plait.v1 import daemon_pb2
 from tests.daemon.daemon_fakes import PHASES, FakeBackend, job_info, run_fake_rank
 
@@ -48,7 +48,7 @@ def test_trace_has_every_collective_and_phase(daemon_server, daemon_stub) -> Non
         (rank, r.op, r.group_name, r.seq) for rank, b in enumerate(backends) for r in b.requests
     )
     traced = Counter(
-        (e["pid"], e["name"], e["args"][names.ATTR_COMM_GROUP], e["args"][names.ATTR_COMM_SEQ])
+        (e["pid"], e["name"], e["args"][names.SPAN_COMM_GROUP], e["args"][names.SPAN_COMM_SEQ])
         for e in events
         if e["cat"] == "comm"
     )
@@ -69,7 +69,7 @@ def test_trace_has_every_collective_and_phase(daemon_server, daemon_stub) -> Non
 def test_timed_capture_only_holds_spans_started_during_it(daemon_server, daemon_stub) -> None:
     telemetry = RankTelemetry.start(job_info(job_id="job-b"), daemon_server.address)
     assert telemetry is not None
-    telemetry.tracer.start_span("before", attributes={names.ATTR_STEP: 6}).end()
+    telemetry.tracer.start_span("before", attributes={names.SPAN_STEP: 6}).end()
     telemetry.flush()
     result: dict[str, Any] = {}
     capture = threading.Thread(
@@ -79,12 +79,12 @@ def test_timed_capture_only_holds_spans_started_during_it(daemon_server, daemon_
     )
     capture.start()
     time.sleep(0.2)
-    telemetry.tracer.start_span("during", attributes={names.ATTR_STEP: 7}).end()
+    telemetry.tracer.start_span("during", attributes={names.SPAN_STEP: 7}).end()
     telemetry.flush()
     capture.join(timeout=10)
     telemetry.shutdown()
     events = validate_chrome_trace(json.loads(result["response"].chrome_trace_json))
-    assert [(e["name"], e["args"][names.ATTR_STEP]) for e in events] == [("during", 7)]
+    assert [(e["name"], e["args"][names.SPAN_STEP]) for e in events] == [("during", 7)]
     assert daemon_server.store.spans_received == 2
 
 

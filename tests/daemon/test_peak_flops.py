@@ -20,7 +20,7 @@ from plait.core.peak_flops import (
     peak_flops_for,
 )
 from plait.core.step import JobInfo
-from plait.core.telemetry import peak_flops_for_job
+from plait.core.telemetry_resource import peak_flops_for_job
 
 TINY_MEASUREMENT = {
     "size": 64,

@@ -66,7 +66,10 @@ def test_the_emitter_uses_the_schema_names() -> None:
     values = {
         v for v in schema_constants().values() if v.startswith(("plait.", "host.", "process."))
     }
-    for path in ("core/telemetry.py", "plugins/telemetry/plugin.py", "daemon/decoder.py"):
+    emitters = sorted(
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "plugins/telemetry").glob("*.py")
+    )
+    for path in ("core/telemetry_resource.py", *emitters, "daemon/decoder.py"):
         literals = {
             node.value
             for node in ast.walk(ast.parse((ROOT / path).read_text()))

@@ -5,10 +5,13 @@ collectives and ends steps; every Python call it makes is recorded with `sys.set
 (which follows the calling thread only). It must never register a completion callback on a
 backend's work (the backend would run it on its own thread, taking the GIL once per op), never
 touch the OpenTelemetry SDK or protobuf, never encode a span, and make a handful of calls per op.
+A MoE model's expert load and the end-of-run record go through the same queue: no SDK span is
+ever built, on any thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections import Counter
@@ -20,6 +23,7 @@ import torch
 
 from plait.core.comm import Comm, Group
 from plait.core.config import load_config
+from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.hookspecs import hookimpl
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
@@ -193,3 +197,44 @@ def test_async_ops_end_when_waited_or_when_found_complete_at_step_end(
     plugins.step_start(6)
     plugins.step_end(report(6))
     assert plugin.records == []
+
+
+def test_expert_load_and_the_end_of_run_are_queued_never_built_as_sdk_spans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opentelemetry.sdk.trace import Tracer
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an OpenTelemetry SDK span was built")
+
+    monkeypatch.setattr(Tracer, "start_span", refuse)
+    job = dataclasses.replace(JOB, job_id="thread-end")
+    with DaemonServer("127.0.0.1:0", host_interval=60.0) as server:
+        plugins = Plugins.create(autoload=False, builtins=(), extra=[("backend", AsyncBackend())])
+        plugins.register(make_plugin(), "telemetry")
+        plugins.configure(load_config({"telemetry": {"daemon": server.address}}))
+        plugins.job_start(job)
+        one_step(plugins, 0)
+        EXPERT_LOAD_BOARD.publish(["moe.0", "moe.1"], torch.tensor([[3.0, 1.0], [0.0, 4.0]]),
+                                  torch.tensor([2.0, 0.0]))  # fmt: skip
+        with CallRecorder() as recorder:
+            one_step(plugins, 1)
+        touched = {path for path, _ in recorder.calls}
+        for forbidden in ("opentelemetry", "google/protobuf", "otlp_wire", "otlp_spans"):
+            assert not [p for p in touched if forbidden in p], f"training thread ran {forbidden}"
+        called = {(path.rsplit("/", 1)[-1], name) for path, name in recorder.calls}
+        assert ("expert_load.py", "resolve") not in called, "counts read on the training thread"
+        plugins.job_end()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            windows = server.store.windows("thread-end")
+            if windows and windows[0].outcome and 1 in windows[0].expert_loads:
+                break
+            time.sleep(0.05)
+        (window,) = server.store.windows("thread-end")
+    assert window.outcome == "finished"
+    loads = window.expert_loads[1]
+    assert {name: (f.tokens_per_expert, f.dropped) for name, f in loads.items()} == {
+        "moe.0": ((3, 1), 2),
+        "moe.1": ((0, 4), 0),
+    }

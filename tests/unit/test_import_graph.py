@@ -104,3 +104,64 @@ def test_imports_are_found_wherever_they_are_written(
     assert expected in {module for _, module in imported_modules(path)}
     if where.startswith("core/") or "checkpoint" in where:
         assert violations(), "a forbidden import went unnoticed"
+
+
+# The rank-side OpenTelemetry SDK and its OTLP exporters: only the telemetry plugin (and the
+# daemon's optional upstream, built when one is configured) may load them.
+RANK_SIDE_SDK = ("opentelemetry.sdk", "opentelemetry.exporter")
+
+# Imports every daemon module and the daemon CLI, runs a daemon and queries it the way
+# `plait status` and `plait top --once` do, then prints the SDK modules that got loaded.
+DAEMON_PROBE = """
+import importlib, json, pkgutil, sys
+import plait.daemon
+for module in pkgutil.walk_packages(plait.daemon.__path__, "plait.daemon."):
+    importlib.import_module(module.name)
+for name in ("plait.tools.daemon_commands", "plait.tools.daemon_client", "plait.core.daemon_auth",
+             "plait.core.daemon_address", "plait.core.telemetry_resource"):
+    importlib.import_module(name)
+from typer.testing import CliRunner
+from plait.daemon.server import DaemonServer
+from plait.tools.cli import app
+with DaemonServer("127.0.0.1:0", host_interval=60.0) as server:
+    for command in (["status", "--json"], ["top", "--once"]):
+        result = CliRunner().invoke(app, [*command, "--host", server.address])
+        assert result.exit_code == 0, (command, result.output)
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(%r))))
+"""
+
+
+def loaded_by(probe: str) -> list[str]:
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_daemon_and_its_cli_never_load_the_rank_side_sdk() -> None:
+    loaded = loaded_by(DAEMON_PROBE % (RANK_SIDE_SDK,))
+    assert loaded == [], f"the daemon or plait status/top imported {loaded[:5]}…"
+
+
+def test_the_probe_sees_the_sdk_when_something_loads_it() -> None:
+    """The probe above would notice: the telemetry plugin does load the SDK."""
+    probe = "import json, sys\nimport plait.plugins.telemetry\n"
+    probe += f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({RANK_SIDE_SDK!r}))))"
+    assert "opentelemetry.sdk.metrics" in loaded_by(probe)
+
+
+def test_no_core_module_imports_the_opentelemetry_sdk() -> None:
+    """`plait.core` stays importable without the SDK: its telemetry pieces (schema, resource,
+    daemon address and auth) are plain Python and gRPC; the SDK parts live in the plugin."""
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}: {module}"
+        for path in sorted((ROOT / "core").rglob("*.py"))
+        for line, module in imported_modules(path)
+        if module.startswith(RANK_SIDE_SDK)
+    ]
+    assert found == []

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def clean_filters() -> Any:
-    names = ("plait.plugins.checkpoint.checkpointer", "plait.core.telemetry")
+    names = ("plait.plugins.checkpoint.checkpointer", "plait.telemetry")
     yield
     for name in names:
         logger = logging.getLogger(name)
@@ -35,7 +35,7 @@ def _said(env: dict[str, str], caplog: pytest.LogCaptureFixture) -> list[str]:
         logging.getLogger("plait.plugins.checkpoint.checkpointer").warning(
             "resumed from %s at step %d", "/ckpt/step-00000004", 4
         )
-        logging.getLogger("plait.core.telemetry").warning(
+        logging.getLogger("plait.telemetry").warning(
             "plait telemetry: no daemon reachable at %s", "127.0.0.1:7461"
         )
         logging.getLogger("plait.plugins.checkpoint.checkpointer").warning("something else")

@@ -99,7 +99,7 @@ def encoded_rank_requests(
 ) -> list[tuple[bytes, int]]:
     """A rank's spans for `steps` steps as plait's exporter writes them: (request, spans)."""
     from plait.core.peak_flops import PeakFlops
-    from plait.core.telemetry import resource_attributes
+    from plait.core.telemetry_resource import resource_attributes
     from plait.plugins.telemetry.comm_records import CommRecord
     from plait.plugins.telemetry.exporter import SpanExporter
 
@@ -171,9 +171,9 @@ def flood(
         ExportTraceServiceResponse,
     )
 
-    from plait.core.telemetry import TRACE_EXPORT_METHOD
+    from plait.plugins.telemetry.rank_telemetry import TRACE_EXPORT_METHOD
 
-    requests = encoded_rank_requests(rank, world_size)
+    requests = encoded_rank_requests(rank, world_size, steps=2000)  # fresh steps for a while
     ready.set()
     go.wait()
     sent = 0

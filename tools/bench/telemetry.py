@@ -41,10 +41,11 @@ from rich.table import Table
 from plait.core.comm import Comm, CompletedWork, Group
 from plait.core.config import load_config
 from plait.core.hookspecs import hookimpl
+from plait.core.peak_flops import PeakFlops
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
 from plait.core.step import JobInfo, PhaseSpan, StepReport
-from plait.core.telemetry import PeakFlops, resource_attributes
+from plait.core.telemetry_resource import resource_attributes
 from plait.core.testing import run_distributed
 from plait.daemon.otlp import TraceReceiver, TraceRequest, trace_request_parser
 from plait.daemon.server import DaemonServer
