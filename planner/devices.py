@@ -49,6 +49,18 @@ class DeviceSpec:
     # Fixed seconds per transformer block and forward pass (backward: twice) for launching its
     # ~25 kernels whatever their size (~4 µs each on a GPU); on CPU, Python dispatch.
     block_overhead: float = 1e-4
+    # Fixed host seconds that a strategy adds beyond its modelled collectives, whatever the
+    # sizes: per block pass under tensor parallelism (sharded-tensor dispatch of every op, the
+    # collectives' launches), per ZeRO-3 unit and micro-batch (the gather / release hooks,
+    # flattening gradients into the unit's bucket), per block and micro-batch under selective
+    # recomputation (its policy decides op by op, in the forward and again in the replay), and
+    # per micro-batch (the engine's loss, scaling and hooks around each forward + backward).
+    # Next to a GPU's kernels they run ahead of the device and hide (0); on a CPU host they are
+    # measured (`tools/bench/plan.py`).
+    tp_block_overhead: float = 0.0
+    zero3_unit_overhead: float = 0.0
+    selective_block_overhead: float = 0.0
+    microbatch_overhead: float = 0.0
 
     def gemm_seconds(self, flops: float, gemm_flops: float) -> float:
         """Time of `flops` of matmul work done in GEMMs of `gemm_flops` each."""

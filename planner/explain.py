@@ -3,7 +3,8 @@
 The daemon's bottleneck breakdown splits each rank's step into compute, exposed communication
 (and that by purpose), pipeline bubble, optimizer, data wait and host overhead. The planner's
 terms map onto them (compute + recomputation → compute; tp / cp / ep / dp comm → exposed comm,
-split by purpose where the spans say which; bubble → bubble; optimizer → optimizer), and the
+split by purpose where the spans say which; bubble → bubble; optimizer → optimizer; the
+strategies' fixed host costs → host overhead), and the
 term with the largest error in seconds is the one that was off.
 """
 
@@ -103,7 +104,7 @@ def explain(prediction: StepTimeEstimate, ranks: Sequence[Any]) -> Explanation:
         ),
         TermComparison(
             term="host_other+data",
-            predicted=0.0,
+            predicted=terms["host_overhead"],
             measured=_mean([r.host_other_seconds + r.data_wait_seconds for r in ranks]),
         ),
     ]

@@ -6,7 +6,15 @@ work (norms, residuals, rotary, activation) at memory bandwidth, plus a fixed co
 pass for launching its ops (`DeviceSpec.block_overhead`: what makes many small micro-batches
 slower than a few large ones); backward costs twice the
 forward's matmuls, 2.5 times its attention. Recomputation adds a forward (full) or the
-element-wise part (selective) to every backward.
+element-wise part (selective) to every backward; either replays the block's forward op by op,
+so both pay the block's launch cost again (selective only skips the kept matmuls' work).
+
+Host overhead (`host_overhead`): the fixed costs a strategy adds on the host whatever the sizes
+(`DeviceSpec.tp_block_overhead` per block pass under tp, `zero3_unit_overhead` per ZeRO-3 unit
+and micro-batch, `microbatch_overhead` per micro-batch); 0 on GPUs, where the host runs ahead of
+the device, measured on CPU hosts. It is part of each stage's work in the pipeline schedule.
+Selective recomputation's own (`selective_block_overhead`, per block and micro-batch) is
+counted in `recompute`.
 
 Communication (α–β, `comm_model`), with the overlap each strategy has in plait:
 
@@ -55,6 +63,7 @@ class StepTimeEstimate:
     pipeline_bubble: float  # idle time in the schedule, including activation transfers
     dp_comm: float  # exposed gradient / parameter collectives
     optimizer: float
+    host_overhead: float  # fixed host costs: tp dispatch, ZeRO-3 hooks, per micro-batch
     model_flops: float  # per step, whole job (6·N + attention per token)
     hardware_flops: float  # per step, whole job, recomputation included
     world: int
@@ -71,6 +80,7 @@ class StepTimeEstimate:
             + self.pipeline_bubble
             + self.dp_comm
             + self.optimizer
+            + self.host_overhead
         )
 
     @property
@@ -98,6 +108,8 @@ class _PassTimes:
     comm_recompute: float
     cp_exposed: float  # forward + backward (+ recompute)
     ep_comm: float
+    host_forward: float  # tp's fixed host cost per pass (backward: twice, recompute: once more)
+    host_recompute: float
 
 
 def _block_times(job: Job, layout: Layout) -> _PassTimes:
@@ -123,7 +135,11 @@ def _block_times(job: Job, layout: Layout) -> _PassTimes:
     backward = (
         2 * t_matmul + ATTENTION_BACKWARD_FACTOR * t_attention + 2 * t_elementwise + 2 * overhead
     )
-    recompute = {"full": forward, "selective": t_elementwise}.get(layout.recompute, 0.0)
+    # Selective recomputation replays the block's forward too (its kept matmul outputs are
+    # served from the cache), so it pays the block's launch cost again.
+    selective = t_elementwise + overhead + device.selective_block_overhead
+    recompute = {"full": forward, "selective": selective}.get(layout.recompute, 0.0)
+    tp_host = device.tp_block_overhead if tp > 1 else 0.0
 
     comm = 0.0
     if tp > 1:
@@ -158,6 +174,8 @@ def _block_times(job: Job, layout: Layout) -> _PassTimes:
         comm_recompute=comm if layout.recompute == "full" else 0.0,
         cp_exposed=cp_exposed,
         ep_comm=ep_comm,
+        host_forward=tp_host,
+        host_recompute=tp_host if layout.recompute in ("full", "selective") else 0.0,
     )
 
 
@@ -172,12 +190,14 @@ class _StageCost:
     tp_backward: float
     cp: float
     ep: float
+    host_forward: float
+    host_backward: float
 
     @property
     def total(self) -> float:
         return (
             self.forward + self.backward + self.recompute + self.tp_forward + self.tp_backward
-            + self.cp + self.ep
+            + self.cp + self.ep + self.host_forward + self.host_backward
         )  # fmt: skip
 
 
@@ -200,9 +220,18 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
     head_forward, head_backward = _head_times(job, layout)
     last = layout.pp - 1
 
+    zero3_units = layout.zero == 3 and layout.dp * layout.cp > 1
+
     def stage_cost(stage: int) -> _StageCost:
         layers = layers_on_stage(model.n_layers, layout.pp, stage)
         head = stage == last
+        # Fixed host costs per micro-batch: tp's per block and head pass, ZeRO-3's per unit
+        # (gathered for forward and for backward), the engine's per micro-batch; half of the
+        # non-tp part is counted on each side of the pass.
+        passes = layers + (1 if head else 0)
+        fixed = device.microbatch_overhead
+        if zero3_units:
+            fixed += layers * device.zero3_unit_overhead
         return _StageCost(
             forward=layers * block.forward + (head_forward if head else 0.0),
             backward=layers * block.backward + (head_backward if head else 0.0),
@@ -211,6 +240,8 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
             tp_backward=layers * (block.comm_backward + block.comm_recompute),
             cp=layers * block.cp_exposed,
             ep=layers * block.ep_comm,
+            host_forward=passes * block.host_forward + fixed / 2,
+            host_backward=passes * (2 * block.host_forward + block.host_recompute) + fixed / 2,
         )
 
     # The busiest stage sets the pace of the pipeline (an uneven split makes a middle one so).
@@ -226,7 +257,7 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         activation = layout.micro_batch * job.seq_len / layout.cp * model.dim / sp_share
         p2p = collective_seconds("send", 2, activation * precision.activation_bytes, link)
     # A forward chunk carries its share of the forward-side comm, a backward chunk the rest.
-    f_chunk = (cost.forward + cost.tp_forward + cost.cp / 3 + cost.ep / 2) / v
+    f_chunk = (cost.forward + cost.tp_forward + cost.cp / 3 + cost.ep / 2 + cost.host_forward) / v
     b_chunk = cost.total / v - f_chunk
     makespan = pipeline_makespan(
         layout.schedule,
@@ -274,6 +305,7 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         pipeline_bubble=bubble,
         dp_comm=dp_comm,
         optimizer=optimizer,
+        host_overhead=microbatches * (cost.host_forward + cost.host_backward),
         model_flops=model_flops,
         hardware_flops=model_flops + recompute_flops,
         world=layout.world,

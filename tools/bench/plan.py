@@ -3,11 +3,19 @@
     python tools/bench/plan.py [--rounds 2] [--steps 4] [--dim 256] [--layers 4]
 
 One spawn of 4 Gloo ranks (one host) first calibrates what the planner needs to know about
-this machine, all ranks at once so that they share the cores as they will in training:
+this machine. The rates are measured by one rank at a time (the others wait in a barrier), as
+a rank with a core to itself, and then scaled by how much slower the same GEMM runs on every
+rank at once (the ranks share the host's cores in training: `DeviceSpec.oversubscription`):
 
 * GEMM rate at several sizes → peak and efficiency curve (`devices.efficiency_from_gemm_rates`);
 * the attention kernel's rate (SDPA forward + backward) and memory bandwidth (tensor copies);
 * the fixed cost of a block's forward pass (the model's step at 1 and 4 sequences);
+* the slow-down of a GEMM when all ranks run it at once (measured, not the ranks ÷ cores);
+* the fixed host costs of the strategies (`DeviceSpec.microbatch_overhead`, `tp_block_overhead`,
+  `zero3_unit_overhead`, `selective_block_overhead`): engine steps of one-sequence micro-batches
+  under DDP with one and two micro-batches, tp 2, ZeRO-3 and selective recomputation, none of
+  them a layout that is ranked; each overhead is what
+  its measured difference to the DDP step leaves once the model's own difference is taken out;
 * Gloo collectives (all-reduce, all-gather, reduce-scatter, send/recv) at several sizes on
   groups of 2 and 4 → α and β of the link (`comm_model.fit_links`, the code
   `plait plan calibrate` runs on the daemon's spans).
@@ -48,6 +56,7 @@ from plait.planner.devices import DeviceSpec, Link, efficiency_from_gemm_rates
 from plait.planner.layouts import PRECISIONS, Job, Layout
 from plait.planner.memory_model import formula_saved_bytes
 from plait.planner.search import price
+from plait.planner.time_model import estimate_step_time
 
 WORLD = 4
 LAYOUTS: dict[str, Layout] = {
@@ -101,19 +110,35 @@ def engine_config(args: argparse.Namespace, layout: Layout) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rate(fn: Any, flops: float, seconds: float) -> float:
+def _rate(fn: Any, flops: float, seconds: float, batch_seconds: float = 0.05) -> float:
+    """The best rate over batches of `batch_seconds` for `seconds` in all: like the steps'
+    fastest figure, the batch least slowed by other processes (each still spans several
+    scheduler slices, so the cores' sharing among the ranks is in it)."""
     fn()
-    count, start = 0, time.perf_counter()
+    best, end = 0.0, time.perf_counter() + seconds
     while True:
-        fn()
-        count += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return count * flops / elapsed
+        count, start = 0, time.perf_counter()
+        while True:
+            fn()
+            count += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= batch_seconds:
+                break
+        best = max(best, count * flops / elapsed)
+        if time.perf_counter() >= end:
+            return best
+
+
+SHARING_GEMM = (512, 512, 512)
+
+
+def _gemm_rate(m: int, k: int, n: int, seconds: float) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return _rate(lambda: torch.mm(a, b), 2.0 * m * k * n, seconds)
 
 
 def calibrate_compute(args: argparse.Namespace) -> dict[str, Any]:
-    torch.distributed.barrier()
+    """Rates of this rank alone (call it while the other ranks wait)."""
     gemms = []
     for m, k, n in ((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 256, 704),
                     (512, 512, 512), (1024, 256, 704)):  # fmt: skip
@@ -193,7 +218,9 @@ def _local_batches(args: argparse.Namespace, dp: int, dp_rank: int, count: int) 
     return out
 
 
-def measure_layout(args: argparse.Namespace, layout: Layout) -> dict[str, float]:
+def measure_layout(
+    args: argparse.Namespace, layout: Layout, *, memory: bool = True
+) -> dict[str, Any]:
     from plait.core.engine import Engine
     from plait.core.memory import optimizer_state_tensors
     from plait.tools.bench.memory import LiveTensorMeter
@@ -211,6 +238,9 @@ def measure_layout(args: argparse.Namespace, layout: Layout) -> dict[str, float]
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
     torch.distributed.barrier()
+    if not memory:
+        engine.close()
+        return {"step_times": times}
     report = engine.memory_report()
     held = report.get("resident_total", report["total"])
     # Storages held between steps are in `held`; the meter counts only what the step creates.
@@ -260,15 +290,50 @@ def block_overhead(args: argparse.Namespace) -> float:
             ).backward()
 
         step()
-        torch.distributed.barrier()
         trials = []
-        for _ in range(5):
+        for _ in range(7):
             start = time.perf_counter()
             step()
             trials.append(time.perf_counter() - start)
         seconds[batch] = min(trials)
     fixed = max((4 * seconds[1] - seconds[4]) / 3, 0.0)
     return fixed / (3 * (args.layers + 1))
+
+
+def calibrate_alone_then_shared(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Each rank's rates alone, in turn, then the sharing GEMM on every rank at once."""
+    compute: dict[str, Any] = {}
+    for turn in range(WORLD):
+        torch.distributed.barrier()
+        if rank == turn:
+            compute = calibrate_compute(args)
+            compute["block_overhead"] = block_overhead(args)
+            compute["sharing_alone"] = _gemm_rate(*SHARING_GEMM, 0.5)
+    torch.distributed.barrier()
+    compute["sharing_together"] = _gemm_rate(*SHARING_GEMM, 0.5)
+    torch.distributed.barrier()
+    return compute
+
+
+# Engine steps that calibrate the strategies' fixed host costs: one-sequence micro-batches, a
+# global batch of one or two micro-batches per replica (the ranked layouts run 16 sequences).
+CALIBRATION_LAYOUTS: dict[str, tuple[Layout, int]] = {  # name: (layout, global batch)
+    "ddp": (Layout(dp=4, micro_batch=1), 4),
+    "ddp_2mb": (Layout(dp=4, micro_batch=1), 8),
+    "tp": (Layout(dp=2, tp=2, micro_batch=1), 2),
+    "zero3": (Layout(dp=4, zero=3, micro_batch=1), 4),
+    "selective": (Layout(dp=4, micro_batch=1, recompute="selective"), 4),
+}
+
+
+def calibrate_strategies(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Step times of `CALIBRATION_LAYOUTS`, every rank at once."""
+    out = {}
+    for name, (layout, global_batch) in CALIBRATION_LAYOUTS.items():
+        small = argparse.Namespace(**{**vars(args), "global_batch": global_batch, "warmup": 1,
+                                      "steps": max(args.steps, 6)})  # fmt: skip
+        out[name] = measure_layout(small, layout, memory=False)["step_times"]
+    return out
 
 
 def saved_activation_bytes(args: argparse.Namespace, micro_batch: int = 1) -> float:
@@ -290,9 +355,9 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     del world
     torch.manual_seed(rank)
     saved = saved_activation_bytes(args)
-    compute = calibrate_compute(args)
-    compute["block_overhead"] = block_overhead(args)
+    compute = calibrate_alone_then_shared(rank, args)
     comm = calibrate_comm()
+    compute["strategies"] = calibrate_strategies(args)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in LAYOUTS}
     names = list(LAYOUTS)
     for round_index in range(args.rounds):
@@ -312,11 +377,25 @@ def cpu_device(per_rank: list[dict[str, Any]]) -> DeviceSpec:
     for result in per_rank:
         for flops, rate in result["compute"]["gemms"]:
             gemms.setdefault(flops, []).append(rate)
-    rates = [(flops, statistics.median(values)) for flops, values in sorted(gemms.items())]
+    # Rates of a rank alone, scaled to every rank busy at once by the measured slow-down
+    # (older saved measurements were taken with every rank busy already: no scaling).
+    if all("sharing_alone" in r["compute"] for r in per_rank):
+        slowdown = max(
+            statistics.median(
+                r["compute"]["sharing_alone"] / r["compute"]["sharing_together"] for r in per_rank
+            ),
+            1.0,
+        )
+    else:
+        slowdown = 1.0
+    rates = [
+        (flops, statistics.median(values) / slowdown) for flops, values in sorted(gemms.items())
+    ]
     peak = max(rate for _, rate in rates)
     e_max, g_half = efficiency_from_gemm_rates(rates, peak)
-    attention = statistics.median(r["compute"]["attention_rate"] for r in per_rank)
-    bandwidth = statistics.median(r["compute"]["bandwidth"] for r in per_rank)
+    attention = statistics.median(r["compute"]["attention_rate"] for r in per_rank) / slowdown
+    bandwidth = statistics.median(r["compute"]["bandwidth"] for r in per_rank) / slowdown
+    block = statistics.median(r["compute"].get("block_overhead", 0.0) for r in per_rank)
     samples = [
         CommSample(intra_node=True, **{**s, "nbytes": float(s["nbytes"])})
         for result in per_rank
@@ -335,9 +414,54 @@ def cpu_device(per_rank: list[dict[str, Any]]) -> DeviceSpec:
         intra_node=link,
         inter_node=link,
         usable_memory_fraction=1.0,
-        block_overhead=statistics.median(r["compute"].get("block_overhead", 0.0) for r in per_rank),
-        oversubscription=max(WORLD / (os.cpu_count() or WORLD), 1.0),
+        block_overhead=block * slowdown,
+        oversubscription=slowdown if slowdown > 1.0 else max(WORLD / (os.cpu_count() or 1), 1.0),
     )
+
+
+# Each overhead, and the calibration step that differs from the one-micro-batch DDP step by it.
+OVERHEADS = (
+    ("microbatch_overhead", "ddp_2mb"),
+    ("tp_block_overhead", "tp"),
+    ("zero3_unit_overhead", "zero3"),
+    ("selective_block_overhead", "selective"),
+)
+
+
+def _fastest_step(per_rank: list[dict[str, Any]], name: str) -> float:
+    """A step lasts as long as its slowest rank; the fastest such step is the least disturbed."""
+    times = [result["compute"]["strategies"][name] for result in per_rank]
+    return min(max(step) for step in zip(*times, strict=True))
+
+
+def _predicted_difference(job: Job, field: str, value: float, name: str) -> float:
+    """Predicted step of calibration layout `name` minus the DDP one's, `field` set to `value`."""
+    trial = dataclasses.replace(job, device=dataclasses.replace(job.device, **{field: value}))
+    total = {}
+    for key in ("ddp", name):
+        layout, batch = CALIBRATION_LAYOUTS[key]
+        total[key] = estimate_step_time(dataclasses.replace(trial, global_batch=batch), layout)
+    return total[name].total - total["ddp"].total
+
+
+def calibrate_overheads(job: Job, per_rank: list[dict[str, Any]]) -> Job:
+    """`job` with the strategies' fixed host costs fitted to the calibration steps: the
+    prediction is linear in each, so one evaluation at 0 and one at 1 s give the value that
+    makes the predicted difference to the DDP step the measured one."""
+    if not all("strategies" in result["compute"] for result in per_rank):
+        return job
+    measured_base = _fastest_step(per_rank, "ddp")
+    for field, name in OVERHEADS:
+        if not all(name in result["compute"]["strategies"] for result in per_rank):
+            continue  # measured before this calibration existed
+        at_zero = _predicted_difference(job, field, 0.0, name)
+        slope = _predicted_difference(job, field, 1.0, name) - at_zero
+        if slope <= 0:
+            continue  # the model has no such term: nothing to fit
+        residual = _fastest_step(per_rank, name) - measured_base - at_zero
+        device = dataclasses.replace(job.device, **{field: max(residual / slope, 0.0)})
+        job = dataclasses.replace(job, device=device)
+    return job
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -367,6 +491,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--save", default="", help="write the ranks' raw measurements (JSON)")
     parser.add_argument("--load", default="", help="compare saved measurements, run nothing")
+    parser.add_argument("--terms", action="store_true", help="print every predicted term")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -374,7 +499,7 @@ def main() -> None:
         saved = json.loads(Path(args.load).read_text())
         per_rank = saved["ranks"]
         for key, value in saved["args"].items():
-            if key not in ("load", "save"):
+            if key not in ("load", "save", "terms"):
                 setattr(args, key, value)
     else:
         per_rank = run_distributed(rank_main, WORLD, args, timeout=3000)
@@ -402,6 +527,8 @@ def main() -> None:
     if saved > 0:
         ratio = saved / formula_saved_bytes(job, micro_batch=1)
         job = dataclasses.replace(job, activation_ratio=ratio)
+    job = calibrate_overheads(job, per_rank)
+    device = job.device
     rows = []
     for name, layout in LAYOUTS.items():
         runs = [r["runs"][name] for r in per_rank]  # per rank, per round
@@ -433,9 +560,14 @@ def main() -> None:
         f"calibrated: peak {device.peak_flops / 1e9:.1f} GFLOP/s/rank, GEMM e_max "
         f"{device.gemm_efficiency:.2f} g_half {device.gemm_half_flops:.2e}, attention "
         f"{device.attention_efficiency:.2f}, memory {device.memory_bandwidth / 1e9:.1f} GB/s, "
+        f"ranks sharing the cores: ×{device.oversubscription:.2f} slower, "
         f"link α {device.intra_node.alpha * 1e6:.0f} µs β {device.intra_node.beta / 1e9:.2f} GB/s"
         f", activations ×{job.activation_ratio:.2f} of the per-token formula, "
-        f"{device.block_overhead * 1e3:.2f} ms fixed per block pass"
+        f"{device.block_overhead * 1e3:.2f} ms fixed per block pass; host overheads: "
+        f"{device.microbatch_overhead * 1e3:.2f} ms per micro-batch, "
+        f"{device.tp_block_overhead * 1e3:.2f} ms per tp block pass, "
+        f"{device.zero3_unit_overhead * 1e3:.2f} ms per ZeRO-3 unit and micro-batch, "
+        f"{device.selective_block_overhead * 1e3:.2f} ms per selectively recomputed block"
     )
     print(
         f"{'layout':44} {'step ms':>8} {'pred ms':>8} {'ratio':>6} {'peak MiB':>9} "
@@ -454,6 +586,15 @@ def main() -> None:
     best_measured = min(measured)
     predicted_best = min(range(len(rows)), key=predicted_times.__getitem__)
     cpu_measured = [r[4] for r in rows]
+    if args.terms:
+        print("predicted terms, ms (measured: the step, the slowest rank's CPU seconds)")
+        for name, step, _, predicted, cpu in rows:
+            terms = " ".join(
+                f"{term}={value * 1e3:.0f}"
+                for term, value in predicted.time.terms().items()
+                if value
+            )
+            print(f"  {name:44} step {step * 1e3:.0f} cpu {cpu * 1e3:.0f}: {terms}")
     print(
         f"Spearman(predicted, measured step time) = {spearman(predicted_times, measured):.3f}; "
         f"against measured CPU seconds per step: {spearman(predicted_times, cpu_measured):.3f}"
