@@ -67,19 +67,23 @@ class CommRecord:
 
     @classmethod
     def begin(cls, request: CommRequest, step: int | None) -> CommRecord:
-        first = request.tensors[0] if request.tensors else None
+        # Runs on the training thread once per op: positional arguments and a single operand's
+        # `nbytes` read directly cost a third of the keyword call with `CommRequest.nbytes`'s
+        # generic sum (1.1 µs instead of 3.9 on the shared development machine).
+        tensors = request.tensors
+        first = tensors[0] if tensors else None
         return cls(
-            op=request.op,
-            nbytes=request.nbytes,
-            dtype=first.dtype if first is not None else None,
-            group_name=request.group_name,
-            group_ranks=request.group_ranks,
-            seq=request.seq,
-            purpose=request.purpose,
-            peer=request.peer,
-            async_op=request.async_op,
-            step=step,
-            start_ns=time.time_ns(),
+            request.op,  # op
+            first.nbytes if len(tensors) == 1 else request.nbytes,  # nbytes
+            first.dtype if first is not None else None,  # dtype
+            request.group_name,  # group_name
+            request.group_ranks,  # group_ranks
+            request.seq,  # seq
+            request.purpose,  # purpose
+            request.peer,  # peer
+            request.async_op,  # async_op
+            step,  # step
+            time.time_ns(),  # start_ns
         )
 
     @property
