@@ -133,3 +133,30 @@ def test_bench_calibration_recovers_the_host_costs() -> None:
     # none of the calibration steps is a layout the bench ranks
     ranked = {(layout, 16) for layout in bench.LAYOUTS.values()}
     assert not ranked & set(bench.CALIBRATION_LAYOUTS.values())
+
+
+def test_bench_scales_rates_measured_alone_by_the_measured_sharing() -> None:
+    def rank(alone: float, together: float) -> dict:
+        gemms = [[g, 40e9 * g / (g + 1e6)] for g in (1e6, 1e7, 1e8, 1e9)]
+        comm = [
+            {"op": "all_reduce", "nbytes": n, "group": 4, "seconds": 1e-4 * 6 + 1.5 * n / 2e9}
+            for n in (4096, 65536, 2**20, 4 * 2**20)
+        ]
+        compute = {
+            "gemms": gemms,
+            "attention_rate": 10e9,
+            "bandwidth": 8e9,
+            "block_overhead": 1e-3,
+            "sharing_alone": alone,
+            "sharing_together": together,
+        }
+        return {"compute": compute, "comm": comm}
+
+    device = bench.cpu_device([rank(80e9, 32e9), rank(80e9, 30e9), rank(80e9, 34e9)])
+    slowdown = 80 / 32
+    assert device.oversubscription == pytest.approx(slowdown)
+    # the rates a rank has alone, shared among the ranks busy at once; a fixed cost stretches
+    assert device.memory_bandwidth == pytest.approx(8e9 / slowdown)
+    assert device.block_overhead == pytest.approx(1e-3 * slowdown)
+    assert device.peak_flops * device.attention_efficiency == pytest.approx(10e9 / slowdown)
+    assert device.peak_flops < 40e9 / slowdown * 1.001
