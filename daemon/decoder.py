@@ -324,17 +324,70 @@ class SpanRecord:
 SPAN_TIME = "span.end_time_unix_nano"
 
 
+@dataclass(frozen=True, slots=True)
+class SpanStatics:
+    """What a span's name, strings, booleans and lists decide: its kind and the figures that
+    repeat from span to span (a collective's op, purpose and group, a phase's name). Decoded
+    once per distinct set of them (`StaticsCache`); the numbers are read per span."""
+
+    kind: str
+    comm: tuple[str, str, bool, str] | None = None  # op, purpose, blocking, group
+    phase: str = ""
+    outcome: str = ""
+    expert_layer: str = ""
+    tokens_per_expert: tuple[int, ...] = ()
+
+
+def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
+    """The span's kind and non-number figures; raises `Rejected` for a bad one."""
+    kind = schema.classify_span(name, attributes)  # type: ignore[arg-type]
+    if kind == schema.SPAN_KIND_COMM:
+        comm = (
+            read_str(attributes, schema.SPAN_COMM_OP, required=True),
+            read_str(attributes, schema.SPAN_COMM_PURPOSE),
+            not read_bool(attributes, schema.SPAN_COMM_ASYNC),
+            read_str(attributes, schema.SPAN_COMM_GROUP),
+        )
+        read_int_list(attributes, schema.SPAN_COMM_GROUP_RANKS)
+        return SpanStatics(kind, comm=comm)
+    if kind == schema.SPAN_KIND_PHASE:
+        return SpanStatics(kind, phase=read_str(attributes, schema.SPAN_PHASE))
+    if kind == schema.SPAN_KIND_JOB_END:
+        outcome = read_str(attributes, schema.SPAN_JOB_OUTCOME, required=True)
+        if outcome not in schema.JOB_OUTCOMES:
+            allowed = ", ".join(schema.JOB_OUTCOMES)
+            raise Rejected(
+                schema.SPAN_JOB_OUTCOME, OUT_OF_RANGE, f"{_shown(outcome)} is not one of {allowed}"
+            )
+        return SpanStatics(kind, outcome=outcome)
+    if kind == schema.SPAN_KIND_EXPERT_LOAD:
+        layer = read_str(attributes, schema.SPAN_MOE_LAYER, required=True)
+        tokens = read_int_list(attributes, schema.SPAN_MOE_TOKENS_PER_EXPERT, high=INT64_MAX)
+        if not tokens:
+            raise Rejected(schema.SPAN_MOE_TOKENS_PER_EXPERT, MISSING, "no experts listed")
+        return SpanStatics(kind, expert_layer=layer, tokens_per_expert=tokens)
+    return SpanStatics(kind)
+
+
 def decode_span(
-    name: str, start_ns: int, end_ns: int, attributes: dict[str, Any], error: bool = False
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    attributes: dict[str, Any],
+    error: bool = False,
+    statics: SpanStatics | None = None,
 ) -> SpanRecord:
-    """A span of a rank, classified (`telemetry_schema.classify_span`) and decoded."""
+    """A span of a rank, classified (`telemetry_schema.classify_span`) and decoded.
+
+    `statics`: what `span_statics` returned for a span with the same name and the same
+    attributes except numbers (`StaticsCache`); decoded here when not given."""
     if end_ns < start_ns:
         raise Rejected(SPAN_TIME, OUT_OF_RANGE, f"ends before it starts ({end_ns} < {start_ns})")
-    kind = schema.classify_span(name, attributes)
+    if statics is None:
+        statics = span_statics(name, attributes)
+    kind = statics.kind
     step = read_int(attributes, schema.SPAN_STEP, -1)
-    figures = comm = None
-    expert_load = None
-    phase = outcome = ""
+    figures = comm = expert_load = None
     if kind == schema.SPAN_KIND_STEP:
         figures = StepFigures(
             tokens=read_int(attributes, schema.SPAN_STEP_TOKENS, 0),
@@ -343,36 +396,19 @@ def decode_span(
             # NOTE: a diverging run reports NaN or inf losses; keep its step (and its MFU).
             loss=read_float(attributes, schema.SPAN_STEP_LOSS, finite=False),
         )
-    elif kind == schema.SPAN_KIND_COMM:
+    elif statics.comm is not None:
+        op, purpose, blocking, group = statics.comm
         comm = CommFigures(
-            op=read_str(attributes, schema.SPAN_COMM_OP, required=True),
-            purpose=read_str(attributes, schema.SPAN_COMM_PURPOSE),
-            blocking=not read_bool(attributes, schema.SPAN_COMM_ASYNC),
-            nbytes=read_int(attributes, schema.SPAN_COMM_BYTES, 0),
-            group=read_str(attributes, schema.SPAN_COMM_GROUP),
+            op, purpose, blocking, read_int(attributes, schema.SPAN_COMM_BYTES, 0), group
         )
         read_int(attributes, schema.SPAN_COMM_SEQ, 0)
         read_int(attributes, schema.SPAN_COMM_PEER, 0, high=INT32_MAX)
-        read_int_list(attributes, schema.SPAN_COMM_GROUP_RANKS)
-    elif kind == schema.SPAN_KIND_PHASE:
-        phase = read_str(attributes, schema.SPAN_PHASE)
-    elif kind == schema.SPAN_KIND_JOB_END:
-        outcome = read_str(attributes, schema.SPAN_JOB_OUTCOME, required=True)
-        if outcome not in schema.JOB_OUTCOMES:
-            allowed = ", ".join(schema.JOB_OUTCOMES)
-            raise Rejected(
-                schema.SPAN_JOB_OUTCOME, OUT_OF_RANGE, f"{_shown(outcome)} is not one of {allowed}"
-            )
     elif kind == schema.SPAN_KIND_EXPERT_LOAD:
         expert_load = ExpertLoadFigures(
-            layer=read_str(attributes, schema.SPAN_MOE_LAYER, required=True),
-            tokens_per_expert=read_int_list(
-                attributes, schema.SPAN_MOE_TOKENS_PER_EXPERT, high=INT64_MAX
-            ),
+            layer=statics.expert_layer,
+            tokens_per_expert=statics.tokens_per_expert,
             dropped=read_int(attributes, schema.SPAN_MOE_DROPPED, 0),
         )
-        if not expert_load.tokens_per_expert:
-            raise Rejected(schema.SPAN_MOE_TOKENS_PER_EXPERT, MISSING, "no experts listed")
     return SpanRecord(
         name=name,
         kind=kind,
@@ -383,10 +419,44 @@ def decode_span(
         error=error,
         step_figures=figures,
         comm=comm,
-        phase=phase,
-        outcome=outcome,
+        phase=statics.phase,
+        outcome=statics.outcome,
         expert_load=expert_load,
     )
+
+
+MAX_CACHED_STATICS = 65536
+
+
+class StaticsCache:
+    """`SpanStatics` by span shape: spans of one shape (`plait.daemon.otlp_wire.WireSpan.shape`)
+    have the same name and the same attributes except numbers, so they decide the same statics.
+
+    NOTE: decoding the strings, booleans and lists of a collective's span costs several µs of
+    Python, more than everything else at the door; plait's ranks send the same ones in every
+    step. Statics that fail to decode are never cached: each span of a bad shape is rejected."""
+
+    def __init__(self, capacity: int = MAX_CACHED_STATICS) -> None:
+        self.capacity = capacity
+        self._by_shape: dict[Any, SpanStatics] = {}
+
+    def decode(
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        attributes: dict[str, Any],
+        error: bool,
+        shape: Any,
+    ) -> SpanRecord:
+        if shape is None:
+            return decode_span(name, start_ns, end_ns, attributes, error)
+        statics = self._by_shape.get(shape)
+        if statics is None:
+            statics = span_statics(name, attributes)
+            if len(self._by_shape) < self.capacity:
+                self._by_shape[shape] = statics
+        return decode_span(name, start_ns, end_ns, attributes, error, statics)
 
 
 # --------------------------------------------------------------------------------------------

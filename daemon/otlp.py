@@ -39,10 +39,10 @@ from plait.core import telemetry_schema as names
 from plait.daemon.decoder import (
     GaugePoint,
     Rejected,
+    StaticsCache,
     check_metric_value,
     decode_heartbeat_point,
     decode_resource,
-    decode_span,
 )
 from plait.daemon.hangs import heartbeat_from_points
 from plait.daemon.otlp_wire import Decline, TraceRequestReader, WireResource, WireSpan
@@ -226,6 +226,7 @@ class TraceReceiver:
         self.store = store
         self.limiter = limiter or IngestLimiter()
         self.forward = forward
+        self.statics = StaticsCache()
 
     def Export(
         self,
@@ -269,11 +270,17 @@ class TraceReceiver:
                 self.store.count_ignored(len(spans))
                 continue
             records = []
+            decode = self.statics.decode
             for span in spans:
                 try:
                     records.append(
-                        decode_span(
-                            span.name, span.start_ns, span.end_ns, span.attributes, span.error
+                        decode(
+                            span.name,
+                            span.start_ns,
+                            span.end_ns,
+                            span.attributes,
+                            span.error,
+                            span.shape,
                         )
                     )
                 except Rejected as error:

@@ -11,8 +11,10 @@ number) are read straight from their bytes.
 
 What it yields is exactly what the message walk yields (`plait.daemon.otlp.attributes`):
 per resource its attributes, per span its name, times, attributes and error flag, with the
-indices the receiver uses to leave rejected spans out of a forwarded copy. Every value still
-goes through `plait.daemon.decoder` afterwards; nothing is validated here except the protobuf
+indices the receiver uses to leave rejected spans out of a forwarded copy, and each span's
+*shape* when it came from a template: spans of one shape differ only in their numbers, so the
+decoder decides their kind and strings once (`decoder.StaticsCache`). Every value still goes
+through `plait.daemon.decoder` afterwards; nothing is validated here except the protobuf
 encoding itself.
 
 Anything this reader does not handle the way protobuf would — groups, events or links, scope
@@ -54,6 +56,10 @@ class WireSpan:
     end_ns: int
     attributes: dict[str, Any]
     error: bool
+    # Spans of equal shape have the same name and the same attributes except numbers (ints and
+    # doubles): the decoder decides their kind and strings once (`decoder.StaticsCache`).
+    # None: not known to repeat.
+    shape: Any = None
 
 
 @dataclass(slots=True)
@@ -219,7 +225,7 @@ class _Shape:
         self.templates: dict[Any, _Template] = {}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # hashed by identity: part of a span's shape
 class _Template:
     attributes: dict[str, Any]  # the repeating entries, decoded
     lists: tuple[str, ...]  # keys whose values are lists (copied, never shared)
@@ -260,18 +266,25 @@ class TraceRequestReader:
         if span.events or span.links:
             raise Decline("span events or links")
         entries = tuple(span.attributes)
-        attributes = self._from_template(entries)
-        if attributes is None:
+        name = span.name
+        found = self._from_template(entries)
+        if found is None:
             attributes = self._attributes(entries)
             self._learn(entries, attributes)
+            shape = None
+        else:
+            attributes, shape = found
+            if shape is not None:
+                shape = (shape, name)
         return WireSpan(
             scope_index,
             span_index,
-            span.name,
+            name,
             span.start,
             span.end,
             attributes,
             span.status.code == 2,  # STATUS_CODE_ERROR
+            shape,
         )
 
     def _attributes(self, entries: tuple[bytes, ...]) -> dict[str, Any]:
@@ -289,9 +302,12 @@ class TraceRequestReader:
             attributes[pair[0]] = list(value) if type(value) is list else value
         return attributes
 
-    def _from_template(self, entries: tuple[bytes, ...]) -> dict[str, Any] | None:
+    def _from_template(
+        self, entries: tuple[bytes, ...]
+    ) -> tuple[dict[str, Any], tuple[Any, ...] | None] | None:
         """The attributes of a span whose repeating entries were seen together before: those
-        are copied from the template, only the others (numbers) are read."""
+        are copied from the template, only the others (numbers) are read. With them, the span's
+        shape when every other entry is a number: (template, their keys)."""
         for shape in self._shapes.get(len(entries), ()):
             template = shape.templates.get(shape.fixed(entries))
             if template is None:
@@ -300,6 +316,7 @@ class TraceRequestReader:
             for key in template.lists:
                 attributes[key] = list(attributes[key])
             numbers, pairs = self._numbers, self._pairs
+            keys: list[str] | None = []
             for position in shape.varying:
                 entry = entries[position]
                 pair = numbers.get(entry) or pairs.get(entry)
@@ -310,8 +327,15 @@ class TraceRequestReader:
                     if type(value) is list:
                         value = list(value)
                 attributes[key] = value
+                if keys is not None:
+                    if type(value) is int or type(value) is float:
+                        keys.append(key)
+                    else:  # a string or list the caches were too full to keep
+                        keys = None
             # A key given twice: wire order decides which value wins, so read it in order.
-            return attributes if len(attributes) == len(entries) else None
+            if len(attributes) != len(entries):
+                return None
+            return attributes, (template, *keys) if keys is not None else None
         return None
 
     def _learn(self, entries: tuple[bytes, ...], attributes: dict[str, Any]) -> None:

@@ -27,8 +27,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from plait.core import telemetry_schema as names
 from plait.core.step import PhaseSpan, StepReport
+from plait.daemon.decoder import Rejected, StaticsCache, decode_span
 from plait.daemon.otlp import TraceRequest
-from plait.daemon.otlp_wire import TraceRequestReader
+from plait.daemon.otlp_wire import TraceRequestReader, WireSpan
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.plugins.telemetry.otlp_spans import comm_attributes, phase_attributes, step_attributes
@@ -137,6 +138,8 @@ POOL: list[tuple[str, Any]] = [
     ("plait.step.loss", 0.25),
     ("plait.comm.op", 5),
     ("x", ""),
+    ("plait.step.model_flops", 1e9),
+    ("plait.comm.op", ""),
 ]
 
 
@@ -197,3 +200,79 @@ def test_a_key_given_twice_keeps_the_value_last_on_the_wire() -> None:
     reader = CountingReader()
     read_both_ways(reader, request.SerializeToString())
     assert reader.from_templates == 2  # the two spans whose keys are all different
+
+
+def decoded(decode: Any, span: WireSpan) -> tuple[Any, ...]:
+    """What the store would get from `span`: its record's figures, or the reject's reason."""
+    try:
+        r = decode(span.name, span.start_ns, span.end_ns, span.attributes, span.error)
+    except Rejected as error:
+        return ("rejected", error.key)
+    return (r.kind, r.step, r.comm, r.step_figures, r.phase, r.outcome, r.expert_load)
+
+
+def request_of(layouts: list[list[int]], names_: list[str]) -> bytes:
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    for i, (layout, name) in enumerate(zip(layouts, names_, strict=True)):
+        span = scope.spans.add(name=name, start_time_unix_nano=i, end_time_unix_nano=i + 1)
+        span.attributes.extend(key_value(*POOL[p]) for p in layout)
+    return request.SerializeToString()
+
+
+def assert_shapes_decode_alike(data: bytes) -> int:
+    """Every span decoded through the statics cache (by its shape) gives what the reference
+    decoder gives it alone; returns how many spans had a shape."""
+    reader, cache = TraceRequestReader(), StaticsCache()
+    shaped = 0
+    for _ in range(2):  # the second time, every shape's statics are cached
+        for resource in reader.read(data):
+            for span in resource.spans:
+                shaped += span.shape is not None
+
+                def by_shape(*args: Any, span: WireSpan = span) -> Any:
+                    return cache.decode(*args, span.shape)
+
+                assert decoded(by_shape, span) == decoded(decode_span, span), span
+    return shaped
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(layouts, min_size=1, max_size=4), st.data())
+def test_spans_of_one_shape_decode_as_each_decodes_alone(
+    base_layouts: list[list[int]], data: st.DataObject
+) -> None:
+    count = data.draw(st.integers(min_value=2, max_value=30))
+    spans = []
+    for _ in range(count):
+        layout = list(data.draw(st.sampled_from(base_layouts)))
+        if data.draw(st.integers(min_value=0, max_value=3)) == 0 and layout:  # a variation
+            at = data.draw(st.integers(min_value=0, max_value=len(layout) - 1))
+            layout[at] = data.draw(st.integers(min_value=0, max_value=len(POOL) - 1))
+        spans.append(layout)
+    names_ = [data.draw(st.sampled_from(["step", "forward", "all_reduce"])) for _ in spans]
+    assert_shapes_decode_alike(request_of(spans, names_))
+
+
+def test_a_number_where_a_string_belongs_is_another_shape() -> None:
+    """Same repeating entries, same entry count: a phase span with a step number, then one with
+    a number as its op (a collective, and a bad one). The second must not reuse the first's
+    statics (a phase): its shape names the keys of its numbers."""
+    phase, step, numeric_op, flops = 6, 7, 12, 14  # POOL indices
+    layouts = [[phase, step], [phase, numeric_op], [phase, step], [phase, flops]]
+    # The first span teaches the reader its layout; every other one has a shape.
+    assert assert_shapes_decode_alike(request_of(layouts, ["step"] * 4)) == 7
+    reader, cache = TraceRequestReader(), StaticsCache()
+    spans = reader.read(request_of(layouts, ["step"] * 4))[0].spans
+    results = [decoded(lambda *a, s=s: cache.decode(*a, s.shape), s) for s in spans]
+    assert results[1] == ("rejected", "plait.comm.op: wrong type")
+    assert results[0][0] == results[2][0] == results[3][0] == "phase"
+
+
+def test_a_span_with_other_repeating_entries_is_not_decoded_with_their_statics() -> None:
+    """An op that fails (empty) is never cached; spans named differently are different shapes."""
+    good, empty_op, purpose, step, flops, text = 0, 15, 2, 7, 14, 13
+    layouts = [[good, purpose, step], [empty_op, purpose, step], [empty_op, purpose, step]]
+    assert assert_shapes_decode_alike(request_of(layouts, ["all_reduce", "x", "x"])) == 4
+    # Only a span named "step" with FLOPs is a step span.
+    assert assert_shapes_decode_alike(request_of([[text, flops, step]] * 2, ["a", "step"])) == 3
