@@ -50,11 +50,13 @@ class DeviceSpec:
     # ~25 kernels whatever their size (~4 µs each on a GPU); on CPU, Python dispatch.
     block_overhead: float = 1e-4
     # Fixed host seconds that a strategy adds beyond its modelled collectives, whatever the
-    # sizes: per block pass under tensor parallelism (sharded-tensor dispatch of every op, the
-    # collectives' launches), per ZeRO-3 unit and micro-batch (the gather / release hooks,
-    # flattening gradients into the unit's bucket), per block and micro-batch under selective
-    # recomputation (its policy decides op by op, in the forward and again in the replay), and
-    # per micro-batch (the engine's loss, scaling and hooks around each forward + backward).
+    # sizes: per block pass and tp peer under tensor parallelism (sharded-tensor dispatch of
+    # every op, the collectives' launches, and each ring step of the pass's blocking
+    # collectives waiting for a peer that shares the cores), per ZeRO-3 unit and micro-batch
+    # (the gather / release hooks, flattening gradients into the unit's bucket), per block
+    # and micro-batch under selective recomputation (its policy decides op by op, in the
+    # forward and again in the replay), and per micro-batch (the engine's loss, scaling and
+    # hooks around each forward + backward).
     # Next to a GPU's kernels they run ahead of the device and hide (0); on a CPU host they are
     # measured (`tools/bench/plan.py`).
     tp_block_overhead: float = 0.0

@@ -10,7 +10,7 @@ element-wise part (selective) to every backward; either replays the block's forw
 so both pay the block's launch cost again (selective only skips the kept matmuls' work).
 
 Host overhead (`host_overhead`): the fixed costs a strategy adds on the host whatever the sizes
-(`DeviceSpec.tp_block_overhead` per block pass under tp, `zero3_unit_overhead` per ZeRO-3 unit
+(`DeviceSpec.tp_block_overhead` per block pass and tp peer, `zero3_unit_overhead` per ZeRO-3 unit
 and micro-batch, `microbatch_overhead` per micro-batch); 0 on GPUs, where the host runs ahead of
 the device, measured on CPU hosts. It is part of each stage's work in the pipeline schedule.
 Selective recomputation's own (`selective_block_overhead`, per block and micro-batch) is
@@ -139,7 +139,8 @@ def _block_times(job: Job, layout: Layout) -> _PassTimes:
     # served from the cache), so it pays the block's launch cost again.
     selective = t_elementwise + overhead + device.selective_block_overhead
     recompute = {"full": forward, "selective": selective}.get(layout.recompute, 0.0)
-    tp_host = device.tp_block_overhead if tp > 1 else 0.0
+    # per peer: a ring collective has a step per peer, each one a wait on a rank's schedule
+    tp_host = device.tp_block_overhead * (tp - 1)
 
     comm = 0.0
     if tp > 1:

@@ -52,6 +52,10 @@ def test_each_strategy_pays_its_host_cost() -> None:
     tp = estimate_step_time(job, Layout(dp=2, tp=2, micro_batch=4))
     tp_cost = 2 * (LAYERS + 1) * 3 * COSTS["tp_block_overhead"] + 2 * mb
     assert tp.host_overhead == pytest.approx(tp_cost)
+    # ... and per peer: tp 4 (two micro-batches of 8) waits on three peers at every pass
+    tp4 = estimate_step_time(job, Layout(dp=1, tp=4, micro_batch=8))
+    tp4_cost = 2 * (LAYERS + 1) * 3 * 3 * COSTS["tp_block_overhead"] + 2 * mb
+    assert tp4.host_overhead == pytest.approx(tp4_cost)
     # ZeRO-3: every block unit once per micro-batch.
     zero3 = estimate_step_time(job, Layout(dp=4, zero=3, micro_batch=4))
     assert zero3.host_overhead == pytest.approx(LAYERS * COSTS["zero3_unit_overhead"] + mb)
