@@ -23,6 +23,7 @@ TERM_LABELS = {
     "pipeline_bubble": "pipeline bubble",
     "dp_comm": "data-parallel comm",
     "optimizer": "optimizer step",
+    "host_overhead": "host overhead",
 }
 
 

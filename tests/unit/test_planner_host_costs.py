@@ -14,7 +14,7 @@ import pytest
 from plait.planner.devices import DeviceSpec, device_spec
 from plait.planner.layouts import PRECISIONS, Job, Layout
 from plait.planner.model_shape import resolve_shape
-from plait.planner.search import plan
+from plait.planner.search import plan, price, why_slower
 from plait.planner.time_model import estimate_step_time
 from plait.tools.bench import plan as bench
 
@@ -74,6 +74,14 @@ def test_each_strategy_pays_its_host_cost() -> None:
         tp.model_flops
         == estimate_step_time(_job(plain), Layout(dp=2, tp=2, micro_batch=4)).model_flops
     )
+
+
+def test_the_host_cost_is_named_when_it_makes_a_layout_slower() -> None:
+    _, costly = _devices()
+    job = _job(dataclasses.replace(costly, zero3_unit_overhead=0.05))
+    zero2 = price(job, Layout(dp=4, zero=2, micro_batch=4))
+    zero3 = price(job, Layout(dp=4, zero=3, micro_batch=4))
+    assert why_slower(zero3, zero2).startswith("+200.0 ms host overhead")
 
 
 def test_host_costs_are_stage_work_in_the_pipeline() -> None:
