@@ -59,6 +59,9 @@ class DeviceSpec:
     # hooks around each forward + backward).
     # Next to a GPU's kernels they run ahead of the device and hide (0); on a CPU host they are
     # measured (`tools/bench/plan.py`).
+    # plait's ZeRO reduces gradient buckets with an all-reduce where the backend has no fast
+    # reduce-scatter (Gloo, CPU tensors: `plait.plugins.zero.reduction`); NCCL reduce-scatters.
+    grads_reduce_by_all_reduce: bool = False
     tp_block_overhead: float = 0.0
     zero3_unit_overhead: float = 0.0
     selective_block_overhead: float = 0.0

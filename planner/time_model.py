@@ -336,19 +336,17 @@ def _dp_seconds(
         return max(reduce - overlap, 0.0) + min(
             reduce, _bucket_seconds("all_reduce", group, link, grads)
         )
+    # ZeRO's gradient reduction: a reduce-scatter, or an all-reduce where the backend lacks one
+    grad_op = "all_reduce" if device.grads_reduce_by_all_reduce else "reduce_scatter"
     if layout.zero in (1, 2):
-        reduce = collective_seconds("reduce_scatter", group, grads, link)
+        reduce = collective_seconds(grad_op, group, grads, link)
         gather = collective_seconds("all_gather", group, weights, link)
         exposed_reduce = max(reduce - overlap, 0.0)
-        return (
-            exposed_reduce
-            + min(reduce, _bucket_seconds("reduce_scatter", group, link, grads))
-            + gather
-        )
+        return exposed_reduce + min(reduce, _bucket_seconds(grad_op, group, link, grads)) + gather
     # ZeRO-3: per micro-batch, gather for forward and for backward, reduce-scatter gradients;
     # prefetching hides it under that micro-batch's compute.
     gather = collective_seconds("all_gather", group, weights, link)
-    reduce = collective_seconds("reduce_scatter", group, grads, link)
+    reduce = collective_seconds(grad_op, group, grads, link)
     per_microbatch = 2 * gather + reduce
     compute = forward + last_backward
     exposed = max(per_microbatch - compute, 0.0)

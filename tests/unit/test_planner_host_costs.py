@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from plait.planner.devices import DeviceSpec, device_spec
+from plait.planner.devices import DeviceSpec, Link, device_spec
 from plait.planner.layouts import PRECISIONS, Job, Layout
 from plait.planner.model_shape import resolve_shape
 from plait.planner.search import plan, price, why_slower
@@ -147,7 +147,7 @@ def test_bench_calibration_recovers_the_host_costs() -> None:
     assert not ranked & set(bench.CALIBRATION_LAYOUTS.values())
 
 
-def test_bench_scales_rates_measured_alone_by_the_measured_sharing() -> None:
+def _fake_ranks() -> list[dict]:
     def rank(alone: float, together: float) -> dict:
         gemms = [[g, 40e9 * g / (g + 1e6)] for g in (1e6, 1e7, 1e8, 1e9)]
         comm = [
@@ -164,7 +164,11 @@ def test_bench_scales_rates_measured_alone_by_the_measured_sharing() -> None:
         }
         return {"compute": compute, "comm": comm}
 
-    device = bench.cpu_device([rank(80e9, 32e9), rank(80e9, 30e9), rank(80e9, 34e9)])
+    return [rank(80e9, 32e9), rank(80e9, 30e9), rank(80e9, 34e9)]
+
+
+def test_bench_scales_rates_measured_alone_by_the_measured_sharing() -> None:
+    device = bench.cpu_device(_fake_ranks())
     slowdown = 80 / 32
     assert device.oversubscription == pytest.approx(slowdown)
     # the rates a rank has alone, shared among the ranks busy at once; a fixed cost stretches
@@ -172,3 +176,19 @@ def test_bench_scales_rates_measured_alone_by_the_measured_sharing() -> None:
     assert device.block_overhead == pytest.approx(1e-3 * slowdown)
     assert device.peak_flops * device.attention_efficiency == pytest.approx(10e9 / slowdown)
     assert device.peak_flops < 40e9 / slowdown * 1.001
+
+
+def test_zero_reduces_by_all_reduce_where_the_backend_lacks_reduce_scatter() -> None:
+    plain, _ = _devices()
+    slow = Link(alpha=1e-4, beta=1e8)  # so that ZeRO-3's collectives outlast its compute
+    plain = dataclasses.replace(plain, intra_node=slow, inter_node=slow)
+    gloo = dataclasses.replace(plain, grads_reduce_by_all_reduce=True)
+    for zero in (1, 2, 3):
+        layout = Layout(dp=4, zero=zero, micro_batch=4)
+        nccl_like = estimate_step_time(_job(plain), layout).dp_comm
+        assert estimate_step_time(_job(gloo), layout).dp_comm > nccl_like, zero
+    ddp = Layout(dp=4, micro_batch=4)
+    assert (
+        estimate_step_time(_job(gloo), ddp).dp_comm == estimate_step_time(_job(plain), ddp).dp_comm
+    )
+    assert bench.cpu_device(_fake_ranks()).grads_reduce_by_all_reduce

@@ -13,8 +13,8 @@ rank at once (the ranks share the host's cores in training: `DeviceSpec.oversubs
 * the slow-down of a GEMM when all ranks run it at once (measured, not the ranks ÷ cores);
 * the fixed host costs of the strategies (`DeviceSpec.microbatch_overhead`, `tp_block_overhead`,
   `zero3_unit_overhead`, `selective_block_overhead`): engine steps of one-sequence micro-batches
-  under DDP with one and two micro-batches, tp 2, ZeRO-3 and selective recomputation, none of
-  them a layout that is ranked; each overhead is what
+  under DDP with one and two micro-batches, ZeRO-3 and selective recomputation, and of one
+  two-sequence micro-batch under tp 2, none of them a layout that is ranked; each overhead is what
   its measured difference to the DDP step leaves once the model's own difference is taken out;
 * Gloo collectives (all-reduce, all-gather, reduce-scatter, send/recv) at several sizes on
   groups of 2 and 4 → α and β of the link (`comm_model.fit_links`, the code
@@ -315,12 +315,14 @@ def calibrate_alone_then_shared(rank: int, args: argparse.Namespace) -> dict[str
     return compute
 
 
-# Engine steps that calibrate the strategies' fixed host costs: one-sequence micro-batches, a
-# global batch of one or two micro-batches per replica (the ranked layouts run 16 sequences).
+# Engine steps that calibrate the strategies' fixed host costs: one- or two-sequence
+# micro-batches, a global batch of one or two micro-batches per replica (the ranked layouts run
+# 16 sequences). tp's step has two sequences: its collectives' waits on peers sharing the cores
+# grow with the work between them, and a one-sequence step is too short to show them.
 CALIBRATION_LAYOUTS: dict[str, tuple[Layout, int]] = {  # name: (layout, global batch)
     "ddp": (Layout(dp=4, micro_batch=1), 4),
     "ddp_2mb": (Layout(dp=4, micro_batch=1), 8),
-    "tp": (Layout(dp=2, tp=2, micro_batch=1), 2),
+    "tp": (Layout(dp=2, tp=2, micro_batch=2), 4),
     "zero3": (Layout(dp=4, zero=3, micro_batch=1), 4),
     "selective": (Layout(dp=4, micro_batch=1, recompute="selective"), 4),
 }
@@ -331,7 +333,7 @@ def calibrate_strategies(args: argparse.Namespace) -> dict[str, list[float]]:
     out = {}
     for name, (layout, global_batch) in CALIBRATION_LAYOUTS.items():
         small = argparse.Namespace(**{**vars(args), "global_batch": global_batch, "warmup": 1,
-                                      "steps": max(args.steps, 6)})  # fmt: skip
+                                      "steps": max(args.steps, 8)})  # fmt: skip
         out[name] = measure_layout(small, layout, memory=False)["step_times"]
     return out
 
@@ -414,6 +416,7 @@ def cpu_device(per_rank: list[dict[str, Any]]) -> DeviceSpec:
         intra_node=link,
         inter_node=link,
         usable_memory_fraction=1.0,
+        grads_reduce_by_all_reduce=True,  # Gloo
         block_overhead=block * slowdown,
         oversubscription=slowdown if slowdown > 1.0 else max(WORLD / (os.cpu_count() or 1), 1.0),
     )
