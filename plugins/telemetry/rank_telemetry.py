@@ -54,6 +54,9 @@ TRACE_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Expo
 # seconds, never the training loop.
 EXPORT_TIMEOUT_SECONDS = 2.0
 METRIC_INTERVAL_MS = 5000
+# At shutdown the last steps and the end-of-run span go out together: room for a few sends on
+# a loaded machine (a vanished daemon fails each send within EXPORT_TIMEOUT_SECONDS).
+SHUTDOWN_FLUSH_SECONDS = 3 * EXPORT_TIMEOUT_SECONDS
 
 logger = logging.getLogger("plait.telemetry")
 
@@ -207,7 +210,7 @@ class RankTelemetry:
     def shutdown(self) -> None:
         """Send what is queued and stop every exporter."""
         try:
-            self.spans.shutdown(EXPORT_TIMEOUT_SECONDS)
+            self.spans.shutdown(SHUTDOWN_FLUSH_SECONDS)
             if self._heartbeat_provider is not None:
                 self._heartbeat_provider.shutdown(timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000)
             if self._tracer_provider is not None:
