@@ -8,7 +8,8 @@ what the user built while holding no memory.
 
 - Forward: a pre-hook all-gathers the unit (waiting if it was prefetched) and prefetches the next
   `prefetch` units in the order recorded on the previous forward; a post-hook reshards the unit
-  (the root stays gathered: its head is the first thing backward needs) and hooks the outputs.
+  and hooks the outputs. The root and, when gradients are on, the last block forward ran stay
+  gathered: backward needs them first.
 - Backward: a hook on the unit's outputs fires when their gradient is ready, i.e. just before
   the unit's backward: the unit is gathered again and the next units in reverse order are
   prefetched. As each parameter's gradient is accumulated it is copied into the unit's gradient
@@ -216,6 +217,7 @@ class FullyShardedRuntime(ParallelRuntime):
             offload=config.offload,
         )
         self._forward_order: list[Unit] = list(self.units)
+        self._last_forward_module = _last_module(self._forward_order, self.root)
         self._recording: list[Unit] = []
         self._in_flight: list[PendingReduction] = []
         self._first_microbatch = True
@@ -290,14 +292,19 @@ class FullyShardedRuntime(ParallelRuntime):
         self._prefetch_after(unit, self._forward_order)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        del module, args
-        self._reshard(unit)
+        del args
+        # Backward starts (after the root's head) with the block forward ran last: keep it
+        # gathered rather than free it and all-gather it again at once (what FSDP2 users get
+        # with reshard_after_forward=False on the last block). Backward reshards it as usual.
+        if not (torch.is_grad_enabled() and module is self._last_forward_module):
+            self._reshard(unit)
         self._hook_outputs(unit, output)
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         del module, args
         if self._recording:
             self._forward_order = list(dict.fromkeys(self._recording))
+            self._last_forward_module = _last_module(self._forward_order, self.root)
         if self.root is None:
             return
         if torch.is_grad_enabled():
@@ -378,9 +385,10 @@ class FullyShardedRuntime(ParallelRuntime):
         if len(self._in_flight) > MAX_IN_FLIGHT:
             self._in_flight.pop(0).complete()
 
-    def _finish_backward(self) -> None:
+    def _finish_backward(self, keep: Sequence[Unit] = ()) -> None:
         """Reduce units whose gradients did not all arrive (unused parameters count as zero),
-        in unit order so every rank agrees, wait for every reduction, free everything."""
+        in unit order so every rank agrees, wait for every reduction, free everything but
+        `keep`."""
         for unit in self.units:
             if not unit.reduced:
                 self._reduce(unit)
@@ -390,14 +398,23 @@ class FullyShardedRuntime(ParallelRuntime):
         for unit in self.units:
             unit.ready, unit.reduced, unit.backward_prepared = 0, False, False
             unit.has_grad = [False] * len(unit.segment.slots)
-            if unit.gathered or unit.gather_work is not None:
+            if (unit.gathered or unit.gather_work is not None) and unit not in keep:
                 self._reshard(unit)
+
+    def _kept_for_backward(self) -> list[Unit]:
+        """The units forward left gathered for the backward that follows it."""
+        return [
+            u
+            for u in self.units
+            if u.gathered and (u is self.root or u.module is self._last_forward_module)
+        ]
 
     # -- ParallelRuntime -----------------------------------------------------------------------
 
     def before_backward(self, position: MicrobatchPosition) -> None:
         if not position.first:
-            self._finish_backward()
+            # The previous micro-batch's backward is over; this one's forward already ran.
+            self._finish_backward(keep=self._kept_for_backward())
         self._first_microbatch = position.first
         if position.last:
             self.master.prefetch_state()
@@ -462,6 +479,11 @@ class FullyShardedRuntime(ParallelRuntime):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.master.load_state_dict(state)
+
+
+def _last_module(order: Sequence[Unit], root: Unit | None) -> nn.Module | None:
+    """The module of the last unit other than the root in `order` (its experts' unit shares it)."""
+    return next((u.module for u in reversed(order) if u is not root), None)
 
 
 def _group(unit: Unit) -> Group:

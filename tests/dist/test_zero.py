@@ -105,6 +105,10 @@ def _check_overlap(runs: list[dict[str, Any]], results: list[dict[str, Any]]) ->
             # Units are gathered (and prefetched) inside forward, and again inside backward.
             assert res["gathers_in_forward"] >= 2, (run, res["gathers_in_forward"])
             assert res["gathers_in_backward"] >= 1, (run, res["gathers_in_backward"])
+            # Per micro-batch: the root and every block in forward, every block but the last
+            # again in backward (the last block forward ran stays gathered for it).
+            expected = res["microbatches"] * 2 * res["blocks"]
+            assert res["gathers"] == expected, (run, res["gathers"], expected)
 
 
 def _check_memory(runs: list[dict[str, Any]], results: list[dict[str, Any]], d: int) -> None:

@@ -149,6 +149,7 @@ def train_one(rank: int, world_size: int, run: dict[str, Any]) -> dict[str, Any]
         )
         losses.append(engine.train_step(local))
         norms.append(engine.last_report.grad_norm)
+    gathers = sum(p == "param_gather" for p, _ in recorder.issued)  # the last step's
     state = _named_optimizer_state(engine)
     exp_avg = {name: s["exp_avg"].clone() for name, s in state.items()}
     return {
@@ -160,6 +161,12 @@ def train_one(rank: int, world_size: int, run: dict[str, Any]) -> dict[str, Any]
         "reductions_in_backward": _issued_during(recorder, engine, "grad_bucket", "backward"),
         "gathers_in_forward": _issued_during(recorder, engine, "param_gather", "forward"),
         "gathers_in_backward": _issued_during(recorder, engine, "param_gather", "backward"),
+        "gathers": gathers,
+        "microbatches": share // run["micro_batch"],
+        "blocks": sum(
+            u is not getattr(engine.runtimes[0], "root", None)
+            for u in getattr(engine.runtimes[0], "units", ())
+        ),
     }
 
 
