@@ -2,6 +2,7 @@
 
     python tools/bench/peers.py [--models llama,gpt2,user] [--pairs ddp,zero3,pp,tp,ds1,ds2,ds3]
                                 [--rounds 3] [--steps 8] [--dim 256] [--layers 4] [--vocab 2048]
+                                [--ceiling]
 
 Every pair trains one model on 2 Gloo ranks spawned by this script, plait on one side and the
 peer on the other, with the same hyper-parameters (AdamW lr 3e-3, betas (0.9, 0.95), eps 1e-8,
@@ -30,6 +31,10 @@ CPU seconds per step (all threads of a rank: Gloo's work counts; a busy machine 
 less than wall time), peak RSS, and the RSS growth from just before the model is built to the
 peak (what the training state and the step cost, without the imported libraries). Ratios are
 plait/peer per round, printed as the median with the lowest and highest round.
+
+`--ceiling` adds, for the data-parallel pairs (ddp, ds1, ds2), a third contender per round: the
+same loop with no gradient all-reduce. Both sides are quoted as a fraction of it: how much of
+the step synchronising still costs, i.e. how much any implementation could still win.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ class Spec:
 
     model: str
     pair: str
-    side: str  # "plait" or "peer"
+    side: str  # "plait", "peer" or "ceiling" (no gradient sync; data-parallel pairs)
     dim: int
     layers: int
     vocab: int
@@ -273,6 +278,28 @@ def _torch_ddp(spec: Spec) -> Callable[[Any], float]:
     return step
 
 
+def _no_gradient_sync(spec: Spec) -> Callable[[Any], float]:
+    """The data-parallel ceiling: the same loop with no gradient all-reduce (each rank steps on
+    its own gradients). No data-parallel implementation can beat it on these ranks; what the
+    pair gets below it is what synchronising costs them."""
+    model = _build_model(spec)
+    optimizer = _adamw(model.parameters())
+
+    def step(batch: Any) -> float:
+        chunks = _chunks(spec, batch)
+        total = torch.zeros(())
+        for x, y in chunks:
+            loss = _ce(model(x), y) / len(chunks)
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return _mean_loss(total)
+
+    return step
+
+
 def _torch_fsdp2(spec: Spec) -> Callable[[Any], float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -424,6 +451,7 @@ PEERS: dict[str, tuple[str, Callable[[Spec], Callable[[Any], float]]]] = {
     "ds2": ("DeepSpeed ZeRO-2", _deepspeed),
     "ds3": ("DeepSpeed ZeRO-3", _deepspeed),
 }
+DATA_PARALLEL_PAIRS = ("ddp", "ds1", "ds2")  # the ones whose only difference is the sync
 PLAIT_NAMES = {
     "ddp": "plait ddp",
     "zero3": "plait zero3",
@@ -451,7 +479,12 @@ def run_contender(rank: int, world: int, spec: Spec) -> dict[str, float]:
     if spec.pair.startswith("ds"):
         import deepspeed  # noqa: F401  (its import is library footprint, not training state)
     baseline = _rss_mib()
-    step = _plait_step(spec) if spec.side == "plait" else PEERS[spec.pair][1](spec)
+    if spec.side == "plait":
+        step = _plait_step(spec)
+    elif spec.side == "ceiling":
+        step = _no_gradient_sync(spec)
+    else:
+        step = PEERS[spec.pair][1](spec)
     batches = _batches(spec, rank)
     first_loss = step(batches[0])
     for batch in batches[1 : spec.warmup]:
@@ -510,6 +543,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="data-parallel pairs: also run the loop with no gradient sync in each round",
+    )
     args = parser.parse_args()
 
     models = [m for m in args.models.split(",") if m]
@@ -563,19 +601,20 @@ def _run_pair(args: argparse.Namespace, model: str, pair: str, peer_name: str) -
             warmup=args.warmup,
         )
 
-    runs: dict[str, list[dict[str, float]]] = {"plait": [], "peer": []}
+    ceiling = args.ceiling and pair in DATA_PARALLEL_PAIRS
+    runs: dict[str, list[dict[str, float]]] = {"plait": [], "peer": [], "ceiling": []}
     for round_index in range(args.rounds):
         order = ("plait", "peer") if round_index % 2 == 0 else ("peer", "plait")
-        for side in order:
+        for side in (*order, "ceiling") if ceiling else order:
             per_rank = run_distributed(run_contender, WORLD, spec(side), timeout=1800)
             runs[side].append(_combine(per_rank))
-    names = {"plait": PLAIT_NAMES[pair], "peer": peer_name}
+    names = {"plait": PLAIT_NAMES[pair], "peer": peer_name, "ceiling": "no gradient sync"}
     print(f"\n{model} · {pair}: {names['plait']} vs {names['peer']}")
     print(
         f"  {'':22} {'tokens/s':>9} {'CPU s/step':>11} {'peak RSS MiB':>13} "
         f"{'RSS growth MiB':>15} {'loss 1st→last':>16}"
     )
-    for side in ("plait", "peer"):
+    for side in ("plait", "peer", "ceiling") if ceiling else ("plait", "peer"):
         rows = runs[side]
 
         def med(key: str, rows: list[dict[str, float]] = rows) -> float:
@@ -588,10 +627,10 @@ def _run_pair(args: argparse.Namespace, model: str, pair: str, peer_name: str) -
             f"{rows[0]['first_loss']:7.4f}→{rows[0]['last_loss']:.4f}"
         )
 
-    def ratios(key: str) -> list[float]:
+    def ratios(key: str, over: str = "peer", side: str = "plait") -> list[float]:
         return [
             a[key] / b[key] if b[key] else math.nan
-            for a, b in zip(runs["plait"], runs["peer"], strict=True)
+            for a, b in zip(runs[side], runs[over], strict=True)
         ]
 
     print(
@@ -599,6 +638,12 @@ def _run_pair(args: argparse.Namespace, model: str, pair: str, peer_name: str) -
         f"CPU/step {_spread(ratios('cpu_seconds_per_step'))}, "
         f"RSS growth {_spread(ratios('rss_growth_mib'))}; load {os.getloadavg()[0]:.2f}"
     )
+    if ceiling:
+        print(
+            f"  of the no-sync ceiling (tokens/s): plait "
+            f"{_spread(ratios('tokens_per_second', 'ceiling'))}, peer "
+            f"{_spread(ratios('tokens_per_second', 'ceiling', 'peer'))}"
+        )
 
 
 if __name__ == "__main__":
