@@ -23,7 +23,13 @@ turbo, memory and power limits), so the peak is **measured once per host and cac
   under an exclusive file lock while the others wait on the lock, then read the same file;
   `plait calibrate` (or `plait daemon` at start) measures before any rank runs;
 * each rank gets the host figure divided by the ranks of its host (`$LOCAL_WORLD_SIZE`), so
-  every rank of a host reports the same peak and the job's peak is the hosts' sum.
+  every rank of a host reports the same peak and the job's peak is the hosts' sum;
+* a measurement that had to share the cores (its GEMM threads got less than
+  `SETTLED_CPU_SHARE` of the cores' time: other processes were running) is kept but not
+  *settled*: it is taken again once it is `UNSETTLED_RETRY_SECONDS` old, and the cache keeps the
+  higher of two figures (load can slow a GEMM down, never speed it up past the hardware). So a
+  first measurement on a busy host does not stay the host's ceiling for ever (ranks on a quiet
+  host would then read MFU above 100 %), and a busy host is not measured again at every start.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import socket
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # Dense peak TFLOP/s per device and dtype, from the vendors' datasheets (sparsity figures
@@ -97,6 +103,9 @@ PROBE_SECONDS = 0.1
 WARMUP_SECONDS = 0.3
 TRIAL_SECONDS = 0.4
 TRIALS = 5
+# The best trial's GEMM threads got at least this share of the cores' time: it had them alone.
+SETTLED_CPU_SHARE = 0.9
+UNSETTLED_RETRY_SECONDS = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +168,19 @@ class CpuCalibration:
     seconds: float  # how long the measurement took
     measured_at: float  # Unix time
     measured_by: str  # host:pid
+    # CPU time the best trial's threads got over (wall time × cores); None: not recorded (a file
+    # written before it was), which counts as unsettled.
+    cpu_share: float | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Measured with the cores to itself."""
+        return self.cpu_share is not None and self.cpu_share >= SETTLED_CPU_SHARE
+
+    def due_again(self, now: float | None = None) -> bool:
+        """An unsettled figure, old enough to be measured again."""
+        age = (time.time() if now is None else now) - self.measured_at
+        return not self.settled and age >= UNSETTLED_RETRY_SECONDS
 
     def per_rank(self, ranks_on_host: int) -> PeakFlops:
         ranks = max(ranks_on_host, 1)
@@ -204,18 +226,24 @@ def calibration_path(model: str | None = None, cores: int | None = None) -> Path
 
 
 def _gemm_rate(torch_dtype: object, size: int, seconds: float) -> float:
+    return _gemm_trial(torch_dtype, size, seconds)[0]
+
+
+def _gemm_trial(torch_dtype: object, size: int, seconds: float) -> tuple[float, float]:
+    """(FLOP/s, the share of the cores' time this process's threads got) over `seconds`."""
     import torch
 
     a = torch.randn(size, size).to(torch_dtype)  # type: ignore[arg-type]
     b = torch.randn(size, size).to(torch_dtype)  # type: ignore[arg-type]
     torch.mm(a, b)
-    count, start = 0, time.perf_counter()
+    count, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while True:
         torch.mm(a, b)
         count += 1
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
-            return count * 2.0 * size**3 / elapsed
+            share = (time.process_time() - cpu_start) / (elapsed * torch.get_num_threads())
+            return count * 2.0 * size**3 / elapsed, share
 
 
 def measure_cpu_peak(
@@ -249,7 +277,7 @@ def measure_cpu_peak(
         dtype = max(probes, key=probes.__getitem__) if probes else "float32"
         torch_dtype = getattr(torch, dtype)
         _gemm_rate(torch_dtype, size, warmup_seconds)
-        best = max(_gemm_rate(torch_dtype, size, trial_seconds) for _ in range(trials))
+        best, share = max(_gemm_trial(torch_dtype, size, trial_seconds) for _ in range(trials))
     finally:
         torch.set_num_threads(previous_threads)
     return CpuCalibration(
@@ -262,6 +290,7 @@ def measure_cpu_peak(
         seconds=time.perf_counter() - started,
         measured_at=time.time(),
         measured_by=f"{socket.gethostname()}:{os.getpid()}",
+        cpu_share=round(share, 3),
     )
 
 
@@ -277,7 +306,10 @@ def read_calibration(path: Path) -> CpuCalibration | None:
 def host_cpu_calibration(
     *, force: bool = False, measure_kwargs: Mapping[str, object] | None = None
 ) -> tuple[CpuCalibration, Path]:
-    """This host's cached calibration, measured now if there is none (or `force`).
+    """This host's cached calibration, measured now if there is none, if it is unsettled and
+    due again (`CpuCalibration.due_again`), or if `force`. A measurement taken because the cached
+    one was due replaces it only when it is higher; a forced one (`plait calibrate --force`, on
+    an idle host) replaces it whatever it is.
 
     The measurement runs under an exclusive lock on `<file>.lock`: concurrent callers on the
     host (the ranks of a job) block until it is written, then read it, so the GEMM has the
@@ -286,16 +318,27 @@ def host_cpu_calibration(
     path = calibration_path()
     if not force:
         cached = read_calibration(path)
-        if cached is not None:
+        if cached is not None and not cached.due_again():
             return cached, path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            cached = None if force else read_calibration(path)
-            if cached is not None:  # another process measured while we waited
-                return cached, path
+            cached = read_calibration(path)
+            if cached is not None and not force and not cached.due_again():
+                return cached, path  # another process measured while we waited
             calibration = measure_cpu_peak(**dict(measure_kwargs or {}))  # type: ignore[arg-type]
+            if not force and cached is not None and cached.flops > calibration.flops:
+                # Slower now: this measurement shared the cores. Keep the higher figure; it
+                # counts as settled once a measurement had the cores alone.
+                settled = calibration.settled or cached.settled
+                calibration = replace(
+                    cached,
+                    measured_at=calibration.measured_at,
+                    cpu_share=max(calibration.cpu_share or 0.0, cached.cpu_share or 0.0)
+                    if settled
+                    else calibration.cpu_share,
+                )
             partial = path.with_suffix(f".{os.getpid()}.tmp")
             partial.write_text(json.dumps(asdict(calibration), indent=2))
             os.replace(partial, path)  # readers never see a half-written file

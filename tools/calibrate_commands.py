@@ -7,10 +7,13 @@ a file lock, while the others wait), and `plait daemon` measures it at start.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from plait.core.peak_flops import CpuCalibration
 
 app = typer.Typer()
 
@@ -26,9 +29,18 @@ def report_calibration(console: Console, *, force: bool = False) -> None:
         f"{calibration.gemm_size}², {calibration.cores} cores at once, "
         f"{calibration.cpu_model}); per rank with {ranks_on_this_host()} rank(s) on this host: "
         f"{calibration.per_rank(ranks_on_this_host()).flops / 1e9:,.1f} GFLOP/s\n"
-        f"probe GFLOP/s: {probes} · measured by {calibration.measured_by} · cached in {path}",
+        f"probe GFLOP/s: {probes} · measured by {calibration.measured_by} · {_share(calibration)}"
+        f" · cached in {path}",
         highlight=False,
     )
+
+
+def _share(calibration: CpuCalibration) -> str:
+    share = calibration.cpu_share
+    if calibration.settled:
+        return f"the GEMM had the cores ({share:.0%} of their time)"
+    shown = "unknown" if share is None else f"{share:.0%}"
+    return f"the GEMM shared the cores ({shown} of their time): measured again once an hour old"
 
 
 @app.command()

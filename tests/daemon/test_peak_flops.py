@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +159,68 @@ def test_two_ranks_of_one_host_share_one_measurement(tmp_path: Path) -> None:
     # One process measured (under the lock); the other waited and read the same file.
     assert outputs[0] == outputs[1]
     assert outputs[0]["by"].rsplit(":", 1)[1] in {str(rank.pid) for rank in ranks}
+
+
+def calibration(flops: float, *, share: float | None, age: float) -> peak_flops.CpuCalibration:
+    return peak_flops.CpuCalibration(
+        flops=flops, dtype="float32", probe_flops={"float32": flops}, cpu_model="test",
+        cores=2, gemm_size=1024, seconds=3.0, measured_at=time.time() - age,
+        measured_by="test:1", cpu_share=share,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Write a cached calibration; measurements return the next figure of `measured`."""
+    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    measured: list[peak_flops.CpuCalibration] = []
+    monkeypatch.setattr(peak_flops, "measure_cpu_peak", lambda **_: measured.pop(0))
+
+    def write(cached: peak_flops.CpuCalibration) -> list[peak_flops.CpuCalibration]:
+        peak_flops.calibration_path().write_text(json.dumps(dataclasses.asdict(cached)))
+        return measured
+
+    return write
+
+
+HOUR = peak_flops.UNSETTLED_RETRY_SECONDS
+
+
+def test_a_figure_measured_on_a_busy_host_is_measured_again_later(cache: Any) -> None:
+    """A GEMM that shared the cores reads low; ranks on a quiet host would then show MFU above
+    100 %. It is used for a while (no measurement at every start), then measured again."""
+    measured = cache(calibration(78e9, share=0.5, age=60))
+    assert peak_flops.host_cpu_calibration()[0].flops == 78e9  # recent: used as it is
+    measured = cache(calibration(78e9, share=0.5, age=HOUR + 1))
+    measured.append(calibration(160e9, share=0.99, age=0))
+    again, path = peak_flops.host_cpu_calibration()
+    assert again.flops == 160e9 and again.settled
+    assert json.loads(path.read_text())["flops"] == 160e9
+    # Settled: never measured again, however old.
+    measured = cache(calibration(160e9, share=0.99, age=100 * HOUR))
+    assert peak_flops.host_cpu_calibration()[0].flops == 160e9
+
+
+def test_a_slower_measurement_never_lowers_the_cached_figure(cache: Any) -> None:
+    measured = cache(calibration(160e9, share=0.6, age=HOUR + 1))
+    measured.append(calibration(90e9, share=0.5, age=0))  # busier still
+    kept, _ = peak_flops.host_cpu_calibration()
+    assert kept.flops == 160e9 and not kept.settled
+    assert not kept.due_again()  # retried an hour from now, not at the next start
+    # A file from before the share was recorded counts as unsettled.
+    old = dataclasses.asdict(calibration(70e9, share=None, age=HOUR + 1))
+    del old["cpu_share"]
+    peak_flops.calibration_path().write_text(json.dumps(old))
+    measured.append(calibration(150e9, share=0.95, age=0))
+    assert peak_flops.host_cpu_calibration()[0].flops == 150e9
+
+
+def test_a_forced_measurement_replaces_the_figure(cache: Any) -> None:
+    measured = cache(calibration(160e9, share=0.99, age=0))
+    measured.append(calibration(120e9, share=0.99, age=0))
+    assert peak_flops.host_cpu_calibration(force=True)[0].flops == 120e9
+
+
+def test_the_measurement_records_whether_it_had_the_cores() -> None:
+    measured = peak_flops.measure_cpu_peak(**TINY_MEASUREMENT)
+    assert measured.cpu_share is not None and 0 < measured.cpu_share <= 1.05
