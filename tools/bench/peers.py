@@ -2,7 +2,7 @@
 
     python tools/bench/peers.py [--models llama,gpt2,user] [--pairs ddp,zero3,pp,tp,ds1,ds2,ds3]
                                 [--rounds 3] [--steps 8] [--dim 256] [--layers 4] [--vocab 2048]
-                                [--ceiling]
+                                [--ceiling] [--prefetch 1]
 
 Every pair trains one model on 2 Gloo ranks spawned by this script, plait on one side and the
 peer on the other, with the same hyper-parameters (AdamW lr 3e-3, betas (0.9, 0.95), eps 1e-8,
@@ -120,6 +120,7 @@ class Spec:
     micro_batch: int
     steps: int
     warmup: int
+    prefetch: int = 1  # plait zero3: units all-gathered ahead
 
     @property
     def clip(self) -> float:
@@ -233,6 +234,8 @@ def _plait_step(spec: Spec) -> Callable[[Any], float]:
         "schedule": {"name": "1f1b"},
         "telemetry": {"enabled": False},
     }
+    if PLAIT_PARALLEL[spec.pair].get("dp_strategy") == "zero3":
+        config["zero"] = {"prefetch": spec.prefetch}
     model = None
     if spec.model in BUILTIN:
         config["model"] = {"name": spec.model, "size": "tiny", "overrides": _overrides(spec)}
@@ -544,6 +547,9 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument(
+        "--prefetch", type=int, default=1, help="plait zero3: units all-gathered ahead"
+    )
+    parser.add_argument(
         "--ceiling",
         action="store_true",
         help="data-parallel pairs: also run the loop with no gradient sync in each round",
@@ -599,6 +605,7 @@ def _run_pair(args: argparse.Namespace, model: str, pair: str, peer_name: str) -
             micro_batch=args.micro_batch,
             steps=args.steps,
             warmup=args.warmup,
+            prefetch=args.prefetch,
         )
 
     ceiling = args.ceiling and pair in DATA_PARALLEL_PAIRS
