@@ -281,11 +281,9 @@ def _torch_ddp(spec: Spec) -> Callable[[Any], float]:
     return step
 
 
-def _no_gradient_sync(spec: Spec) -> Callable[[Any], float]:
-    """The data-parallel ceiling: the same loop with no gradient all-reduce (each rank steps on
-    its own gradients). No data-parallel implementation can beat it on these ranks; what the
-    pair gets below it is what synchronising costs them."""
-    model = _build_model(spec)
+def _accumulating_step(spec: Spec, model: nn.Module) -> Callable[[Any], float]:
+    """A step of `model` (whatever wraps it does the syncing): every micro-batch's backward,
+    clipping, AdamW."""
     optimizer = _adamw(model.parameters())
 
     def step(batch: Any) -> float:
@@ -301,6 +299,13 @@ def _no_gradient_sync(spec: Spec) -> Callable[[Any], float]:
         return _mean_loss(total)
 
     return step
+
+
+def _no_gradient_sync(spec: Spec) -> Callable[[Any], float]:
+    """The data-parallel ceiling: the same loop with no gradient all-reduce (each rank steps on
+    its own gradients). No data-parallel implementation can beat it on these ranks; what the
+    pair gets below it is what synchronising costs them."""
+    return _accumulating_step(spec, _build_model(spec))
 
 
 def _torch_fsdp2(spec: Spec) -> Callable[[Any], float]:
@@ -315,21 +320,7 @@ def _torch_fsdp2(spec: Spec) -> Callable[[Any], float]:
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = _adamw(model.parameters())
-
-    def step(batch: Any) -> float:
-        chunks = _chunks(spec, batch)
-        total = torch.zeros(())
-        for x, y in chunks:
-            loss = _ce(model(x), y) / len(chunks)
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return _mean_loss(total)
-
-    return step
+    return _accumulating_step(spec, model)
 
 
 def _torch_pipelining(spec: Spec) -> Callable[[Any], float]:
