@@ -265,23 +265,26 @@ class SpanExporter:
         if isinstance(load, PublishedExpertLoad):
             load = load.resolve()
         return [
-            self._encoder.span(
+            self._instant_span(
                 names.EXPERT_LOAD_SPAN_NAME,
-                trace_id=otlp_spans.new_trace_id(),
-                span_id=otlp_spans.new_span_id(),
-                start_ns=time_ns,
-                end_ns=time_ns,
-                attributes=otlp_spans.expert_load_attributes(step, layer),
+                time_ns,
+                otlp_spans.expert_load_attributes(step, layer),
             )
             for layer in load.layers
         ]
 
     def _job_end_span(self, outcome: str, last_step: int, time_ns: int) -> bytes:
+        return self._instant_span(
+            names.JOB_END_SPAN_NAME, time_ns, otlp_spans.job_end_attributes(outcome, last_step)
+        )
+
+    def _instant_span(self, name: str, time_ns: int, attributes: dict[str, Any]) -> bytes:
+        """A record with no duration, in a trace of its own."""
         return self._encoder.span(
-            names.JOB_END_SPAN_NAME,
+            name,
             trace_id=otlp_spans.new_trace_id(),
             span_id=otlp_spans.new_span_id(),
             start_ns=time_ns,
             end_ns=time_ns,
-            attributes=otlp_spans.job_end_attributes(outcome, last_step),
+            attributes=attributes,
         )
