@@ -14,7 +14,9 @@ ranks), the inter-node link otherwise.
 
 `fit_links` fits α and β per link kind by least squares to recorded spans (`CommSample`: op,
 bytes, group size, seconds, intra-node or not): each span is one equation
-`seconds = α·steps(op, g) + volume(op, g, S) · (1/β)`, linear in (α, 1/β).
+`seconds = α·steps(op, g) + volume(op, g, S) · (1/β)`, linear in (α, 1/β). Each collective
+family seen at two or more sizes also gets its own α–β (`Link.by_op`): backends implement each
+with its own algorithm, and one pair for all of them prices some several times off.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from plait.core.peak_flops import cache_dir
-from plait.planner.devices import DeviceSpec, Link
+from plait.planner.devices import DeviceSpec, Link, OpLink
 
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 P2P_OPS = ("send", "recv", "isend", "irecv")
@@ -44,9 +46,15 @@ def steps_and_volume(op: str, group: int, nbytes: float) -> tuple[float, float]:
     return float(group - 1), share * nbytes
 
 
+def op_family(op: str) -> str:
+    """The collective an op is priced as: point-to-point ops share one fit."""
+    return "send" if op in P2P_OPS else op
+
+
 def collective_seconds(op: str, group: int, nbytes: float, link: Link) -> float:
     steps, volume = steps_and_volume(op, group, nbytes)
-    return steps * link.alpha + volume / link.beta
+    alpha, beta = link.for_op(op_family(op))
+    return steps * alpha + volume / beta
 
 
 def group_is_intra_node(size: int, stride: int, per_node: int) -> bool:
@@ -68,14 +76,35 @@ class CommSample:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LinkFit:
+class OpFit:
+    """One collective family's own α–β on a link."""
+
+    op: str
     alpha: float
     beta: float
     samples: int
     rms_error_seconds: float
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkFit:
+    alpha: float
+    beta: float
+    samples: int
+    rms_error_seconds: float
+    by_op: tuple[OpFit, ...] = ()  # families with spans at two or more sizes
+
     def link(self) -> Link:
-        return Link(alpha=self.alpha, beta=self.beta)
+        return Link(
+            alpha=self.alpha,
+            beta=self.beta,
+            by_op=tuple(OpLink(op=f.op, alpha=f.alpha, beta=f.beta) for f in self.by_op),
+        )
+
+    @classmethod
+    def from_json(cls, data: dict) -> LinkFit:
+        by_op = tuple(OpFit(**entry) for entry in data.get("by_op", ()))
+        return cls(**{**data, "by_op": by_op})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,8 +124,8 @@ class LinkCalibration:
     def load(cls, path: Path) -> LinkCalibration:
         data = json.loads(path.read_text())
         return cls(
-            intra=LinkFit(**data["intra"]) if data.get("intra") else None,
-            inter=LinkFit(**data["inter"]) if data.get("inter") else None,
+            intra=LinkFit.from_json(data["intra"]) if data.get("intra") else None,
+            inter=LinkFit.from_json(data["inter"]) if data.get("inter") else None,
             source=str(data.get("source", "")),
             measured_at=float(data.get("measured_at", 0.0)),
         )
@@ -106,16 +135,21 @@ def default_calibration_path() -> Path:
     return cache_dir() / "plan-links.json"
 
 
-def _fit(samples: Sequence[CommSample]) -> LinkFit | None:
-    rows = [
+Row = tuple[float, float, float]  # (latency terms, volume, seconds)
+
+
+def _rows(samples: Sequence[CommSample]) -> list[Row]:
+    return [
         (*steps_and_volume(s.op, s.group, s.nbytes), s.seconds)
         for s in samples
         if s.seconds > 0 and (s.op in P2P_OPS or (s.op in RING_OPS and s.group > 1))
     ]
-    if len(rows) < 2:
-        return None
-    # Normal equations of seconds = α·a + v·b (b = 1/β), weighted by 1/seconds² so that small
-    # and large messages count alike (relative error), then clamped to physical values.
+
+
+def _least_squares(rows: Sequence[Row]) -> tuple[float, float, float]:
+    """(α, 1/β, rms error) of `seconds = α·a + v·(1/β)` over `rows`."""
+    # Normal equations weighted by 1/seconds² so that small and large messages count alike
+    # (relative error), then clamped to physical values.
     saa = sav = svv = sat = svt = 0.0
     for a, v, t in rows:
         w = 1.0 / (t * t)
@@ -136,11 +170,34 @@ def _fit(samples: Sequence[CommSample]) -> LinkFit | None:
         inv_beta = 1e-15
         alpha = sat / saa if saa else 0.0
     errors = [(alpha * a + v * inv_beta - t) ** 2 for a, v, t in rows]
+    return alpha, inv_beta, (sum(errors) / len(errors)) ** 0.5
+
+
+def _fit(samples: Sequence[CommSample]) -> LinkFit | None:
+    rows = _rows(samples)
+    if len(rows) < 2:
+        return None
+    alpha, inv_beta, rms = _least_squares(rows)
+    families: dict[str, list[CommSample]] = {}
+    for sample in samples:
+        families.setdefault(op_family(sample.op), []).append(sample)
+    by_op = []
+    for op, members in sorted(families.items()):
+        own = _rows(members)
+        # α and β apart need two message sizes; a family seen at one size keeps the shared fit
+        if len({volume for _, volume, _ in own}) < 2:
+            continue
+        op_alpha, op_inv_beta, op_rms = _least_squares(own)
+        by_op.append(
+            OpFit(op=op, alpha=op_alpha, beta=1.0 / op_inv_beta, samples=len(own),
+                  rms_error_seconds=op_rms)
+        )  # fmt: skip
     return LinkFit(
         alpha=alpha,
         beta=1.0 / inv_beta,
         samples=len(rows),
-        rms_error_seconds=(sum(errors) / len(errors)) ** 0.5,
+        rms_error_seconds=rms,
+        by_op=tuple(by_op),
     )
 
 

@@ -23,11 +23,32 @@ GIB = 2**30
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class OpLink:
+    """α–β of one collective on a link, where it was fitted on its own."""
+
+    op: str  # a collective family: "all_reduce", "all_gather", ..., "send" for point-to-point
+    alpha: float
+    beta: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Link:
     """α–β model of one kind of link: a message of `n` bytes takes `alpha + n / beta` seconds."""
 
     alpha: float  # seconds per message (latency)
     beta: float  # bytes per second (per rank's share of the link)
+    # Collectives fitted on their own. A backend implements each collective with its own
+    # algorithm and copies (Gloo's reduce-scatter costs several of its all-reduces; NCCL's
+    # all-gather and all-reduce reach different bus bandwidths), so one α–β for all of them
+    # prices some far off; the shared pair above serves the collectives without one.
+    by_op: tuple[OpLink, ...] = ()
+
+    def for_op(self, op: str) -> tuple[float, float]:
+        """(α, β) of collective family `op` on this link."""
+        for entry in self.by_op:
+            if entry.op == op:
+                return entry.alpha, entry.beta
+        return self.alpha, self.beta
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -208,6 +208,12 @@ def calibrate(
                 f"{fit.samples} spans (rms error {fit.rms_error_seconds * 1e3:.2f} ms)",
                 highlight=False,
             )
+            for own in fit.by_op:
+                console.print(
+                    f"  {own.op}: α {own.alpha * 1e6:.1f} µs, β {own.beta / 1e9:.2f} GB/s from "
+                    f"{own.samples} spans",
+                    highlight=False,
+                )
     console.print(f"wrote {path}")
 
 

@@ -207,15 +207,54 @@ def test_link_fit_recovers_alpha_and_beta() -> None:
     assert fit.inter.samples == 2
 
 
+def test_each_collective_family_gets_its_own_fit() -> None:
+    # Gloo-like: its all-gather moves a byte several times slower than its all-reduce, and a
+    # send has a latency of its own; one α–β for all of them prices each off by a factor.
+    truth = {
+        "all_reduce": Link(alpha=1e-3, beta=1e9),
+        "all_gather": Link(alpha=1.5e-3, beta=3e8),
+        "send": Link(alpha=6e-4, beta=4e9),
+    }
+    samples = [
+        CommSample(op=op, nbytes=n, group=g, intra_node=True,
+                   seconds=collective_seconds(op, g, n, link))
+        for op, link in truth.items()
+        for g in ((2,) if op == "send" else (2, 4))
+        for n in (6.5e4, 1e6, 4e6)
+    ]  # fmt: skip
+    # a family seen at one size only cannot separate α from β: it keeps the shared fit
+    samples.append(
+        CommSample(op="reduce_scatter", nbytes=1e6, group=4, seconds=8e-3, intra_node=True)
+    )
+    fit = fit_links(samples).intra
+    assert fit is not None
+    link = fit.link()
+    for op, true_link in truth.items():
+        for group, nbytes in ((4, 2e6), (2, 1e5)):
+            expected = collective_seconds(op, group, nbytes, true_link)
+            assert collective_seconds(op, group, nbytes, link) == pytest.approx(expected, rel=1e-6)
+    assert collective_seconds("isend", 2, 1e6, link) == collective_seconds("send", 2, 1e6, link)
+    assert {f.op for f in fit.by_op} == set(truth)
+    assert link.for_op("reduce_scatter") == (fit.alpha, fit.beta)
+
+
 def test_calibration_round_trip(tmp_path) -> None:
     samples = [
         CommSample(op="send", nbytes=n, group=2, seconds=1e-5 + n / 1e9, intra_node=True)
         for n in (1e3, 1e6)
     ]
     calibration = fit_links(samples, source="test")
+    assert calibration.intra is not None and calibration.intra.by_op  # the sends' own fit
     calibration.save(tmp_path / "links.json")
     loaded = LinkCalibration.load(tmp_path / "links.json")
     assert loaded.intra == calibration.intra and loaded.inter is None
+    assert loaded.intra.link() == calibration.intra.link()
+    # a file written before per-collective fits existed still loads
+    data = json.loads((tmp_path / "links.json").read_text())
+    del data["intra"]["by_op"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = LinkCalibration.load(tmp_path / "old.json").intra
+    assert old is not None and old.by_op == () and old.alpha == calibration.intra.alpha
 
 
 def test_trace_spans_become_samples_by_host() -> None:

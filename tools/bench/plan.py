@@ -45,6 +45,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -163,42 +165,69 @@ def calibrate_compute(args: argparse.Namespace) -> dict[str, Any]:
     return {"gemms": gemms, "attention_rate": attention_rate, "bandwidth": bandwidth}
 
 
+COMM_SIZES = (65536, 2**20, 4 * 2**20)
+COMM_ITERATIONS = 8
+
+
 def calibrate_comm() -> list[dict[str, Any]]:
-    """Time Gloo collectives like the daemon's comm spans record them: one sample per op."""
+    """Time Gloo collectives as training issues them, one sample per op and rank.
+
+    A ring collective follows a GEMM on every rank, so the ranks reach it as the sharing of the
+    cores leaves them (timed right after a barrier it finds its peers already there and costs
+    2–4× less than between a block's matmuls): its time is a loop of GEMM + op less the same
+    loop of GEMMs alone. A send is timed as a ping-pong with nothing between: in a pipeline the
+    schedule's simulator already prices the wait for the peer, the link only the transfer.
+    The ops are the single-tensor ones plait's torch communicator issues.
+    """
     dist = torch.distributed
+    # the single-tensor collectives, by torch 2.13's names where it has them
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
+    left, right = torch.randn(*SHARING_GEMM[:2]), torch.randn(*SHARING_GEMM[1:])
+
+    def loop(op: Callable[[], Any], *, work: bool = True) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(COMM_ITERATIONS):
+            if work:
+                torch.mm(left, right)
+            op()
+        dist.barrier()
+        return (time.perf_counter() - start) / COMM_ITERATIONS
+
+    base = min(loop(lambda: None) for _ in range(2))
     samples = []
-    for nbytes in (4096, 65536, 2**20, 4 * 2**20):
+
+    def record(op_name: str, nbytes: int, size: int, seconds: float) -> None:
+        samples.append({"op": op_name, "nbytes": nbytes, "group": size, "seconds": seconds})
+
+    for nbytes in COMM_SIZES:
         numel = nbytes // 4
+        buffer = torch.randn(numel)
         for group, size in ((None, WORLD), (pair, 2)):
-            buffer = torch.randn(numel)
-            for op in ("all_reduce", "all_gather", "reduce_scatter"):
-                for _ in range(3):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    if op == "all_reduce":
-                        dist.all_reduce(buffer, group=group)
-                    elif op == "all_gather":
-                        shard = buffer[: numel // size].clone()
-                        out = [torch.empty_like(shard) for _ in range(size)]
-                        dist.all_gather(out, shard, group=group)
-                    else:
-                        out_shard = torch.empty(numel // size)
-                        dist.reduce_scatter(out_shard, list(buffer.chunk(size)), group=group)
-                    samples.append({"op": op, "nbytes": nbytes, "group": size,
-                                    "seconds": time.perf_counter() - start})  # fmt: skip
+            shard = buffer[: numel // size].clone()
+            ops = {
+                "all_reduce": partial(dist.all_reduce, buffer, group=group),
+                "all_gather": partial(all_gather, buffer, shard, group=group),
+                "reduce_scatter": partial(reduce_scatter, shard, buffer, group=group),
+            }
+            for name, op in ops.items():
+                record(name, nbytes, size, loop(op) - base)
+        received = torch.empty_like(buffer)
+
+        def ping_pong(sent: torch.Tensor = buffer, received: torch.Tensor = received) -> None:
             peer = rank ^ 1
-            for _ in range(3):
-                dist.barrier()
-                start = time.perf_counter()
-                if rank % 2 == 0:
-                    dist.send(buffer, peer)
-                else:
-                    dist.recv(buffer, peer)
-                samples.append({"op": "send", "nbytes": nbytes, "group": 2,
-                                "seconds": time.perf_counter() - start})  # fmt: skip
+            if rank % 2 == 0:
+                dist.send(sent, peer)
+                dist.recv(received, peer)
+            else:
+                dist.recv(received, peer)
+                dist.send(sent, peer)
+
+        record("send", nbytes, 2, loop(ping_pong, work=False) / 2)
     return samples
 
 
@@ -309,10 +338,26 @@ def calibrate_alone_then_shared(rank: int, args: argparse.Namespace) -> dict[str
             compute = calibrate_compute(args)
             compute["block_overhead"] = block_overhead(args)
             compute["sharing_alone"] = _gemm_rate(*SHARING_GEMM, 0.5)
-    torch.distributed.barrier()
-    compute["sharing_together"] = _gemm_rate(*SHARING_GEMM, 0.5)
-    torch.distributed.barrier()
+    compute["sharing_together"] = _shared_gemm_rate(compute["sharing_alone"], 0.5)
     return compute
+
+
+def _shared_gemm_rate(alone_rate: float, seconds: float) -> float:
+    """The sharing GEMM's rate with every rank running the same count of it at once: the
+    count's FLOPs over the time from a barrier to the last rank's end, a rank's average share
+    of the cores. (A best-of-batches figure catches the moments a rank held more than its
+    share, and put the slow-down of 4 ranks on 2 cores at 1.5.)"""
+    m, k, n = SHARING_GEMM
+    flops = 2.0 * m * k * n
+    count = torch.tensor([max(int(alone_rate * seconds / flops), 1)])
+    torch.distributed.broadcast(count, src=0)  # the same work on every rank
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    for _ in range(int(count)):
+        torch.mm(a, b)
+    torch.distributed.barrier()
+    return int(count) * flops / (time.perf_counter() - start)
 
 
 # Engine steps that calibrate the strategies' fixed host costs: one- or two-sequence
@@ -553,6 +598,10 @@ def main() -> None:
         )
         rows.append((name, step, memory, predicted, cpu))
 
+    per_op = ", ".join(
+        f"{own.op} {own.alpha * 1e6:.0f} µs {own.beta / 1e9:.2f} GB/s"
+        for own in device.intra_node.by_op
+    )
     print(
         f"planner vs measured: llama dim={args.dim} layers={args.layers} seq={args.seq_len} "
         f"global batch={args.global_batch}, {WORLD} Gloo ranks on one host, fp32, "
@@ -565,7 +614,8 @@ def main() -> None:
         f"{device.attention_efficiency:.2f}, memory {device.memory_bandwidth / 1e9:.1f} GB/s, "
         f"ranks sharing the cores: ×{device.oversubscription:.2f} slower, "
         f"link α {device.intra_node.alpha * 1e6:.0f} µs β {device.intra_node.beta / 1e9:.2f} GB/s"
-        f", activations ×{job.activation_ratio:.2f} of the per-token formula, "
+        f" ({per_op}), "
+        f"activations ×{job.activation_ratio:.2f} of the per-token formula, "
         f"{device.block_overhead * 1e3:.2f} ms fixed per block pass; host overheads: "
         f"{device.microbatch_overhead * 1e3:.2f} ms per micro-batch, "
         f"{device.tp_block_overhead * 1e3:.2f} ms per tp block pass, "
