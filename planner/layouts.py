@@ -116,10 +116,18 @@ class Job:
     # scores, their softmax and its dropout mask are kept and streamed through memory.
     fused_attention: bool = True
     # What the model's implementation keeps for backward over what the per-token count in
-    # `memory_model` says (1: the formula); measured once per model family and host by
-    # e.g. `tools/bench/plan.py` (saved bytes after one forward ÷
-    # `memory_model.formula_saved_bytes`).
+    # `memory_model` says (1: the formula), for the tensors tp shards and, where measured apart,
+    # for the width-h tensors around the norms that it replicates (`None`: the same ratio).
+    # Measured once per model family and host by e.g. `tools/bench/plan.py` (saved bytes after
+    # one forward with and without tp, `memory_model.activation_ratios`).
     activation_ratio: float = 1.0
+    hidden_activation_ratio: float | None = None
+
+    @property
+    def hidden_ratio(self) -> float:
+        if self.hidden_activation_ratio is None:
+            return self.activation_ratio
+        return self.hidden_activation_ratio
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch", "world", "per_node"):

@@ -22,6 +22,7 @@ without their backward (`schedule_model.max_in_flight`), each for its layers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plait.planner.layouts import Job, Layout
@@ -79,24 +80,42 @@ def stage_parameters(job: Job, layout: Layout, stage: int) -> float:
     return total
 
 
-def activation_elements_per_token(job: Job, layout: Layout) -> tuple[float, float]:
-    """(kept per layer per token, one layer's full set) in elements, on one tp rank."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivationCount:
+    """Elements per token and layer on one tp rank, by how tensor parallelism splits them."""
+
+    hidden: float  # width-h tensors around the norms: replicated across tp unless sp
+    sharded: float  # q/k/v, attention output, MLP, scores: split by tp
+
+    @property
+    def total(self) -> float:
+        return self.hidden + self.sharded
+
+    def weighted(self, job: Job) -> float:
+        """Elements the implementation keeps: each class scaled by its measured ratio."""
+        return self.hidden * job.hidden_ratio + self.sharded * job.activation_ratio
+
+
+def activation_elements_per_token(
+    job: Job, layout: Layout
+) -> tuple[ActivationCount, ActivationCount]:
+    """(kept per layer per token, one layer's full set) on one tp rank."""
     model = job.model
     h, kv, t = model.dim, model.kv_dim, layout.tp
     ffn_width = model.top_k * model.expert_dim if model.num_experts else model.ffn_dim
     ffn_kept = model.ffn_matrices * ffn_width  # SwiGLU: gate, up, product; GELU: pre, post
     # Norm inputs and outputs (4 of width h) are replicated across tp without sp.
     split = float(t) if layout.sequence_parallel else 1.0
-    norms_in, norms_out = 2 * h / split, 2 * h / split
+    norms = 4 * h / split
     sharded = (h + 2 * kv + h + ffn_kept) / t
     # Unfused attention keeps scores and softmax (2·a·T elements per token) and a dropout mask
     # (a·T bytes): Korthikanti et al.'s 5·a·s/h term.
     scores = 0.0 if job.fused_attention else 2.5 * model.n_heads * job.seq_len / t
-    full = norms_in + norms_out + sharded + scores
+    full = ActivationCount(hidden=norms, sharded=sharded + scores)
     if layout.recompute == "full":
-        kept = h / split  # the block input only
-    elif layout.recompute == "selective":
-        kept = norms_in + (h + 2 * kv + h + ffn_kept - ffn_width) / t  # scores recomputed
+        kept = ActivationCount(hidden=h / split, sharded=0.0)  # the block input only
+    elif layout.recompute == "selective":  # norm outputs, scores and the MLP product rebuilt
+        kept = ActivationCount(hidden=norms / 2, sharded=sharded - ffn_width / t)
     else:
         kept = full
     return kept, full
@@ -126,10 +145,10 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
         rank=stage,
     )
     chunk_layers = layers / layout.virtual_stages
-    act = precision.activation_bytes * job.activation_ratio
-    activations = in_flight_chunks * chunk_layers * kept * tokens * act
+    act = precision.activation_bytes
+    activations = in_flight_chunks * chunk_layers * kept.weighted(job) * tokens * act
     if layout.recompute != "none":
-        activations += full * tokens * act  # the block being rebuilt in backward
+        activations += full.weighted(job) * tokens * act  # the block being rebuilt in backward
     logits = 0.0
     if stage == layout.pp - 1:
         # logits (compute dtype), their fp32 log-softmax kept for backward, the fp32 gradient
@@ -166,11 +185,26 @@ def fits(estimate: MemoryEstimate, usable_bytes: float) -> bool:
     return math.isfinite(estimate.total) and estimate.total <= usable_bytes
 
 
-def formula_saved_bytes(job: Job, *, micro_batch: int) -> float:
-    """What the formula says one process keeps after a forward of `micro_batch` sequences
-    (no parallelism, no recomputation): every layer's activations and the loss's log-softmax."""
-    layout = Layout(dp=1, micro_batch=micro_batch)
+def formula_saved_bytes(job: Job, layout: Layout) -> ActivationCount:
+    """What the formula says one rank keeps for its blocks after a forward of one micro-batch
+    of `layout` (no recomputation), in bytes by class, unscaled by the job's ratios: what a
+    measurement of the blocks' saved tensors is divided by to calibrate them."""
     kept, _ = activation_elements_per_token(job, layout)
-    tokens = micro_batch * job.seq_len
-    act = job.precision.activation_bytes
-    return job.model.n_layers * kept * tokens * act + tokens * job.model.vocab_size * 4
+    scale = job.model.n_layers * layout.micro_batch * job.seq_len * job.precision.activation_bytes
+    return ActivationCount(hidden=kept.hidden * scale, sharded=kept.sharded * scale)
+
+
+def activation_ratios(
+    measured: Sequence[tuple[Layout, float]], job: Job
+) -> tuple[float, float] | None:
+    """(hidden, sharded) ratios of measured to formula bytes, from the saved bytes of the
+    blocks under two layouts whose tp degrees differ (tp splits the classes differently);
+    `None` when the two do not separate them or give a ratio that is not positive."""
+    (first, first_bytes), (second, second_bytes) = measured
+    a, b = formula_saved_bytes(job, first), formula_saved_bytes(job, second)
+    det = a.hidden * b.sharded - a.sharded * b.hidden
+    if abs(det) < 1e-9 * abs(a.hidden * b.sharded):
+        return None
+    hidden = (first_bytes * b.sharded - second_bytes * a.sharded) / det
+    sharded = (a.hidden * second_bytes - b.hidden * first_bytes) / det
+    return (hidden, sharded) if hidden > 0 and sharded > 0 else None

@@ -27,7 +27,13 @@ from plait.planner.daemon_client import samples_from_trace
 from plait.planner.devices import DEVICES, Link, device_spec, efficiency_from_gemm_rates
 from plait.planner.explain import explain
 from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace, enumerate_layouts
-from plait.planner.memory_model import estimate_memory, layers_on_stage, stage_parameters
+from plait.planner.memory_model import (
+    activation_ratios,
+    estimate_memory,
+    formula_saved_bytes,
+    layers_on_stage,
+    stage_parameters,
+)
 from plait.planner.model_shape import resolve_shape
 from plait.planner.schedule_model import max_in_flight, pipeline_makespan
 from plait.planner.search import plan, price, why_slower
@@ -123,6 +129,32 @@ def test_activations_by_recompute_sp_cp_and_schedule() -> None:
     assert max_in_flight("1f1b", stages=4, microbatches=16, virtual=1, rank=3) == 1
     assert max_in_flight("gpipe", stages=4, microbatches=16, virtual=1, rank=0) == 16
     assert gpipe.activations > one_f.activations
+
+
+def test_activation_classes_calibrated_apart_price_tp_as_measured() -> None:
+    # An implementation that keeps 1.7× the formula's width-h tensors (a norm's normalised
+    # output besides its input) and 1.25× its tp-sharded ones (SwiGLU's silu output).
+    job = _job()
+    truth = dataclasses.replace(job, hidden_activation_ratio=1.7, activation_ratio=1.25)
+    alone, tp2 = Layout(dp=1), Layout(dp=2, tp=2, micro_batch=2)
+    measured = [(layout, formula_saved_bytes(job, layout)) for layout in (alone, tp2)]
+    measured = [(layout, count.hidden * 1.7 + count.sharded * 1.25) for layout, count in measured]
+    hidden, sharded = activation_ratios(measured, job)
+    assert (hidden, sharded) == (pytest.approx(1.7), pytest.approx(1.25))
+    calibrated = dataclasses.replace(job, hidden_activation_ratio=hidden, activation_ratio=sharded)
+    tp4 = Layout(dp=1, tp=4, micro_batch=8)
+    expected = estimate_memory(truth, tp4).activations
+    assert estimate_memory(calibrated, tp4).activations == pytest.approx(expected)
+    # one ratio fitted without tp, as before, under-prices tp4: its replicated share is larger
+    single = dataclasses.replace(
+        job, activation_ratio=measured[0][1] / formula_saved_bytes(job, alone).total
+    )
+    assert estimate_memory(single, tp4).activations < 0.97 * expected
+    assert estimate_memory(single, alone).activations == pytest.approx(
+        estimate_memory(truth, alone).activations
+    )
+    # two layouts with the same tp cannot separate the classes
+    assert activation_ratios([measured[0], (Layout(dp=2), measured[0][1])], job) is None
 
 
 def test_uneven_layer_split_and_stage_parameters() -> None:

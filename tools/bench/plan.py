@@ -17,8 +17,12 @@ rank at once (the ranks share the host's cores in training: `DeviceSpec.oversubs
   two-sequence micro-batch under tp 2, none of them a layout that is ranked; each overhead is what
   its measured difference to the DDP step leaves once the model's own difference is taken out;
 * Gloo collectives (all-reduce, all-gather, reduce-scatter, send/recv) at several sizes on
-  groups of 2 and 4 → α and β of the link (`comm_model.fit_links`, the code
-  `plait plan calibrate` runs on the daemon's spans).
+  groups of 2 and 4 → α and β of the link and of each collective (`comm_model.fit_links`, the
+  code `plait plan calibrate` runs on the daemon's spans), each ring collective timed after a
+  GEMM on every rank, as training issues it;
+* the bytes autograd keeps for the blocks after one forward, without tp and under tp 2 → how
+  much more than the per-token formula the implementation keeps of the width-h tensors tp
+  replicates and of those it shards (`memory_model.activation_ratios`).
 
 Then it trains a tiny Llama under every layout of `LAYOUTS` (dp / ZeRO 1-3 / recomputation /
 tp with and without sp / pp with 1F1B and interleaving / tp × pp), rounds alternating the
@@ -56,7 +60,7 @@ from plait.core.testing import run_distributed
 from plait.planner.comm_model import CommSample, fit_links
 from plait.planner.devices import DeviceSpec, Link, efficiency_from_gemm_rates
 from plait.planner.layouts import PRECISIONS, Job, Layout
-from plait.planner.memory_model import formula_saved_bytes
+from plait.planner.memory_model import activation_ratios, formula_saved_bytes
 from plait.planner.search import price
 from plait.planner.time_model import estimate_step_time
 
@@ -383,25 +387,40 @@ def calibrate_strategies(args: argparse.Namespace) -> dict[str, list[float]]:
     return out
 
 
-def saved_activation_bytes(args: argparse.Namespace, micro_batch: int = 1) -> float:
-    """Bytes autograd keeps after one forward + loss of the model in one process (no ranks)."""
+# tp shards some activations and replicates others: the saved bytes under it and without it
+# calibrate each class (`memory_model.activation_ratios`); not a ranked layout.
+MEMORY_TP_LAYOUT = Layout(dp=2, tp=2, micro_batch=2)
+
+
+def saved_activation_bytes(args: argparse.Namespace, layout: Layout | None = None) -> float:
+    """Bytes autograd keeps for the blocks after one forward of one micro-batch: of the model
+    in one process, or of `layout`'s engine on every rank at once (tp shards the model). The
+    logits are not counted: the loss's share is priced on its own."""
+    from plait.core.engine import Engine
     from plait.tools.bench.memory import LiveTensorMeter
 
-    model = _local_model(args)
-    tokens = torch.randint(0, 256, (micro_batch, args.seq_len + 1))
+    engine = Engine(config=engine_config(args, layout)) if layout is not None else None
+    model = engine.module if engine is not None else _local_model(args)
+    micro_batch = layout.micro_batch if layout is not None else 1
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (micro_batch, args.seq_len), generator=generator)
     gc.collect()
     with LiveTensorMeter(exclude=list(model.parameters())) as meter:
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        logits = model(tokens)
         gc.collect()
-        saved = meter.live - loss.untyped_storage().nbytes()
+        saved = meter.live - logits.untyped_storage().nbytes()
+    if engine is not None:
+        engine.close()
     return float(saved)
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     del world
     torch.manual_seed(rank)
-    saved = saved_activation_bytes(args)
+    saved = {
+        "saved_activation_bytes": saved_activation_bytes(args),
+        "saved_activation_bytes_tp": saved_activation_bytes(args, MEMORY_TP_LAYOUT),
+    }
     compute = calibrate_alone_then_shared(rank, args)
     comm = calibrate_comm()
     compute["strategies"] = calibrate_strategies(args)
@@ -410,7 +429,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     for round_index in range(args.rounds):
         for name in names if round_index % 2 == 0 else reversed(names):
             runs[name].append(measure_layout(args, LAYOUTS[name]))
-    return {"compute": compute, "comm": comm, "runs": runs, "saved_activation_bytes": saved}
+    return {"compute": compute, "comm": comm, "runs": runs, **saved}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,6 +531,24 @@ def calibrate_overheads(job: Job, per_rank: list[dict[str, Any]]) -> Job:
     return job
 
 
+def calibrate_activations(job: Job, per_rank: list[dict[str, Any]]) -> Job:
+    """`job` with the activation ratios of this implementation: the blocks' saved bytes after
+    one forward without tp and under `MEMORY_TP_LAYOUT` over what the formula says."""
+    alone = statistics.median(r.get("saved_activation_bytes", 0.0) for r in per_rank)
+    if alone <= 0:
+        return job
+    sharded = statistics.median(r.get("saved_activation_bytes_tp", 0.0) for r in per_rank)
+    ratios = None
+    if sharded > 0:
+        measured = [(Layout(dp=1), alone), (MEMORY_TP_LAYOUT, sharded)]
+        ratios = activation_ratios(measured, job)
+    if ratios is None:  # one ratio for both classes
+        ratio = alone / formula_saved_bytes(job, Layout(dp=1)).total
+        return dataclasses.replace(job, activation_ratio=ratio)
+    hidden, sharded_ratio = ratios
+    return dataclasses.replace(job, hidden_activation_ratio=hidden, activation_ratio=sharded_ratio)
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     def ranks(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=values.__getitem__)
@@ -570,11 +607,7 @@ def main() -> None:
         device=device,
         precision=PRECISIONS["fp32"],
     )
-    # One forward in one process calibrates the activation count for this implementation.
-    saved = statistics.median(r.get("saved_activation_bytes", 0.0) for r in per_rank)
-    if saved > 0:
-        ratio = saved / formula_saved_bytes(job, micro_batch=1)
-        job = dataclasses.replace(job, activation_ratio=ratio)
+    job = calibrate_activations(job, per_rank)
     job = calibrate_overheads(job, per_rank)
     device = job.device
     rows = []
@@ -615,7 +648,8 @@ def main() -> None:
         f"ranks sharing the cores: ×{device.oversubscription:.2f} slower, "
         f"link α {device.intra_node.alpha * 1e6:.0f} µs β {device.intra_node.beta / 1e9:.2f} GB/s"
         f" ({per_op}), "
-        f"activations ×{job.activation_ratio:.2f} of the per-token formula, "
+        f"activations ×{job.hidden_ratio:.2f} (width h) / ×{job.activation_ratio:.2f} (tp-sharded)"
+        " of the per-token formula, "
         f"{device.block_overhead * 1e3:.2f} ms fixed per block pass; host overheads: "
         f"{device.microbatch_overhead * 1e3:.2f} ms per micro-batch, "
         f"{device.tp_block_overhead * 1e3:.2f} ms per tp block pass, "
