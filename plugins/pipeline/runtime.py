@@ -64,6 +64,8 @@ from plait.plugins.pipeline.stages import ModelStage
 from plait.plugins.pipeline.topology import Layout
 
 MessageKey = tuple[str, int, int]  # ("activation" | "grad", micro-batch, local chunk)
+# `StageTimes` kinds, by `Backward.kind`, named as `timeline.ActionCosts`' fields
+BACKWARD_KINDS = {"full": "backward", "input": "backward_input", "weight": "backward_weight"}
 
 
 @dataclass
@@ -84,6 +86,14 @@ class StageTimes:
     recv_wait_seconds: float = 0.0
     first_start_ns: int = 0
     last_end_ns: int = 0
+    # compute seconds and action count by kind ("forward", "backward", "backward_input",
+    # "backward_weight"): what a replay of the schedule with this rank's costs needs
+    kind_seconds: dict[str, float] = field(default_factory=dict)
+    kind_counts: dict[str, int] = field(default_factory=dict)
+
+    def mean_seconds(self, kind: str) -> float | None:
+        count = self.kind_counts.get(kind, 0)
+        return self.kind_seconds[kind] / count if count else None
 
     @property
     def window_seconds(self) -> float:
@@ -287,10 +297,13 @@ class PipelineRuntime(ParallelRuntime):
 
     # -- handlers ------------------------------------------------------------------------------
 
-    def _timed(self, run: _StepRun, start_ns: int) -> None:
+    def _timed(self, run: _StepRun, start_ns: int, kind: str) -> None:
         end = time.time_ns()
         times = run.times
-        times.busy_seconds += (end - start_ns) / 1e9
+        seconds = (end - start_ns) / 1e9
+        times.busy_seconds += seconds
+        times.kind_seconds[kind] = times.kind_seconds.get(kind, 0.0) + seconds
+        times.kind_counts[kind] = times.kind_counts.get(kind, 0) + 1
         times.first_start_ns = min(times.first_start_ns or start_ns, start_ns)
         times.last_end_ns = max(times.last_end_ns, end)
 
@@ -314,7 +327,7 @@ class PipelineRuntime(ParallelRuntime):
         else:
             run.outgoing[("activation", mb, chunk)] = output.detach().to(self._activation_dtype())
         run.saved[(mb, chunk)] = _Saved(stage_input=stage_input, output=output)
-        self._timed(run, start)
+        self._timed(run, start, "forward")
 
     def _backward(self, run: _StepRun, action: Backward) -> None:
         mb, chunk = action.microbatch, action.chunk
@@ -352,7 +365,7 @@ class PipelineRuntime(ParallelRuntime):
             else:
                 grads = None if saved.output_grad is None else [saved.output_grad]
                 torch.autograd.backward([saved.output], grads)
-        self._timed(run, start)
+        self._timed(run, start, BACKWARD_KINDS[action.kind])
 
     def _check_weight_groups(
         self, chunk: int, params: list[nn.Parameter], param_groups: list[dict[str, Any]]

@@ -93,10 +93,12 @@ def simulate_timeline(
     *,
     num_stages: int,
     virtual_stages: int = 1,
-    costs: ActionCosts | None = None,
+    costs: ActionCosts | Mapping[int, ActionCosts] | None = None,
 ) -> Timeline:
-    """Time every action of every rank; raises `ScheduleError` if the programs deadlock."""
+    """Time every action of every rank; raises `ScheduleError` if the programs deadlock.
+    `costs` may differ per rank (a replay of a measured step, whose stages are not equal)."""
     costs = costs or ActionCosts()
+    per_rank = costs if isinstance(costs, Mapping) else dict.fromkeys(programs, costs)
     layout = Layout(num_stages, virtual_stages)
     issued_at: dict[Message, float] = {}
     clock = dict.fromkeys(programs, 0.0)
@@ -115,11 +117,11 @@ def simulate_timeline(
                 if moved is not None and moved[0] == "recv":
                     if moved[1] not in issued_at:
                         break
-                    end = max(start, issued_at[moved[1]] + costs.p2p_latency)
+                    end = max(start, issued_at[moved[1]] + per_rank[rank].p2p_latency)
                 elif moved is not None:
                     issued_at[moved[1]] = start
                 else:
-                    end = start + costs.of(action)
+                    end = start + per_rank[rank].of(action)
                 rows[rank].append(TimedAction(action, start, end))
                 clock[rank] = end
                 position[rank] += 1

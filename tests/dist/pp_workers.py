@@ -8,6 +8,7 @@ engine on the already-initialised process group.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Generator
@@ -163,6 +164,7 @@ def train(
         names = {id(p): full_name(n) for n, p in engine.module.named_parameters()}
         dp_size, dp_rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
         losses, norms, bubbles, idle_spans, late_receives = [], [], [], 0, 0
+        kind_counts, kinds_add_up = {}, False
         for inputs, targets in global_batches(steps, global_batch):
             counter.recv_issued_ns.clear()
             share = global_batch // dp_size
@@ -179,6 +181,11 @@ def train(
             )
             if pipeline_runtime is not None:
                 bubbles.append(pipeline_runtime.last_bubble_fraction)
+                times = pipeline_runtime.last_stage_times
+                kind_counts = dict(times.kind_counts)
+                kinds_add_up = math.isclose(
+                    sum(times.kind_seconds.values()), times.busy_seconds, rel_tol=1e-9
+                )
         ddp_runtime = next(
             (rt for rt in engine.runtimes if isinstance(rt, BucketedAllReduce)), None
         )
@@ -191,6 +198,8 @@ def train(
                 "grad_norms": norms,
                 "grads": grads,
                 "bubbles": bubbles,
+                "kind_counts": kind_counts,  # compute actions by kind, last step
+                "kinds_add_up": kinds_add_up,
                 "idle_spans": idle_spans,
                 "late_receives": late_receives,  # most in one step
                 "num_microbatches": global_batch // dp_size,

@@ -89,6 +89,15 @@ def _assert_matches(run: dict[str, Any], reference: dict[str, Any], *, covered: 
     )
     assert all(0.5 * theory <= b < 1.0 for b in run["bubbles"]), (what, theory, run["bubbles"])
     assert run["idle_spans"] > 0, f"{what}: waits for peers must appear as 'idle' spans"
+    # every compute action is timed under its kind, and the kinds make up the busy time
+    chunks = run["num_microbatches"] * run.get("virtual", 1)
+    split = run["schedule"].startswith("zb")
+    expected = (
+        {"forward": chunks, "backward_input": chunks, "backward_weight": chunks}
+        if split
+        else {"forward": chunks, "backward": chunks}
+    )
+    assert run["kind_counts"] == expected and run["kinds_add_up"], (what, run["kind_counts"])
 
 
 # -- the split, on the meta device -------------------------------------------------------------

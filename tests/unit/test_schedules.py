@@ -323,6 +323,18 @@ def test_timeline_times_follow_dependencies_and_latency() -> None:
     assert slow.bubble_fraction > timeline.bubble_fraction
 
 
+def test_timeline_replays_stages_of_unequal_cost() -> None:
+    # 1F1B, p = 2, m = 4, the last stage twice as slow: it is busy from the first forward's
+    # hand-over to its last backward, then the first stage runs its last backward.
+    programs = build_programs("1f1b", num_microbatches=4, num_stages=2)
+    costs = {0: ActionCosts(forward=1.0, backward=2.0), 1: ActionCosts(forward=2.0, backward=4.0)}
+    timeline = simulate_timeline(programs, num_stages=2, costs=costs)
+    assert timeline.makespan == 1.0 + 4 * (2.0 + 4.0) + 2.0
+    assert timeline.bubble_fraction == pytest.approx(1 - (4 * 3 + 4 * 6) / (2 * 27))
+    equal = simulate_timeline(programs, num_stages=2, costs=ActionCosts(forward=1.0, backward=2.0))
+    assert equal.bubble_fraction == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+
+
 def test_timeline_renders_as_text_and_png(tmp_path) -> None:
     programs = build_programs("zb_h1", num_microbatches=4, num_stages=2)
     timeline = simulate_timeline(programs, num_stages=2)
