@@ -4,18 +4,19 @@
 tensor references, so buffers are not kept alive) and a start/end time. An op ends
 
 * for a synchronous op, when the hook returns;
-* for an asynchronous op, when the caller's `wait()` on its work returns (`TimedWork`), or,
-  for an op nobody waits on, when the step's records are collected and its work reports
-  completion (`done`);
+* for an asynchronous op, when the caller's `wait()` on its work returns (`TimedWork`), or
+  earlier, when a later op's issue finds its work completed (the telemetry plugin asks every
+  unwaited op then), or, for an op nobody waits on, when the step's records are collected and
+  its work reports completion (`done`);
 * on CUDA, at CUDA events recorded around the op and read after the step (`resolve_cuda`), so
   the timing is the device's, and no `synchronize()` is ever added to the step.
 
 NOTE: an asynchronous op's end is deliberately *not* taken from a completion callback
 (`Work.get_future().then(...)`): the backend runs such a callback on its own thread, which
 must take the GIL from the training thread once per collective — the largest cost telemetry
-had on a step. The engine waits on every op it issues before using the result, so the wait is
-where the op's result becomes usable; an op that finished earlier is hidden under compute either
-way, which is what the bottleneck analysis measures.
+had on a step. Asking `is_completed()` at the next issue bounds an op's end by that issue
+instead, so a bucket's all-reduce that ran under backward is not stretched to the wait after
+backward, which counted the compute it hid under as communication.
 """
 
 from __future__ import annotations

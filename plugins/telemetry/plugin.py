@@ -66,6 +66,8 @@ class TelemetryPlugin:
         self._uses_cuda = False
         # Last sequence number issued per (group name, ranks), collectives only.
         self.entered: dict[tuple[str, tuple[int, ...]], int] = {}
+        # Host-timed async ops not yet waited on: each op issued asks them whether they are done.
+        self._unwaited: list[CommRecord] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -132,6 +134,8 @@ class TelemetryPlugin:
     def plait_communicate(self, request: CommRequest) -> Generator[None, Work, Work]:
         if self.telemetry is None:
             return (yield)
+        if self._unwaited:
+            self._stamp_completed()
         record = CommRecord.begin(request, self.step)
         if _is_group_collective(request.op, request.purpose):
             self.entered[(request.group_name, request.group_ranks)] = request.seq
@@ -147,9 +151,28 @@ class TelemetryPlugin:
             record.finish()
             raise
         if request.async_op and not isinstance(work, CompletedWork):
+            if record.cuda_start is None:
+                self._unwaited.append(record)
             return track_async_completion(work, record)
         record.finish()
         return work
+
+    def _stamp_completed(self) -> None:
+        """End the unwaited async ops whose work reports completion, at this op's issue: a DDP
+        bucket's all-reduce that finished under backward ends by the next bucket's issue, not
+        at the wait after backward (which would count the compute it hid under as its time).
+        One `is_completed()` per op in flight, on this thread; no callback on the backend's."""
+        still = []
+        for record in self._unwaited:
+            work = record.work
+            if work is None:  # waited on meanwhile
+                continue
+            completed = getattr(work, "is_completed", None)
+            if completed is not None and completed():
+                record.finish()
+            else:
+                still.append(record)
+        self._unwaited = still
 
     def _finished_comm_records(self, *, final: bool) -> list[CommRecord]:
         """Records that are done (device times read where timed on CUDA); the others wait for a

@@ -199,6 +199,30 @@ def test_async_ops_end_when_waited_or_when_found_complete_at_step_end(
     assert plugin.records == []
 
 
+def test_an_async_op_that_finished_under_compute_ends_by_the_next_issue_not_its_wait(
+    rank: tuple[Plugins, TelemetryPlugin, AsyncBackend],
+) -> None:
+    # DDP's pattern: a bucket's all-reduce finishes while backward computes, the next bucket
+    # is issued, and both are waited on after backward.
+    plugins, plugin, backend = rank
+    comm = Comm(plugins)
+    group = Group(name="dp", ranks=(0, 1))
+    tensor = torch.zeros(8)
+    plugins.step_start(7)
+    first = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    record = plugin.records[-1]
+    backend.works[-1].completed = True  # done under the compute that follows
+    time.sleep(0.02)
+    second = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    issued = plugin.records[-1].start_ns
+    time.sleep(0.02)  # the rest of backward
+    first.wait()
+    second.wait()
+    assert 0 < record.end_ns <= issued, "the finished op was stretched to its wait"
+    assert plugin.records[-1].end_ns > issued
+    plugins.step_end(report(7))
+
+
 def test_expert_load_and_the_end_of_run_are_queued_never_built_as_sdk_spans(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
