@@ -13,8 +13,9 @@ The second table is plait's measured pipeline bubble (`1 - Σ busy / (P · makes
 runtime's per-action timings) for every schedule against the closed forms: (p-1)/(m+p-1) for
 GPipe and 1F1B, (p-1)/(v·m+p-1) for interleaved 1F1B, and ZB-H1's (p-1)(F+I-W) bubble with the
 textbook costs F = I = W. Between them, the replay: the schedule simulated with each stage's
-measured mean time per action kind and free hand-overs. Replay minus theory is what the
-stages' imbalance costs; measured minus replay is what the P2P hand-overs and host gaps cost.
+measured mean time per action kind and free hand-overs (printed per stage: forward / backward,
+or forward / input / weight gradient). Replay minus theory is what the stages' imbalance costs;
+measured minus replay is what the P2P hand-overs and host gaps cost.
 """
 
 from __future__ import annotations
@@ -245,7 +246,9 @@ def main() -> None:
     ranks = run_distributed(bubbles, 2, args, timeout=3600)
     print("\nmeasured bubble (plait runtime, pp=2) vs the replay of its stages' measured action")
     print("times with free hand-overs (stage imbalance only) and the closed-form theory")
-    print(f"{'schedule':24} {'measured':>9} {'replay':>7} {'theory':>7}  formula")
+    print(
+        f"{'schedule':24} {'measured':>9} {'replay':>7} {'theory':>7}  {'ms per action':30} formula"
+    )
     for key, value in ranks[0]["bubbles"].items():
         schedule, m = key.split(" m=")
         theory, formula = theoretical_bubble_fraction(
@@ -254,8 +257,12 @@ def main() -> None:
             num_microbatches=int(m),
             virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
         ) or (float("nan"), "")
-        replay = replayed_bubble(key, [r["costs"][key] for r in ranks])
-        print(f"{key:24} {value:9.3f} {replay:7.3f} {theory:7.3f}  {formula}")
+        costs = [r["costs"][key] for r in ranks]
+        replay = replayed_bubble(key, costs)
+        actions = " | ".join(
+            "/".join(f"{seconds * 1e3:.1f}" for seconds in stage.values()) for stage in costs
+        )
+        print(f"{key:24} {value:9.3f} {replay:7.3f} {theory:7.3f}  {actions:30} {formula}")
 
 
 if __name__ == "__main__":
