@@ -15,6 +15,7 @@ from tests.daemon.daemon_fakes import job_info
 
 HANG_JOB_ID = "hang"
 SLOW_JOB_ID = "slow"
+BUCKET_JOB_ID = "buckets"
 
 
 def stall_before_all_reduce(
@@ -38,6 +39,37 @@ def stall_before_all_reduce(
         results.append(tensor[0].item())
     plugins.job_end()
     return results
+
+
+def bucket_finishing_under_compute(
+    rank: int, world_size: int, address: str, compute_seconds: float
+) -> dict[str, float]:
+    """DDP's pattern on real Gloo: a bucket's async all-reduce, `compute_seconds` of backward
+    under which it finishes, the next bucket's issue, then both waited on. Returns the first
+    bucket's recorded duration and how long after its start the second was issued."""
+    plugins = Plugins.create(autoload=False, builtins=(("torch_comm", "plait.plugins.torch_comm"),))
+    plugin = make_plugin()
+    plugins.register(plugin, "telemetry")
+    plugins.configure(load_config({"telemetry": {"daemon": address}}))
+    plugins.job_start(job_info(rank=rank, world_size=world_size, job_id=BUCKET_JOB_ID))
+    torch.distributed.barrier()
+    comm = Comm(plugins)
+    group = world_group()
+    plugins.step_start(0)
+    first = comm.all_reduce(torch.ones(4096), group=group, purpose="grad_bucket", async_op=True)
+    record = plugin.records[-1]
+    time.sleep(compute_seconds)  # the backward it hides under
+    second = comm.all_reduce(torch.ones(4096), group=group, purpose="grad_bucket", async_op=True)
+    issued = plugin.records[-1].start_ns
+    time.sleep(compute_seconds)  # the rest of backward
+    first.wait()
+    second.wait()
+    result = {
+        "first_seconds": (record.end_ns - record.start_ns) / 1e9,
+        "second_issued_after": (issued - record.start_ns) / 1e9,
+    }
+    plugins.job_end()
+    return result
 
 
 def train_slow_loader_and_rank(

@@ -16,6 +16,7 @@ from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.daemon.analysis_workers import (
     HANG_JOB_ID,
     SLOW_JOB_ID,
+    bucket_finishing_under_compute,
     stall_before_all_reduce,
     train_slow_loader_and_rank,
 )
@@ -117,3 +118,16 @@ def test_slow_loader_is_data_bound_and_slow_rank_is_flagged(daemon_server, daemo
     flagged = {s.rank: s for s in response.stragglers}
     assert flagged[1].flagged and not flagged[0].flagged
     assert flagged[1].compute_score > 0.2 > flagged[0].compute_score
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_bucket_that_finished_under_backward_is_not_timed_to_its_wait(daemon_server) -> None:
+    # Real Gloo work handles: a 16 KB all-reduce takes a millisecond or so; stamped at its wait
+    # it would read 2 × 0.3 s, at the next bucket's issue 0.3 s at most.
+    compute = 0.3
+    for result in run_distributed(
+        bucket_finishing_under_compute, 2, daemon_server.address, compute, timeout=90
+    ):
+        assert result["first_seconds"] <= result["second_issued_after"] + 0.01, result
+        assert result["first_seconds"] < 1.5 * compute, result
