@@ -99,6 +99,8 @@ def simulate_timeline(
     `costs` may differ per rank (a replay of a measured step, whose stages are not equal)."""
     costs = costs or ActionCosts()
     per_rank = costs if isinstance(costs, Mapping) else dict.fromkeys(programs, costs)
+    if missing := sorted(set(programs) - set(per_rank)):
+        raise ScheduleError(f"no action costs for ranks {missing}")
     layout = Layout(num_stages, virtual_stages)
     issued_at: dict[Message, float] = {}
     clock = dict.fromkeys(programs, 0.0)

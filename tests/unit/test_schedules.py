@@ -333,6 +333,8 @@ def test_timeline_replays_stages_of_unequal_cost() -> None:
     assert timeline.bubble_fraction == pytest.approx(1 - (4 * 3 + 4 * 6) / (2 * 27))
     equal = simulate_timeline(programs, num_stages=2, costs=ActionCosts(forward=1.0, backward=2.0))
     assert equal.bubble_fraction == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    with pytest.raises(ScheduleError, match=r"no action costs for ranks \[1\]"):
+        simulate_timeline(programs, num_stages=2, costs={0: ActionCosts()})
 
 
 def test_timeline_renders_as_text_and_png(tmp_path) -> None:
