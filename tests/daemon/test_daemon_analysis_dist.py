@@ -124,8 +124,8 @@ def test_slow_loader_is_data_bound_and_slow_rank_is_flagged(daemon_server, daemo
 @pytest.mark.timeout(120)
 def test_a_bucket_that_finished_under_backward_is_not_timed_to_its_wait(daemon_server) -> None:
     # Real Gloo work handles: a 16 KB all-reduce takes a millisecond or so; stamped at its wait
-    # it would read 2 × 0.3 s, at the next bucket's issue 0.3 s at most.
-    compute = 0.3
+    # it would read 2 × 0.5 s, at the next bucket's issue 0.5 s at most.
+    compute = 0.5
     for result in run_distributed(
         bucket_finishing_under_compute, 2, daemon_server.address, compute, timeout=90
     ):
