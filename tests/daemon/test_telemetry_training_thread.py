@@ -171,18 +171,22 @@ def test_the_training_thread_registers_no_callbacks_and_builds_no_spans(
     assert per_op <= MAX_TELEMETRY_CALLS_PER_OP, recorder.calls
 
 
+def async_bucket(comm: Comm) -> Any:
+    """One gradient bucket's async all-reduce on the dp group, as DDP issues it."""
+    group = Group(name="dp", ranks=(0, 1))
+    return comm.all_reduce(torch.zeros(8), group=group, purpose="grad_bucket", async_op=True)
+
+
 def test_async_ops_end_when_waited_or_when_found_complete_at_step_end(
     rank: tuple[Plugins, TelemetryPlugin, AsyncBackend],
 ) -> None:
     plugins, plugin, backend = rank
     comm = Comm(plugins)
-    group = Group(name="dp", ranks=(0, 1))
-    tensor = torch.zeros(8)
     plugins.step_start(5)
-    waited = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    waited = async_bucket(comm)
     # The second op finishes without a wait; the third is still running at step end.
-    comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
-    never = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    async_bucket(comm)
+    never = async_bucket(comm)
     records = list(plugin.records[-3:])
     assert all(r.end_ns == 0 for r in records), "an op ended before anyone waited"
     time.sleep(0.002)
@@ -206,14 +210,12 @@ def test_an_async_op_that_finished_under_compute_ends_by_the_next_issue_not_its_
     # is issued, and both are waited on after backward.
     plugins, plugin, backend = rank
     comm = Comm(plugins)
-    group = Group(name="dp", ranks=(0, 1))
-    tensor = torch.zeros(8)
     plugins.step_start(7)
-    first = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    first = async_bucket(comm)
     record = plugin.records[-1]
     backend.works[-1].completed = True  # done under the compute that follows
     time.sleep(0.02)
-    second = comm.all_reduce(tensor, group=group, purpose="grad_bucket", async_op=True)
+    second = async_bucket(comm)
     issued = plugin.records[-1].start_ns
     time.sleep(0.02)  # the rest of backward
     first.wait()
