@@ -21,8 +21,8 @@ REDUCE_OPS = {
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn on every call); older
 # releases have only the old names.
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def run_torch_distributed(request: CommRequest) -> Work:
@@ -36,12 +36,12 @@ def run_torch_distributed(request: CommRequest) -> Work:
             )
         case "reduce_scatter":
             output, input = request.tensors
-            work = _REDUCE_SCATTER(
+            work = REDUCE_SCATTER_SINGLE(
                 output, input, op=REDUCE_OPS[request.reduce_op], group=group, async_op=async_op
             )
         case "all_gather":
             output, input = request.tensors
-            work = _ALL_GATHER(output, input, group=group, async_op=async_op)
+            work = ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
         case "all_to_all":
             output, input = request.tensors
             work = dist.all_to_all_single(

@@ -183,10 +183,9 @@ def calibrate_comm() -> list[dict[str, Any]]:
     schedule's simulator already prices the wait for the peer, the link only the transfer.
     The ops are the single-tensor ones plait's torch communicator issues.
     """
+    from plait.plugins.torch_comm import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+
     dist = torch.distributed
-    # the single-tensor collectives, by torch 2.13's names where it has them
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
@@ -215,8 +214,8 @@ def calibrate_comm() -> list[dict[str, Any]]:
             shard = buffer[: numel // size].clone()
             ops = {
                 "all_reduce": partial(dist.all_reduce, buffer, group=group),
-                "all_gather": partial(all_gather, buffer, shard, group=group),
-                "reduce_scatter": partial(reduce_scatter, shard, buffer, group=group),
+                "all_gather": partial(ALL_GATHER_SINGLE, buffer, shard, group=group),
+                "reduce_scatter": partial(REDUCE_SCATTER_SINGLE, shard, buffer, group=group),
             }
             for name, op in ops.items():
                 record(name, nbytes, size, loop(op) - base)
@@ -537,16 +536,16 @@ def calibrate_activations(job: Job, per_rank: list[dict[str, Any]]) -> Job:
     alone = statistics.median(r.get("saved_activation_bytes", 0.0) for r in per_rank)
     if alone <= 0:
         return job
-    sharded = statistics.median(r.get("saved_activation_bytes_tp", 0.0) for r in per_rank)
+    under_tp = statistics.median(r.get("saved_activation_bytes_tp", 0.0) for r in per_rank)
     ratios = None
-    if sharded > 0:
-        measured = [(Layout(dp=1), alone), (MEMORY_TP_LAYOUT, sharded)]
+    if under_tp > 0:
+        measured = [(Layout(dp=1), alone), (MEMORY_TP_LAYOUT, under_tp)]
         ratios = activation_ratios(measured, job)
     if ratios is None:  # one ratio for both classes
         ratio = alone / formula_saved_bytes(job, Layout(dp=1)).total
         return dataclasses.replace(job, activation_ratio=ratio)
-    hidden, sharded_ratio = ratios
-    return dataclasses.replace(job, hidden_activation_ratio=hidden, activation_ratio=sharded_ratio)
+    hidden, sharded = ratios
+    return dataclasses.replace(job, hidden_activation_ratio=hidden, activation_ratio=sharded)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
