@@ -17,13 +17,15 @@ sums its heads in registers — no atomics, deterministic, and no per-query-head
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from plait.plugins.kernels_triton.launch import dot_precision, interpreting
+from plait.plugins.kernels_triton.launch import dot_precision
+from plait.plugins.kernels_triton.tuning import Tile, TileTuner, power_of_two_class, tile
 
 LOG2_E = 1.4426950408889634
 DEFAULT_BLOCK = 64
@@ -238,10 +240,66 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _blocks(block_m: int | None, block_n: int | None, head_dim: int) -> tuple[int, int, int]:
+def _head_block(head_dim: int) -> int:
     # tl.dot needs every tile dimension to be at least 16.
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    return block_m or DEFAULT_BLOCK, block_n or DEFAULT_BLOCK, block_d
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# The default is the FlashAttention-2 64×64 tile. The candidates follow each kernel's loop: the
+# forward and dQ hold a query block (BLOCK_M) and walk key blocks, so they try tall query
+# blocks; dK/dV holds a key block (BLOCK_N) and walks query blocks, so it tries tall key
+# blocks (the shapes Triton's fused-attention tutorial uses on Hopper and Ampere).
+DEFAULT_TILE = tile(4, 2, BLOCK_M=DEFAULT_BLOCK, BLOCK_N=DEFAULT_BLOCK)
+FORWARD_TILES = TileTuner(
+    "attention.forward",
+    (
+        DEFAULT_TILE,
+        tile(4, 3, BLOCK_M=128, BLOCK_N=64),
+        tile(8, 3, BLOCK_M=128, BLOCK_N=64),
+        tile(8, 3, BLOCK_M=128, BLOCK_N=128),
+        tile(4, 4, BLOCK_M=128, BLOCK_N=32),
+        tile(4, 3, BLOCK_M=64, BLOCK_N=32),
+    ),
+    default=DEFAULT_TILE,
+)
+DQ_TILES = TileTuner(
+    "attention.backward_dq",
+    (
+        DEFAULT_TILE,
+        tile(4, 3, BLOCK_M=128, BLOCK_N=32),
+        tile(8, 2, BLOCK_M=128, BLOCK_N=64),
+        tile(4, 5, BLOCK_M=128, BLOCK_N=32),
+        tile(4, 3, BLOCK_M=64, BLOCK_N=32),
+    ),
+    default=DEFAULT_TILE,
+)
+DKDV_TILES = TileTuner(
+    "attention.backward_dkdv",
+    (
+        DEFAULT_TILE,
+        tile(4, 3, BLOCK_M=32, BLOCK_N=128),
+        tile(8, 2, BLOCK_M=64, BLOCK_N=128),
+        tile(4, 5, BLOCK_M=32, BLOCK_N=128),
+        tile(4, 3, BLOCK_M=32, BLOCK_N=64),
+    ),
+    default=DEFAULT_TILE,
+)
+
+
+def _given_tile(block_m: int | None, block_n: int | None) -> Tile | None:
+    """The tile the caller fixed with `block_m` / `block_n`, used by every kernel; None: tune."""
+    if block_m is None and block_n is None:
+        return None
+    return tile(DEFAULT_TILE.num_warps, DEFAULT_TILE.num_stages,
+                BLOCK_M=block_m or DEFAULT_BLOCK, BLOCK_N=block_n or DEFAULT_BLOCK)  # fmt: skip
+
+
+def _problem(q: torch.Tensor, n_kv_heads: int, causal: bool) -> tuple[Hashable, ...]:
+    """What decides the best tile: dtype, head size, masking, the sequence length's class and
+    whether query heads share key/value heads (dK/dV then walk several heads' queries)."""
+    _, n_heads, seq_len, head_dim = q.shape
+    return (str(q.dtype).removeprefix("torch."), _head_block(head_dim), causal,
+            power_of_two_class(seq_len), n_heads // n_kv_heads)  # fmt: skip
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -268,19 +326,24 @@ class AttentionFunction(torch.autograd.Function):
         if n_heads % n_kv_heads:
             raise ValueError(f"attention: {n_heads} heads are not a multiple of {n_kv_heads}")
         q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-        block_m, block_n, block_d = _blocks(block_m, block_n, head_dim)
+        block_d = _head_block(head_dim)
         sm_scale = 1.0 / math.sqrt(head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(batch, n_heads, seq_len, dtype=torch.float32, device=q.device)
-        _attn_fwd[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-            q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            n_heads, n_heads // n_kv_heads, seq_len, head_dim, sm_scale * LOG2_E,
-            CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            PRECISION=dot_precision(q.dtype), **_launch_options(),
-        )  # fmt: skip
+
+        def launch(chosen: Tile) -> None:
+            _attn_fwd[(triton.cdiv(seq_len, chosen["BLOCK_M"]), batch * n_heads)](
+                q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+                n_heads, n_heads // n_kv_heads, seq_len, head_dim, sm_scale * LOG2_E,
+                CAUSAL=causal, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype),
+                **chosen.launch_options(),
+            )  # fmt: skip
+
+        given = _given_tile(block_m, block_n)
+        launch(given or FORWARD_TILES.choose(_problem(q, n_kv_heads, causal), launch, q.device))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = causal
-        ctx.blocks = (block_m, block_n, block_d)
+        ctx.given_tile = given
         if return_lse:
             # The kernel keeps log2 of the sum over exp2 of log2(e)-scaled scores.
             return out, lse / LOG2_E
@@ -291,16 +354,18 @@ class AttentionFunction(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        block_m, block_n, block_d = ctx.blocks
+        given: Tile | None = ctx.given_tile
         batch, n_heads, seq_len, head_dim = q.shape
         n_kv_heads = k.shape[1]
         group_size = n_heads // n_kv_heads
+        block_d = _head_block(head_dim)
         dout = _unit_last_stride(dout)
         sm_scale = 1.0 / math.sqrt(head_dim)
         delta = torch.empty_like(lse)
-        _attn_bwd_delta[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+        delta_rows = (given or DEFAULT_TILE)["BLOCK_M"]
+        _attn_bwd_delta[(triton.cdiv(seq_len, delta_rows), batch * n_heads)](
             out, dout, delta, *_strides(out), *_strides(dout), n_heads, seq_len, head_dim,
-            BLOCK_M=block_m, BLOCK_D=block_d,
+            BLOCK_M=delta_rows, BLOCK_D=block_d,
         )  # fmt: skip
         if dlse is not None:
             # dS += P · dlse, i.e. delta − dlse in dS = P · (dP − delta).
@@ -308,28 +373,28 @@ class AttentionFunction(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        common = dict(
-            CAUSAL=ctx.causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            PRECISION=dot_precision(q.dtype), **_launch_options(),
-        )  # fmt: skip
-        _attn_bwd_dq[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-            q, k, v, dout, lse, delta, dq,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-            n_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale, **common,
-        )  # fmt: skip
-        _attn_bwd_dkdv[(triton.cdiv(seq_len, block_n), batch * n_kv_heads)](
-            q, k, v, dout, lse, delta, dk, dv,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-            n_heads, n_kv_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale,
-            **common,
-        )  # fmt: skip
+        common = dict(CAUSAL=ctx.causal, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype))
+
+        def launch_dq(chosen: Tile) -> None:
+            _attn_bwd_dq[(triton.cdiv(seq_len, chosen["BLOCK_M"]), batch * n_heads)](
+                q, k, v, dout, lse, delta, dq,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+                n_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale,
+                **common, **chosen.launch_options(),
+            )  # fmt: skip
+
+        def launch_dkdv(chosen: Tile) -> None:
+            _attn_bwd_dkdv[(triton.cdiv(seq_len, chosen["BLOCK_N"]), batch * n_kv_heads)](
+                q, k, v, dout, lse, delta, dk, dv,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+                n_heads, n_kv_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale,
+                **common, **chosen.launch_options(),
+            )  # fmt: skip
+
+        problem = _problem(q, n_kv_heads, ctx.causal)
+        launch_dq(given or DQ_TILES.choose(problem, launch_dq, q.device))
+        launch_dkdv(given or DKDV_TILES.choose(problem, launch_dkdv, q.device))
         return dq, dk, dv, None, None, None, None
-
-
-def _launch_options() -> dict[str, int]:
-    # The interpreter ignores warps and stages; on a GPU these are the FlashAttention-2 defaults
-    # for 64×64 tiles.
-    return {} if interpreting() else {"num_warps": 4, "num_stages": 2}
 
 
 def attention(

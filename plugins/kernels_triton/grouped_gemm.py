@@ -26,12 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.plugins.kernels_triton.launch import dot_precision, interpreting
-
-# tl.dot needs every tile dimension to be at least 16.
-BLOCK_ROWS = 32
-BLOCK_COLS = 32
-BLOCK_REDUCE = 32
+from plait.plugins.kernels_triton.launch import dot_precision
+from plait.plugins.kernels_triton.tuning import Tile, TileTuner, power_of_two_class, tile
 
 
 @triton.jit
@@ -117,16 +113,39 @@ def _weight_grad_kernel(
     )
 
 
-def _launch_options() -> dict[str, int]:
-    return {} if interpreting() else {"num_warps": 4, "num_stages": 3}
+# The default is the 32×32×32 tile; the candidates grow each dimension towards what a GPU's
+# matrix units want (dot tiles of 64-128) where the groups hold enough rows to fill them.
+DEFAULT_TILE = tile(4, 3, BLOCK_ROWS=32, BLOCK_COLS=32, BLOCK_REDUCE=32)
+ROWS_TILES = TileTuner(
+    "grouped_mm.rows",
+    (
+        DEFAULT_TILE,
+        tile(4, 3, BLOCK_ROWS=64, BLOCK_COLS=64, BLOCK_REDUCE=32),
+        tile(4, 3, BLOCK_ROWS=64, BLOCK_COLS=128, BLOCK_REDUCE=32),
+        tile(8, 3, BLOCK_ROWS=128, BLOCK_COLS=128, BLOCK_REDUCE=32),
+        tile(4, 4, BLOCK_ROWS=128, BLOCK_COLS=64, BLOCK_REDUCE=64),
+        tile(8, 4, BLOCK_ROWS=64, BLOCK_COLS=128, BLOCK_REDUCE=64),
+    ),
+    default=DEFAULT_TILE,
+)
+WEIGHT_GRAD_TILES = TileTuner(
+    "grouped_mm.weight_grad",
+    (
+        DEFAULT_TILE,
+        tile(4, 3, BLOCK_ROWS=32, BLOCK_COLS=64, BLOCK_REDUCE=64),
+        tile(8, 3, BLOCK_ROWS=32, BLOCK_COLS=128, BLOCK_REDUCE=64),
+        tile(8, 3, BLOCK_ROWS=64, BLOCK_COLS=128, BLOCK_REDUCE=128),
+        tile(4, 4, BLOCK_ROWS=64, BLOCK_COLS=64, BLOCK_REDUCE=128),
+    ),
+    default=DEFAULT_TILE,
+)
 
 
-def _row_tiles(counts: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(tile → group, tile → first row, group → end row) for tiles of `BLOCK_ROWS` rows."""
-    sizes = counts.tolist()
+def _row_tiles(sizes: list[int], block_rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(tile → group, tile → first row, group → end row) for tiles of `block_rows` rows."""
     ends, groups, starts, offset = [], [], [], 0
     for group, size in enumerate(sizes):
-        for start in range(offset, offset + size, BLOCK_ROWS):
+        for start in range(offset, offset + size, block_rows):
             groups.append(group)
             starts.append(start)
         offset += size
@@ -138,44 +157,68 @@ def _row_tiles(counts: torch.Tensor, device: torch.device) -> tuple[torch.Tensor
     return as_tensor(groups), as_tensor(starts), as_tensor(ends)
 
 
+def _rows_per_group(sizes: list[int]) -> int:
+    return power_of_two_class(sum(sizes) // max(len(sizes), 1))
+
+
 def _grouped_rows(
-    a: torch.Tensor, b: torch.Tensor, tiles: tuple[torch.Tensor, ...], *, transpose_b: bool
+    a: torch.Tensor, b: torch.Tensor, sizes: list[int], *, transpose_b: bool
 ) -> torch.Tensor:
     """`a_g @ b[g].T` (`transpose_b`) or `a_g @ b[g]` per row group."""
-    tile_group, tile_start, group_end = tiles
     n_cols = b.shape[1] if transpose_b else b.shape[2]
     n_reduce = a.shape[1]
     out = torch.empty(a.shape[0], n_cols, dtype=a.dtype, device=a.device)
-    if tile_group.numel() == 0 or n_cols == 0:
+    if sum(sizes) == 0 or n_cols == 0:
         return out.zero_()
     stride_red, stride_col = (b.stride(2), b.stride(1)) if transpose_b else b.stride()[1:]
-    grid = (tile_group.numel(), triton.cdiv(n_cols, BLOCK_COLS))
-    _rows_kernel[grid](
-        a, b, out, tile_group, tile_start, group_end,
-        n_cols, n_reduce,
-        a.stride(0), a.stride(1),
-        b.stride(0), stride_red, stride_col,
-        out.stride(0), out.stride(1),
-        BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, BLOCK_REDUCE=BLOCK_REDUCE,
-        PRECISION=dot_precision(a.dtype), **_launch_options(),
-    )  # fmt: skip
+    tables: dict[int, tuple[torch.Tensor, ...]] = {}  # rows per tile -> its tile table
+
+    def launch(chosen: Tile) -> None:
+        rows = chosen["BLOCK_ROWS"]
+        if rows not in tables:
+            tables[rows] = _row_tiles(sizes, rows, a.device)
+        tile_group, tile_start, group_end = tables[rows]
+        grid = (tile_group.numel(), triton.cdiv(n_cols, chosen["BLOCK_COLS"]))
+        _rows_kernel[grid](
+            a, b, out, tile_group, tile_start, group_end,
+            n_cols, n_reduce,
+            a.stride(0), a.stride(1),
+            b.stride(0), stride_red, stride_col,
+            out.stride(0), out.stride(1),
+            PRECISION=dot_precision(a.dtype), **chosen.launch_options(),
+        )  # fmt: skip
+
+    problem = (str(a.dtype).removeprefix("torch."), n_cols, n_reduce, transpose_b,
+               _rows_per_group(sizes))  # fmt: skip
+    launch(ROWS_TILES.choose(problem, launch, a.device))
     return out
 
 
-def _weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, groups: int):
+def _weight_grad(dy: torch.Tensor, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    groups = len(sizes)
     n_out, n_in = dy.shape[1], x.shape[1]
     dw = torch.empty(groups, n_out, n_in, dtype=x.dtype, device=x.device)
-    group_start = torch.zeros(groups + 1, dtype=torch.int32, device=x.device)
-    group_start[1:] = counts.to(device=x.device).cumsum(0)
-    grid = (groups, triton.cdiv(n_out, BLOCK_COLS), triton.cdiv(n_in, BLOCK_REDUCE))
-    _weight_grad_kernel[grid](
-        dy, x, dw, group_start,
-        n_out, n_in,
-        dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-        dw.stride(0), dw.stride(1), dw.stride(2),
-        BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, BLOCK_REDUCE=BLOCK_REDUCE,
-        PRECISION=dot_precision(x.dtype), **_launch_options(),
-    )  # fmt: skip
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    group_start = torch.tensor(starts, dtype=torch.int32, device=x.device)
+
+    def launch(chosen: Tile) -> None:
+        grid = (
+            groups,
+            triton.cdiv(n_out, chosen["BLOCK_COLS"]),
+            triton.cdiv(n_in, chosen["BLOCK_REDUCE"]),
+        )
+        _weight_grad_kernel[grid](
+            dy, x, dw, group_start,
+            n_out, n_in,
+            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+            dw.stride(0), dw.stride(1), dw.stride(2),
+            PRECISION=dot_precision(x.dtype), **chosen.launch_options(),
+        )  # fmt: skip
+
+    problem = (str(x.dtype).removeprefix("torch."), n_out, n_in, _rows_per_group(sizes))
+    launch(WEIGHT_GRAD_TILES.choose(problem, launch, x.device))
     return dw
 
 
@@ -185,17 +228,17 @@ class GroupedMatmul(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
         x, weight = x.contiguous(), weight.contiguous()
-        tiles = _row_tiles(counts, x.device)
-        ctx.save_for_backward(x, weight, counts)
-        ctx.tiles = tiles
-        return _grouped_rows(x, weight, tiles, transpose_b=True)
+        sizes = [int(size) for size in counts.tolist()]  # the one host sync: tiles per group
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        return _grouped_rows(x, weight, sizes, transpose_b=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, counts = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        dx = _grouped_rows(grad, weight, ctx.tiles, transpose_b=False)
-        dw = _weight_grad(grad, x, counts, weight.shape[0])
+        dx = _grouped_rows(grad, weight, ctx.sizes, transpose_b=False)
+        dw = _weight_grad(grad, x, ctx.sizes)
         return dx, dw, None
 
 

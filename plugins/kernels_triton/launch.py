@@ -37,6 +37,19 @@ def row_block_size(n_cols: int, element_size: int) -> int:
     return block
 
 
+def row_warps(block: int) -> dict[str, int]:
+    """Warps for a program that holds one row of `block` elements: enough threads that each
+    keeps a few vectors of it in registers (the thresholds Apex's and Liger's norm kernels
+    use). Nothing under the interpreter, which takes no warps."""
+    if interpreting():
+        return {}
+    if block < 2048:
+        return {"num_warps": 4}
+    if block < 8192:
+        return {"num_warps": 8}
+    return {"num_warps": 16 if block < 16384 else 32}
+
+
 def backward_programs(n_rows: int, device: torch.device) -> int:
     """How many persistent programs a row-reduction backward launches: one per SM on CUDA."""
     if device.type == "cuda" and not interpreting():

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.plugins.kernels_triton.launch import backward_programs, row_block_size
+from plait.plugins.kernels_triton.launch import backward_programs, row_block_size, row_warps
 
 
 @triton.jit
@@ -125,8 +125,9 @@ class RMSNormFunction(torch.autograd.Function):
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = row_block_size(n_cols, x.element_size())
         _rms_norm_fwd[(n_rows,)](
-            rows, weight, y, rstd, rows.stride(0), y.stride(0), n_cols, eps, BLOCK=block
-        )
+            rows, weight, y, rstd, rows.stride(0), y.stride(0), n_cols, eps, BLOCK=block,
+            **row_warps(block),
+        )  # fmt: skip
         ctx.save_for_backward(rows, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -139,10 +140,11 @@ class RMSNormFunction(torch.autograd.Function):
         dx = torch.empty_like(rows, memory_format=torch.contiguous_format)
         programs = backward_programs(n_rows, rows.device)
         dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
+        block = row_block_size(n_cols, rows.element_size())
         _rms_norm_bwd[(programs,)](
             dy_rows, rows, weight, rstd, dx, dw_partial,
             dy_rows.stride(0), rows.stride(0), dx.stride(0), n_rows, n_cols,
-            BLOCK=row_block_size(n_cols, rows.element_size()),
+            BLOCK=block, **row_warps(block),
         )  # fmt: skip
         dw = dw_partial.sum(0).to(weight.dtype)
         return dx.view(ctx.x_shape), dw, None
@@ -160,10 +162,11 @@ class LayerNormFunction(torch.autograd.Function):
         y = torch.empty_like(rows, memory_format=torch.contiguous_format)
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block = row_block_size(n_cols, x.element_size())
         _layer_norm_fwd[(n_rows,)](
             rows, weight, bias if bias is not None else weight, y, mean, rstd,
             rows.stride(0), y.stride(0), n_cols, eps,
-            HAS_BIAS=bias is not None, BLOCK=row_block_size(n_cols, x.element_size()),
+            HAS_BIAS=bias is not None, BLOCK=block, **row_warps(block),
         )  # fmt: skip
         ctx.save_for_backward(rows, weight, mean, rstd)
         ctx.has_bias = bias is not None
@@ -180,10 +183,11 @@ class LayerNormFunction(torch.autograd.Function):
         programs = backward_programs(n_rows, rows.device)
         dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
         db_partial = torch.empty_like(dw_partial) if ctx.has_bias else dw_partial
+        block = row_block_size(n_cols, rows.element_size())
         _layer_norm_bwd[(programs,)](
             dy_rows, rows, weight, mean, rstd, dx, dw_partial, db_partial,
             dy_rows.stride(0), rows.stride(0), dx.stride(0), n_rows, n_cols,
-            HAS_BIAS=ctx.has_bias, BLOCK=row_block_size(n_cols, rows.element_size()),
+            HAS_BIAS=ctx.has_bias, BLOCK=block, **row_warps(block),
         )  # fmt: skip
         dw = dw_partial.sum(0).to(weight.dtype)
         db = db_partial.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None

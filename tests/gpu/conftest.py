@@ -33,3 +33,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = reason or why_not_here() or ""
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Tuned Triton tiles and other caches go to a directory of the test run's own, not the
+    user's `~/.cache/plait`."""
+    previous = os.environ.get("PLAIT_CACHE_DIR")
+    os.environ["PLAIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("plait-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("PLAIT_CACHE_DIR", None)
+    else:
+        os.environ["PLAIT_CACHE_DIR"] = previous

@@ -250,7 +250,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.extend(time_case(case, dtype, with_compile=not args.no_compile))
         torch.cuda.empty_cache()
     render(rows, dtype)
+    print_tuned_tiles()
     return 0
+
+
+def print_tuned_tiles() -> None:
+    """The tiles the autotuner chose on this GPU for the problems just timed (the kernels
+    with candidates: attention and grouped GEMM; the others have one tile per row width)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.plugins.kernels_triton.tuning import TileTuner
+
+    table = Table(title="Triton tiles chosen on this GPU (plait.plugins.kernels_triton.tuning)")
+    for column in ("kernel", "problem", "tile"):
+        table.add_column(column)
+    for tuner in TileTuner.registered():
+        for (_, problem), chosen in sorted(tuner.chosen().items(), key=str):
+            default = " (the default)" if chosen == tuner.default else ""
+            table.add_row(tuner.kernel, " | ".join(map(str, problem)), f"{chosen}{default}")
+    Console().print(table)
 
 
 if __name__ == "__main__":

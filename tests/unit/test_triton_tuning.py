@@ -1,0 +1,235 @@
+"""The Triton kernels' autotuner: every candidate tile of every tuned kernel computes the op
+(forced through the tuner, under the interpreter), and the tuner's choice — timed once per
+problem and GPU model, kept on disk, never trusted when stale or corrupt, never attempted on a
+CPU without a bench."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.plugins.kernels_torch import ops as reference
+from plait.plugins.kernels_torch.grouped_gemm import grouped_mm as grouped_reference
+from tests.unit.triton_interpreter import interpreted_only
+
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+    interpreted_only,
+]
+triton = pytest.importorskip("triton")
+
+from plait.plugins.kernels_triton import attention as attention_module  # noqa: E402
+from plait.plugins.kernels_triton import grouped_gemm as grouped_module  # noqa: E402
+from plait.plugins.kernels_triton.tuning import (  # noqa: E402
+    Bench,
+    Tile,
+    TileStore,
+    TileTuner,
+    tile,
+    tuning,
+)
+
+CPU = torch.device("cpu")
+TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+
+
+class Prefer:
+    """A bench that ranks each tuner's `wanted` tile fastest and records what it was asked; it
+    launches only the wanted ones (each candidate is wanted by one case)."""
+
+    def __init__(self, wanted: dict[str, Tile] | None = None) -> None:
+        self.wanted = wanted or {}
+        self.asked: list[Tile] = []
+
+    def __call__(self, kernel: str, candidate: Tile, run: Callable[[], object]) -> float:
+        self.asked.append(candidate)
+        if candidate != self.wanted[kernel]:
+            return 1.0
+        run()
+        return 0.0
+
+
+def _candidate(tuner: TileTuner, index: int) -> Tile:
+    return tuner.candidates[index % len(tuner.candidates)]
+
+
+def _assert_chosen(tuner: TileTuner, expected: Tile) -> None:
+    chosen = set(tuner.chosen().values())
+    assert chosen == {expected}, f"{tuner.kernel}: chose {chosen}, wanted {expected}"
+
+
+def _leaves(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
+
+
+def _check_grads(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    for index, (mine, ref) in enumerate(zip(ours, theirs, strict=True)):
+        torch.testing.assert_close(mine.grad, ref.grad, **TOLERANCE, msg=f"gradient {index}")
+
+
+ATTENTION_TUNERS = (
+    attention_module.FORWARD_TILES,
+    attention_module.DQ_TILES,
+    attention_module.DKDV_TILES,
+)
+
+
+@pytest.mark.parametrize("index", range(max(len(t.candidates) for t in ATTENTION_TUNERS)))
+def test_every_attention_tile_computes_attention(index: int, tmp_path: Path) -> None:
+    # 150 keys: two 128-row tiles, the second partial; grouped-query heads; causal.
+    wanted = {tuner.kernel: _candidate(tuner, index) for tuner in ATTENTION_TUNERS}
+    ours = _leaves([(1, 4, 150, 16), (1, 2, 150, 16), (1, 2, 150, 16)], seed=index)
+    theirs = [t.detach().clone().requires_grad_() for t in ours]
+    bench = Prefer(wanted)
+    with tuning(bench=bench, store=TileStore(tmp_path / "tiles.json")):
+        out = attention_module.attention(*ours, causal=True)
+        expected = reference.attention(*theirs, True)
+        torch.testing.assert_close(out, expected, **TOLERANCE)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(99))
+        out.backward(upstream)
+        expected.backward(upstream)
+        _check_grads(ours, theirs)
+        for tuner in ATTENTION_TUNERS:
+            _assert_chosen(tuner, wanted[tuner.kernel])
+    assert len(bench.asked) == sum(len(t.candidates) for t in ATTENTION_TUNERS)
+
+
+GROUP_SIZES = [130, 0, 37, 1, 200]  # an empty group, a group of one, groups over 128 rows
+GROUPED_TUNERS = (grouped_module.ROWS_TILES, grouped_module.WEIGHT_GRAD_TILES)
+
+
+@pytest.mark.parametrize("index", range(max(len(t.candidates) for t in GROUPED_TUNERS)))
+def test_every_grouped_gemm_tile_computes_grouped_gemm(index: int, tmp_path: Path) -> None:
+    wanted = {tuner.kernel: _candidate(tuner, index) for tuner in GROUPED_TUNERS}
+    counts = torch.tensor(GROUP_SIZES)
+    ours = _leaves([(sum(GROUP_SIZES), 40), (len(GROUP_SIZES), 72, 40)], seed=index)
+    theirs = [t.detach().clone().requires_grad_() for t in ours]
+    with tuning(bench=Prefer(wanted), store=TileStore(tmp_path / "tiles.json")):
+        out = grouped_module.grouped_mm(*ours, counts)
+        expected = grouped_reference(*theirs, counts)
+        torch.testing.assert_close(out, expected, **TOLERANCE)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        out.backward(upstream)
+        expected.backward(upstream)
+        _check_grads(ours, theirs)
+        for tuner in GROUPED_TUNERS:
+            _assert_chosen(tuner, wanted[tuner.kernel])
+
+
+# --- the tuner itself, on a kernel of its own -------------------------------------------------
+
+SMALL, LARGE, HUGE = (tile(4, 2, BLOCK=size) for size in (16, 64, 256))
+
+
+@pytest.fixture
+def tuner() -> TileTuner:
+    return TileTuner("test.kernel", (SMALL, LARGE, HUGE), default=SMALL)
+
+
+def _timed(seconds: dict[Tile, float]) -> tuple[Bench, list[Tile]]:
+    asked: list[Tile] = []
+
+    def bench(kernel: str, candidate: Tile, run: Callable[[], object]) -> float:
+        run()
+        asked.append(candidate)
+        return seconds[candidate]
+
+    return bench, asked
+
+
+def test_the_fastest_tile_is_chosen_once_per_problem(tuner: TileTuner, tmp_path: Path) -> None:
+    bench, asked = _timed({SMALL: 3.0, LARGE: 1.0, HUGE: 2.0})
+    launched: list[Tile] = []
+    with tuning(bench=bench, store=TileStore(tmp_path / "tiles.json")):
+        assert tuner.choose(("float32", 128), launched.append, CPU) == LARGE
+        assert tuner.choose(("float32", 128), launched.append, CPU) == LARGE
+        assert asked == [SMALL, LARGE, HUGE]  # timed the first time only
+        assert launched == [SMALL, LARGE, HUGE]
+        tuner.choose(("bfloat16", 128), launched.append, CPU)  # another problem: timed again
+        assert len(asked) == 6
+
+
+def test_the_choice_is_kept_on_disk_per_gpu_model(tuner: TileTuner, tmp_path: Path) -> None:
+    path = tmp_path / "cache" / "tiles.json"
+    bench, asked = _timed({SMALL: 3.0, LARGE: 1.0, HUGE: 2.0})
+    with tuning(bench=bench, store=TileStore(path)):
+        tuner.choose(("float32", 128), lambda _: None, CPU)
+    saved = json.loads(path.read_text())
+    (device,) = saved
+    assert saved[device]["test.kernel"]["float32|128"] == LARGE.to_json()
+
+    # A new process on the same GPU model reads it back and times nothing.
+    never, never_asked = _timed({})
+    with tuning(bench=never, store=TileStore(path)):
+        assert tuner.choose(("float32", 128), lambda _: None, CPU) == LARGE
+    assert never_asked == []
+
+    # Another GPU model's choice is not this one's.
+    other = {"NVIDIA H100 80GB HBM3": {"test.kernel": {"float32|64": HUGE.to_json()}}}
+    path.write_text(json.dumps(other))
+    bench, asked = _timed({SMALL: 3.0, LARGE: 1.0, HUGE: 2.0})
+    with tuning(bench=bench, store=TileStore(path)):
+        assert tuner.choose(("float32", 64), lambda _: None, CPU) == LARGE
+    assert len(asked) == 3
+    merged = json.loads(path.read_text())
+    assert set(merged) == {"NVIDIA H100 80GB HBM3", device}  # the other model's entry is kept
+
+
+def test_a_stale_or_corrupt_file_is_tuned_again(tuner: TileTuner, tmp_path: Path) -> None:
+    path = tmp_path / "tiles.json"
+    path.write_text("{not json")
+    bench, asked = _timed({SMALL: 3.0, LARGE: 1.0, HUGE: 2.0})
+    warns = pytest.warns(RuntimeWarning, match="ignoring the tuned Triton tiles")
+    with warns, tuning(bench=bench, store=TileStore(path)):
+        assert tuner.choose(("float32", 128), lambda _: None, CPU) == LARGE
+    assert len(asked) == 3
+    device = next(iter(json.loads(path.read_text())))  # rewritten whole
+
+    # A tile this version no longer offers is not trusted.
+    retired = tile(16, 1, BLOCK=1024).to_json()
+    path.write_text(json.dumps({device: {"test.kernel": {"float32|128": retired}}}))
+    bench, asked = _timed({SMALL: 3.0, LARGE: 1.0, HUGE: 2.0})
+    with tuning(bench=bench, store=TileStore(path)):
+        assert tuner.choose(("float32", 128), lambda _: None, CPU) == LARGE
+    assert len(asked) == 3
+
+
+def test_tiles_the_chip_cannot_run_are_skipped(tuner: TileTuner, tmp_path: Path) -> None:
+    def bench(kernel: str, candidate: Tile, run: Callable[[], object]) -> float:
+        if candidate != SMALL:
+            raise triton.runtime.errors.OutOfResources(232448, 98304, "shared memory")
+        return 5.0
+
+    with tuning(bench=bench, store=TileStore(tmp_path / "tiles.json")):
+        assert tuner.choose(("float32", 128), lambda _: None, CPU) == SMALL
+
+
+def test_without_a_bench_a_cpu_uses_the_default_and_times_nothing(
+    tuner: TileTuner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
+    launched: list[Tile] = []
+    assert tuner.choose(("float32", 128), launched.append, CPU) == SMALL
+    assert launched == [] and not (tmp_path / "triton-tiles.json").exists()
+
+
+def test_a_default_outside_the_candidates_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a candidate"):
+        TileTuner("test.bad", (LARGE, HUGE), default=SMALL)
+
+
+def test_row_kernels_take_warps_by_row_width_when_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from plait.plugins.kernels_triton.launch import row_warps
+
+    assert row_warps(4096) == {}  # the interpreter takes no warps
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    widths = (1024, 2048, 4096, 8192, 16384)
+    assert [row_warps(block)["num_warps"] for block in widths] == [4, 8, 8, 16, 32]
