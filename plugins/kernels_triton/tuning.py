@@ -174,14 +174,12 @@ def tuning(*, bench: Bench | None = None, store: TileStore | None = None) -> Ite
 
 
 def _untunable_errors() -> tuple[type[BaseException], ...]:
-    """What compiling or launching a tile too big for the chip raises."""
-    import triton
+    """What compiling or launching a tile too big for the chip raises (what Triton's own
+    autotuner skips)."""
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime.errors import OutOfResources, PTXASError
 
-    errors: list[type[BaseException]] = [triton.runtime.errors.OutOfResources]
-    compile_error = getattr(triton, "CompilationError", None)
-    if isinstance(compile_error, type):
-        errors.append(compile_error)
-    return tuple(errors)
+    return OutOfResources, CompileTimeAssertionFailure, PTXASError
 
 
 class TileTuner:
@@ -218,7 +216,7 @@ class TileTuner:
                 tuner._chosen.clear()
 
     def chosen(self) -> dict[tuple[str, tuple[Hashable, ...]], Tile]:
-        """What this process chose so far: (device name, key) -> tile."""
+        """What this process chose so far: (device, key) -> tile."""
         with self._lock:
             return dict(self._chosen)
 
@@ -232,12 +230,12 @@ class TileTuner:
             if device.type != "cuda" or interpreting() or os.environ.get(AUTOTUNE_ENV) == "0":
                 return self.default
             bench = cuda_bench
-        device_name = _device_name(device)
-        memo = (device_name, key)
+        memo = (str(device), key)  # the device's name is read only when a key is new
         with self._lock:
             found = self._chosen.get(memo)
         if found is not None:
             return found
+        device_name = _device_name(device)
         store = _settings.store or default_store()
         key_text = "|".join(str(part) for part in key)
         chosen = self._stored(store, device_name, key_text)
