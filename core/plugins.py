@@ -59,6 +59,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("expert_parallel", "plait.plugins.expert_parallel"),
     ("precision", "plait.plugins.precision"),
     ("checkpointing", "plait.plugins.checkpointing"),
+    ("compile", "plait.plugins.compile"),
     ("collective_timeouts", "plait.plugins.checkpoint.timeouts"),
     # Spans and metrics of steps and comm ops; the engine unregisters it when
     # `telemetry.enabled` is false, so a run without telemetry pays nothing per op.

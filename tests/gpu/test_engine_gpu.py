@@ -1,6 +1,6 @@
 """The engine on one GPU (NCCL, world size 1): AMP bf16 with Triton kernels, full and selective
-activation checkpointing, ZeRO-1/2/3 (the reduce-scatter path), bit-exact resume, and CUDA-event
-phase timing that accounts for the step."""
+activation checkpointing, blocks compiled with inductor, ZeRO-1/2/3 (the reduce-scatter path),
+bit-exact resume, and CUDA-event phase timing that accounts for the step."""
 
 from __future__ import annotations
 
@@ -21,6 +21,19 @@ LAYOUTS = {
     "ac_selective": {
         "parallel": {"dp_strategy": "ddp", "transforms": {"precision": "amp", "ac": "checkpoint"}},
         "checkpoint": {"mode": "selective"},
+    },
+    "compiled": {
+        "parallel": {
+            "dp_strategy": "ddp",
+            "transforms": {"precision": "amp", "compile": "compile"},
+        },
+    },
+    "compiled_ac": {
+        "parallel": {
+            "dp_strategy": "zero2",
+            "transforms": {"precision": "amp", "ac": "checkpoint", "compile": "compile"},
+        },
+        "checkpoint": {"mode": "full"},
     },
     "zero1": {"parallel": {"dp_strategy": "zero1", "transforms": {"precision": "amp"}}},
     "zero2": {"parallel": {"dp_strategy": "zero2", "transforms": {"precision": "amp"}}},

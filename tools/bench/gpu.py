@@ -10,7 +10,8 @@ drift hit all of them alike), each round `--steps` timed steps after warm-up:
   loop — bf16 autocast, fused AdamW, no plait engine;
 - `plain compiled`: the same loop on `torch.compile(model)`;
 - `plait torch`: `plait.core.engine.Engine`, one rank (NCCL), AMP bf16, torch kernels;
-- `plait triton`: the same with `kernels.prefer = ["triton"]`.
+- `plait torch compiled`: the same with every block compiled (`transforms.compile`);
+- `plait triton`: `plait torch` with `kernels.prefer = ["triton"]`.
 
 Printed per variant: tokens/s, MFU against the GPU's bf16 dense peak (plait's peak table; the
 model's FLOPs per token from plait's formula, the same for every variant), peak memory
@@ -90,15 +91,16 @@ def plain_variant(setting: Setting, *, compiled: bool) -> Variant:
     return Variant(name, step, lambda: None, [])
 
 
-def plait_variant(setting: Setting, *, kernels: str) -> Variant:
+def plait_variant(setting: Setting, *, kernels: str, compiled: bool = False) -> Variant:
     dtype = "bf16" if setting.dtype == torch.bfloat16 else "fp16"
+    transforms = {"precision": "amp", **({"compile": "compile"} if compiled else {})}
     engine = Engine(
         config={
             "model": {"name": "llama", "size": setting.size, "overrides": setting.overrides},
             "data": {"seq_len": setting.seq},
             "train": {"global_batch_size": setting.batch, "device": setting.device},
             "optimizer": {"lr": 1e-4, "warmup_steps": 0, "weight_decay": 0.1},
-            "parallel": {"dp_strategy": "ddp", "transforms": {"precision": "amp"}},
+            "parallel": {"dp_strategy": "ddp", "transforms": transforms},
             "amp": {"dtype": dtype},
             "kernels": {"prefer": [kernels]},
             "telemetry": {"enabled": False},
@@ -108,7 +110,8 @@ def plait_variant(setting: Setting, *, kernels: str) -> Variant:
     def step(batch: torch.Tensor) -> float:
         return engine.train_step((batch[:, :-1], batch[:, 1:]))
 
-    return Variant(f"plait {kernels}", step, engine.close, [])
+    name = f"plait {kernels}" + (" compiled" if compiled else "")
+    return Variant(name, step, engine.close, [])
 
 
 def _synchronize(device: str) -> None:
@@ -127,6 +130,7 @@ def run(setting: Setting, *, steps: int, warmup: int, rounds: int) -> None:
         lambda: plait_variant(setting, kernels="torch"),
     ]
     if setting.device == "cuda":
+        builders.append(lambda: plait_variant(setting, kernels="torch", compiled=True))
         builders.append(lambda: plait_variant(setting, kernels="triton"))
     else:
         builders.pop(1)  # torch.compile on CPU measures the compiler, not the model

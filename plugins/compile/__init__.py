@@ -1,0 +1,158 @@
+"""The `compile` transform: `torch.compile` of every transformer block, torchtitan's way.
+
+Selected with `parallel.transforms = { compile = "compile" }` and configured in `[compile]`:
+
+    [compile]
+    backend = "inductor"   # any registered torch.compile backend
+    fullgraph = false      # true: a graph break is an error instead of a fallback to eager
+    dynamic = false        # false: recompile for a new shape; true: trace symbolic shapes
+    blocks = ""            # where the blocks are; "" = found automatically
+
+Each block compiles in place (`nn.Module.compile`), so parameter names, state dicts and
+checkpoints stay those of the eager model, and the gradient hooks data parallelism puts on
+parameters run outside the compiled code. Blocks, not the whole model: the blocks share one
+forward, so one compiled graph serves every layer (compile time is one block's), and the
+embedding, the head and the loss stay where the kernel facade and the pipeline split put them.
+It runs after activation checkpointing (a checkpointed block recomputes compiled code) and
+before data parallelism.
+
+Tested with one process, DDP and ZeRO-1/2, with AMP and activation checkpointing. Layouts whose
+collectives run inside the blocks or around them (ZeRO-3's gather hooks, tensor, context and
+expert parallelism, pipeline stages) are refused by name until they are tested compiled: the
+compiler would trace plait's communication calls or break its graph around every one of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from plait.core.blocks import find_block_container
+from plait.core.config import PlaitConfig, Section
+from plait.core.errors import ConfigError, PluginError
+from plait.core.kernels import KERNEL_OPS
+from plait.core.sharding import ShardContext, Sharded
+from plait.core.strategy import Strategies
+
+NAME = "compile"
+COMPILED_DP_STRATEGIES = ("ddp", "zero1", "zero2")
+
+__all__ = ["NAME", "CompileConfig", "compile_blocks"]
+
+
+class CompileConfig(Section):
+    """`[compile]` section."""
+
+    backend: str = Field(
+        "inductor",
+        description="torch.compile backend: inductor (generated kernels), aot_eager (traced "
+        "but not code-generated: for finding graph breaks), or any registered backend",
+    )
+    fullgraph: bool = Field(
+        False, description="a graph break inside a block is an error instead of eager fallback"
+    )
+    dynamic: bool = Field(
+        False,
+        description="trace symbolic shapes (one graph for all sequence lengths) instead of "
+        "recompiling for each new shape",
+    )
+    blocks: str = Field(
+        "",
+        description="attribute path of the module holding the transformer blocks; '' = found "
+        "automatically (`_no_split_modules`, else the longest list of one block class)",
+    )
+
+
+def compile_blocks(
+    model: nn.Module,
+    *,
+    backend: str = "inductor",
+    fullgraph: bool = False,
+    dynamic: bool = False,
+    blocks: str = "",
+) -> list[str]:
+    """Compile each of the model's blocks in place; return their keys (in container order)."""
+    _, container = find_block_container(model, blocks, field="compile.blocks")
+    keys = (
+        list(container.keys())
+        if isinstance(container, nn.ModuleDict)
+        else [str(i) for i in range(len(container))]
+    )
+    for block in container.values() if isinstance(container, nn.ModuleDict) else container:
+        block.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+    return keys
+
+
+def _refuse_untested_layouts(config: PlaitConfig) -> None:
+    parallel = config.parallel
+    spread = [
+        f"parallel.{axis} = {getattr(parallel, axis)}"
+        for axis in ("tp", "cp", "pp", "ep")
+        if getattr(parallel, axis) > 1
+    ]
+    if parallel.dp_strategy not in COMPILED_DP_STRATEGIES:
+        spread.append(f"parallel.dp_strategy = {parallel.dp_strategy!r}")
+    if spread:
+        raise ConfigError(
+            f"parallel.transforms.compile: {', '.join(spread)} is not supported compiled; the "
+            f"compile transform runs with dp_strategy one of {list(COMPILED_DP_STRATEGIES)} "
+            "and tp = cp = pp = ep = 1 (drop transforms.compile for this layout)"
+        )
+
+
+def resolve_kernels_ahead(context: ShardContext) -> int:
+    """Resolve every kernel op for the dtypes the blocks will compute in; returns how many.
+
+    NOTE: the kernel facade resolves an op on its first call through pluggy, which the compiler
+    cannot trace: a first call inside a compiled block is a graph break, and inside a
+    checkpointed block (a higher-order op that cannot break) the block is not compiled at all.
+    Resolved here, the blocks' calls are dictionary hits the compiler folds into the graph."""
+    dtypes = {torch.float32}
+    if context.precision is not None:
+        dtypes |= {context.precision.compute_dtype, context.precision.param_dtype}
+    resolved = 0
+    for op in KERNEL_OPS:
+        for dtype in dtypes:
+            try:
+                context.kernels.get(op, context.device, dtype)
+            except PluginError:  # no provider for this dtype: the model will not ask either
+                continue
+            resolved += 1
+    return resolved
+
+
+def _check_backend(backend: str) -> None:
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(f"compile.backend = {backend!r} is not a torch.compile backend; known: "
+                          f"{sorted(known)}")  # fmt: skip
+
+
+strategies = Strategies()
+
+
+@strategies.provide(
+    name=NAME,
+    axis="compile",
+    config_cls=CompileConfig,
+    description="torch.compile of each transformer block, in place (names unchanged)",
+)
+def compile_model(model: nn.Module, *, context: ShardContext, config: CompileConfig) -> Sharded:
+    _refuse_untested_layouts(context.config)
+    _check_backend(config.backend)
+    resolve_kernels_ahead(context)
+    compile_blocks(
+        model,
+        backend=config.backend,
+        fullgraph=config.fullgraph,
+        dynamic=config.dynamic,
+        blocks=config.blocks,
+    )
+    return Sharded(module=model)
+
+
+plait_register_strategies = strategies.plait_register_strategies
+plait_shard = strategies.plait_shard

@@ -1,0 +1,101 @@
+"""Rank functions for the compile transform tests (module level, so spawned ranks import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait.core.engine import Engine
+from plait.core.plugins import Plugins
+from plait.plugins import checkpointing, compile, ddp, precision, zero
+from plait.plugins.models.init import normalised_name
+from tests.dist.precision_workers import GLOBAL_BATCH, SEQ, global_batches, local_share
+
+COUNTING_BACKEND = "plait_test_counting"
+
+
+class GraphCalls:
+    """What the counting backend saw: graphs compiled and calls into them. A block that was
+    compiled calls its graph on every forward, one that was not never does."""
+
+    calls = 0
+    graphs = 0
+
+
+def counting_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """A torch.compile backend that runs the traced graph as is and counts its calls."""
+    del example_inputs
+    GraphCalls.graphs += 1
+
+    def run(*args: Any) -> Any:
+        GraphCalls.calls += 1
+        return graph.forward(*args)
+
+    return run
+
+
+def _register_counting_backend() -> None:
+    import torch._dynamo
+
+    if COUNTING_BACKEND not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(counting_backend, name=COUNTING_BACKEND)
+
+
+def make_engine(run: dict[str, Any], micro_batch: int, steps: int) -> Engine:
+    transforms: dict[str, str] = {}
+    config: dict[str, Any] = {
+        "model": {"name": "llama", "size": "tiny",
+                  "overrides": {"max_seq_len": SEQ, "n_layers": 2}},
+        "data": {"seq_len": SEQ},
+        "train": {"steps": steps, "global_batch_size": GLOBAL_BATCH,
+                  "micro_batch_size": micro_batch, "max_grad_norm": 1.0, "seed": 0,
+                  "device": "cpu"},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 2, "weight_decay": 0.0},
+        "telemetry": {"enabled": False},
+    }  # fmt: skip
+    if run.get("compile") is not None:
+        transforms["compile"] = compile.NAME
+        config["compile"] = run["compile"]
+    if run.get("amp") is not None:
+        transforms["precision"] = precision.NAME
+        config["amp"] = run["amp"]
+    if run.get("checkpoint") is not None:
+        transforms["ac"] = checkpointing.NAME
+        config["checkpoint"] = run["checkpoint"]
+    config["parallel"] = {"transforms": transforms, "dp_strategy": run.get("dp", "ddp")}
+    plugins = Plugins.create(
+        autoload=False,
+        extra=[("precision", precision), ("checkpointing", checkpointing), ("compile", compile),
+               ("ddp", ddp), ("zero", zero)],
+    )  # fmt: skip
+    return Engine(config=config, plugins=plugins)
+
+
+def train(
+    rank: int, world_size: int, runs: dict[str, dict[str, Any]], steps: int, micro_batch: int
+) -> dict[str, Any]:
+    """Train one tiny Llama per named run on the same data: losses, final parameters by name,
+    and how often the blocks' compiled graphs ran."""
+    _register_counting_backend()
+    results: dict[str, Any] = {}
+    for name, run in runs.items():
+        torch._dynamo.reset()
+        GraphCalls.calls = GraphCalls.graphs = 0
+        engine = make_engine(run, micro_batch, steps)
+        losses = [
+            engine.train_step(local_share(batch, rank, world_size))
+            for batch in global_batches(steps)
+        ]
+        results[name] = {
+            "losses": losses,
+            "params": {
+                normalised_name(n): p.detach().float().clone()
+                for n, p in engine.module.named_parameters()
+            },
+            "names": [n for n, _ in engine.module.named_parameters()],
+            "graph_calls": GraphCalls.calls,
+            "graphs": GraphCalls.graphs,
+        }
+        engine.close()
+    return results
