@@ -5,7 +5,7 @@ Selected with `parallel.transforms = { compile = "compile" }` and configured in 
     [compile]
     backend = "inductor"   # any registered torch.compile backend
     fullgraph = false      # true: a graph break is an error instead of a fallback to eager
-    dynamic = false        # false: recompile for a new shape; true: trace symbolic shapes
+    # dynamic = true       # symbolic shapes from the start (unset: torch's default)
     blocks = ""            # where the blocks are; "" = found automatically
 
 Each block compiles in place (`nn.Module.compile`), so parameter names, state dicts and
@@ -52,10 +52,10 @@ class CompileConfig(Section):
     fullgraph: bool = Field(
         False, description="a graph break inside a block is an error instead of eager fallback"
     )
-    dynamic: bool = Field(
-        False,
-        description="trace symbolic shapes (one graph for all sequence lengths) instead of "
-        "recompiling for each new shape",
+    dynamic: bool | None = Field(
+        None,
+        description="unset: torch's default (static shapes, symbolic once a shape changes); "
+        "true: symbolic shapes from the start; false: recompile for every new shape",
     )
     blocks: str = Field(
         "",
@@ -69,7 +69,7 @@ def compile_blocks(
     *,
     backend: str = "inductor",
     fullgraph: bool = False,
-    dynamic: bool = False,
+    dynamic: bool | None = None,
     blocks: str = "",
 ) -> list[str]:
     """Compile each of the model's blocks in place; return their keys (in container order)."""

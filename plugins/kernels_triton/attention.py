@@ -12,6 +12,10 @@ Backward (recomputation, no stored probabilities): a pre-pass computes delta = r
 one kernel gives dQ per query block by walking key blocks; another gives dK and dV per key
 block by walking query blocks *and the query heads of its group*, so grouped-query attention
 sums its heads in registers — no atomics, deterministic, and no per-query-head dK/dV copy.
+
+Each of the three main kernels takes its tile (query and key block sizes, warps, stages) from
+its own `TileTuner`: timed per GPU model and problem on first use (`tuning.py`), unless the
+caller fixes `block_m` / `block_n`.
 """
 
 from __future__ import annotations

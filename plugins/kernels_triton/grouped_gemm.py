@@ -15,7 +15,8 @@ Two kernels, one launch each:
   K tile) looping over the group's rows, a reduction whose length varies by group; empty
   groups store zeros.
 
-Accumulation is fp32; the output takes the input's dtype.
+Accumulation is fp32; the output takes the input's dtype. Each kernel's tile (rows, columns and
+reduction block, warps, stages) comes from its `TileTuner`, timed per GPU model (`tuning.py`).
 """
 
 from __future__ import annotations
