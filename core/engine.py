@@ -416,7 +416,10 @@ class Engine:
             return
         register_cpu_attention_flops()
         counter = FlopCounterMode(display=False)
-        with counter:
+        # NOTE: torch.compile does not trace under a dispatch mode such as the counter, and a
+        # compiled block first called under one is never compiled afterwards: the counted step
+        # runs compiled code eagerly, and compiles nothing until the next.
+        with torch.compiler.set_stance("force_eager"), counter:
             yield
         per_token = torch.tensor(
             [counter.get_total_flops() / max(tokens, 1)], dtype=torch.float64, device=self.device

@@ -99,3 +99,44 @@ def train(
         }
         engine.close()
     return results
+
+
+def train_hf(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+    """A `transformers` Llama through `plait.initialize`, eager and with its decoder layers
+    compiled: losses, parameter names, the FLOPs plait counted, and the graph's calls."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import plait
+
+    _register_counting_backend()
+    tokens = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    share = tokens.shape[0] // world_size
+    mine = tokens[rank * share : (rank + 1) * share]
+    results: dict[str, Any] = {}
+    for name, transforms in (("eager", {}), ("compiled", {"compile": compile.NAME})):
+        torch._dynamo.reset()
+        GraphCalls.calls = GraphCalls.graphs = 0
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(
+            LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        )  # fmt: skip
+        engine = plait.initialize(
+            model,
+            config={
+                "parallel": {"transforms": transforms},
+                "compile": {"backend": COUNTING_BACKEND},
+                "telemetry": {"enabled": False},
+                "train": {"device": "cpu"},
+            },
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        )
+        losses = [engine.train_step({"input_ids": mine, "labels": mine}) for _ in range(steps)]
+        results[name] = {
+            "losses": losses,
+            "names": [n for n, _ in engine.module.named_parameters()],
+            "flops_per_token": engine.flops_per_token,
+            "graph_calls": GraphCalls.calls,
+        }
+        engine.close()
+    return results

@@ -69,3 +69,18 @@ def test_refused_with_the_field_and_what_is_allowed(run: dict, message: str) -> 
     compile_workers._register_counting_backend()
     with pytest.raises(ConfigError, match=message):
         compile_workers.make_engine(run, 8, 1)
+
+
+def test_a_transformers_model_compiles_after_its_flops_are_counted() -> None:
+    # A model without a FLOPs formula is counted on the first step under torch's
+    # FlopCounterMode, which the compiler cannot trace: that step runs eagerly, the next ones
+    # compiled, and the count is the eager one.
+    results = run_distributed(compile_workers.train_hf, 2, STEPS, timeout=300)
+    for result in results:
+        eager, compiled = result["eager"], result["compiled"]
+        assert compiled["names"] == eager["names"]
+        assert compiled["flops_per_token"] == eager["flops_per_token"] > 0
+        torch.testing.assert_close(
+            torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-5
+        )
+        assert compiled["graph_calls"] == BLOCKS * (STEPS - 1), compiled["graph_calls"]
