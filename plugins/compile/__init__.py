@@ -16,9 +16,9 @@ embedding, the head and the loss stay where the kernel facade and the pipeline s
 It runs after activation checkpointing (a checkpointed block recomputes compiled code) and
 before data parallelism.
 
-Tested with one process, DDP and ZeRO-1/2, with AMP and activation checkpointing. Layouts whose
-collectives run inside the blocks or around them (ZeRO-3's gather hooks, tensor, context and
-expert parallelism, pipeline stages) are refused by name until they are tested compiled: the
+Tested with one process, DDP and ZeRO-1/2, pipeline stages, AMP and activation checkpointing.
+Layouts whose collectives run inside the blocks or around them (ZeRO-3's gather hooks, tensor,
+context and expert parallelism) are refused by name until they are tested compiled: the
 compiler would trace plait's communication calls or break its graph around every one of them.
 """
 
@@ -88,7 +88,7 @@ def _refuse_untested_layouts(config: PlaitConfig) -> None:
     parallel = config.parallel
     spread = [
         f"parallel.{axis} = {getattr(parallel, axis)}"
-        for axis in ("tp", "cp", "pp", "ep")
+        for axis in ("tp", "cp", "ep")
         if getattr(parallel, axis) > 1
     ]
     if parallel.dp_strategy not in COMPILED_DP_STRATEGIES:
@@ -97,7 +97,7 @@ def _refuse_untested_layouts(config: PlaitConfig) -> None:
         raise ConfigError(
             f"parallel.transforms.compile: {', '.join(spread)} is not supported compiled; the "
             f"compile transform runs with dp_strategy one of {list(COMPILED_DP_STRATEGIES)} "
-            "and tp = cp = pp = ep = 1 (drop transforms.compile for this layout)"
+            "and tp = cp = ep = 1 (drop transforms.compile for this layout)"
         )
 
 

@@ -8,7 +8,7 @@ import torch
 
 from plait.core.engine import Engine
 from plait.core.plugins import Plugins
-from plait.plugins import checkpointing, compile, ddp, precision, zero
+from plait.plugins import checkpointing, compile, ddp, pipeline, precision, zero
 from plait.plugins.models.init import normalised_name
 from tests.dist.precision_workers import GLOBAL_BATCH, SEQ, global_batches, local_share
 
@@ -63,11 +63,17 @@ def make_engine(run: dict[str, Any], micro_batch: int, steps: int) -> Engine:
     if run.get("checkpoint") is not None:
         transforms["ac"] = checkpointing.NAME
         config["checkpoint"] = run["checkpoint"]
-    config["parallel"] = {"transforms": transforms, "dp_strategy": run.get("dp", "ddp")}
+    config["parallel"] = {
+        "transforms": transforms,
+        "dp_strategy": run.get("dp", "ddp"),
+        **run.get("parallel", {}),
+    }
+    if "schedule" in run:
+        config["schedule"] = run["schedule"]
     plugins = Plugins.create(
         autoload=False,
         extra=[("precision", precision), ("checkpointing", checkpointing), ("compile", compile),
-               ("ddp", ddp), ("zero", zero)],
+               ("ddp", ddp), ("zero", zero), ("pipeline", pipeline)],
     )  # fmt: skip
     return Engine(config=config, plugins=plugins)
 

@@ -1,6 +1,6 @@
-"""The compile transform: blocks compiled in place train like eager ones, alone and under DDP /
-ZeRO-2 with AMP and activation checkpointing; the blocks really run compiled code; untested
-layouts and unknown backends are refused by name."""
+"""The compile transform: blocks compiled in place train like eager ones, alone, under DDP /
+ZeRO-2 with AMP and activation checkpointing, and as pipeline stages; the blocks really run
+compiled code; untested layouts and unknown backends are refused by name."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ def test_compiled_blocks_train_like_eager_blocks_over_two_ranks() -> None:
                          "checkpoint": {"mode": "full"}},
         "zero2+amp+ac compiled": {"dp": "zero2", "amp": {"dtype": "bf16", "param_dtype": "fp32"},
                                   "checkpoint": {"mode": "full"}, "compile": COUNTING},
+        "pp": {"parallel": {"pp": 2}, "schedule": {"name": "1f1b"}},
+        "pp compiled": {"parallel": {"pp": 2}, "schedule": {"name": "1f1b"},
+                        "compile": COUNTING},
     }  # fmt: skip
     # Two micro-batches per step: gradients accumulate across compiled backward passes.
     results = run_distributed(compile_workers.train, 2, runs, STEPS, 2, timeout=300)
@@ -48,6 +51,9 @@ def test_compiled_blocks_train_like_eager_blocks_over_two_ranks() -> None:
             assert result[compiled]["graph_calls"] >= BLOCKS * 2 * STEPS, compiled
             # One graph for both blocks (they share code), plus its backward.
             assert 1 <= result[compiled]["graphs"] <= 2, compiled
+        # A pipeline stage holds one of the two blocks: one call per micro-batch and step.
+        _assert_same_training(result["pp compiled"], result["pp"], 1e-5, f"rank {rank} pp")
+        assert result["pp compiled"]["graph_calls"] == 2 * STEPS
     assert results[0]["ddp compiled"]["losses"] == results[1]["ddp compiled"]["losses"]
 
 
