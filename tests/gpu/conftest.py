@@ -36,13 +36,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _own_cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    """Tuned Triton tiles and other caches go to a directory of the test run's own, not the
-    user's `~/.cache/plait`."""
-    previous = os.environ.get("PLAIT_CACHE_DIR")
-    os.environ["PLAIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("plait-cache"))
+def _own_cache_and_default_tiles(tmp_path_factory: pytest.TempPathFactory):
+    """Caches go to a directory of the test run's own, not the user's `~/.cache/plait`; and the
+    Triton kernels keep their default tiles (timing every candidate of every shape would
+    compile each of them), except where a test tunes on purpose (`tuning(bench=…)`)."""
+    settings = {
+        "PLAIT_CACHE_DIR": str(tmp_path_factory.mktemp("plait-cache")),
+        "PLAIT_TRITON_AUTOTUNE": "0",
+    }
+    previous = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     yield
-    if previous is None:
-        os.environ.pop("PLAIT_CACHE_DIR", None)
-    else:
-        os.environ["PLAIT_CACHE_DIR"] = previous
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
