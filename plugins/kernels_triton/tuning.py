@@ -96,12 +96,20 @@ class TileStore:
         with self._lock:
             if self._entries is None:
                 self._entries = self._read()
-            return self._entries.get(device, {}).get(kernel, {}).get(key)
+            kernels = self._entries.get(device)
+            problems = kernels.get(kernel) if isinstance(kernels, dict) else None
+            return problems.get(key) if isinstance(problems, dict) else None
 
     def put(self, device: str, kernel: str, key: str, chosen: Tile) -> None:
         with self._lock:
             entries = self._read()  # what other processes wrote since
-            entries.setdefault(device, {}).setdefault(kernel, {})[key] = chosen.to_json()
+            kernels = entries.get(device)
+            if not isinstance(kernels, dict):  # an entry of another shape is replaced
+                kernels = entries[device] = {}
+            problems = kernels.get(kernel)
+            if not isinstance(problems, dict):
+                problems = kernels[kernel] = {}
+            problems[key] = chosen.to_json()
             self._entries = entries
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -200,6 +200,30 @@ def test_a_stale_or_corrupt_file_is_tuned_again(tuner: TileTuner, tmp_path: Path
     assert len(asked) == 3
 
 
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"DEVICE": ["not", "a", "table"]}',
+        '{"DEVICE": {"test.kernel": 7}}',
+        '{"DEVICE": {"test.kernel": {"float32|128": "BLOCK=64"}}}',
+        '{"DEVICE": {"test.kernel": {"float32|128": {"blocks": 3, "num_warps": 4}}}}',
+    ],
+)
+def test_entries_of_the_wrong_shape_are_tuned_again(
+    tuner: TileTuner, tmp_path: Path, content: str
+) -> None:
+    path = tmp_path / "tiles.json"
+    bench, asked = _timed({SMALL: 3.0, LARGE: 1.0, HUGE: 2.0})
+    with tuning(bench=bench, store=TileStore(path)):
+        tuner.choose(("float32", 64), lambda _: None, CPU)  # learns this machine's name
+        device = next(iter(json.loads(path.read_text())))
+        path.write_text(content.replace("DEVICE", device))
+        TileTuner.forget_all()
+        assert tuner.choose(("float32", 128), lambda _: None, CPU) == LARGE
+    assert len(asked) == 6
+    assert json.loads(path.read_text())[device]["test.kernel"]["float32|128"] == LARGE.to_json()
+
+
 def test_tiles_the_chip_cannot_run_are_skipped(tuner: TileTuner, tmp_path: Path) -> None:
     def bench(kernel: str, candidate: Tile, run: Callable[[], object]) -> float:
         if candidate != SMALL:
