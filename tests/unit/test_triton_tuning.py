@@ -63,14 +63,32 @@ def _assert_chosen(tuner: TileTuner, expected: Tile) -> None:
     assert chosen == {expected}, f"{tuner.kernel}: chose {chosen}, wanted {expected}"
 
 
-def _leaves(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
-
-
-def _check_grads(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
-    for index, (mine, ref) in enumerate(zip(ours, theirs, strict=True)):
-        torch.testing.assert_close(mine.grad, ref.grad, **TOLERANCE, msg=f"gradient {index}")
+def _forced_run(
+    tuners: tuple[TileTuner, ...],
+    index: int,
+    shapes: list[tuple[int, ...]],
+    ours_fn: Callable[..., torch.Tensor],
+    reference_fn: Callable[..., torch.Tensor],
+    store: TileStore,
+) -> Prefer:
+    """Forward and backward with each tuner forced to its candidate `index`, against the torch
+    reference; every tuner must have chosen what it was told."""
+    wanted = {tuner.kernel: _candidate(tuner, index) for tuner in tuners}
+    generator = torch.Generator().manual_seed(index)
+    ours = [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
+    theirs = [t.detach().clone().requires_grad_() for t in ours]
+    bench = Prefer(wanted)
+    with tuning(bench=bench, store=store):
+        out, expected = ours_fn(*ours), reference_fn(*theirs)
+        torch.testing.assert_close(out, expected, **TOLERANCE)
+        upstream = torch.randn(out.shape, generator=generator)
+        out.backward(upstream)
+        expected.backward(upstream)
+        for position, (mine, ref) in enumerate(zip(ours, theirs, strict=True)):
+            torch.testing.assert_close(mine.grad, ref.grad, **TOLERANCE, msg=f"input {position}")
+        for tuner in tuners:
+            _assert_chosen(tuner, wanted[tuner.kernel])
+    return bench
 
 
 ATTENTION_TUNERS = (
@@ -83,20 +101,14 @@ ATTENTION_TUNERS = (
 @pytest.mark.parametrize("index", range(max(len(t.candidates) for t in ATTENTION_TUNERS)))
 def test_every_attention_tile_computes_attention(index: int, tmp_path: Path) -> None:
     # 150 keys: two 128-row tiles, the second partial; grouped-query heads; causal.
-    wanted = {tuner.kernel: _candidate(tuner, index) for tuner in ATTENTION_TUNERS}
-    ours = _leaves([(1, 4, 150, 16), (1, 2, 150, 16), (1, 2, 150, 16)], seed=index)
-    theirs = [t.detach().clone().requires_grad_() for t in ours]
-    bench = Prefer(wanted)
-    with tuning(bench=bench, store=TileStore(tmp_path / "tiles.json")):
-        out = attention_module.attention(*ours, causal=True)
-        expected = reference.attention(*theirs, True)
-        torch.testing.assert_close(out, expected, **TOLERANCE)
-        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(99))
-        out.backward(upstream)
-        expected.backward(upstream)
-        _check_grads(ours, theirs)
-        for tuner in ATTENTION_TUNERS:
-            _assert_chosen(tuner, wanted[tuner.kernel])
+    bench = _forced_run(
+        ATTENTION_TUNERS,
+        index,
+        [(1, 4, 150, 16), (1, 2, 150, 16), (1, 2, 150, 16)],
+        lambda q, k, v: attention_module.attention(q, k, v, causal=True),
+        lambda q, k, v: reference.attention(q, k, v, True),
+        TileStore(tmp_path / "tiles.json"),
+    )
     assert len(bench.asked) == sum(len(t.candidates) for t in ATTENTION_TUNERS)
 
 
@@ -106,20 +118,15 @@ GROUPED_TUNERS = (grouped_module.ROWS_TILES, grouped_module.WEIGHT_GRAD_TILES)
 
 @pytest.mark.parametrize("index", range(max(len(t.candidates) for t in GROUPED_TUNERS)))
 def test_every_grouped_gemm_tile_computes_grouped_gemm(index: int, tmp_path: Path) -> None:
-    wanted = {tuner.kernel: _candidate(tuner, index) for tuner in GROUPED_TUNERS}
     counts = torch.tensor(GROUP_SIZES)
-    ours = _leaves([(sum(GROUP_SIZES), 40), (len(GROUP_SIZES), 72, 40)], seed=index)
-    theirs = [t.detach().clone().requires_grad_() for t in ours]
-    with tuning(bench=Prefer(wanted), store=TileStore(tmp_path / "tiles.json")):
-        out = grouped_module.grouped_mm(*ours, counts)
-        expected = grouped_reference(*theirs, counts)
-        torch.testing.assert_close(out, expected, **TOLERANCE)
-        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-        out.backward(upstream)
-        expected.backward(upstream)
-        _check_grads(ours, theirs)
-        for tuner in GROUPED_TUNERS:
-            _assert_chosen(tuner, wanted[tuner.kernel])
+    _forced_run(
+        GROUPED_TUNERS,
+        index,
+        [(sum(GROUP_SIZES), 40), (len(GROUP_SIZES), 72, 40)],
+        lambda x, weight: grouped_module.grouped_mm(x, weight, counts),
+        lambda x, weight: grouped_reference(x, weight, counts),
+        TileStore(tmp_path / "tiles.json"),
+    )
 
 
 # --- the tuner itself, on a kernel of its own -------------------------------------------------
