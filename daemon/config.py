@@ -22,6 +22,9 @@ DEFAULT_STRAGGLER_THRESHOLD = 0.2
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # largest request accepted (a rank's batch is ~2 MiB)
 # Ranks exporting nothing for longer than the floor are stale whatever their step time: metric
 # heartbeats (every second by default) keep a live rank heard from far more often.
+# Trace requests at least this large go to an ingest worker when there are workers; a request
+# this large holds a couple of hundred spans (plait's exporter writes ~150 bytes per span).
+DEFAULT_INGEST_OFFLOAD_BYTES = 32 * 1024
 DEFAULT_STALE_FLOOR_SECONDS = 10.0
 DEFAULT_STALE_STEP_MULTIPLE = 3.0
 DEFAULT_STALE_CEILING_SECONDS = 600.0
@@ -42,6 +45,10 @@ class DaemonConfig:
     security: SecurityConfig | None = None  # None: loopback without TLS or token
     max_message_bytes: int = MAX_MESSAGE_BYTES
     ingest_capacity: int = DEFAULT_INGEST_CAPACITY  # spans + metric points stored at once
+    # Worker processes decoding large trace requests (`plait.daemon.ingest_pool`); 0: the daemon
+    # decodes every request itself, on one core.
+    ingest_workers: int = 0
+    ingest_offload_bytes: int = DEFAULT_INGEST_OFFLOAD_BYTES  # smaller requests: decoded here
     max_streams: int | None = None  # long-lived calls at once (None: 3/4 of the workers)
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_SECONDS
     straggler_threshold: float = DEFAULT_STRAGGLER_THRESHOLD
@@ -68,5 +75,8 @@ class DaemonConfig:
                 f"daemon stale_ceiling ({self.stale_ceiling}) must be >= stale_floor "
                 f"({self.stale_floor})"
             )
+        for name in ("ingest_workers", "ingest_offload_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"daemon {name} must be >= 0, got {getattr(self, name)}")
         if self.stale_step_multiple < 0 or self.straggler_threshold < 0:
             raise ValueError("daemon stale_step_multiple and straggler_threshold must be >= 0")

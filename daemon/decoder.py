@@ -40,6 +40,7 @@ class Rejected(ValueError):
         super().__init__(f"{attribute}: {detail}")
         self.attribute = attribute
         self.reason = reason
+        self.detail = detail
 
     @property
     def key(self) -> str:

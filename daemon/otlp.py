@@ -22,6 +22,7 @@ also be handed to a forwarder (`plait.daemon.exporters.OtlpUpstream`).
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -45,7 +47,10 @@ from plait.daemon.decoder import (
     decode_resource,
 )
 from plait.daemon.hangs import heartbeat_from_points
+from plait.daemon.ingest import DecodedResource, decode_resources
+from plait.daemon.ingest_pool import IngestPool, WorkerLost
 from plait.daemon.otlp_wire import Decline, TraceRequestReader, WireResource, WireSpan
+from plait.daemon.security import CallCounters
 from plait.daemon.store import TelemetryStore
 
 DEFAULT_INGEST_CAPACITY = 200_000
@@ -54,6 +59,7 @@ HEARTBEAT_METRICS = frozenset(
     {names.METRIC_COMM_HEARTBEAT, names.METRIC_COMM_INFLIGHT, names.METRIC_COMM_ENTERED}
 )
 Forward = Callable[[Any], None]
+log = logging.getLogger(__name__)
 
 
 class IngestLimiter:
@@ -149,10 +155,12 @@ class Outcome:
 
 
 class TraceRequest:
-    """A received trace request: its spans as the decoder needs them, and the message itself
-    (parsed from the bytes only when something needs it: forwarding upstream)."""
+    """A received trace request: its spans as the decoder needs them (or, from an ingest
+    worker, already decoded; or, when `deferred`, only its bytes, for the receiver to hand to
+    a worker), and the message itself (parsed from the bytes only when something needs it:
+    forwarding upstream)."""
 
-    __slots__ = ("_message", "_raw", "resources")
+    __slots__ = ("_message", "_raw", "decoded", "deferred", "resources")
 
     def __init__(
         self,
@@ -160,8 +168,15 @@ class TraceRequest:
         *,
         raw: bytes | None = None,
         message: trace_service_pb2.ExportTraceServiceRequest | None = None,
+        decoded: list[DecodedResource] | None = None,
+        deferred: bool = False,
     ) -> None:
         self.resources, self._raw, self._message = resources, raw, message
+        self.decoded, self.deferred = decoded, deferred
+
+    @property
+    def raw(self) -> bytes:
+        return self._raw if self._raw is not None else self.message.SerializeToString()
 
     @property
     def message(self) -> trace_service_pb2.ExportTraceServiceRequest:
@@ -171,6 +186,8 @@ class TraceRequest:
 
     @property
     def span_count(self) -> int:
+        if self.decoded is not None:
+            return sum(resource.span_count for resource in self.decoded)
         return sum(len(resource.spans) for resource in self.resources)
 
     @classmethod
@@ -196,12 +213,21 @@ class TraceRequest:
         return cls(resources, message=request)
 
 
-def trace_request_parser(reader: TraceRequestReader | None = None) -> Callable[[bytes], Any]:
+def trace_request_parser(
+    reader: TraceRequestReader | None = None, defer: Callable[[bytes], bool] | None = None
+) -> Callable[[bytes], Any]:
     """The receiver's request deserializer: the fast reader, else protobuf (which raises
-    `DecodeError` for malformed bytes, answered INVALID_ARGUMENT by the call guard)."""
+    `DecodeError` for malformed bytes, answered INVALID_ARGUMENT by the call guard).
+
+    A request `defer` says yes to is left as bytes (`TraceRequest.deferred`) for the receiver
+    to hand to an ingest worker: gRPC calls the deserializer on its one polling thread, so
+    whatever it does happens one request at a time; the receiver runs on the handler threads,
+    several at once."""
     reader = reader or TraceRequestReader()
 
     def parse(data: bytes) -> TraceRequest:
+        if defer is not None and defer(data):
+            return TraceRequest([], raw=data, deferred=True)
         try:
             return TraceRequest(reader.read(data), raw=data)
         except Decline:
@@ -222,11 +248,19 @@ class TraceReceiver:
         store: TelemetryStore,
         limiter: IngestLimiter | None = None,
         forward: Forward | None = None,
+        *,
+        pool: IngestPool | None = None,
+        counters: CallCounters | None = None,
     ) -> None:
         self.store = store
         self.limiter = limiter or IngestLimiter()
         self.forward = forward
         self.statics = StaticsCache()
+        self.pool = pool
+        self.counters = counters or CallCounters()
+        # Requests a worker could not decode are parsed here, one at a time.
+        self._fallback = trace_request_parser()
+        self._fallback_lock = threading.Lock()
 
     def Export(
         self,
@@ -235,6 +269,8 @@ class TraceReceiver:
     ) -> trace_service_pb2.ExportTraceServiceResponse:
         if not isinstance(request, TraceRequest):
             request = TraceRequest.from_message(request)
+        if request.deferred:
+            request = self._decode_deferred(request.raw, context)
         count = request.span_count
         if not self.limiter.acquire(count):
             self.store.count_dropped(spans=count)
@@ -255,41 +291,45 @@ class TraceReceiver:
             response.partial_success.error_message = outcome.message
         return response
 
-    def _store(self, request: TraceRequest) -> Outcome:
-        outcome = Outcome()
-        for r, resource in enumerate(request.resources):
-            spans = resource.spans
-            try:
-                identity = decode_resource(resource.attributes)
-            except Rejected as error:
-                self.store.count_rejected(error, spans=len(spans))
-                outcome.reject(error, len(spans))
-                outcome.dropped_resources.add(r)
-                continue
-            if identity is None:
-                self.store.count_ignored(len(spans))
-                continue
-            records = []
-            decode = self.statics.decode
-            for span in spans:
+    def _decode_deferred(self, raw: bytes, context: grpc.ServicerContext) -> TraceRequest:
+        """A deferred request decoded by an ingest worker, or here if the worker died on it;
+        malformed bytes are answered as the call guard answers them."""
+        try:
+            if self.pool is not None:
                 try:
-                    records.append(
-                        decode(
-                            span.name,
-                            span.start_ns,
-                            span.end_ns,
-                            span.attributes,
-                            span.error,
-                            span.shape,
-                        )
-                    )
-                except Rejected as error:
-                    self.store.count_rejected(error, spans=1)
-                    outcome.reject(error, 1)
-                    outcome.dropped_items.setdefault(r, set()).add(
-                        (span.scope_index, span.span_index)
-                    )
-            self.store.add_spans(identity, records)
+                    return TraceRequest([], raw=raw, decoded=self.pool.decode(raw))
+                except WorkerLost as lost:
+                    log.warning("%s; decoding the request in the daemon", lost)
+            with self._fallback_lock:
+                return self._fallback(raw)
+        except DecodeError as exc:
+            self.counters.count("malformed")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: DecodeError: {exc}"
+            )
+            raise  # abort raises; this line is never reached
+
+    def _store(self, request: TraceRequest) -> Outcome:
+        decoded = request.decoded
+        if decoded is None:
+            decoded = decode_resources(request.resources, self.statics)
+        outcome = Outcome()
+        for resource in decoded:
+            if resource.rejected is not None:
+                self.store.count_rejected(resource.rejected, spans=resource.span_count)
+                outcome.reject(resource.rejected, resource.span_count)
+                outcome.dropped_resources.add(resource.index)
+                continue
+            if resource.identity is None:
+                self.store.count_ignored(resource.span_count)
+                continue
+            for reject in resource.span_rejects:
+                self.store.count_rejected(reject.error, spans=1)
+                outcome.reject(reject.error, 1)
+                outcome.dropped_items.setdefault(resource.index, set()).add(
+                    (reject.scope_index, reject.span_index)
+                )
+            self.store.add_spans(resource.identity, resource.records)
         return outcome
 
 
@@ -438,11 +478,14 @@ def add_receivers(
     limiter: IngestLimiter | None = None,
     forward_spans: Forward | None = None,
     forward_metrics: Forward | None = None,
+    pool: IngestPool | None = None,
+    counters: CallCounters | None = None,
 ) -> None:
-    """Register both receivers; they share one ingest limit."""
+    """Register both receivers; they share one ingest limit. With a `pool`, large trace
+    requests are decoded in its worker processes."""
     collect_garbage_less_often()
     limiter = limiter or IngestLimiter()
-    receiver = TraceReceiver(store, limiter, forward_spans)
+    receiver = TraceReceiver(store, limiter, forward_spans, pool=pool, counters=counters)
     # Registered by hand, not with the generated helper, to receive the request's bytes.
     server.add_generic_rpc_handlers(
         (
@@ -451,7 +494,9 @@ def add_receivers(
                 {
                     "Export": grpc.unary_unary_rpc_method_handler(
                         receiver.Export,
-                        request_deserializer=trace_request_parser(),
+                        request_deserializer=trace_request_parser(
+                            defer=pool.takes if pool else None
+                        ),
                         response_serializer=(
                             trace_service_pb2.ExportTraceServiceResponse.SerializeToString
                         ),

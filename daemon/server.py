@@ -29,6 +29,7 @@ from plait.daemon.exporters import OtlpUpstream, PrometheusExporter
 from plait.daemon.forwarding import RetryPolicy
 from plait.daemon.hangs import Hang
 from plait.daemon.host import HostCollector
+from plait.daemon.ingest_pool import IngestPool
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.otlp import IngestLimiter, add_receivers
 from plait.daemon.security import OVERSIZE_HEADROOM, CallCounters, CallGuard, SecurityConfig
@@ -150,10 +151,20 @@ class DaemonServer:
             self.extras.exporters.append(self.upstream.describe())
             self.extras.forwarder_stats = self.upstream.stats
             self.extras.forwarder_endpoint = self.upstream.traces.describe()
+        # Started before the gRPC server: workers are spawned while no call is in flight.
+        self.ingest_pool = (
+            IngestPool(config.ingest_workers, offload_bytes=config.ingest_offload_bytes)
+            if config.ingest_workers
+            else None
+        )
+        if self.ingest_pool is not None:
+            self.extras.ingest_stats = self.ingest_pool.stats
         add_receivers(
             self.server,
             self.store,
             limiter=IngestLimiter(config.ingest_capacity),
+            pool=self.ingest_pool,
+            counters=self.counters,
             forward_spans=self.upstream.forward_spans if self.upstream else None,
             forward_metrics=self.upstream.forward_metrics if self.upstream else None,
         )
@@ -195,6 +206,8 @@ class DaemonServer:
         self.health.enter_graceful_shutdown()
         self.stopping.set()  # ends StreamMetrics and CaptureTrace waits promptly
         self.server.stop(grace).wait()
+        if self.ingest_pool is not None:
+            self.ingest_pool.close()
         self.host.stop()
         self.nvml.stop()
         if self._hang_thread.is_alive():

@@ -36,6 +36,7 @@ from plait.daemon.exporters import DaemonPoint
 from plait.daemon.forwarding import ForwarderStats
 from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang, find_hangs
 from plait.daemon.host import HostCollector, HostSample
+from plait.daemon.ingest_pool import PoolStats
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.security import CallCounters
 from plait.daemon.store import TelemetryStore
@@ -268,6 +269,8 @@ class DaemonExtras:
     forwarder_stats: Callable[[], ForwarderStats] | None = None
     forwarder_endpoint: str = ""
     stale_policy: StalePolicy = field(default_factory=StalePolicy)
+    # The ingest workers' counters, when trace requests are decoded in worker processes.
+    ingest_stats: Callable[[], PoolStats] | None = None
 
 
 class DaemonService(daemon_pb2_grpc.DaemonServicer):
@@ -389,7 +392,18 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             stale_floor_seconds=policy.floor_seconds,
             stale_step_multiple=policy.step_multiple,
             stale_ceiling_seconds=policy.ceiling_seconds,
+            **self._ingest_status(),
         )
+
+    def _ingest_status(self) -> dict[str, int]:
+        if self.extras.ingest_stats is None:
+            return {}
+        stats = self.extras.ingest_stats()
+        return {
+            "ingest_workers": stats.workers,
+            "ingest_worker_requests": stats.decoded_requests,
+            "ingest_worker_restarts": stats.restarts,
+        }
 
     def forwarder_status(self) -> daemon_pb2.ForwarderStatus | None:
         extras = self.extras

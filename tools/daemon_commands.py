@@ -110,6 +110,13 @@ def daemon(
     ingest_capacity: Annotated[
         int, typer.Option(help="spans + metric points stored at once before dropping", min=1)
     ] = 200_000,
+    ingest_workers: Annotated[
+        int,
+        typer.Option(
+            help="processes decoding large trace requests, one core each (0: the daemon's own)",
+            min=0,
+        ),
+    ] = 0,
     max_streams: Annotated[
         int | None, typer.Option(help="concurrent streams/trace captures (default 3/4 of workers)")
     ] = None,
@@ -167,6 +174,7 @@ def daemon(
             ),
             max_message_bytes=int(max_message_mb * 2**20),
             ingest_capacity=ingest_capacity,
+            ingest_workers=ingest_workers,
             max_streams=max_streams,
             hang_timeout=hang_timeout,
             straggler_threshold=straggler_threshold,

@@ -49,12 +49,18 @@ class Node:
     base_ns: int
 
 
-@pytest.fixture
-def node() -> Iterator[Node]:
-    """A daemon forwarding to a sink, with a healthy 2-rank job "good" already reported."""
+@pytest.fixture(params=[0, 2], ids=["in-daemon", "ingest-workers"])
+def node(request: pytest.FixtureRequest) -> Iterator[Node]:
+    """A daemon forwarding to a sink, with a healthy 2-rank job "good" already reported; it
+    decodes trace requests itself, or hands every one to two ingest worker processes."""
     with OtlpSink() as sink:
         server = DaemonServer(
-            "127.0.0.1:0", host_interval=0.2, otlp_endpoint=sink.endpoint, prometheus="127.0.0.1:0"
+            "127.0.0.1:0",
+            host_interval=0.2,
+            otlp_endpoint=sink.endpoint,
+            prometheus="127.0.0.1:0",
+            ingest_workers=request.param,
+            ingest_offload_bytes=0,
         ).start()
         channel = grpc.insecure_channel(server.address)
         try:
@@ -74,6 +80,9 @@ def node() -> Iterator[Node]:
 def _answers_and_good_job_unchanged(node: Node, before: Any) -> Any:
     after = probe(node.server)
     assert after.prometheus_status == 200
+    # With workers, every trace request was decoded by one of them.
+    assert after.status.ingest_workers == (2 if node.server.ingest_pool else 0)
+    assert (after.status.ingest_worker_requests > 0) == (node.server.ingest_pool is not None)
     assert after.figures(GOOD) == before.figures(GOOD)
     good_jobs = [j for j in after.metrics.jobs if j.job_id == GOOD]
     assert good_jobs and good_jobs[0].mfu > 0

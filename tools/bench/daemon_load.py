@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import psutil
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -273,22 +274,23 @@ def run_clients(
     return result
 
 
-def _serve(address_queue: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+def _serve(address_queue: mp.Queue, stop: mp.Event, ingest_workers: int) -> None:  # type: ignore[type-arg]
     from plait.daemon.server import DaemonServer
 
-    with DaemonServer("127.0.0.1:0") as server:
+    with DaemonServer("127.0.0.1:0", ingest_workers=ingest_workers) as server:
         address_queue.put(server.address)
         stop.wait()
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` so far (Linux `/proc`; NaN elsewhere)."""
+def process_cpu_seconds(pid: int) -> tuple[float, float]:
+    """User + system CPU seconds so far of process `pid` and of its children (ingest workers)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        process = psutil.Process(pid)
+        own = process.cpu_times()
+        children = [child.cpu_times() for child in process.children()]
+    except psutil.Error:
+        return float("nan"), float("nan")
+    return own.user + own.system, sum(times.user + times.system for times in children)
 
 
 def main() -> None:
@@ -300,11 +302,14 @@ def main() -> None:
     parser.add_argument(
         "--query-interval", type=float, default=0.0, help="seconds between query rounds"
     )
+    parser.add_argument(
+        "--ingest-workers", type=int, default=0, help="the daemon's ingest worker processes"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
     addresses, stop = ctx.Queue(), ctx.Event()
-    daemon = ctx.Process(target=_serve, args=(addresses, stop))
+    daemon = ctx.Process(target=_serve, args=(addresses, stop, args.ingest_workers))
     daemon.start()
     address = addresses.get(timeout=60)
     ranks = [
@@ -336,7 +341,8 @@ def main() -> None:
     result = run_clients(address, args.clients, args.seconds, args.query_interval)
     spans_stored = stored() - before
     ingest_rate = spans_stored / (time.perf_counter() - began)
-    daemon_cpu = process_cpu_seconds(daemon.pid) - cpu_before
+    cpu_after = process_cpu_seconds(daemon.pid)
+    daemon_cpu, workers_cpu = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
     with grpc.insecure_channel(address) as channel:
         status = daemon_pb2_grpc.DaemonStub(channel).Status(daemon_pb2.StatusRequest())
     flooded = sum(sent_queue.get(timeout=120) for _ in flooders)
@@ -366,7 +372,9 @@ def main() -> None:
     console.print(
         f"errors: {len(result.errors)} {sorted(set(result.errors))}; stream messages: "
         f"{result.stream_messages}; daemon: {status.spans_received} spans received, "
-        f"{status.spans_dropped} dropped, {status.calls_rejected} calls refused"
+        f"{status.spans_dropped} dropped, {status.calls_rejected} calls refused; "
+        f"{status.ingest_workers} ingest workers decoded {status.ingest_worker_requests:,} "
+        f"requests ({status.ingest_worker_restarts} restarts)"
     )
     console.print(
         f"ingest while the clients ran: {ingest_rate:,.0f} spans/s stored "
@@ -380,6 +388,12 @@ def main() -> None:
         f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, "
         f"{os.cpu_count()} CPUs"
     )
+    if args.ingest_workers:
+        worker_span = workers_cpu / max(spans_stored, 1)
+        console.print(
+            f"ingest workers' CPU: {workers_cpu / args.seconds:.0%} of a core in all, "
+            f"{worker_span * 1e6:.1f} µs per stored span"
+        )
 
 
 if __name__ == "__main__":
