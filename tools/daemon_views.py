@@ -80,6 +80,13 @@ def _rejected(s: daemon_pb2.StatusResponse) -> str:
     return f"{s.spans_rejected} spans, {s.metric_points_rejected} points"
 
 
+def _ingest(s: daemon_pb2.StatusResponse) -> str:
+    if not s.ingest_workers:
+        return "-"
+    restarts = f", {s.ingest_worker_restarts} restarted" if s.ingest_worker_restarts else ""
+    return f"{s.ingest_workers} workers, {s.ingest_worker_requests} requests{restarts}"
+
+
 def daemon_columns(jobs: Mapping[str, str]) -> list[Column[DaemonRow]]:
     return [
         Column("host", lambda d: d.host, "left", keep_empty=True),
@@ -96,6 +103,7 @@ def daemon_columns(jobs: Mapping[str, str]) -> list[Column[DaemonRow]]:
         Column("metric points", lambda d: str(d.state.metric_points_received), wide_only=True),
         Column("dropped", lambda d: _dropped(d.state), "left", wraps=True),
         Column("rejected", lambda d: _rejected(d.state), "left", wraps=True),
+        Column("ingest", lambda d: _ingest(d.state), "left", wide_only=True, wraps=True),
         Column("GPUs", lambda d: d.state.gpu_collector, "left", wide_only=True, wraps=True),
         Column(
             "exporters",

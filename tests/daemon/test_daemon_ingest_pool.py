@@ -8,6 +8,7 @@ end of the run) plus a stock SDK's spans, a resource that is not a rank and reje
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ import grpc
 import pytest
 import torch
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from rich.console import Console
+from typer.testing import CliRunner
 
 from plait.core import telemetry_schema as schema
 from plait.core.expert_load import ExpertLoadBoard
@@ -27,6 +30,8 @@ from plait.daemon.server import DaemonServer
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.tools import daemon_commands
+from plait.tools.daemon_commands import app
 from tests.daemon.otlp_inputs import probe, rank_resource, step_spans, trace_request
 
 JOB = "pooled"
@@ -190,6 +195,15 @@ def test_workers_store_what_the_daemon_stores(
     assert (ours.status.ingest_workers, theirs.status.ingest_workers) == (2, 0)
     assert ours.status.ingest_worker_requests == len(requests)
     assert theirs.status.ingest_worker_requests == 0
+
+
+def test_status_shows_the_workers(
+    daemons: tuple[DaemonServer, DaemonServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(daemon_commands, "console", Console(width=300))
+    shown = CliRunner().invoke(app, ["status", "--host", daemons[1].address])
+    assert shown.exit_code == 0, shown.output
+    assert re.search(r"2 workers, \d+ requests", shown.output), shown.output
 
 
 def test_a_malformed_request_is_refused_and_counted(
