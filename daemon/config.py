@@ -20,11 +20,11 @@ DEFAULT_INGEST_CAPACITY = 200_000
 DEFAULT_HANG_TIMEOUT_SECONDS = 60.0
 DEFAULT_STRAGGLER_THRESHOLD = 0.2
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # largest request accepted (a rank's batch is ~2 MiB)
-# Ranks exporting nothing for longer than the floor are stale whatever their step time: metric
-# heartbeats (every second by default) keep a live rank heard from far more often.
 # Trace requests at least this large go to an ingest worker when there are workers; a request
 # this large holds a couple of hundred spans (plait's exporter writes ~150 bytes per span).
 DEFAULT_INGEST_OFFLOAD_BYTES = 32 * 1024
+# Ranks exporting nothing for longer than the floor are stale whatever their step time: metric
+# heartbeats (every second by default) keep a live rank heard from far more often.
 DEFAULT_STALE_FLOOR_SECONDS = 10.0
 DEFAULT_STALE_STEP_MULTIPLE = 3.0
 DEFAULT_STALE_CEILING_SECONDS = 600.0
