@@ -1,11 +1,12 @@
 """Worker processes that parse and decode large trace requests: ingest on more than one core.
 
 NOTE: reading a span costs the daemon ~10 µs of Python (the wire reader and the decoder), all
-under one GIL, so a single daemon process stores at most ~70k spans per CPU-second however many
-cores the node has. Parsing and decoding need no store, so big requests go to worker processes
-(an OpenTelemetry Collector spreads its receivers over cores the same way). A worker sends back
-the decoded spans as compact bytes (`plait.daemon.ingest`) and the daemon only stores them:
-~5 µs per span of its own, about half of what reading them costs.
+under one GIL, so a single daemon process stores 40-70k spans per second however many cores
+the node has. Parsing and decoding need no store, so big requests go to worker processes (an
+OpenTelemetry Collector spreads its receivers over cores the same way). A worker sends back the
+decoded spans as compact bytes (`plait.daemon.ingest`) and the daemon only stores them: 2.7 µs
+per span on an idle core against 12.4 µs for the worker's part (`tools/bench/daemon_load.py
+--ingest-workers N` measures both under load).
 
 Requests under `offload_bytes` are decoded in the daemon: for a few spans the round trip costs
 more than the decoding. A worker that dies is replaced and its request decoded in the daemon,
@@ -39,7 +40,7 @@ _DECODED, _MALFORMED, _FAILED = b"D", b"M", b"F"
 
 
 class WorkerLost(RuntimeError):
-    """A worker died or broke its pipe while decoding a request."""
+    """No worker decoded the request: the one given it died or failed, or none came free."""
 
 
 def _work(conn: Connection) -> None:
