@@ -3,32 +3,26 @@ work, in one message, before any rank starts."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
 from plait.core.config import load_config
 from plait.core.errors import ConfigError
 from plait.core.plugins import Plugins
 from plait.core.preflight import check_launch
 from plait.plugins.models.llama import LlamaConfig
+from plait.tools.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _plait(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PLAIT_DISABLE_PLUGIN_AUTOLOAD="1", COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "plait.tools.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
+def _plait(*args: str) -> Result:
+    """The CLI in this process (the checks run before any rank would be started)."""
+    runner = CliRunner(env={"PLAIT_DISABLE_PLUGIN_AUTOLOAD": "1", "COLUMNS": "200"})
+    return runner.invoke(app, [str(ROOT / a) if a.endswith(".toml") else a for a in args])
 
 
 def test_every_problem_is_listed_in_one_message() -> None:
@@ -60,14 +54,12 @@ def test_validate_and_train_refuse_before_starting_a_rank() -> None:
     validate = _plait(
         "config", "validate", "configs/tiny.toml", "--nproc-per-node", "2", "--set", "parallel.tp=3"
     )
-    assert validate.returncode == 2, validate.stdout + validate.stderr
+    assert validate.exit_code == 2, validate.output
     assert "do not divide the world size 2" in validate.stdout
     missing = _plait("config", "validate", "configs/tiny.toml", "--set", "data.path=/no/such/dir")
-    assert missing.returncode == 2 and "is not a directory" in missing.stdout
+    assert missing.exit_code == 2 and "is not a directory" in missing.stdout
     train = _plait("train", "configs/tiny.toml", "--nproc-per-node", "2", "--set", "parallel.tp=3")
-    assert train.returncode == 2, train.stdout + train.stderr
+    assert train.exit_code == 2, train.output
     assert "the job cannot start" in train.stdout
     assert "torch.distributed" not in train.stderr  # nothing was launched
-    assert (
-        _plait("config", "validate", "configs/tiny.toml", "--nproc-per-node", "2").returncode == 0
-    )
+    assert _plait("config", "validate", "configs/tiny.toml", "--nproc-per-node", "2").exit_code == 0
