@@ -31,6 +31,8 @@ from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.tools import daemon_commands
+from plait.tools.bench.daemon_load import encoded_rank_requests
+from plait.tools.bench.ingest_costs import STAGES, one_round
 from plait.tools.daemon_commands import app
 from tests.daemon.otlp_inputs import probe, rank_resource, step_spans, trace_request
 
@@ -272,3 +274,9 @@ def test_small_requests_stay_in_the_daemon() -> None:
 def test_the_daemon_refuses_a_negative_worker_count() -> None:
     with pytest.raises(ValueError, match="ingest_workers must be >= 0"):
         DaemonServer("127.0.0.1:0", ingest_workers=-1)
+
+
+def test_the_cost_bench_times_every_stage() -> None:
+    requests = encoded_rank_requests(0, 2, steps=10)
+    costs = one_round(requests, trace_request_parser(), StaticsCache())
+    assert set(costs) == set(STAGES) and all(seconds > 0 for seconds in costs.values())
