@@ -370,15 +370,21 @@ def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
     return SpanStatics(kind)
 
 
-def decode_span(
+# What a `SpanRecord` is made of, in its field order, with its figures as plain tuples: what an
+# ingest worker sends the daemon (`plait.daemon.ingest`), and what `span_record` builds from.
+SpanFields = tuple[Any, ...]
+
+
+def decode_span_fields(
     name: str,
     start_ns: int,
     end_ns: int,
     attributes: dict[str, Any],
     error: bool = False,
     statics: SpanStatics | None = None,
-) -> SpanRecord:
-    """A span of a rank, classified (`telemetry_schema.classify_span`) and decoded.
+) -> SpanFields:
+    """A span of a rank, classified (`telemetry_schema.classify_span`) and decoded, as
+    `SpanFields`; raises `Rejected` for a bad one.
 
     `statics`: what `span_statics` returned for a span with the same name and the same
     attributes except numbers (`StaticsCache`); decoded here when not given."""
@@ -390,40 +396,70 @@ def decode_span(
     step = read_int(attributes, schema.SPAN_STEP, -1)
     figures = comm = expert_load = None
     if kind == schema.SPAN_KIND_STEP:
-        figures = StepFigures(
-            tokens=read_int(attributes, schema.SPAN_STEP_TOKENS, 0),
-            model_flops=read_float(attributes, schema.SPAN_STEP_MODEL_FLOPS),
-            data_wait_seconds=read_float(attributes, schema.SPAN_STEP_DATA_WAIT),
+        figures = (  # StepFigures
+            read_int(attributes, schema.SPAN_STEP_TOKENS, 0),
+            read_float(attributes, schema.SPAN_STEP_MODEL_FLOPS),
+            read_float(attributes, schema.SPAN_STEP_DATA_WAIT),
             # NOTE: a diverging run reports NaN or inf losses; keep its step (and its MFU).
-            loss=read_float(attributes, schema.SPAN_STEP_LOSS, finite=False),
+            read_float(attributes, schema.SPAN_STEP_LOSS, finite=False),
         )
     elif statics.comm is not None:
         op, purpose, blocking, group = statics.comm
-        comm = CommFigures(
-            op, purpose, blocking, read_int(attributes, schema.SPAN_COMM_BYTES, 0), group
-        )
+        comm = (op, purpose, blocking, read_int(attributes, schema.SPAN_COMM_BYTES, 0), group)
         read_int(attributes, schema.SPAN_COMM_SEQ, 0)
         read_int(attributes, schema.SPAN_COMM_PEER, 0, high=INT32_MAX)
     elif kind == schema.SPAN_KIND_EXPERT_LOAD:
-        expert_load = ExpertLoadFigures(
-            layer=statics.expert_layer,
-            tokens_per_expert=statics.tokens_per_expert,
-            dropped=read_int(attributes, schema.SPAN_MOE_DROPPED, 0),
+        expert_load = (  # ExpertLoadFigures
+            statics.expert_layer,
+            statics.tokens_per_expert,
+            read_int(attributes, schema.SPAN_MOE_DROPPED, 0),
         )
-    return SpanRecord(
-        name=name,
-        kind=kind,
-        start_ns=start_ns,
-        end_ns=end_ns,
-        step=step if step >= 0 else None,
-        attributes=attributes,
-        error=error,
-        step_figures=figures,
-        comm=comm,
-        phase=statics.phase,
-        outcome=statics.outcome,
-        expert_load=expert_load,
+    return (
+        name,
+        kind,
+        start_ns,
+        end_ns,
+        step if step >= 0 else None,
+        attributes,
+        error,
+        figures,
+        comm,
+        statics.phase,
+        statics.outcome,
+        expert_load,
     )
+
+
+def span_record(fields: SpanFields) -> SpanRecord:
+    name, kind, start_ns, end_ns, step, attributes, error, figures, comm, phase, outcome, load = (
+        fields
+    )
+    return SpanRecord(
+        name,
+        kind,
+        start_ns,
+        end_ns,
+        step,
+        attributes,
+        error,
+        None if figures is None else StepFigures(*figures),
+        None if comm is None else CommFigures(*comm),
+        phase,
+        outcome,
+        None if load is None else ExpertLoadFigures(*load),
+    )
+
+
+def decode_span(
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    attributes: dict[str, Any],
+    error: bool = False,
+    statics: SpanStatics | None = None,
+) -> SpanRecord:
+    """A span of a rank, classified and decoded (`decode_span_fields`)."""
+    return span_record(decode_span_fields(name, start_ns, end_ns, attributes, error, statics))
 
 
 MAX_CACHED_STATICS = 65536
@@ -450,14 +486,25 @@ class StaticsCache:
         error: bool,
         shape: Any,
     ) -> SpanRecord:
+        return span_record(self.decode_fields(name, start_ns, end_ns, attributes, error, shape))
+
+    def decode_fields(
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        attributes: dict[str, Any],
+        error: bool,
+        shape: Any,
+    ) -> SpanFields:
         if shape is None:
-            return decode_span(name, start_ns, end_ns, attributes, error)
+            return decode_span_fields(name, start_ns, end_ns, attributes, error)
         statics = self._by_shape.get(shape)
         if statics is None:
             statics = span_statics(name, attributes)
             if len(self._by_shape) < self.capacity:
                 self._by_shape[shape] = statics
-        return decode_span(name, start_ns, end_ns, attributes, error, statics)
+        return decode_span_fields(name, start_ns, end_ns, attributes, error, statics)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ the `SpanRecord`s; it needs no store and no lock, so it can run in another proce
 (`plait.daemon.ingest_pool`). *Storing* (`TraceReceiver` in `plait.daemon.otlp`) counts the
 rejects and adds the records to the rank windows.
 
-A worker process hands its decoding back as `encode_resources` bytes: plain tuples, dicts and
-numbers written with `marshal` (C code on both sides, about 1 µs per span to read back), which
-`decode_wire` turns into the same `DecodedResource`s the daemon would have built itself. The
+A worker process decodes each span into its `SpanFields` (plain tuples, dicts and numbers) and
+hands the request back as `encode_resources` bytes, written with `marshal` (C code on both
+sides, about 1 µs per span to read back); `decode_wire` turns them into the same
+`DecodedResource`s the daemon would have built itself. The
 bytes only ever travel between the daemon and the workers it started.
 """
 
@@ -19,14 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.daemon.decoder import (
-    CommFigures,
-    ExpertLoadFigures,
     RankIdentity,
     Rejected,
-    SpanRecord,
     StaticsCache,
-    StepFigures,
     decode_resource,
+    span_record,
 )
 from plait.daemon.otlp_wire import WireResource
 
@@ -56,12 +54,16 @@ class DecodedResource:
     span_count: int
     identity: RankIdentity | None = None
     rejected: Rejected | None = None
-    records: list[SpanRecord] = field(default_factory=list)
+    # The spans decoded: `SpanRecord`s, or their `SpanFields` when decoded for the wire.
+    records: list[Any] = field(default_factory=list)
     span_rejects: list[SpanReject] = field(default_factory=list)
 
 
-def decode_resources(resources: list[WireResource], statics: StaticsCache) -> list[DecodedResource]:
-    """Every resource and span of a request through the decoder (`Rejected` items kept apart)."""
+def decode_resources(
+    resources: list[WireResource], statics: StaticsCache, *, for_wire: bool = False
+) -> list[DecodedResource]:
+    """Every resource and span of a request through the decoder (`Rejected` items kept apart);
+    `for_wire`: spans as `SpanFields` for `encode_resources`, else as `SpanRecord`s."""
     decoded = []
     for index, resource in enumerate(resources):
         spans = resource.spans
@@ -74,7 +76,8 @@ def decode_resources(resources: list[WireResource], statics: StaticsCache) -> li
             continue
         if out.identity is None:
             continue
-        records, decode = out.records, statics.decode
+        records = out.records
+        decode = statics.decode_fields if for_wire else statics.decode
         for span in spans:
             try:
                 records.append(
@@ -101,29 +104,10 @@ def _rejected_tuple(error: Rejected) -> tuple[str, str, str]:
     return (error.attribute, error.reason, error.detail)
 
 
-def _record_tuple(record: SpanRecord) -> tuple[Any, ...]:
-    step, comm, load = record.step_figures, record.comm, record.expert_load
-    return (
-        record.name,
-        record.kind,
-        record.start_ns,
-        record.end_ns,
-        record.step,
-        record.attributes,
-        record.error,
-        None
-        if step is None
-        else (step.tokens, step.model_flops, step.data_wait_seconds, step.loss),
-        None if comm is None else (comm.op, comm.purpose, comm.blocking, comm.nbytes, comm.group),
-        record.phase,
-        record.outcome,
-        None if load is None else (load.layer, load.tokens_per_expert, load.dropped),
-    )
-
-
 def encode_resources(decoded: list[DecodedResource]) -> bytes:
-    """`decoded` as bytes for `decode_wire` (identities are decoded again from the
-    attributes on the other side: once per resource, against thousands of spans)."""
+    """`decoded` (`decode_resources(..., for_wire=True)`) as bytes for `decode_wire`
+    (identities are decoded again from the attributes on the other side: once per resource,
+    against thousands of spans)."""
     return marshal.dumps(
         (
             WIRE_VERSION,
@@ -134,7 +118,7 @@ def encode_resources(decoded: list[DecodedResource]) -> bytes:
                     resource.span_count,
                     resource.identity is not None,
                     None if resource.rejected is None else _rejected_tuple(resource.rejected),
-                    [_record_tuple(record) for record in resource.records],
+                    resource.records,
                     [
                         (*_rejected_tuple(reject.error), reject.scope_index, reject.span_index)
                         for reject in resource.span_rejects
@@ -143,26 +127,6 @@ def encode_resources(decoded: list[DecodedResource]) -> bytes:
                 for resource in decoded
             ],
         )
-    )
-
-
-def _record(fields: tuple[Any, ...]) -> SpanRecord:
-    name, kind, start_ns, end_ns, step, attributes, error, figures, comm, phase, outcome, load = (
-        fields
-    )
-    return SpanRecord(
-        name,
-        kind,
-        start_ns,
-        end_ns,
-        step,
-        attributes,
-        error,
-        None if figures is None else StepFigures(*figures),
-        None if comm is None else CommFigures(*comm),
-        phase,
-        outcome,
-        None if load is None else ExpertLoadFigures(*load),
     )
 
 
@@ -179,7 +143,7 @@ def decode_wire(data: bytes) -> list[DecodedResource]:
         elif is_rank:
             # Decoded by the worker already: the same attributes decode the same way here.
             resource.identity = decode_resource(attributes)
-            resource.records = [_record(fields) for fields in records]
+            resource.records = [span_record(fields) for fields in records]
             resource.span_rejects = [
                 SpanReject(Rejected(attribute, reason, detail), scope_index, span_index)
                 for attribute, reason, detail, scope_index, span_index in rejects

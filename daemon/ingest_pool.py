@@ -58,7 +58,8 @@ def _work(conn: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            reply = _DECODED + encode_resources(decode_resources(parse(data).resources, statics))
+            decoded = decode_resources(parse(data).resources, statics, for_wire=True)
+            reply = _DECODED + encode_resources(decoded)
         except DecodeError as exc:  # malformed bytes: the daemon answers INVALID_ARGUMENT
             reply = _MALFORMED + str(exc).encode()
         except Exception as exc:  # a bug in decoding must not take the worker down
