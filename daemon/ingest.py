@@ -9,8 +9,8 @@ rejects and adds the records to the rank windows.
 A worker process decodes each span into its `SpanFields` (plain tuples, dicts and numbers) and
 hands the request back as `encode_resources` bytes, written with `marshal` (C code on both
 sides, about 1 µs per span to read back); `decode_wire` turns them into the same
-`DecodedResource`s the daemon would have built itself. The
-bytes only ever travel between the daemon and the workers it started.
+`DecodedResource`s the daemon would have built itself. The bytes only ever travel between the
+daemon and the workers it started.
 """
 
 from __future__ import annotations

@@ -144,9 +144,13 @@ class IngestPool:
             raise DecodeError(body.decode(errors="replace"))
         if kind == _FAILED:
             raise WorkerLost(f"ingest worker failed: {body.decode(errors='replace')}")
+        try:
+            decoded = decode_wire(body)
+        except ValueError as exc:  # a worker started from other code (plait upgraded since)
+            raise WorkerLost(f"ingest worker answered in another format: {exc}") from exc
         with self._lock:
             self.decoded_requests += 1
-        return decode_wire(body)
+        return decoded
 
     def _replace(self, worker: _Worker) -> None:
         worker.conn.close()
@@ -162,11 +166,17 @@ class IngestPool:
         )
         if closed:
             return
+        fresh = None
         try:
             fresh = self._spawn()
             self._wait_ready(fresh)
-        except (OSError, RuntimeError) as exc:  # the daemon decodes in-process meanwhile
+        except (OSError, RuntimeError) as exc:
+            # One worker fewer (none left: `takes` sends every request to the daemon's decoder).
             log.error("could not replace an ingest worker: %s", exc)
+            if fresh is not None:
+                fresh.process.kill()
+                with self._lock:
+                    self._all.remove(fresh)
             return
         self._idle.put(fresh)
 

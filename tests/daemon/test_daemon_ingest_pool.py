@@ -258,6 +258,32 @@ def test_a_killed_worker_loses_no_request() -> None:
         server.stop(grace=0.5)
 
 
+def test_workers_that_cannot_be_replaced_leave_decoding_to_the_daemon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batches = plait_requests(0, 20, time.time_ns() - 10**9)
+    server = DaemonServer("127.0.0.1:0", ingest_workers=1, ingest_offload_bytes=0).start()
+    try:
+        pool = server.ingest_pool
+        assert pool is not None
+        (worker,) = pool._all
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.join(10)
+
+        def never_ready(fresh: object) -> None:
+            raise RuntimeError("an ingest worker did not start")
+
+        monkeypatch.setattr(pool, "_wait_ready", never_ready)
+        for data in batches:
+            assert not export(server, data).HasField("partial_success")
+        after = status(server)
+        assert (after.ingest_workers, after.ingest_worker_restarts) == (0, 1)
+        assert after.ingest_worker_requests == 0 and after.spans_received > 0
+        assert not pool.takes(batches[0])  # no request waits for a worker that never comes
+    finally:
+        server.stop(grace=0.5)
+
+
 def test_small_requests_stay_in_the_daemon() -> None:
     base_ns = time.time_ns() - 10**9
     small = trace_request(rank_resource(JOB, 0), step_spans(0, 2, base_ns)).SerializeToString()
