@@ -16,7 +16,7 @@ Fixtures:
 - `plait_plugins`: a fresh `plait.core.plugins.Plugins` per test, entry-point autoload off, the
   built-ins and your plugin registered (modules with `make_plugin()` get a fresh object).
 - `run_distributed`: `plait.core.testing.run_distributed`, to run a module-level function on
-  N spawned Gloo ranks (`fn(rank, world_size, *args)`; FileStore rendezvous, a timeout that names
+  N Gloo ranks (`fn(rank, world_size, *args)`; FileStore rendezvous, a timeout that names
   the hung ranks).
 
 Helpers (no pytest needed; also in `plait.core.testing`):
