@@ -9,6 +9,7 @@ with the ranks that did not finish instead of stalling the suite.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -66,6 +67,10 @@ def _rank_main(
                 dist.destroy_process_group()
     with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(outcome, f)
+    # A forked rank leaves through os._exit, which skips what a process runs when it exits
+    # (atexit handlers, weakref finalizers: offload files removed, exporters flushed): run them
+    # here, as a spawned rank's exit would (they run once; the list is emptied).
+    atexit._run_exitfuncs()
 
 
 def _rank_context() -> Any:
