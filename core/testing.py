@@ -80,8 +80,8 @@ def _rank_context() -> Any:
     NOTE: a spawned rank imports torch from scratch: 3.5 s to start two ranks and 7.4 s for four
     on a 2-core machine, against 0.1 s forked from the server (after its own start, once per
     test process). The server imports nothing else, so every rank still imports plait and the
-    test's modules itself, as a spawned one would; its working directory and `sys.path` are the
-    caller's (multiprocessing sends them), and `_rank_main` sets the caller's environment.
+    test's modules itself, as a spawned one would. A rank's working directory and `sys.path` are
+    the caller's (multiprocessing sends them), and `_rank_main` sets the caller's environment.
     """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
