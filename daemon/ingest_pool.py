@@ -88,7 +88,6 @@ class IngestPool:
     def __init__(self, workers: int, *, offload_bytes: int = DEFAULT_INGEST_OFFLOAD_BYTES) -> None:
         if workers < 1:
             raise ValueError(f"an ingest pool needs at least 1 worker, got {workers}")
-        self.workers = workers
         self.offload_bytes = offload_bytes
         self._context = mp.get_context("spawn")
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
