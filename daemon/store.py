@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from plait.core.mfu import StepSample
@@ -185,8 +186,16 @@ class RankWindow:
             self.outcome = span.outcome
 
     def last_steps(self, count: int) -> list[StepRecord]:
-        records = list(self.steps.values())
-        return records[-count:] if count > 0 else records
+        """The last `count` step records, oldest first (0: the whole window).
+
+        NOTE: every query asks this of every rank several times, under the store's lock: walk
+        back over `count` records rather than copying the window (512 by default) to slice it."""
+        steps = self.steps
+        if count <= 0 or count >= len(steps):
+            return list(steps.values())
+        records = list(islice(reversed(steps.values()), count))
+        records.reverse()
+        return records
 
     def samples(self, count: int) -> list[StepSample]:
         return [

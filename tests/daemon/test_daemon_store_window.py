@@ -114,3 +114,15 @@ def test_trimmed_steps_leave_nothing_behind() -> None:
     assert len(window.steps) == 4
     assert len(window.step_spans) <= 8
     assert set(window._analysed) <= set(window.step_spans) | set(window.steps)
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 12, 13, 50])
+def test_last_steps_are_the_newest_oldest_first(count: int) -> None:
+    window = RankWindow(identity(), window_steps=12, window_spans=1000)
+    for step in range(20):  # the first 8 fall out of the window of 12
+        window.add_span(step_span(step, step * 10, step * 10 + 9))
+    window.add_span(step_span(11, 110, 118))  # sent again: it becomes the newest
+    order = [*range(8, 11), *range(12, 20), 11]
+    wanted = order if count == 0 else order[-count:]
+    assert [r.step for r in window.last_steps(count)] == wanted
+    assert [s.step for s in window.samples(count)] == wanted
