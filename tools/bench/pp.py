@@ -8,6 +8,11 @@ plait's engine and through torch's `PipelineStage` with `ScheduleGPipe` / `Sched
 four contenders live in the same two processes and run in alternating rounds, so machine noise
 spreads evenly; the table gives tokens/s (median over rounds) and the plait/torch ratio per
 schedule, and the first-step loss of each side as a check that both train the same thing.
+Beside the ratio, plait's ceiling against torch: its step time with the measured pipeline
+makespan replaced by the replay's (below) with free hand-overs, then also with equal stages
+(the closed form's bubble), the rest of the step as measured. No change to how the runtime
+moves activations and gradients can take plait past the first; only a finer stage split or
+less compute per action can go past it, up to the second.
 
 The second table is plait's measured pipeline bubble (`1 - Σ busy / (P · makespan)` from the
 runtime's per-action timings) for every schedule against the closed forms: (p-1)/(m+p-1) for
@@ -24,6 +29,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -142,19 +148,57 @@ def _torch_step(args: argparse.Namespace, schedule: str) -> Callable[[Any], floa
     return step
 
 
+@dataclass(frozen=True, slots=True)
+class TimedStep:
+    """One timed plait step on one rank: its wall time and what its pipeline runtime measured."""
+
+    seconds: float
+    busy_seconds: float
+    first_start_ns: int
+    last_end_ns: int
+    mean_action_seconds: dict[str, float]  # by kind, as `timeline.ActionCosts` names them
+
+
+def _timed_plait_step(engine: Any, record: list[TimedStep]) -> Callable[[Any], float]:
+    from plait.plugins.pipeline.runtime import PipelineRuntime
+
+    runtime = next(rt for rt in engine.runtimes if isinstance(rt, PipelineRuntime))
+
+    def step(batch: Any) -> float:
+        start = time.perf_counter()
+        loss = engine.train_step(batch)
+        seconds = time.perf_counter() - start
+        times = runtime.last_stage_times
+        if times is not None:
+            means = {kind: times.mean_seconds(kind) for kind in times.kind_counts}
+            record.append(
+                TimedStep(
+                    seconds, times.busy_seconds, times.first_start_ns, times.last_end_ns, means
+                )
+            )
+        return loss
+
+    return step
+
+
 def compare(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every contender in these two processes, in alternating rounds."""
     del world
     steppers: dict[str, Callable[[Any], float]] = {}
+    timed: dict[str, list[TimedStep]] = {}
     for schedule in SCHEDULES:
-        engine = _plait_step(args, schedule)
-        steppers[f"plait {schedule}"] = engine.train_step
+        timed[schedule] = []
+        steppers[f"plait {schedule}"] = _timed_plait_step(
+            _plait_step(args, schedule), timed[schedule]
+        )
         steppers[f"torch {schedule}"] = _torch_step(args, schedule)
     batches = _batches(args, args.warmup + args.steps)
     first_loss = {name: step(batches[0]) for name, step in steppers.items()}
     for step in steppers.values():
         for batch in batches[1 : args.warmup]:
             step(batch)
+    for steps in timed.values():
+        steps.clear()  # only the timed rounds' steps
     tokens = args.steps * args.microbatches * args.micro_batch * args.seq_len
     rates: dict[str, list[float]] = {name: [] for name in steppers}
     for _ in range(args.rounds):
@@ -163,7 +207,48 @@ def compare(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             for batch in batches[args.warmup :]:
                 step(batch)
             rates[name].append(tokens / (time.perf_counter() - start))
-    return {"rank": rank, "rates": rates, "first_loss": first_loss}
+    return {"rank": rank, "rates": rates, "first_loss": first_loss, "timed": timed}
+
+
+def ceiling_ratios(
+    schedule: str,
+    args: argparse.Namespace,
+    per_rank: list[list[TimedStep]],
+    torch_rates: list[float],
+) -> tuple[float, float]:
+    """plait's best tokens/s against torch's if nothing but the pipeline's hand-overs changed:
+    (every P2P free, every P2P free and the stages equal), median over rounds.
+
+    In each timed step the measured makespan (first compute start to last compute end over
+    both ranks) is replaced by the replay's (the schedule simulated with each rank's mean
+    action times and free hand-overs), or by the closed form's (the same busy time, the
+    theory's bubble); the rest of the step (optimizer, clipping, loss) is kept as measured.
+    Each round is compared with torch's round next to it, which ran at the same moment of the
+    machine."""
+    from plait.plugins.pipeline.timeline import theoretical_bubble_fraction
+
+    theory, _ = theoretical_bubble_fraction(
+        schedule, num_stages=2, num_microbatches=args.microbatches
+    ) or (float("nan"), "")
+    tokens_per_step = args.microbatches * args.micro_batch * args.seq_len
+    free, equal = [], []
+    steps = list(zip(*per_rank, strict=True))
+    for index, torch_rate in enumerate(torch_rates):
+        saved_free = saved_equal = seconds = 0.0
+        for step in steps[index * args.steps : (index + 1) * args.steps]:
+            ends = max(s.last_end_ns for s in step) - min(s.first_start_ns for s in step)
+            makespan = ends / 1e9
+            replay = replayed_timeline(
+                f"{schedule} m={args.microbatches}", [s.mean_action_seconds for s in step]
+            ).makespan
+            mean_busy = sum(s.busy_seconds for s in step) / len(step)
+            seconds += step[0].seconds
+            saved_free += makespan - replay
+            saved_equal += makespan - mean_busy / (1 - theory)
+        torch_seconds = args.steps * tokens_per_step / torch_rate
+        free.append(torch_seconds / (seconds - saved_free))
+        equal.append(torch_seconds / (seconds - saved_equal))
+    return statistics.median(free), statistics.median(equal)
 
 
 def bubbles(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -194,8 +279,8 @@ def bubbles(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"rank": rank, "bubbles": out, "costs": costs}
 
 
-def replayed_bubble(key: str, per_rank_costs: list[dict[str, float]]) -> float:
-    """The bubble of the same schedule with each rank's measured mean action times and free
+def replayed_timeline(key: str, per_rank_costs: list[dict[str, float]]) -> Any:
+    """The same schedule simulated with each rank's measured mean action times and free
     hand-overs: what the stages' imbalance alone leaves (the schedule's closed form assumes
     equal stages; the measured bubble adds the P2P hand-overs and host gaps)."""
     from plait.plugins.pipeline.schedules import build_programs
@@ -207,8 +292,7 @@ def replayed_bubble(key: str, per_rank_costs: list[dict[str, float]]) -> float:
         schedule, num_microbatches=int(m), num_stages=2, virtual_stages=virtual
     )
     costs = {rank: ActionCosts(**kinds) for rank, kinds in enumerate(per_rank_costs)}
-    timeline = simulate_timeline(programs, num_stages=2, virtual_stages=virtual, costs=costs)
-    return timeline.bubble_fraction
+    return simulate_timeline(programs, num_stages=2, virtual_stages=virtual, costs=costs)
 
 
 def main() -> None:
@@ -232,15 +316,31 @@ def main() -> None:
         f"pp=2 on 2 Gloo ranks, {args.microbatches} micro-batches of {args.micro_batch}, "
         f"{args.steps} steps × {args.rounds} rounds (median tokens/s)"
     )
-    print(f"{'schedule':10} {'plait tok/s':>12} {'torch tok/s':>12} {'ratio':>7}   first loss")
+    print(
+        f"{'schedule':10} {'plait tok/s':>12} {'torch tok/s':>12} {'ratio':>7}   "
+        f"{'ceiling: free P2P':>17} {'+ equal stages':>14}   first loss"
+    )
     for schedule in SCHEDULES:
         plait = statistics.median(ranks[0]["rates"][f"plait {schedule}"])
         peer = statistics.median(ranks[0]["rates"][f"torch {schedule}"])
+        free, equal = ceiling_ratios(
+            schedule,
+            args,
+            [r["timed"][schedule] for r in ranks],
+            ranks[0]["rates"][f"torch {schedule}"],
+        )
         losses = ranks[0]["first_loss"]
         print(
             f"{schedule:10} {plait:12,.0f} {peer:12,.0f} {plait / peer:6.3f}×   "
+            f"{free:16.3f}× {equal:13.3f}×   "
             f"plait {losses[f'plait {schedule}']:.4f} / torch {losses[f'torch {schedule}']:.4f}"
         )
+    print(
+        "ceiling: plait's tokens/s over torch's (median of the rounds) with plait's measured\n"
+        "makespan replaced by the replay's with free hand-overs, then also with equal stages\n"
+        "(the theory's bubble); the rest of plait's step as measured. No change to how the\n"
+        "runtime hands activations and gradients over can take plait past the first here."
+    )
     if args.skip_bubbles:
         return
     ranks = run_distributed(bubbles, 2, args, timeout=3600)
@@ -258,7 +358,7 @@ def main() -> None:
             virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
         ) or (float("nan"), "")
         costs = [r["costs"][key] for r in ranks]
-        replay = replayed_bubble(key, costs)
+        replay = replayed_timeline(key, costs).bubble_fraction
         actions = " | ".join(
             "/".join(f"{seconds * 1e3:.1f}" for seconds in stage.values()) for stage in costs
         )
