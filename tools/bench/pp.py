@@ -11,8 +11,8 @@ schedule, and the first-step loss of each side as a check that both train the sa
 Beside the ratio, plait's ceiling against torch: its step time with the measured pipeline
 makespan replaced by the replay's (below) with free hand-overs, then also with equal stages
 (the closed form's bubble), the rest of the step as measured. No change to how the runtime
-moves activations and gradients can take plait past the first; only a finer stage split or
-less compute per action can go past it, up to the second.
+moves activations and gradients can take plait past the first; a finer stage split can take
+it up to the second, and only less compute per action beyond.
 
 The second table is plait's measured pipeline bubble (`1 - Σ busy / (P · makespan)` from the
 runtime's per-action timings) for every schedule against the closed forms: (p-1)/(m+p-1) for
@@ -30,11 +30,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.core.testing import run_distributed
+
+if TYPE_CHECKING:
+    from plait.plugins.pipeline.timeline import Timeline
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
@@ -279,7 +282,7 @@ def bubbles(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"rank": rank, "bubbles": out, "costs": costs}
 
 
-def replayed_timeline(key: str, per_rank_costs: list[dict[str, float]]) -> Any:
+def replayed_timeline(key: str, per_rank_costs: list[dict[str, float]]) -> Timeline:
     """The same schedule simulated with each rank's measured mean action times and free
     hand-overs: what the stages' imbalance alone leaves (the schedule's closed form assumes
     equal stages; the measured bubble adds the P2P hand-overs and host gaps)."""
