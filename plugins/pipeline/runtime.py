@@ -83,6 +83,8 @@ class StageTimes:
     """One rank's measured step: compute time, waits for peers, and the compute window."""
 
     busy_seconds: float = 0.0
+    # Waits for a peer's message inside the window (a last stage's wait for its first
+    # activation comes before the window, and is not the pipeline's to count).
     recv_wait_seconds: float = 0.0
     first_start_ns: int = 0
     last_end_ns: int = 0
@@ -103,6 +105,12 @@ class StageTimes:
     def idle_seconds(self) -> float:
         """Waits for peers plus gaps between actions, inside this rank's compute window."""
         return max(0.0, self.window_seconds - self.busy_seconds)
+
+    @property
+    def host_seconds(self) -> float:
+        """The gaps between actions that are not waits: the runtime's own host work in the
+        window (posting receives, sends, bookkeeping)."""
+        return max(0.0, self.idle_seconds - self.recv_wait_seconds)
 
 
 @dataclass
@@ -477,7 +485,8 @@ class PipelineRuntime(ParallelRuntime):
         start = time.time_ns()
         work.wait()
         end = time.time_ns()
-        run.times.recv_wait_seconds += (end - start) / 1e9
+        if run.times.first_start_ns:  # inside the compute window
+            run.times.recv_wait_seconds += (end - start) / 1e9
         run.idle_spans.append(
             PhaseSpan(
                 name="idle",

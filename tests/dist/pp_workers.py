@@ -164,7 +164,7 @@ def train(
         names = {id(p): full_name(n) for n, p in engine.module.named_parameters()}
         dp_size, dp_rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
         losses, norms, bubbles, idle_spans, late_receives = [], [], [], 0, 0
-        kind_counts, kinds_add_up = {}, False
+        kind_counts, kinds_add_up, waits_in_window = {}, False, True
         for inputs, targets in global_batches(steps, global_batch):
             counter.recv_issued_ns.clear()
             share = global_batch // dp_size
@@ -186,6 +186,8 @@ def train(
                 kinds_add_up = math.isclose(
                     sum(times.kind_seconds.values()), times.busy_seconds, rel_tol=1e-9
                 )
+                # waits and compute are disjoint intervals of the window
+                waits_in_window &= times.recv_wait_seconds <= times.idle_seconds + 1e-6
         ddp_runtime = next(
             (rt for rt in engine.runtimes if isinstance(rt, BucketedAllReduce)), None
         )
@@ -200,6 +202,7 @@ def train(
                 "bubbles": bubbles,
                 "kind_counts": kind_counts,  # compute actions by kind, last step
                 "kinds_add_up": kinds_add_up,
+                "waits_in_window": waits_in_window,  # every step
                 "idle_spans": idle_spans,
                 "late_receives": late_receives,  # most in one step
                 "num_microbatches": global_batch // dp_size,

@@ -98,6 +98,7 @@ def _assert_matches(run: dict[str, Any], reference: dict[str, Any], *, covered: 
         else {"forward": chunks, "backward": chunks}
     )
     assert run["kind_counts"] == expected and run["kinds_add_up"], (what, run["kind_counts"])
+    assert run["waits_in_window"], f"{what}: waits for peers counted outside the compute window"
 
 
 # -- the split, on the meta device -------------------------------------------------------------

@@ -20,7 +20,9 @@ GPipe and 1F1B, (p-1)/(v·m+p-1) for interleaved 1F1B, and ZB-H1's (p-1)(F+I-W) 
 textbook costs F = I = W. Between them, the replay: the schedule simulated with each stage's
 measured mean time per action kind and free hand-overs (printed per stage: forward / backward,
 or forward / input / weight gradient). Replay minus theory is what the stages' imbalance costs;
-measured minus replay is what the P2P hand-overs and host gaps cost.
+measured minus replay is what the P2P hand-overs and host gaps cost. Each stage's idle time in
+its window is split too: waiting for the peer's messages, and the runtime's own host work
+between actions (posting receives, sends, bookkeeping).
 """
 
 from __future__ import annotations
@@ -255,20 +257,23 @@ def ceiling_ratios(
 
 
 def bubbles(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    """plait's measured bubble per schedule and micro-batch count (median over steps), and
-    this rank's mean compute time per action kind (for the replay)."""
+    """plait's measured bubble per schedule and micro-batch count (median over steps), this
+    rank's mean compute time per action kind (for the replay), and its idle time in the window
+    per step: waits for the peer's messages and the runtime's own host gaps between actions."""
     del world
     from plait.plugins.pipeline.runtime import PipelineRuntime
 
     out: dict[str, Any] = {}
     costs: dict[str, dict[str, float]] = {}
+    idle: dict[str, tuple[float, float]] = {}
+    handover = handover_seconds(rank, (args.micro_batch, args.seq_len, args.dim))
     for microbatches in sorted({4, args.microbatches}):
         sized = argparse.Namespace(**{**vars(args), "microbatches": microbatches})
         for schedule in BUBBLE_SCHEDULES:
             virtual = 2 if schedule == "interleaved_1f1b" else 1
             engine = _plait_step(sized, schedule, virtual)
             runtime = next(rt for rt in engine.runtimes if isinstance(rt, PipelineRuntime))
-            measured, kinds = [], {}
+            measured, kinds, waits, gaps = [], {}, [], []
             for index, batch in enumerate(_batches(sized, args.warmup + args.steps)):
                 engine.train_step(batch)
                 measured.append(runtime.last_bubble_fraction)
@@ -276,10 +281,33 @@ def bubbles(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                 if index >= args.warmup and times is not None:
                     for kind in times.kind_counts:
                         kinds.setdefault(kind, []).append(times.mean_seconds(kind))
+                    waits.append(times.recv_wait_seconds)
+                    gaps.append(times.host_seconds)
             key = f"{schedule} m={microbatches}"
             out[key] = statistics.median(measured[args.warmup :])
             costs[key] = {kind: statistics.median(values) for kind, values in kinds.items()}
-    return {"rank": rank, "bubbles": out, "costs": costs}
+            idle[key] = (statistics.median(waits), statistics.median(gaps))
+    return {"rank": rank, "bubbles": out, "costs": costs, "idle": idle, "handover": handover}
+
+
+def handover_seconds(rank: int, shape: tuple[int, ...], rounds: int = 50) -> float:
+    """One hand-over alone: half a send-and-back of one stage boundary's activation between the
+    two ranks, both idle (median)."""
+    import torch.distributed as dist
+
+    tensor = torch.zeros(shape)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        else:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times[5:])
 
 
 def replayed_timeline(key: str, per_rank_costs: list[dict[str, float]]) -> Timeline:
@@ -348,9 +376,14 @@ def main() -> None:
         return
     ranks = run_distributed(bubbles, 2, args, timeout=3600)
     print("\nmeasured bubble (plait runtime, pp=2) vs the replay of its stages' measured action")
-    print("times with free hand-overs (stage imbalance only) and the closed-form theory")
+    print("times with free hand-overs (stage imbalance only) and the closed-form theory; each")
     print(
-        f"{'schedule':24} {'measured':>9} {'replay':>7} {'theory':>7}  {'ms per action':30} formula"
+        "stage's idle ms per step in its window: waiting for the peer / host gaps between actions"
+    )
+    print(f"(one hand-over alone, both ranks idle: {ranks[0]['handover'] * 1e3:.2f} ms)")
+    print(
+        f"{'schedule':24} {'measured':>9} {'replay':>7} {'theory':>7}  {'ms per action':30} "
+        f"{'idle: wait/host':17} formula"
     )
     for key, value in ranks[0]["bubbles"].items():
         schedule, m = key.split(" m=")
@@ -365,7 +398,12 @@ def main() -> None:
         actions = " | ".join(
             "/".join(f"{seconds * 1e3:.1f}" for seconds in stage.values()) for stage in costs
         )
-        print(f"{key:24} {value:9.3f} {replay:7.3f} {theory:7.3f}  {actions:30} {formula}")
+        idle = " | ".join(
+            f"{wait * 1e3:.0f}/{host * 1e3:.0f}" for wait, host in (r["idle"][key] for r in ranks)
+        )
+        print(
+            f"{key:24} {value:9.3f} {replay:7.3f} {theory:7.3f}  {actions:30} {idle:17} {formula}"
+        )
 
 
 if __name__ == "__main__":
