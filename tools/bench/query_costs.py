@@ -4,13 +4,13 @@
 
 A store is filled the way the receiver fills it: `--ranks` ranks of one job, each exporting
 `--steps` steps of spans as plait's exporter encodes them (`daemon_load.encoded_rank_requests`:
-a step, five phases and eleven collectives per step), read and decoded by the daemon's own
-reader and decoder. The daemon keeps its last 512 steps per rank, so `--steps` above that
-leaves every window full. Then `GetMetrics`, `GetBottleneck` and `Status` are answered
-`--repeats` times each by the servicer itself (no gRPC), and the median time of each is
-printed: what one query holds the store's lock and a core for. `plait top` refreshes once a
-second, and `StreamMetrics` answers every interval, so these add up on a node's daemon under
-load (`daemon_load.py` measures that end to end).
+a step, five phases and eleven collectives per step), received by the daemon's own trace
+receiver (its reader, decoder and store). The daemon keeps its last 512 steps per rank, so
+`--steps` above that leaves every window full. Then `GetMetrics`, `GetBottleneck` and `Status`
+are answered `--repeats` times each by the servicer itself (no gRPC), and the median time of
+each is printed: what one query holds the store's lock and a core for. `plait top` refreshes
+once a second, and `StreamMetrics` answers every interval, so these add up on a node's daemon
+under load (`daemon_load.py` measures that end to end).
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
-from plait.daemon.decoder import StaticsCache
 from plait.daemon.host import HostCollector
-from plait.daemon.ingest import decode_resources
-from plait.daemon.otlp import trace_request_parser
+from plait.daemon.otlp import TraceReceiver, trace_request_parser
 from plait.daemon.service import DaemonService
 from plait.daemon.store import TelemetryStore
 from plait.proto.plait.v1 import daemon_pb2
@@ -35,13 +33,12 @@ from plait.tools.bench.daemon_load import encoded_rank_requests
 
 
 def filled_store(ranks: int, steps: int) -> TelemetryStore:
-    store, statics = TelemetryStore(), StaticsCache()
+    """Every rank's requests through the daemon's own trace receiver and its deserializer."""
+    store = TelemetryStore()
+    receiver, parse = TraceReceiver(store), trace_request_parser()
     for rank in range(ranks):
-        parse = trace_request_parser()
         for data, _ in encoded_rank_requests(rank, ranks, steps=steps):
-            for resource in decode_resources(parse(data).resources, statics):
-                if resource.identity is not None:
-                    store.add_spans(resource.identity, resource.records)
+            receiver.Export(parse(data), None)  # type: ignore[arg-type]
     return store
 
 
