@@ -257,6 +257,7 @@ class Engine:
             num_params=num_params,
             flops_per_token=self.flops_per_token,
             tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
+            memory_report=self.memory_report,
         )
 
     def _compute_dtype(self) -> torch.dtype:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,11 @@ class JobInfo:
     num_params: int
     flops_per_token: float  # training FLOPs per token, forward + backward
     tokens_per_step: int  # whole job
+    # Bytes this rank holds in parameters, gradients and optimizer state, counted from tensor
+    # storage when called (`Engine.memory_report`); what `plait memory` reports on any device.
+    memory_report: Callable[[], dict[str, int]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

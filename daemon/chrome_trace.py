@@ -126,6 +126,12 @@ def merge_traces(documents: Iterable[dict[str, Any]]) -> dict[str, Any]:
     base_ns = min(int(d["otherData"]["base_unix_nano"]) for d in documents)
     keys = [_process_keys(d) for d in documents]
     pids = process_ids(key for document_keys in keys for key in document_keys.values())
+    # What a capture says of its processes beyond job and rank (host, clock offset, …).
+    details = {
+        keys[i][int(pid)]: process
+        for i, document in enumerate(documents)
+        for pid, process in document["otherData"].get("processes", {}).items()
+    }
     events: list[dict[str, Any]] = []
     for document, document_keys in zip(documents, keys, strict=True):
         shift_us = (int(document["otherData"]["base_unix_nano"]) - base_ns) / 1e3
@@ -143,7 +149,10 @@ def merge_traces(documents: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "otherData": {
             "base_unix_nano": base_ns,
             "producer": "plait daemon",
-            "processes": {str(pid): {"job_id": j, "rank": r} for (j, r), pid in pids.items()},
+            "processes": {
+                str(pid): {**details.get((j, r), {}), "job_id": j, "rank": r}
+                for (j, r), pid in pids.items()
+            },
         },
     }
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from plait.daemon.control import ControlLimits
     from plait.daemon.security import SecurityConfig
 
 DEFAULT_DAEMON_ADDRESS = "127.0.0.1:7461"  # as plait.core.daemon_address.DEFAULT_DAEMON_ADDRESS
@@ -62,6 +63,8 @@ class DaemonConfig:
     otlp_insecure: bool | None = None
     otlp_queue_bytes: int | None = None
     prometheus: str | None = None  # "host:port" serving /metrics; None: not served
+    # What the control channel allows (capture sizes, durations, concurrency); None: defaults.
+    control: ControlLimits | None = None
 
     def __post_init__(self) -> None:
         for name in ("window_steps", "window_spans", "max_workers", "ingest_capacity"):

@@ -42,6 +42,10 @@ LONG_LIVED_METHODS = frozenset(
     {
         "/plait.v1.Daemon/StreamMetrics",
         "/plait.v1.Daemon/CaptureTrace",
+        "/plait.v1.Control/PrepareProfile",
+        "/plait.v1.Control/CollectProfile",
+        "/plait.v1.Control/Stacks",
+        "/plait.v1.Control/Memory",
         "/grpc.health.v1.Health/Watch",
     }
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import replace
 from types import FrameType
@@ -25,6 +26,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from plait.daemon.analysis import StalePolicy
 from plait.daemon.config import MAX_MESSAGE_BYTES, DaemonConfig
+from plait.daemon.control import ControlRegistry
+from plait.daemon.control_service import ControlService
 from plait.daemon.exporters import OtlpUpstream, PrometheusExporter
 from plait.daemon.forwarding import RetryPolicy
 from plait.daemon.hangs import Hang
@@ -35,7 +38,7 @@ from plait.daemon.otlp import IngestLimiter, add_receivers
 from plait.daemon.security import OVERSIZE_HEADROOM, CallCounters, CallGuard, SecurityConfig
 from plait.daemon.service import DaemonExtras, DaemonService, daemon_points
 from plait.daemon.store import TelemetryStore
-from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ HANG_CHECK_SECONDS = 1.0
 DAEMON_SERVICE = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
 SERVICE_NAMES = (
     DAEMON_SERVICE,
+    control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
     trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name,
     metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name,
 )
@@ -175,10 +179,23 @@ class DaemonServer:
             target=self._watch_hangs, name="plait-hang-monitor", daemon=True
         )
         daemon_pb2_grpc.add_DaemonServicer_to_server(self.service, self.server)
+        # The control channel: ranks poll it, operators profile, dump stacks and memory.
+        self.control = ControlRegistry(config.control)
+        self.control_service = ControlService(self.control, self.store, stopping=self.stopping)
+        self.extras.control_stats = self._control_stats
+        control_pb2_grpc.add_ControlServicer_to_server(self.control_service, self.server)
         if config.reflection_enabled:
             reflection.enable_server_reflection(
                 (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
             )
+
+    def _control_stats(self) -> dict[str, int]:
+        endpoints = self.control.endpoints(now_ns=time.time_ns())
+        return {
+            "control_endpoints": sum(e.polling for e in endpoints),
+            "control_refused": self.control.refused,
+            "control_rejected": self.control.rejected_chunks + self.control_service.bad_deliveries,
+        }
 
     def start(self) -> DaemonServer:
         if self.prometheus_address is not None:

@@ -271,6 +271,8 @@ class DaemonExtras:
     stale_policy: StalePolicy = field(default_factory=StalePolicy)
     # The ingest workers' counters, when trace requests are decoded in worker processes.
     ingest_stats: Callable[[], PoolStats] | None = None
+    # The control channel's counters: endpoints polling, requests refused, deliveries rejected.
+    control_stats: Callable[[], dict[str, int]] | None = None
 
 
 class DaemonService(daemon_pb2_grpc.DaemonServicer):
@@ -393,6 +395,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             stale_step_multiple=policy.step_multiple,
             stale_ceiling_seconds=policy.ceiling_seconds,
             **self._ingest_status(),
+            **(extras.control_stats() if extras.control_stats else {}),
         )
 
     def _ingest_status(self) -> dict[str, int]:

@@ -80,6 +80,7 @@ MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
     ("plait.tools.schedule_commands", "schedule"),
     ("plait.tools.kernels_commands", "kernels"),
     ("plait.tools.daemon_commands", None),
+    ("plait.tools.profile_commands", None),
     ("plait.tools.calibrate_commands", None),
     ("plait.tools.ckpt_commands", "ckpt"),
     ("plait.tools.plan_commands", "plan"),
@@ -87,7 +88,7 @@ MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
 
 # Command modules merged at the top level whose imports are slow (gRPC and the daemon's
 # exporters): their commands are listed from their source and imported when one runs.
-LAZY_MODULES: tuple[str, ...] = ("plait.tools.daemon_commands",)
+LAZY_MODULES: tuple[str, ...] = ("plait.tools.daemon_commands", "plait.tools.profile_commands")
 
 Overrides = Annotated[
     list[str] | None,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import grpc
 import typer
@@ -35,19 +35,33 @@ def open_stub(host: str) -> tuple[grpc.Channel, daemon_pb2_grpc.DaemonStub]:
 
 
 def call_all(
-    hosts: list[str], call: Callable[[daemon_pb2_grpc.DaemonStub], Result]
+    hosts: list[str],
+    call: Callable[[Any], Result],
+    stub: Callable[[grpc.Channel], Any] = daemon_pb2_grpc.DaemonStub,
 ) -> dict[str, Result | grpc.RpcError]:
-    """`call(stub)` on every host concurrently; a failing host maps to its `grpc.RpcError`."""
+    """`call(stub)` on every host concurrently; a failing host maps to its `grpc.RpcError`.
+
+    `stub` builds the stub from a channel: the `Daemon` service's by default, or another
+    service the daemon serves (`control_pb2_grpc.ControlStub`)."""
+    return call_each({host: call for host in hosts}, stub)
+
+
+def call_each(
+    calls: Mapping[str, Callable[[Any], Result]],
+    stub: Callable[[grpc.Channel], Any] = daemon_pb2_grpc.DaemonStub,
+) -> dict[str, Result | grpc.RpcError]:
+    """`calls[host](stub)` on every host concurrently (a call of its own per host)."""
 
     def one(host: str) -> Result | grpc.RpcError:
-        channel, stub = open_stub(host)
+        channel = DaemonClientAuth.from_env().channel(host)
         try:
-            return call(stub)
+            return calls[host](stub(channel))
         except grpc.RpcError as exc:
             return exc
         finally:
             channel.close()
 
+    hosts = list(calls)
     with ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
         return dict(zip(hosts, pool.map(one, hosts), strict=True))
 

@@ -32,8 +32,9 @@ from plait.daemon.config import (
     DEFAULT_STALE_FLOOR_SECONDS,
     DEFAULT_STALE_STEP_MULTIPLE,
 )
+from plait.daemon.hangs import Hang
 from plait.daemon.service import hang_from_message, rescore_stragglers
-from plait.proto.plait.v1 import daemon_pb2
+from plait.proto.plait.v1 import control_pb2, daemon_pb2
 from plait.proto.plait.v1.daemon_pb2_grpc import DaemonStub as Stub
 from plait.tools import daemon_json
 from plait.tools.daemon_client import (
@@ -64,6 +65,8 @@ __all__ = ["JobSummary", "aggregate_jobs", "app", "render_hangs", "render_top"]
 app = typer.Typer(help="The node daemon and the commands that query it.")
 console = Console()
 
+
+HANG_STACKS_TIMEOUT_SECONDS = 5.0  # a hung job's ranks answer from their exporter thread
 
 ShowAll = Annotated[
     bool, typer.Option("--all", help="also finished jobs and ranks of earlier worlds")
@@ -246,13 +249,15 @@ def status(
             or (r.status != "superseded" and state.job_states.get(r.job_id) != "finished")
         )
         metrics.append(figures)
+    hangs = [hang_from_message(h) for d in daemons for h in d.state.hangs]
     view = StatusView(
         daemons=daemons,
         ranks=ranks,
-        hangs=[hang_from_message(h) for d in daemons for h in d.state.hangs],
+        hangs=hangs,
         errors=errors,
         jobs=aggregate_jobs(metrics),
         experts=expert_rows(metrics),
+        hang_stacks=hang_stacks(resolve_hosts(hosts), hangs),
     )
     if as_json:
         _emit_json("status", status_document(view))
@@ -260,6 +265,22 @@ def status(
         console.print(view.render(console.width))
     if errors:
         raise typer.Exit(1)
+
+
+def hang_stacks(hosts: list[str], hangs: list[Hang]) -> list[control_pb2.RankStacks]:
+    """Where the ranks of each hung collective are: every rank of its group, the ones stuck in
+    it and the ones that never came, asked for their stacks through the control channel."""
+    from plait.daemon.hangs import merge_hangs
+    from plait.tools.profile_commands import fetch_stacks
+
+    wanted: dict[str, set[int]] = {}
+    for hang in merge_hangs(hangs):
+        wanted.setdefault(hang.job_id, set()).update(hang.group_ranks)
+    found = []
+    for job_id, ranks in sorted(wanted.items()):
+        stacks, _, _ = fetch_stacks(hosts, job_id, sorted(ranks), HANG_STACKS_TIMEOUT_SECONDS)
+        found.extend(stacks)
+    return found
 
 
 def status_document(view: StatusView) -> dict:
@@ -279,6 +300,7 @@ def status_document(view: StatusView) -> dict:
         "expert_load": [
             {"job_id": e.job_id, **daemon_json.message_dict(e.load)} for e in view.experts
         ],
+        "hang_stacks": [daemon_json.message_dict(s) for s in view.hang_stacks],
     }
 
 

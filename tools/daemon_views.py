@@ -23,7 +23,8 @@ from plait.daemon.bottleneck import (
     job_dominant,
 )
 from plait.daemon.hangs import Hang, merge_hangs
-from plait.proto.plait.v1 import daemon_pb2, metrics_pb2
+from plait.proto.plait.v1 import control_pb2, daemon_pb2, metrics_pb2
+from plait.tools.control_views import render_hang_stacks
 from plait.tools.daemon_jobs import (
     ExpertRow,
     JobWorld,
@@ -152,6 +153,8 @@ class StatusView:
     errors: list[HostError]
     jobs: list[JobSummary] = field(default_factory=list)
     experts: list[ExpertRow] = field(default_factory=list)  # one per MoE layer
+    # Stacks of the ranks of hung collectives (`plait.v1.Control` RankStacks).
+    hang_stacks: list[control_pb2.RankStacks] = field(default_factory=list)
 
     def render(self, width: int) -> Group:
         ids = {j for d in self.daemons for j in d.state.job_ids} | {r.job_id for r in self.ranks}
@@ -184,6 +187,8 @@ class StatusView:
         hangs = render_hangs(self.hangs, jobs)
         if hangs is not None:
             parts.append(hangs)
+            if self.hang_stacks:
+                parts.append(render_hang_stacks(self.hang_stacks))
         return Group(*parts)
 
 

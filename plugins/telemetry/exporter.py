@@ -12,6 +12,9 @@ timed with device events to complete (`plait.core.phase_timing`).
 
 Telemetry never stalls training: if the exporter falls `max_queue` records behind (a daemon
 answering slowly), new records are dropped and counted in `dropped`.
+
+Each time it wakes, after sending, the thread calls `on_tick`: the control channel polls the
+daemon from here (`plait.plugins.telemetry.control_client`), never from the training thread.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class SpanExporter:
         resource: Mapping[str, Any],
         scope: tuple[str, str],
         on_step: Callable[[StepReport], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
         device: str = "cpu",
         batch_delay: float = BATCH_DELAY_SECONDS,
         max_batch: int = MAX_BATCH_SPANS,
@@ -60,6 +64,8 @@ class SpanExporter:
         self._scope = otlp_wire.scope(*scope)
         self._encoder = otlp_wire.AttributeEncoder()
         self._on_step = on_step
+        # Called on this thread each time it wakes (the control channel polls from here).
+        self.on_tick = on_tick
         self._device = device
         self.batch_delay, self.max_batch, self.max_queue = batch_delay, max_batch, max_queue
         self._queue: deque[tuple[int, Any]] = deque()
@@ -141,6 +147,16 @@ class SpanExporter:
                 self._cond.notify_all()
             if stopping:
                 return
+            self._tick()
+
+    def _tick(self) -> None:
+        on_tick = self.on_tick
+        if on_tick is None:
+            return
+        try:
+            on_tick()
+        except Exception:  # the control channel never ends the exporter either
+            logger.exception("plait telemetry: the control channel failed; it carries on")
 
     def _drain(self, *, final: bool) -> None:
         spans: list[bytes] = []

@@ -15,6 +15,10 @@ Hooks:
   its counts still as published (read back on the exporter thread).
 * `plait_job_end` queues what is left and the end-of-run span, then shuts the exporters down.
 
+The step hooks also tell the control channel where step boundaries are, so a profile
+(`plait profile`) or memory capture (`plait memory`) the daemon asks for starts and stops on
+them.
+
 A comm heartbeat (`plait.plugins.telemetry.heartbeat`) reports, from the metric reader's thread,
 the collectives this rank entered and has not finished and the last sequence number issued per
 group, which is what the daemon's hang detector needs while a collective is blocked.
@@ -96,8 +100,12 @@ class TelemetryPlugin:
     @hookimpl
     def plait_step_start(self, step: int) -> None:
         self.step = step
-        if self.telemetry is not None and self._uses_cuda:
+        telemetry = self.telemetry
+        if telemetry is None:
+            return
+        if self._uses_cuda:
             self._cuda_anchor = CudaAnchor.now()
+        telemetry.step_started(step)
 
     @hookimpl
     def plait_step_end(self, report: StepReport) -> None:
@@ -107,6 +115,8 @@ class TelemetryPlugin:
             return
         exporter.put_step(report)
         exporter.put_comm(self._finished_comm_records(final=False))
+        if self.telemetry is not None:
+            self.telemetry.step_finished(report.step)  # after the step's spans are queued
         self.last_step = report.step
         # A MoE model's router counts, published by whoever counted them this step.
         load = EXPERT_LOAD_BOARD.take_published()

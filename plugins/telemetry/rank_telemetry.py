@@ -1,6 +1,10 @@
 """One rank's telemetry connection to its node daemon: the span exporter, step metrics and the
 comm heartbeat, over OTLP/gRPC.
 
+The control channel (`plait.plugins.telemetry.control_client`) rides on the same connection:
+it polls the daemon from the exporter thread, and `step_started` / `step_finished` let a
+profile or memory capture begin and end on step boundaries.
+
 Each rank gets its own `MeterProvider` (never the global one, so several engines in one process
 stay apart) with a resource that says who the rank is (`plait.core.telemetry_resource`). Every
 span — step, phase, comm, expert load, end of run — is built and sent by the plugin's exporter
@@ -28,8 +32,9 @@ from plait.core import telemetry_schema as schema
 from plait.core.daemon_address import DAEMON_ENV
 from plait.core.daemon_auth import DaemonClientAuth, daemon_reachable
 from plait.core.telemetry_resource import peak_flops_for_job, resource_attributes
+from plait.plugins.telemetry.control_client import ControlClient
 from plait.plugins.telemetry.exporter import SpanExporter
-from plait.plugins.telemetry.heartbeat import HeartbeatSource, start_heartbeat
+from plait.plugins.telemetry.heartbeat import HeartbeatSource, InflightComm, start_heartbeat
 from plait.plugins.telemetry.quiet_export import (
     OTLP_EXPORTER_LOGGER,
     DropEndpointLogs,
@@ -111,6 +116,7 @@ class RankTelemetry:
         )
         meter = self.meter_provider.get_meter(INSTRUMENTATION_NAME, _version())
         self.metrics = StepMetrics(meter, info.device)
+        self._heartbeat_source: HeartbeatSource | None = None
         self.spans = SpanExporter(
             send=self.send_spans,
             resource=self.resource_attributes,
@@ -118,6 +124,14 @@ class RankTelemetry:
             on_step=self.record_step,
             device=info.device,
         )
+        # The control channel polls from the exporter's thread, over the spans' channel.
+        self.control = ControlClient(
+            channel=self._trace_channel,
+            info=info,
+            flush_spans=self.spans.flush,
+            inflight=self._inflight,
+        )
+        self.spans.on_tick = self.control.tick
 
     @classmethod
     def start(cls, info: JobInfo, address: str) -> RankTelemetry | None:
@@ -142,6 +156,7 @@ class RankTelemetry:
         """Publish `source()` (ops in flight, last seq per group) every heartbeat interval."""
         if self._heartbeat_provider is not None:
             return
+        self._heartbeat_source = source
         self._heartbeat_provider = start_heartbeat(
             self.resource,
             QuietMetricExporter(self._metric_exporter(), self._warn),
@@ -149,6 +164,22 @@ class RankTelemetry:
             scope=(INSTRUMENTATION_NAME + ".heartbeat", _version()),
             export_timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000,
         )
+
+    def _inflight(self) -> list[InflightComm]:
+        """Collectives entered and not finished (what `plait stacks` names beside the frames)."""
+        source = self._heartbeat_source
+        return list(source()[0]) if source is not None else []
+
+    def step_started(self, step: int) -> None:
+        """The training thread starts `step` (a profile or memory capture may start with it).
+
+        The telemetry plugin calls this and `step_finished` from its step hooks; a loop the
+        engine does not drive calls them itself around each optimizer step."""
+        self.control.step_started(step)
+
+    def step_finished(self, step: int) -> None:
+        """The training thread finished `step`, after queueing its report."""
+        self.control.step_finished(step)
 
     @property
     def tracer(self) -> Tracer:
@@ -210,6 +241,9 @@ class RankTelemetry:
     def shutdown(self) -> None:
         """Send what is queued and stop every exporter."""
         try:
+            # A capture in progress is delivered first, then the daemon hears the rank leave.
+            self.spans.on_tick = None
+            self.control.close()
             self.spans.shutdown(SHUTDOWN_FLUSH_SECONDS)
             if self._heartbeat_provider is not None:
                 self._heartbeat_provider.shutdown(timeout_millis=EXPORT_TIMEOUT_SECONDS * 1000)

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from plait.proto.plait.v1 import metrics_pb2 as plait_dot_v1_dot_metrics__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15plait/v1/daemon.proto\x12\x08plait.v1\x1a\x16plait/v1/metrics.proto\"\x0f\n\rStatusRequest\"\xfa\x08\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x14\n\x0c\x62ind_address\x18\x03 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07job_ids\x18\x05 \x03(\t\x12\r\n\x05ranks\x18\x06 \x01(\x05\x12\x16\n\x0espans_received\x18\x07 \x01(\x03\x12\x1e\n\x16metric_points_received\x18\x08 \x01(\x03\x12\x15\n\rspans_ignored\x18\t \x01(\x03\x12\x14\n\x0cwindow_steps\x18\n \x01(\x05\x12\x14\n\x0cwindow_spans\x18\x0b \x01(\x05\x12\x1d\n\x15ingest_queue_capacity\x18\x0c \x01(\x03\x12\x15\n\rspans_dropped\x18\r \x01(\x03\x12\x1d\n\x15metric_points_dropped\x18\x0e \x01(\x03\x12\x16\n\x0e\x63\x61lls_rejected\x18\x0f \x01(\x03\x12\'\n\x05hangs\x18\x10 \x03(\x0b\x32\x18.plait.v1.CollectiveHang\x12\x1c\n\x14hang_timeout_seconds\x18\x11 \x01(\x01\x12\x15\n\rgpu_collector\x18\x12 \x01(\t\x12\x11\n\texporters\x18\x13 \x03(\t\x12\x16\n\x0espans_rejected\x18\x14 \x01(\x03\x12\x1e\n\x16metric_points_rejected\x18\x15 \x01(\x03\x12J\n\x12rejected_by_reason\x18\x16 \x03(\x0b\x32..plait.v1.StatusResponse.RejectedByReasonEntry\x12U\n\x18\x63\x61lls_rejected_by_reason\x18\x17 \x03(\x0b\x32\x33.plait.v1.StatusResponse.CallsRejectedByReasonEntry\x12,\n\tforwarder\x18\x18 \x01(\x0b\x32\x19.plait.v1.ForwarderStatus\x12;\n\njob_states\x18\x19 \x03(\x0b\x32\'.plait.v1.StatusResponse.JobStatesEntry\x12\x1b\n\x13stale_floor_seconds\x18\x1a \x01(\x01\x12\x1b\n\x13stale_step_multiple\x18\x1b \x01(\x01\x12\x1d\n\x15stale_ceiling_seconds\x18\x1c \x01(\x01\x12\x16\n\x0eingest_workers\x18\x1d \x01(\x05\x12\x1e\n\x16ingest_worker_requests\x18\x1e \x01(\x03\x12\x1e\n\x16ingest_worker_restarts\x18\x1f \x01(\x03\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a<\n\x1a\x43\x61llsRejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x30\n\x0eJobStatesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x03\n\x0f\x46orwarderStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x03\x12\x14\n\x0cqueued_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12\x66orwarded_requests\x18\x05 \x01(\x03\x12\x0f\n\x07retries\x18\x06 \x01(\x03\x12\x18\n\x10\x64ropped_requests\x18\x07 \x01(\x03\x12\x15\n\rdropped_spans\x18\x08 \x01(\x03\x12\x1d\n\x15\x64ropped_metric_points\x18\t \x01(\x03\x12I\n\x11\x64ropped_by_reason\x18\n \x03(\x0b\x32..plait.v1.ForwarderStatus.DroppedByReasonEntry\x12\x1f\n\x17rejected_upstream_items\x18\x0b \x01(\x03\x1a\x36\n\x14\x44roppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\"\n\x10ListRanksRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"6\n\x11ListRanksResponse\x12!\n\x05ranks\x18\x01 \x03(\x0b\x32\x12.plait.v1.RankInfo\"S\n\x11GetMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x18\n\x10include_finished\x18\x03 \x01(\x08\"\x9f\x01\n\x12GetMetricsResponse\x12$\n\x05ranks\x18\x01 \x03(\x0b\x32\x15.plait.v1.RankMetrics\x12\"\n\x04jobs\x18\x02 \x03(\x0b\x32\x14.plait.v1.JobMetrics\x12#\n\x04host\x18\x03 \x01(\x0b\x32\x15.plait.v1.HostMetrics\x12\x1a\n\x12\x63omputed_unix_nano\x18\x04 \x01(\x03\"p\n\x14StreamMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x18\n\x10interval_seconds\x18\x03 \x01(\x01\x12\x18\n\x10include_finished\x18\x04 \x01(\x08\"s\n\x14GetBottleneckRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x1b\n\x13straggler_threshold\x18\x03 \x01(\x01\x12\x18\n\x10include_finished\x18\x04 \x01(\x08\"\xb2\x01\n\x15GetBottleneckResponse\x12,\n\x05ranks\x18\x01 \x03(\x0b\x32\x1d.plait.v1.BottleneckBreakdown\x12\x0e\n\x06\x61\x64vice\x18\x02 \x01(\t\x12\x10\n\x08\x64ominant\x18\x03 \x01(\t\x12,\n\nstragglers\x18\x04 \x03(\x0b\x32\x18.plait.v1.StragglerScore\x12\x1b\n\x13straggler_threshold\x18\x05 \x01(\x01\"E\n\x13\x43\x61ptureTraceRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x03 \x03(\x05\"T\n\x14\x43\x61ptureTraceResponse\x12\x19\n\x11\x63hrome_trace_json\x18\x01 \x01(\x0c\x12\x12\n\nspan_count\x18\x02 \x01(\x03\x12\r\n\x05ranks\x18\x03 \x03(\x05\x32\xc6\x03\n\x06\x44\x61\x65mon\x12;\n\x06Status\x12\x17.plait.v1.StatusRequest\x1a\x18.plait.v1.StatusResponse\x12\x44\n\tListRanks\x12\x1a.plait.v1.ListRanksRequest\x1a\x1b.plait.v1.ListRanksResponse\x12G\n\nGetMetrics\x12\x1b.plait.v1.GetMetricsRequest\x1a\x1c.plait.v1.GetMetricsResponse\x12O\n\rStreamMetrics\x12\x1e.plait.v1.StreamMetricsRequest\x1a\x1c.plait.v1.GetMetricsResponse0\x01\x12P\n\rGetBottleneck\x12\x1e.plait.v1.GetBottleneckRequest\x1a\x1f.plait.v1.GetBottleneckResponse\x12M\n\x0c\x43\x61ptureTrace\x12\x1d.plait.v1.CaptureTraceRequest\x1a\x1e.plait.v1.CaptureTraceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15plait/v1/daemon.proto\x12\x08plait.v1\x1a\x16plait/v1/metrics.proto\"\x0f\n\rStatusRequest\"\xc8\t\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x14\n\x0c\x62ind_address\x18\x03 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07job_ids\x18\x05 \x03(\t\x12\r\n\x05ranks\x18\x06 \x01(\x05\x12\x16\n\x0espans_received\x18\x07 \x01(\x03\x12\x1e\n\x16metric_points_received\x18\x08 \x01(\x03\x12\x15\n\rspans_ignored\x18\t \x01(\x03\x12\x14\n\x0cwindow_steps\x18\n \x01(\x05\x12\x14\n\x0cwindow_spans\x18\x0b \x01(\x05\x12\x1d\n\x15ingest_queue_capacity\x18\x0c \x01(\x03\x12\x15\n\rspans_dropped\x18\r \x01(\x03\x12\x1d\n\x15metric_points_dropped\x18\x0e \x01(\x03\x12\x16\n\x0e\x63\x61lls_rejected\x18\x0f \x01(\x03\x12\'\n\x05hangs\x18\x10 \x03(\x0b\x32\x18.plait.v1.CollectiveHang\x12\x1c\n\x14hang_timeout_seconds\x18\x11 \x01(\x01\x12\x15\n\rgpu_collector\x18\x12 \x01(\t\x12\x11\n\texporters\x18\x13 \x03(\t\x12\x16\n\x0espans_rejected\x18\x14 \x01(\x03\x12\x1e\n\x16metric_points_rejected\x18\x15 \x01(\x03\x12J\n\x12rejected_by_reason\x18\x16 \x03(\x0b\x32..plait.v1.StatusResponse.RejectedByReasonEntry\x12U\n\x18\x63\x61lls_rejected_by_reason\x18\x17 \x03(\x0b\x32\x33.plait.v1.StatusResponse.CallsRejectedByReasonEntry\x12,\n\tforwarder\x18\x18 \x01(\x0b\x32\x19.plait.v1.ForwarderStatus\x12;\n\njob_states\x18\x19 \x03(\x0b\x32\'.plait.v1.StatusResponse.JobStatesEntry\x12\x1b\n\x13stale_floor_seconds\x18\x1a \x01(\x01\x12\x1b\n\x13stale_step_multiple\x18\x1b \x01(\x01\x12\x1d\n\x15stale_ceiling_seconds\x18\x1c \x01(\x01\x12\x16\n\x0eingest_workers\x18\x1d \x01(\x05\x12\x1e\n\x16ingest_worker_requests\x18\x1e \x01(\x03\x12\x1e\n\x16ingest_worker_restarts\x18\x1f \x01(\x03\x12\x19\n\x11\x63ontrol_endpoints\x18  \x01(\x05\x12\x17\n\x0f\x63ontrol_refused\x18! \x01(\x03\x12\x18\n\x10\x63ontrol_rejected\x18\" \x01(\x03\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a<\n\x1a\x43\x61llsRejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x30\n\x0eJobStatesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x03\n\x0f\x46orwarderStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x03\x12\x14\n\x0cqueued_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12\x66orwarded_requests\x18\x05 \x01(\x03\x12\x0f\n\x07retries\x18\x06 \x01(\x03\x12\x18\n\x10\x64ropped_requests\x18\x07 \x01(\x03\x12\x15\n\rdropped_spans\x18\x08 \x01(\x03\x12\x1d\n\x15\x64ropped_metric_points\x18\t \x01(\x03\x12I\n\x11\x64ropped_by_reason\x18\n \x03(\x0b\x32..plait.v1.ForwarderStatus.DroppedByReasonEntry\x12\x1f\n\x17rejected_upstream_items\x18\x0b \x01(\x03\x1a\x36\n\x14\x44roppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\"\n\x10ListRanksRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"6\n\x11ListRanksResponse\x12!\n\x05ranks\x18\x01 \x03(\x0b\x32\x12.plait.v1.RankInfo\"S\n\x11GetMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x18\n\x10include_finished\x18\x03 \x01(\x08\"\x9f\x01\n\x12GetMetricsResponse\x12$\n\x05ranks\x18\x01 \x03(\x0b\x32\x15.plait.v1.RankMetrics\x12\"\n\x04jobs\x18\x02 \x03(\x0b\x32\x14.plait.v1.JobMetrics\x12#\n\x04host\x18\x03 \x01(\x0b\x32\x15.plait.v1.HostMetrics\x12\x1a\n\x12\x63omputed_unix_nano\x18\x04 \x01(\x03\"p\n\x14StreamMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x18\n\x10interval_seconds\x18\x03 \x01(\x01\x12\x18\n\x10include_finished\x18\x04 \x01(\x08\"s\n\x14GetBottleneckRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x05\x12\x1b\n\x13straggler_threshold\x18\x03 \x01(\x01\x12\x18\n\x10include_finished\x18\x04 \x01(\x08\"\xb2\x01\n\x15GetBottleneckResponse\x12,\n\x05ranks\x18\x01 \x03(\x0b\x32\x1d.plait.v1.BottleneckBreakdown\x12\x0e\n\x06\x61\x64vice\x18\x02 \x01(\t\x12\x10\n\x08\x64ominant\x18\x03 \x01(\t\x12,\n\nstragglers\x18\x04 \x03(\x0b\x32\x18.plait.v1.StragglerScore\x12\x1b\n\x13straggler_threshold\x18\x05 \x01(\x01\"E\n\x13\x43\x61ptureTraceRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x03 \x03(\x05\"T\n\x14\x43\x61ptureTraceResponse\x12\x19\n\x11\x63hrome_trace_json\x18\x01 \x01(\x0c\x12\x12\n\nspan_count\x18\x02 \x01(\x03\x12\r\n\x05ranks\x18\x03 \x03(\x05\x32\xc6\x03\n\x06\x44\x61\x65mon\x12;\n\x06Status\x12\x17.plait.v1.StatusRequest\x1a\x18.plait.v1.StatusResponse\x12\x44\n\tListRanks\x12\x1a.plait.v1.ListRanksRequest\x1a\x1b.plait.v1.ListRanksResponse\x12G\n\nGetMetrics\x12\x1b.plait.v1.GetMetricsRequest\x1a\x1c.plait.v1.GetMetricsResponse\x12O\n\rStreamMetrics\x12\x1e.plait.v1.StreamMetricsRequest\x1a\x1c.plait.v1.GetMetricsResponse0\x01\x12P\n\rGetBottleneck\x12\x1e.plait.v1.GetBottleneckRequest\x1a\x1f.plait.v1.GetBottleneckResponse\x12M\n\x0c\x43\x61ptureTrace\x12\x1d.plait.v1.CaptureTraceRequest\x1a\x1e.plait.v1.CaptureTraceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=59
   _globals['_STATUSREQUEST']._serialized_end=74
   _globals['_STATUSRESPONSE']._serialized_start=77
-  _globals['_STATUSRESPONSE']._serialized_end=1223
-  _globals['_STATUSRESPONSE_REJECTEDBYREASONENTRY']._serialized_start=1056
-  _globals['_STATUSRESPONSE_REJECTEDBYREASONENTRY']._serialized_end=1111
-  _globals['_STATUSRESPONSE_CALLSREJECTEDBYREASONENTRY']._serialized_start=1113
-  _globals['_STATUSRESPONSE_CALLSREJECTEDBYREASONENTRY']._serialized_end=1173
-  _globals['_STATUSRESPONSE_JOBSTATESENTRY']._serialized_start=1175
-  _globals['_STATUSRESPONSE_JOBSTATESENTRY']._serialized_end=1223
-  _globals['_FORWARDERSTATUS']._serialized_start=1226
-  _globals['_FORWARDERSTATUS']._serialized_end=1627
-  _globals['_FORWARDERSTATUS_DROPPEDBYREASONENTRY']._serialized_start=1573
-  _globals['_FORWARDERSTATUS_DROPPEDBYREASONENTRY']._serialized_end=1627
-  _globals['_LISTRANKSREQUEST']._serialized_start=1629
-  _globals['_LISTRANKSREQUEST']._serialized_end=1663
-  _globals['_LISTRANKSRESPONSE']._serialized_start=1665
-  _globals['_LISTRANKSRESPONSE']._serialized_end=1719
-  _globals['_GETMETRICSREQUEST']._serialized_start=1721
-  _globals['_GETMETRICSREQUEST']._serialized_end=1804
-  _globals['_GETMETRICSRESPONSE']._serialized_start=1807
-  _globals['_GETMETRICSRESPONSE']._serialized_end=1966
-  _globals['_STREAMMETRICSREQUEST']._serialized_start=1968
-  _globals['_STREAMMETRICSREQUEST']._serialized_end=2080
-  _globals['_GETBOTTLENECKREQUEST']._serialized_start=2082
-  _globals['_GETBOTTLENECKREQUEST']._serialized_end=2197
-  _globals['_GETBOTTLENECKRESPONSE']._serialized_start=2200
-  _globals['_GETBOTTLENECKRESPONSE']._serialized_end=2378
-  _globals['_CAPTURETRACEREQUEST']._serialized_start=2380
-  _globals['_CAPTURETRACEREQUEST']._serialized_end=2449
-  _globals['_CAPTURETRACERESPONSE']._serialized_start=2451
-  _globals['_CAPTURETRACERESPONSE']._serialized_end=2535
-  _globals['_DAEMON']._serialized_start=2538
-  _globals['_DAEMON']._serialized_end=2992
+  _globals['_STATUSRESPONSE']._serialized_end=1301
+  _globals['_STATUSRESPONSE_REJECTEDBYREASONENTRY']._serialized_start=1134
+  _globals['_STATUSRESPONSE_REJECTEDBYREASONENTRY']._serialized_end=1189
+  _globals['_STATUSRESPONSE_CALLSREJECTEDBYREASONENTRY']._serialized_start=1191
+  _globals['_STATUSRESPONSE_CALLSREJECTEDBYREASONENTRY']._serialized_end=1251
+  _globals['_STATUSRESPONSE_JOBSTATESENTRY']._serialized_start=1253
+  _globals['_STATUSRESPONSE_JOBSTATESENTRY']._serialized_end=1301
+  _globals['_FORWARDERSTATUS']._serialized_start=1304
+  _globals['_FORWARDERSTATUS']._serialized_end=1705
+  _globals['_FORWARDERSTATUS_DROPPEDBYREASONENTRY']._serialized_start=1651
+  _globals['_FORWARDERSTATUS_DROPPEDBYREASONENTRY']._serialized_end=1705
+  _globals['_LISTRANKSREQUEST']._serialized_start=1707
+  _globals['_LISTRANKSREQUEST']._serialized_end=1741
+  _globals['_LISTRANKSRESPONSE']._serialized_start=1743
+  _globals['_LISTRANKSRESPONSE']._serialized_end=1797
+  _globals['_GETMETRICSREQUEST']._serialized_start=1799
+  _globals['_GETMETRICSREQUEST']._serialized_end=1882
+  _globals['_GETMETRICSRESPONSE']._serialized_start=1885
+  _globals['_GETMETRICSRESPONSE']._serialized_end=2044
+  _globals['_STREAMMETRICSREQUEST']._serialized_start=2046
+  _globals['_STREAMMETRICSREQUEST']._serialized_end=2158
+  _globals['_GETBOTTLENECKREQUEST']._serialized_start=2160
+  _globals['_GETBOTTLENECKREQUEST']._serialized_end=2275
+  _globals['_GETBOTTLENECKRESPONSE']._serialized_start=2278
+  _globals['_GETBOTTLENECKRESPONSE']._serialized_end=2456
+  _globals['_CAPTURETRACEREQUEST']._serialized_start=2458
+  _globals['_CAPTURETRACEREQUEST']._serialized_end=2527
+  _globals['_CAPTURETRACERESPONSE']._serialized_start=2529
+  _globals['_CAPTURETRACERESPONSE']._serialized_end=2613
+  _globals['_DAEMON']._serialized_start=2616
+  _globals['_DAEMON']._serialized_end=3070
 # @@protoc_insertion_point(module_scope)

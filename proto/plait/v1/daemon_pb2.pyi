@@ -13,7 +13,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder", "job_states", "stale_floor_seconds", "stale_step_multiple", "stale_ceiling_seconds", "ingest_workers", "ingest_worker_requests", "ingest_worker_restarts")
+    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder", "job_states", "stale_floor_seconds", "stale_step_multiple", "stale_ceiling_seconds", "ingest_workers", "ingest_worker_requests", "ingest_worker_restarts", "control_endpoints", "control_refused", "control_rejected")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,9 @@ class StatusResponse(_message.Message):
     INGEST_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INGEST_WORKER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INGEST_WORKER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_REJECTED_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     bind_address: str
@@ -97,7 +100,10 @@ class StatusResponse(_message.Message):
     ingest_workers: int
     ingest_worker_requests: int
     ingest_worker_restarts: int
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ..., job_states: _Optional[_Mapping[str, str]] = ..., stale_floor_seconds: _Optional[float] = ..., stale_step_multiple: _Optional[float] = ..., stale_ceiling_seconds: _Optional[float] = ..., ingest_workers: _Optional[int] = ..., ingest_worker_requests: _Optional[int] = ..., ingest_worker_restarts: _Optional[int] = ...) -> None: ...
+    control_endpoints: int
+    control_refused: int
+    control_rejected: int
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ..., job_states: _Optional[_Mapping[str, str]] = ..., stale_floor_seconds: _Optional[float] = ..., stale_step_multiple: _Optional[float] = ..., stale_ceiling_seconds: _Optional[float] = ..., ingest_workers: _Optional[int] = ..., ingest_worker_requests: _Optional[int] = ..., ingest_worker_restarts: _Optional[int] = ..., control_endpoints: _Optional[int] = ..., control_refused: _Optional[int] = ..., control_rejected: _Optional[int] = ...) -> None: ...
 
 class ForwarderStatus(_message.Message):
     __slots__ = ("endpoint", "queued_requests", "queued_bytes", "queue_capacity_bytes", "forwarded_requests", "retries", "dropped_requests", "dropped_spans", "dropped_metric_points", "dropped_by_reason", "rejected_upstream_items")
