@@ -8,9 +8,10 @@ Three seams, one per thread:
   is in and its clock estimate, and takes the orders waiting: stacks are taken and sent right
   there (`plait.plugins.telemetry.stacks`), a profile or memory capture is handed to
   `ProfileCapture` / `MemoryCapture`;
-* **the training thread** calls `step_started(step)` / `step_finished(step)` (the telemetry
-  plugin does, from its step hooks): when nothing was asked, that is an attribute write and two
-  attribute reads;
+* **the training thread** tells it where step boundaries are: the telemetry plugin writes
+  `step` and reads `armed` in its step hooks, and calls `step_started` / `step_finished` only
+  when a capture is armed (another loop calls those two at every step); when nothing was
+  asked, a step costs an attribute write and two attribute reads, no call;
 * **worker threads** export captures and deliver them in chunks (`Deliver` calls of at most the
   daemon's chunk size), after flushing the span exporter so plait's spans of the recorded steps
   reach the daemon first.
@@ -104,9 +105,12 @@ class ControlClient:
         self.memory = MemoryCapture(
             device=info.device, deliver=self._deliver_memory, accounting=info.memory_report
         )
-        # Written by the training thread at every step start.
+        # Written by the training thread at every step start; `armed` is read there (when it is
+        # False, as it is unless a capture was asked for, a step boundary costs nothing more).
         self.step = -1
-        self.training_thread: int | None = None
+        self.training_thread: int | None = threading.get_ident()  # built where the job starts
+        self.armed = False
+        self._arm_lock = threading.Lock()
         self._last_poll = 0.0
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
         self._failed = False  # the last poll failed: warn once per outage
@@ -118,19 +122,36 @@ class ControlClient:
 
     def step_started(self, step: int) -> None:
         self.step = step
-        if self.training_thread is None:
-            self.training_thread = threading.get_ident()
+        self.training_thread = threading.get_ident()
+        if not self.armed:
+            return
         profile = self.profile
         if profile.plan is not None or profile.recording is not None:
             profile.step_started(step)
         if self.memory.order is not None:
             self.memory.step_started(step)
+        self._rearm()
 
     def step_finished(self, step: int) -> None:
+        if not self.armed:
+            return
         if self.profile.recording is not None:
             self.profile.step_finished(step)
         if self.memory.metering is not None:
             self.memory.step_finished(step)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """`armed`: whether a step boundary has anything to do (either thread, under the lock,
+        so an order armed meanwhile is never cleared)."""
+        profile, memory = self.profile, self.memory
+        with self._arm_lock:
+            self.armed = (
+                profile.plan is not None
+                or profile.recording is not None
+                or memory.order is not None
+                or memory.metering is not None
+            )
 
     # -- the exporter thread --------------------------------------------------------------------
 
@@ -144,6 +165,7 @@ class ControlClient:
         self.memory.tick(time.time_ns())
         for order in self.poll():
             self._handle(order)
+        self._rearm()
 
     def poll(self, *, leaving: bool = False) -> list[control_pb2.RankOrder]:
         info = self.info

@@ -105,7 +105,10 @@ class TelemetryPlugin:
             return
         if self._uses_cuda:
             self._cuda_anchor = CudaAnchor.now()
-        telemetry.step_started(step)
+        control = telemetry.control
+        control.step = step  # where `plait stacks` says the rank is
+        if control.armed:  # a profile or memory capture may start with this step
+            control.step_started(step)
 
     @hookimpl
     def plait_step_end(self, report: StepReport) -> None:
@@ -115,8 +118,9 @@ class TelemetryPlugin:
             return
         exporter.put_step(report)
         exporter.put_comm(self._finished_comm_records(final=False))
-        if self.telemetry is not None:
-            self.telemetry.step_finished(report.step)  # after the step's spans are queued
+        telemetry = self.telemetry
+        if telemetry is not None and telemetry.control.armed:
+            telemetry.control.step_finished(report.step)  # after the step's spans are queued
         self.last_step = report.step
         # A MoE model's router counts, published by whoever counted them this step.
         load = EXPERT_LOAD_BOARD.take_published()

@@ -10,7 +10,9 @@ from plait.daemon import analysis
 
 DAEMON = Path(analysis.__file__).resolve().parent
 # Modules of the analysis layer and of the config, and what they may not reach.
-PURE = ("analysis", "config", "store", "bottleneck", "stragglers", "hangs", "decoder", "host")
+PURE = ("analysis", "config", "store", "bottleneck", "stragglers", "hangs", "decoder", "host",
+        "control", "control_records", "deliveries", "trace_analysis", "profile_trace",
+        "chrome_trace")  # fmt: skip
 FORBIDDEN = ("grpc", "google.protobuf", "plait.proto", "opentelemetry")
 
 
@@ -46,6 +48,20 @@ def test_the_analysis_returns_dataclasses() -> None:
         analysis.BottleneckView,
         analysis.MetricsView,
         analysis.JobState,
+    ):
+        assert dataclasses.is_dataclass(record), record
+
+
+def test_the_capture_analysis_and_the_control_registry_return_dataclasses() -> None:
+    from plait.daemon import control_records, trace_analysis
+
+    for record in (
+        trace_analysis.TraceAnalysis,
+        trace_analysis.RankTraceFigures,
+        trace_analysis.CrossRankSummary,
+        control_records.Outcome,
+        control_records.EndpointView,
+        control_records.Order,
     ):
         assert dataclasses.is_dataclass(record), record
 

@@ -264,3 +264,45 @@ def test_expert_load_and_the_end_of_run_are_queued_never_built_as_sdk_spans(
         "moe.0": ((3, 1), 2),
         "moe.1": ((0, 4), 0),
     }
+
+
+def test_the_control_channel_polls_from_the_exporter_thread_and_costs_a_step_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PLAIT_CONTROL_POLL_MS", "20")
+    job = dataclasses.replace(JOB, job_id="thread-control")
+    with DaemonServer("127.0.0.1:0", host_interval=60.0) as server:
+        plugins = Plugins.create(autoload=False, builtins=(), extra=[("backend", AsyncBackend())])
+        plugin = make_plugin()
+        plugins.register(plugin, "telemetry")
+        plugins.configure(load_config({"telemetry": {"daemon": server.address}}))
+        plugins.job_start(job)
+        assert plugin.telemetry is not None
+        control = plugin.telemetry.control
+        one_step(plugins, 0)
+        deadline = time.monotonic() + 30
+        while control.polls < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with CallRecorder() as recorder:
+            for step in range(1, 6):
+                one_step(plugins, step)
+        polls = control.polls
+        deadline = time.monotonic() + 30
+        while control.polls < polls + 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (view,) = server.control.endpoints("thread-control", time.time_ns())
+        assert view.polling and view.hello.step == 5  # the step the exporter thread reported
+        called = {(path.rsplit("/", 1)[-1], name) for path, name in recorder.calls}
+        capture_files = (
+            "control_client.py",
+            "profile_capture.py",
+            "memory_capture.py",
+            "stacks.py",
+        )
+        # Nothing asked: a step boundary writes the step and reads one flag, no call at all.
+        assert not [(f, n) for f, n in called if f in capture_files]
+        for forbidden in ("grpc", "google/protobuf", "torch/profiler", "torch/autograd/profiler"):
+            assert not [p for p, _ in recorder.calls if forbidden in p], forbidden
+        plugins.job_end()
+    (left,) = server.control.endpoints("thread-control", time.time_ns())
+    assert left.left  # the rank said goodbye when its telemetry shut down
