@@ -149,11 +149,18 @@ def daemon(
     stale_ceiling: Annotated[
         float, typer.Option(help="seconds of silence after which a rank is always stale", min=0.1)
     ] = DEFAULT_STALE_CEILING_SECONDS,
+    max_capture_mb: Annotated[
+        float, typer.Option(help="largest profile or memory capture a rank may send", min=1)
+    ] = 64,
+    max_captures: Annotated[
+        int, typer.Option(help="profiles and memory captures in progress at once", min=1)
+    ] = 2,
 ) -> None:
     """Run the node daemon (OTLP receiver, plait.v1, health) until SIGTERM or Ctrl-C."""
     import os
 
     from plait.daemon.config import DaemonConfig
+    from plait.daemon.control_records import ControlLimits
     from plait.daemon.security import SecurityConfig, SecurityError
     from plait.daemon.server import DaemonServer, serve
 
@@ -186,6 +193,11 @@ def daemon(
             stale_floor=stale_floor,
             stale_step_multiple=stale_steps,
             stale_ceiling=stale_ceiling,
+            control=ControlLimits(
+                max_rank_bytes=int(max_capture_mb * 2**20),
+                max_request_bytes=max(int(max_capture_mb * 2**20), 256 * 2**20),
+                max_captures=max_captures,
+            ),
         )
         server = DaemonServer(config=config)
     except (OSError, RuntimeError, SecurityError, ValueError) as exc:

@@ -187,11 +187,12 @@ def test_profile_of_a_running_job_is_one_trace_of_both_ranks_on_the_daemon_clock
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-def test_profile_prints_the_breakdown_and_takes_seconds_ranks_and_gzip(
+def test_profile_prints_the_breakdown_and_takes_seconds_ranks_options_and_gzip(
     training: DaemonServer, tmp_path: Path
 ) -> None:
     output = tmp_path / "rank1.json.gz"
     code, printed = cli("profile", "--job", JOB, "--seconds", "0.3", "--ranks", "1",
+                        "--with-stack", "--record-shapes",
                         "-o", str(output), "--host", training.address)  # fmt: skip
     assert code == 0, printed
     assert f"wrote {output}: ranks [1] of job {JOB}" in printed
@@ -201,6 +202,9 @@ def test_profile_prints_the_breakdown_and_takes_seconds_ranks_and_gzip(
     assert [p["rank"] for p in document["otherData"]["processes"].values()] == [1]
     steps = {e["name"] for e in document["traceEvents"] if e["name"].startswith("ProfilerStep#")}
     assert len(steps) >= 1
+    categories = {e.get("cat") for e in document["traceEvents"]}
+    assert "python_function" in categories  # --with-stack
+    assert any(e.get("args", {}).get("Input Dims") for e in document["traceEvents"])  # shapes
 
 
 @pytest.mark.dist
