@@ -166,13 +166,18 @@ class ControlRegistry:
             return False, delivery.detail
         if chunk.index == 0:
             delivery.first_step, delivery.last_step = chunk.first_step, chunk.last_step
-            delivery.clock_offset_ns, delivery.clock_rtt_ns = (
-                chunk.clock_offset_ns,
-                chunk.clock_rtt_ns,
-            )
+            delivery.clock_offset_ns = chunk.clock_offset_ns
+            delivery.clock_rtt_ns = chunk.clock_rtt_ns
+            delivery.expected_bytes = chunk.total_bytes
         delivery.parts.setdefault(chunk.part, bytearray()).extend(chunk.data)
         delivery.received_bytes = size
         delivery.next_index += 1
+        if chunk.last and size != delivery.expected_bytes:
+            delivery.fail(
+                REJECTED, f"the delivery ended at {size} of {delivery.expected_bytes} bytes"
+            )
+            self.rejected_chunks += 1
+            return False, delivery.detail
         delivery.state = DELIVERED if chunk.last else "delivering"
         return True, ""
 

@@ -194,6 +194,7 @@ class RankDelivery:
     last_step: int = -1
     clock_offset_ns: int = 0
     clock_rtt_ns: int = 0
+    expected_bytes: int = 0
 
     @property
     def done(self) -> bool:
@@ -281,6 +282,7 @@ class Chunk:
     last_step: int = -1
     clock_offset_ns: int = 0
     clock_rtt_ns: int = 0
+    total_bytes: int = 0  # the whole delivery's size, said on its first chunk
 
 
 def describe_outcome(outcome: Outcome) -> str:

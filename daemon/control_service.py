@@ -136,6 +136,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             last_step=request.last_step,
             clock_offset_ns=request.clock_offset_nano,
             clock_rtt_ns=request.clock_rtt_nano,
+            total_bytes=request.total_bytes,
         )
         accepted, reason = self.registry.deliver(chunk, self.clock())
         return control_pb2.DeliverAck(accepted=accepted, reason=reason)

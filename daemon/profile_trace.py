@@ -82,15 +82,17 @@ def _profiler_events(
     )
     tids: dict[tuple[Any, Any], int] = {}
     events: list[dict[str, Any]] = []
+    # NOTE: events are moved in place: the parsed trace belongs to this merge alone, and a copy
+    # of every event would double what a large capture holds in memory.
     for event in trace.events:
         if event["ph"] == "M":
             continue
         key = (event.get("pid"), event.get("tid"))
-        tid = tids.setdefault(key, FIRST_PROFILER_TID + len(tids))
-        moved = {**event, "pid": pid, "tid": tid, "ts": (event["ts"] * 1000 + shift_ns) / 1000}
+        event["pid"], event["tid"] = pid, tids.setdefault(key, FIRST_PROFILER_TID + len(tids))
+        event["ts"] = (event["ts"] * 1000 + shift_ns) / 1000
         if event["ph"] in FLOW_PHASES and isinstance(event.get("id"), int):
-            moved["id"] = capture.rank * FLOW_ID_STRIDE + event["id"]
-        events.append(moved)
+            event["id"] = capture.rank * FLOW_ID_STRIDE + event["id"]
+        events.append(event)
     metadata = []
     for (source_pid, source_tid), tid in tids.items():
         name = thread_names.get((source_pid, source_tid)) or f"thread {source_tid}"

@@ -75,7 +75,7 @@ def test_orders_repeat_until_acknowledged_and_stop_once_answered(registry: Contr
     assert [o.kind for o in registry.poll(hello(0), S)] == [STACKS]  # not acknowledged: again
     assert registry.poll(hello(0, busy=(f"{request.request_id}:0",)), S) == []
     assert registry.deliver(Chunk(request.request_id, "job", 1, part="stacks.json", data=b"{}",
-                                  last=True), S) == (True, "")  # fmt: skip
+                                  last=True, total_bytes=2), S) == (True, "")  # fmt: skip
     assert registry.poll(hello(1), S) == []  # answered: nothing to repeat
     assert request.deliveries[1].state == DELIVERED and not request.all_done()
 
@@ -141,7 +141,8 @@ def test_a_miss_plans_again_further_ahead_and_drops_traces_of_the_old_plan(
         registry.poll(hello(rank, step=5, ready=(request.request_id,)), 0)
     registry.start_profile(request, None, now_ns=0)
     first = request.start_step
-    ok = Chunk(request.request_id, "job", 0, plan=1, part="trace.json.gz", data=b"x", last=True)
+    ok = Chunk(request.request_id, "job", 0, plan=1, part="trace.json.gz", data=b"x", last=True,
+               total_bytes=1)  # fmt: skip
     assert registry.deliver(ok, 0) == (True, "")
     missed = Chunk(request.request_id, "job", 1, plan=1, error="already at step 40",
                    missed=True, first_step=40, last=True)  # fmt: skip
@@ -177,6 +178,17 @@ def test_size_limits_per_rank_and_per_request(registry: ControlRegistry) -> None
     out_of_order = registry.deliver(Chunk(rid, "job", 1, index=3, data=b"a"), 0)
     assert out_of_order == (False, "chunk 3 arrived, 0 expected")
     assert registry.rejected_chunks == 2
+
+
+def test_a_delivery_shorter_than_announced_is_rejected(registry: ControlRegistry) -> None:
+    registry.poll(hello(0), 0)
+    request = registry.open(STACKS, "job", [], now_ns=0)
+    first = Chunk(request.request_id, "job", 0, index=0, part="stacks.json", data=b"ab",
+                  total_bytes=5)  # fmt: skip
+    assert registry.deliver(first, 0) == (True, "")
+    last = Chunk(request.request_id, "job", 0, index=1, part="stacks.json", data=b"c", last=True)
+    assert registry.deliver(last, 0) == (False, "the delivery ended at 3 of 5 bytes")
+    assert request.deliveries[0].state == "rejected" and not request.deliveries[0].parts
 
 
 def test_one_capture_per_job_and_a_daemon_wide_limit(registry: ControlRegistry) -> None:

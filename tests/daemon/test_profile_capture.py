@@ -134,3 +134,19 @@ def test_a_run_that_ends_mid_capture_delivers_what_it_holds(recorded: int) -> No
         assert (result.first_step, result.last_step) == (0, 0) and result.trace_gz
     else:
         assert delivered.results == []
+
+
+def test_the_clock_offset_comes_from_the_shortest_round_trip() -> None:
+    from plait.plugins.telemetry.control_client import ClockEstimate
+
+    clock = ClockEstimate(samples=3)
+    assert clock.best == (0, 0)
+    # The daemon is 5 ms ahead. A slow reply (10 ms round trip, the daemon stamping early in it)
+    # suggests +1 ms; a fast one (200 µs) +5 ms, within half its trip.
+    clock.add(sent_ns=1_000_000_000, daemon_ns=1_006_000_000, received_ns=1_010_000_000)
+    clock.add(sent_ns=2_000_000_000, daemon_ns=2_005_050_000, received_ns=2_000_200_000)
+    offset, rtt = clock.best
+    assert rtt == 200_000 and abs(offset - 5_000_000) <= rtt // 2
+    for i in range(3):  # older samples fall out of the window
+        clock.add(sent_ns=3_000_000_000 + i, daemon_ns=3_000_500_000, received_ns=3_001_000_000 + i)
+    assert clock.best[1] == 1_000_000
