@@ -228,3 +228,18 @@ def test_a_trace_recorded_by_torch_profiler_adds_up() -> None:
     assert figures.communication_total_seconds == 0
     assert any(op.name == "aten::addmm" for op in figures.top_ops)
     assert {op.kind for op in figures.top_ops} <= {"compute", "memory"}
+
+
+def test_a_copy_under_a_collective_counts_once_as_communication() -> None:
+    document = cpu_trace(
+        [
+            ("aten::copy_", "cpu_op", 1, 0, 100),  # top level: memory
+            ("gloo:all_reduce", "user_annotation", 2, 50, 100),  # another thread, [50, 150]
+        ],
+        steps={1: (0.0, 200.0)},
+    )
+    figures = _one_rank(document)
+    assert figures.communication_seconds == pytest.approx(100e-6)
+    assert figures.memory_seconds == pytest.approx(50e-6)  # [0, 50]: not under the collective
+    assert figures.idle_host_seconds == pytest.approx(50e-6)
+    assert figures.compute_seconds == 0 and figures.overlap_fraction == 0
