@@ -212,7 +212,8 @@ def main() -> None:
     prepared_steps = set(range(outcome["asked_at"], outcome["ready_at"] + 1))
     table = Table(title=f"a {steps}-step capture (steps {start}–{start + steps - 1})")
     for column in ("rank", "median outside", "captured steps", "captured / outside",
-                   "steps while preparing / outside", "step after / outside"):  # fmt: skip
+                   "steps while preparing / outside", "step after / outside",
+                   "extra ms"):  # fmt: skip
         table.add_column(column, justify="right")
     for rank, result in enumerate(per_rank):
         by_step = dict(result["capture"])
@@ -223,12 +224,14 @@ def main() -> None:
         captured = [by_step[s] for s in sorted(captured_steps)]
         preparing = [by_step[s] for s in sorted(prepared_steps) if s in by_step]
         after = by_step.get(start + steps, float("nan"))
+        # What the capture cost this rank's training thread in all: its steps and the next.
+        extra = sum(captured) + after - (len(captured) + 1) * outside
         table.add_row(
             str(rank), f"{outside * 1e3:.2f} ms",
             ", ".join(f"{t * 1e3:.1f} ms" for t in captured),
             f"{statistics.mean(captured) / outside:.2f}",
             f"{statistics.median(preparing) / outside:.2f}" if preparing else "-",
-            f"{after / outside:.2f}",
+            f"{after / outside:.2f}", f"{extra * 1e3:.0f}",
         )  # fmt: skip
     console.print(table)
     console.print(
