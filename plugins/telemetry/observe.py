@@ -120,7 +120,10 @@ class Observer:
         job_id: str | None,
         daemon: str | None,
         flops_per_token: float | None,
+        module_hooks: bool = True,
     ) -> None:
+        """`module_hooks=False`: forward and backward are marked by the caller (an adapter for a
+        trainer that calls its module's methods directly, not through `forward`)."""
         if not isinstance(model, nn.Module):
             raise PlaitError(
                 f"plait.observe: model must be a torch.nn.Module (plain, DDP or FSDP2), got "
@@ -155,10 +158,13 @@ class Observer:
         self._held: _EndedStep | None = None
         self._failed = False
         self._ddp_hooked = isinstance(model, nn.parallel.DistributedDataParallel)
-        self._hooks = [
-            model.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True),
-            model.register_forward_hook(self._after_forward, with_kwargs=True),
-        ]
+        self._hooks: list[Any] = []
+        if module_hooks:
+            self._hooks += [
+                model.register_forward_pre_hook(self._before_forward, prepend=True,
+                                                with_kwargs=True),
+                model.register_forward_hook(self._after_forward, with_kwargs=True),
+            ]  # fmt: skip
         if optimizer is not None:
             self._hooks += [
                 optimizer.register_step_pre_hook(lambda *_: self.optimizer_started()),
@@ -241,6 +247,15 @@ class Observer:
         self._previous_end = None
         self._failed = True
 
+    @property
+    def step_open(self) -> bool:
+        return self._handle is not None
+
+    def note_loss(self, loss: Any) -> None:
+        """A micro-batch's loss (the step reports their mean unless `step.loss` is set)."""
+        if self._timeline is not None and isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach())
+
     def optimizer_started(self) -> None:
         if self._timeline is not None:
             self._timeline.optimizer_started()
@@ -295,8 +310,7 @@ class Observer:
     # -- hooks ------------------------------------------------------------------------------------
 
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        timeline, handle = self._timeline, self._handle
-        if timeline is None or handle is None:
+        if self._timeline is None:
             return
         if self.state == "new":
             self._start_telemetry()
@@ -304,9 +318,32 @@ class Observer:
             return
         if not self._ddp_hooked:
             self._hook_enclosing_ddp(module)
-        if handle.tokens is None:
-            self._rank_tokens += count_tokens(args, kwargs)
+        tokens = count_tokens(args, kwargs) if self._handle and self._handle.tokens is None else 0
+        self.forward_started(tokens)
+
+    def forward_started(self, tokens: int = 0) -> None:
+        """A forward begins (`tokens`: its token ids, counted when the step was given none)."""
+        timeline = self._timeline
+        if timeline is None:
+            return
+        if self.state == "new":
+            self._start_telemetry()
+        if self.state != "on":
+            return
+        self._rank_tokens += tokens
         timeline.forward_started()
+
+    def forward_finished(self) -> None:
+        if self._timeline is not None:
+            self._timeline.forward_finished()
+
+    def backward_started(self) -> None:
+        if self._timeline is not None:
+            self._timeline.backward_started()
+
+    def backward_finished(self) -> None:
+        if self._timeline is not None:
+            self._timeline.backward_finished()
 
     def _hook_enclosing_ddp(self, module: nn.Module) -> None:
         """A module observed inside a DDP wrapper (a trainer that wraps it and hands out the
@@ -325,17 +362,20 @@ class Observer:
         timeline = self._timeline
         if timeline is None or timeline.forward_finished() is None:
             return
-        loss = loss_from_output(output)
-        if loss is not None:
-            self._losses.append(loss.detach())
-        if torch.is_grad_enabled():
-            outputs = [t for t in tree_flatten(output)[0]
-                       if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
-            if outputs:
-                # Fires once, when the first gradient of the outputs is computed.
-                torch.autograd.graph.register_multi_grad_hook(
-                    outputs, self._backward_started, mode="any"
-                )
+        self.note_loss(loss_from_output(output))
+        self.watch_backward(output)
+
+    def watch_backward(self, output: Any) -> None:
+        """Mark the backward through `output`'s tensors: it starts when the first of their
+        gradients is computed and ends when autograd finishes the pass."""
+        if not torch.is_grad_enabled():
+            return
+        outputs = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
+        if outputs:
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, self._backward_started, mode="any"
+            )
 
     def _backward_started(self, _grad: torch.Tensor) -> None:
         timeline = self._timeline
@@ -347,8 +387,7 @@ class Observer:
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
     def _backward_finished(self) -> None:
-        if self._timeline is not None:
-            self._timeline.backward_finished()
+        self.backward_finished()
 
     # -- reports ----------------------------------------------------------------------------------
 

@@ -188,3 +188,31 @@ def test_a_transformers_trainer_with_the_callback(tmp_path: Path) -> None:
             assert rank.compute_seconds > 0 and rank.optimizer_seconds > 0
     finally:
         server.stop(grace=0.5)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_lightning_run_with_the_callback(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    script = tmp_path / "train_lightning.py"
+    script.write_text((LAUNCH.parent / "train_lightning.py").read_text())
+    server = DaemonServer("127.0.0.1:0", host_interval=0.5).start()
+    try:
+        reports, _ = torchrun(script, tmp_path / "out", server)
+        job = reports[0]["job_id"]
+        with grpc.insecure_channel(server.address) as channel:
+            stub = daemon_pb2_grpc.DaemonStub(channel)
+            metrics = stub.GetMetrics(daemon_pb2.GetMetricsRequest(job_id=job))
+            breakdown = stub.GetBottleneck(daemon_pb2.GetBottleneckRequest(job_id=job))
+        (job_metrics,) = metrics.jobs
+        assert reports[0]["global_step"] == 5 and job_metrics.step == 5
+        assert job_metrics.mfu > 0 and job_metrics.state == "finished"
+        for rank in metrics.ranks:  # each rank's own loss of its last step
+            own = reports[rank.rank]["metrics"]["train_loss"]
+            assert rank.step == 5 and rank.loss == pytest.approx(own, rel=1e-6)
+        for rank in breakdown.ranks:
+            assert dict(rank.comm_ops_by_purpose) == {"grad_bucket": "all_reduce"}
+            assert rank.compute_seconds > 0 and rank.optimizer_seconds > 0
+            assert rank.comm_seconds > 0 and rank.exposed_comm_seconds <= rank.comm_seconds
+    finally:
+        server.stop(grace=0.5)

@@ -68,9 +68,12 @@ def main() -> None:
         if name in scope:
             report[name] = scope[name]
     trainer = scope.get("trainer")
-    if trainer is not None:
+    if hasattr(trainer, "state") and hasattr(trainer.state, "log_history"):  # transformers
         report["global_step"] = trainer.state.global_step
         report["log_history"] = trainer.state.log_history
+    elif hasattr(trainer, "callback_metrics"):  # Lightning
+        report["global_step"] = trainer.global_step
+        report["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
     sys.stdout.write(printed.getvalue())
 
