@@ -216,3 +216,18 @@ def test_a_lightning_run_with_the_callback(tmp_path: Path) -> None:
             assert rank.comm_seconds > 0 and rank.exposed_comm_seconds <= rank.comm_seconds
     finally:
         server.stop(grace=0.5)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_users_comm_hook_runs_inside_the_timing_hook() -> None:
+    from plait.core.testing import run_distributed
+    from tests.dist.observed.workers import user_comm_hook
+
+    with DaemonServer("127.0.0.1:0", host_interval=0.5) as server:
+        results = run_distributed(user_comm_hook, 2, server.address, timeout=90)
+    for result in results:
+        assert "already has a comm hook" in result["refused"]
+        # Summed, not averaged: the inputs are 1 and 2 on the two ranks.
+        assert result["grad"] == pytest.approx(3.0)
+        assert result["timed"] == [("all_reduce", "grad_bucket", True)]
