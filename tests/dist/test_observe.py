@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
+from plait.core.peak_flops import CpuCalibration, calibration_path, cpu_model, host_cores
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.readme_blocks import write_files
@@ -26,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = Path(__file__).with_name("observed") / "launch.py"
 STEP_LINE = re.compile(r"rank (\d+) step (\d+) loss \S+ step_ms ([\d.]+)")
 CLASSES = ("compute", "exposed_comm", "data_wait", "pipeline_bubble", "optimizer", "host_other")
+HOST_PEAK = 1e12  # FLOP/s, the host's (each of two ranks: half)
 WINDOW = 7  # of 10 steps: leaves out the counted first step and the stalled second one
 
 
@@ -35,6 +38,16 @@ def torchrun(
     """Run `script` on two ranks against `server`; each rank's report, and the hangs the
     daemon showed while the ranks ran (polled every 0.2 s)."""
     out.mkdir()
+    cache = out / "cache"
+    cache.mkdir()
+    # A settled calibration, so the peak is the same on every machine and far above what two
+    # single-threaded ranks reach (MFU a few %): a quiet host never reads "calibration error".
+    calibration = CpuCalibration(
+        flops=HOST_PEAK, dtype="float32", probe_flops={"float32": HOST_PEAK},
+        cpu_model=cpu_model(), cores=host_cores(), gemm_size=1024, seconds=1.0,
+        measured_at=time.time(), measured_by="test", cpu_share=1.0,
+    )  # fmt: skip
+    (cache / calibration_path().name).write_text(json.dumps(asdict(calibration)))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", str(LAUNCH), str(script), str(out)]  # fmt: skip
     environment = {
@@ -43,6 +56,7 @@ def torchrun(
         "PLAIT_HEARTBEAT_INTERVAL_MS": "200",
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
+        "PLAIT_CACHE_DIR": str(cache),
         **(env or {}),
     }
     hangs: list[daemon_pb2.CollectiveHang] = []
@@ -86,7 +100,9 @@ def check_mfu_and_breakdown(
         # 6·N·tokens: every Linear weight, forward (2) and backward (4), this rank's tokens.
         flops = 6 * report["dense_weights"] * report["batch_size"] * report["seq_len"]
         hand = flops / (sum(seconds) / WINDOW) / peaks[rank]
-        assert peaks[rank] > 0 and by_rank[rank].mfu == pytest.approx(hand, rel=0.05), rank
+        assert peaks[rank] == HOST_PEAK / 2 and by_rank[rank].mfu == pytest.approx(
+            hand, rel=0.05
+        ), rank
         (mine,) = [b for b in breakdown.ranks if b.rank == rank]
         parts = sum(getattr(mine, f"{name}_seconds") for name in CLASSES)
         assert parts == pytest.approx(sum(seconds) / WINDOW, rel=0.02), (rank, mine)
@@ -154,6 +170,8 @@ def test_an_fsdp2_script_shows_its_all_gathers_and_reduce_scatters(tmp_path: Pat
         for rank in breakdown.ranks:
             ops = dict(rank.comm_ops_by_purpose)
             assert ops == {"param_gather": "all_gather", "grad_bucket": "reduce_scatter"}, ops
+            # The loader's 20 ms, outside the `with`, are the step's data phase.
+            assert 0.019 <= rank.data_wait_seconds < 0.03, rank
         names = {e.get("name") for e in json.loads(trace.chrome_trace_json)["traceEvents"]}
         assert {"all_gather", "reduce_scatter", "forward", "backward", "optimizer"} <= names
     finally:

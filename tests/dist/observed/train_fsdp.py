@@ -1,4 +1,5 @@
-# A user's FSDP2 script: fully_shard per block, then the root; plait's two lines added.
+# A user's FSDP2 script: fully_shard per block, then the root; plait's two lines added. Its
+# loader takes 20 ms per batch (reading from storage, say), outside the observed step.
 import time
 
 import torch
@@ -44,11 +45,17 @@ fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 observer = plait.observe(model, optimizer=optimizer)
 
-data = torch.Generator().manual_seed(rank)
+
+def batches(generator: torch.Generator):
+    while True:
+        time.sleep(0.02)
+        yield torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator)
+
+
+loader = batches(torch.Generator().manual_seed(rank))
 last = time.perf_counter()
-for step in range(steps):
+for step, tokens in zip(range(steps), loader, strict=False):
     with observer.step() as observed:
-        tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=data)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
