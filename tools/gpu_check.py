@@ -37,7 +37,6 @@ import subprocess
 import sys
 import time
 import traceback
-import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +65,8 @@ class Check:
     deadline: float
     rehearse: bool
     wheelhouse: Path | None
+    gpu_tests: list[str] = field(default_factory=list)  # empty: the whole tier
+    kernel_bench: bool = True
     python: str = sys.executable
     summary: dict[str, Any] = field(default_factory=dict)
     background: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -148,28 +149,27 @@ def read_json(path: Path) -> Any:
         return None
 
 
-def junit_outcomes(path: Path) -> list[dict[str, Any]]:
-    """Each test case of a JUnit XML report: name, outcome, seconds and the reason if any."""
+def read_test_outcomes(path: Path) -> list[dict[str, Any]]:
+    """What `plait.tools.pytest_outcomes` wrote, one test a line, as each test finished (a
+    line cut short by a kill is dropped)."""
     try:
-        root = ElementTree.parse(path).getroot()
-    except (OSError, ElementTree.ParseError):
+        lines = path.read_text().splitlines()
+    except OSError:
         return []
-    cases = []
-    for case in root.iter("testcase"):
-        outcome, reason = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            found = case.find(kind)
-            if found is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
-                reason = (found.get("message") or found.text or "")[:600]
-                break
-        cases.append({
-            "test": f"{case.get('classname', '')}::{case.get('name', '')}",
-            "outcome": outcome,
-            "seconds": round(float(case.get("time") or 0.0), 2),
-            "reason": reason,
-        })  # fmt: skip
-    return cases
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found
+
+
+def pytest_command(check: Check, *arguments: str) -> list[str]:
+    return [
+        check.python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+        "-p", "plait.tools.pytest_outcomes", *arguments,
+    ]  # fmt: skip
 
 
 def tally(cases: list[dict[str, Any]]) -> dict[str, int]:
@@ -273,15 +273,12 @@ def gpu_tier_files() -> list[Path]:
 
 
 def gpu_tier(check: Check, deadline: float) -> dict[str, Any]:
-    report = check.out / "gpu_tier.xml"
+    outcomes = check.out / "gpu_tier.jsonl"
     per_test = max(45, min(120, int((deadline - time.monotonic()) / 2.5)))
-    command = [
-        check.python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-        f"--timeout={per_test}", f"--junitxml={report}",
-        *(str(path) for path in gpu_tier_files()),
-    ]  # fmt: skip
-    ran = run(check, command, "gpu_tier", deadline)
-    cases = junit_outcomes(report)
+    selected = check.gpu_tests or [str(path) for path in gpu_tier_files()]
+    command = pytest_command(check, f"--timeout={per_test}", *selected)
+    ran = run(check, command, "gpu_tier", deadline, PLAIT_TEST_OUTCOMES=str(outcomes))
+    cases = read_test_outcomes(outcomes)
     counts = tally(cases)
     broken = counts.get("failed", 0) + counts.get("error", 0)
     status = "timed_out" if ran.timed_out else ("failed" if broken else "passed")
@@ -298,11 +295,12 @@ def bench(check: Check, deadline: float) -> dict[str, Any]:
     model_json, kernels_json = check.out / "bench.json", check.out / "kernels.json"
     mode = "--smoke" if check.rehearse else "--quick"
     # The model bench first, with three quarters of the stage; the kernels get the rest.
-    model_deadline = time.monotonic() + 0.75 * (deadline - time.monotonic())
+    share = 0.75 if check.kernel_bench else 1.0
+    model_deadline = time.monotonic() + share * (deadline - time.monotonic())
     command = [check.python, "-m", "plait.tools.bench.gpu", mode, "--json", str(model_json)]
     model = run(check, command, "bench", model_deadline)
     command = [check.python, "-m", "plait.tools.bench.kernels", "--json", str(kernels_json)]
-    kernels = run(check, command, "bench", deadline)
+    kernels = run(check, command, "bench", deadline) if check.kernel_bench else Ran(0, 0.0)
     figures = read_json(model_json) or {}
     rows = (read_json(kernels_json) or {}).get("rows", [])
     result = {
@@ -338,7 +336,7 @@ def kernel_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def training(check: Check, deadline: float) -> dict[str, Any]:
     out = check.out / "training"
-    device, steps = ("cpu", "2") if check.rehearse else ("cuda", "20")
+    device, steps = ("cpu", "6") if check.rehearse else ("cuda", "30")
     timeout = str(max(10, int(deadline - time.monotonic()) - 15))
     command = [
         check.python, "-m", "plait.tools.gpu_check_training", "--out", str(out),
@@ -354,6 +352,8 @@ def training(check: Check, deadline: float) -> dict[str, Any]:
         "train_exit_code": found.get("train_exit_code"),
         "train_seconds": found.get("train_seconds"),
         "gpu_collector": found.get("gpu_collector"),
+        "live_top_ranks": (found.get("live") or {}).get("top", {}).get("ranks"),
+        "live_bottleneck_ranks": (found.get("live") or {}).get("bottleneck", {}).get("ranks"),
         "top_ranks": top.get("ranks"),
         "bottleneck_ranks": bottleneck.get("ranks"),
         "status_view": found.get("status"),
@@ -365,15 +365,15 @@ def training(check: Check, deadline: float) -> dict[str, Any]:
 def start_eight_ranks(check: Check, deadline: float) -> None:
     """The 8-rank layouts need CPU only: they run beside the GPU stages, on the upper half of
     a large node's cores (the GPU stages keep the lower half)."""
-    command = [
-        check.python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-        f"--junitxml={check.out / 'eight_ranks.xml'}", str(EIGHT_RANKS),
-    ]  # fmt: skip
+    command = pytest_command(check, str(EIGHT_RANKS))
     cores = os.cpu_count() or 1
     if cores >= 16 and shutil.which("taskset"):
         command = ["taskset", "-c", f"{cores // 2}-{cores - 1}", *command]
     scale = "rehearsal" if check.rehearse else "large"
-    process = start(check, command, "cpu", PLAIT_EIGHT_RANK_SCALE=scale)
+    outcomes = str(check.out / "eight_ranks.jsonl")
+    process = start(
+        check, command, "cpu", PLAIT_EIGHT_RANK_SCALE=scale, PLAIT_TEST_OUTCOMES=outcomes
+    )
     check.background["eight_ranks"] = process
     check.background_deadline = deadline
 
@@ -386,7 +386,7 @@ def cpu(check: Check, deadline: float) -> dict[str, Any]:
     else:
         # The background run keeps the time it was given at its start, within this stage's.
         code = finish(process, min(deadline, check.background_deadline))
-        cases = junit_outcomes(check.out / "eight_ranks.xml")
+        cases = read_test_outcomes(check.out / "eight_ranks.jsonl")
         counts = tally(cases)
         broken = counts.get("failed", 0) + counts.get("error", 0)
         result["eight_ranks"] = {
@@ -396,11 +396,13 @@ def cpu(check: Check, deadline: float) -> dict[str, Any]:
             "tests": cases,
         }
     load_json = check.out / "daemon_load.json"
+    # Clients query once a second, as `plait top` refreshes, while 8 exporters flood the daemon.
     if check.rehearse:
         load = ["--ingest-workers", "1", "--flooders", "1", "--ranks", "1", "--clients", "2",
-                "--seconds", "1"]  # fmt: skip
+                "--seconds", "1", "--query-interval", "0.5"]  # fmt: skip
     else:
-        load = ["--ingest-workers", "4", "--flooders", "8", "--seconds", "8"]
+        load = ["--ingest-workers", "4", "--flooders", "8", "--seconds", "8",
+                "--query-interval", "1"]  # fmt: skip
     command = [check.python, "-m", "plait.tools.bench.daemon_load", *load, "--json", str(load_json)]
     ran = run(check, command, "cpu", deadline)
     figures = read_json(load_json)
@@ -430,11 +432,11 @@ class Stage:
 
 
 STAGES = (
-    Stage("environment", 0.08, environment),
+    Stage("environment", 0.06, environment),
     Stage("gpu_tier", 0.30, gpu_tier),
-    Stage("bench", 0.34, bench),
-    Stage("training", 0.10, training),
-    Stage("cpu", 0.16, cpu),
+    Stage("bench", 0.36, bench),
+    Stage("training", 0.12, training),
+    Stage("cpu", 0.14, cpu),
     Stage("profile", 0.02, profile),
 )
 
@@ -493,6 +495,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--stages", default=",".join(s.name for s in STAGES), help="comma-separated stage names"
     )
+    parser.add_argument(
+        "--no-kernel-bench", action="store_true", help="the bench stage times the model only"
+    )
+    parser.add_argument(
+        "--gpu-tests",
+        default="",
+        help="comma-separated test paths or ids for the gpu_tier stage (default: all of it)",
+    )
     args = parser.parse_args(argv)
     names = [name for name in args.stages.split(",") if name]
     unknown = set(names) - {s.name for s in STAGES}
@@ -504,6 +514,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         deadline=time.monotonic() + args.budget_seconds,
         rehearse=args.rehearse,
         wheelhouse=args.wheelhouse,
+        gpu_tests=[test for test in args.gpu_tests.split(",") if test],
+        kernel_bench=not args.no_kernel_bench,
     )
     check.summary = {
         "rehearse": args.rehearse,

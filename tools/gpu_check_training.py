@@ -5,9 +5,11 @@ operator's views saved as JSON (a stage of `tools/gpu_check.py`).
 
 The daemon runs in this process with its real collectors (NVML where the GPU and nvidia-ml-py
 are, else the host's) and serves `/metrics`. The rank is launched by `plait train` (torchrun)
-with `PLAIT_DAEMON` pointing at the daemon. Once it finishes, `plait top --json`,
-`plait bottleneck --json` and `plait status --json` are asked of the daemon as a user would ask
-them, and the daemon's `hw.*` Prometheus lines are kept. `DIR/training.json` sums it up.
+with `PLAIT_DAEMON` pointing at the daemon. While it trains, `plait top --json` and
+`plait bottleneck --json` over the last `LIVE_WINDOW` steps are asked every few seconds (the
+last answer kept: live MFU once warm-up has left the window, GPU utilization while busy, as an
+operator sees them); once it finishes, the same views of the whole run and `plait status
+--json`, and the daemon's `hw.*` Prometheus lines. `DIR/training.json` sums it up.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 from plait.daemon.server import DaemonServer
 
 JOB_ID = "gpu-check"
+LIVE_WINDOW = 5  # steps: past the first (CUDA initialisation, kernel compilation) by then
+LIVE_POLL_SECONDS = 3.0
 
 # CUDA: a Llama large enough to keep the GPU busy between launches; CPU: the rehearsal's size.
 MODELS = {
@@ -88,6 +92,30 @@ def hardware_lines(prometheus_address: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("hw_")]
 
 
+def watch_live(address: str, train: subprocess.Popen, deadline: float) -> dict[str, Any]:
+    """The newest live `top` and `bottleneck` answers while `train` runs (over the last
+    `LIVE_WINDOW` steps); the run is killed at `deadline`."""
+    live: dict[str, Any] = {}
+    while train.poll() is None:
+        if time.monotonic() > deadline:
+            train.kill()
+            train.wait()
+            live["killed_at_timeout"] = True
+            break
+        window = ("--window-steps", str(LIVE_WINDOW), "--job", JOB_ID)
+        for view in ("top", "bottleneck"):
+            code, stdout, _ = cli(address, view, "--json", *window)
+            answer = json.loads(stdout) if code == 0 and stdout.strip() else {}
+            ranks = [r for r in answer.get("ranks", []) if r.get("steps", r.get("step", 0))]
+            if ranks and min(r.get("step", LIVE_WINDOW) for r in ranks) >= LIVE_WINDOW:
+                live[view] = answer
+        try:
+            train.wait(timeout=LIVE_POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            continue
+    return live
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -107,10 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "-m", "plait.tools.cli", "train", str(config_path)]
         began = time.monotonic()
         with (args.out / "training.log").open("w") as log:
-            train = subprocess.run(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
-                check=False,
-            )  # fmt: skip
+            train = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            summary["live"] = watch_live(server.address, train, began + args.timeout)
         summary["train_exit_code"] = train.returncode
         summary["train_seconds"] = round(time.monotonic() - began, 1)
         summary_path.write_text(json.dumps(summary, indent=2))

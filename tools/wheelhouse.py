@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,13 +94,19 @@ def wheel_distribution(wheel: Path) -> str:
 
 
 def build_plait_wheel(out: Path) -> Path:
-    """plait's wheel from this checkout (no build isolation: the build backend is already here)."""
+    """plait's wheel from this checkout (no build isolation: the build backend is already here).
+
+    setuptools stages files in `build/` and never removes one whose source is gone, so a stale
+    `build/` would ship deleted modules: it is cleared first, and after."""
+    staging = REPO_ROOT / "build"
+    shutil.rmtree(staging, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="plait-wheel-") as scratch:
         subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
              "--no-build-isolation", "--wheel-dir", scratch, str(REPO_ROOT)],
             check=True,
         )  # fmt: skip
+        shutil.rmtree(staging, ignore_errors=True)
         (built,) = Path(scratch).glob("plait-*.whl")
         for stale in out.glob("plait-*.whl"):
             stale.unlink()

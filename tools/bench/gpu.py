@@ -152,7 +152,7 @@ def _figures(
         rate = tokens / median
         figures[name] = {
             "tokens_per_second": rate,
-            "mfu": rate * flops_per_token / peak_flops,
+            "mfu": rate * flops_per_token / peak_flops if peak_flops > 0 else 0.0,
             "peak_memory_gib": record.peak_bytes / 2**30,
             "step_seconds": list(record.seconds),
         }
@@ -221,7 +221,7 @@ def run(
     for name, record in results.items():
         median = statistics.median(record.seconds)
         rate = tokens / median
-        mfu = rate * flops_per_token / peak.flops
+        mfu = rate * flops_per_token / peak.flops if peak.flops > 0 else 0.0
         spread = f"{min(record.seconds) * 1e3:.1f}–{max(record.seconds) * 1e3:.1f} ms"
         print(
             f"{name:20} {rate:10,.0f} {mfu:7.1%} {record.peak_bytes / 2**30:9.2f} "
