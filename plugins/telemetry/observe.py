@@ -158,6 +158,9 @@ class Observer:
         self._held: _EndedStep | None = None
         self._failed = False
         self._ddp_hooked = isinstance(model, nn.parallel.DistributedDataParallel)
+        if self._ddp_hooked:  # first: it refuses a model that already has a comm hook
+            install_ddp_hook(model, self.ledger)
+        install_fsdp_comms(model, self.ledger)
         self._hooks: list[Any] = []
         if module_hooks:
             self._hooks += [
@@ -170,9 +173,6 @@ class Observer:
                 optimizer.register_step_pre_hook(lambda *_: self.optimizer_started()),
                 optimizer.register_step_post_hook(lambda *_: self.optimizer_finished()),
             ]
-        if self._ddp_hooked:
-            install_ddp_hook(model, self.ledger)
-        install_fsdp_comms(model, self.ledger)
         _OPEN.add(self)
 
     # -- the loop's side --------------------------------------------------------------------------
@@ -193,7 +193,7 @@ class Observer:
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
                                    or tokens < 0):  # fmt: skip
             raise PlaitError(f"observer.step: tokens must be an int >= 0 or None, got {tokens!r}")
-        if self._timeline is not None:
+        if self._handle is not None:
             raise PlaitError("observer.step: a step is already open (steps do not nest)")
         number = self._next_number if number is None else number
         handle = self._handle = StepHandle(number, tokens)
