@@ -29,14 +29,20 @@ LAUNCH = Path(__file__).with_name("observed") / "launch.py"
 STEP_LINE = re.compile(r"rank (\d+) step (\d+) loss \S+ step_ms ([\d.]+)")
 CLASSES = ("compute", "exposed_comm", "data_wait", "pipeline_bubble", "optimizer", "host_other")
 HOST_PEAK = 1e12  # FLOP/s, the host's (each of two ranks: half)
-WINDOW = 7  # of 10 steps: leaves out the counted first step and the stalled second one
+STEPS = 20
+WINDOW = STEPS - 3  # leaves out the counted first step and the stalled second one
 
 
 def torchrun(
-    script: Path, out: Path, server: DaemonServer, env: dict[str, str] | None = None
+    script: Path,
+    out: Path,
+    server: DaemonServer,
+    env: dict[str, str] | None = None,
+    release: Path | None = None,
 ) -> tuple[list[dict[str, Any]], list[daemon_pb2.CollectiveHang]]:
     """Run `script` on two ranks against `server`; each rank's report, and the hangs the
-    daemon showed while the ranks ran (polled every 0.2 s)."""
+    daemon showed while the ranks ran (polled every 0.2 s). `release` is created once a hang
+    has been seen (a stalled rank waits for it)."""
     out.mkdir()
     cache = out / "cache"
     cache.mkdir()
@@ -68,7 +74,9 @@ def torchrun(
         )  # fmt: skip
         deadline = time.monotonic() + 240
         while process.poll() is None and time.monotonic() < deadline:
-            hangs.extend(stub.Status(daemon_pb2.StatusRequest(), timeout=5).hangs)
+            hangs.extend(stub.Status(daemon_pb2.StatusRequest(), timeout=30).hangs)
+            if hangs and release is not None:
+                release.touch()
             time.sleep(0.2)
         if process.poll() is None:
             process.kill()
@@ -93,7 +101,7 @@ def check_mfu_and_breakdown(
     metrics = stub.GetMetrics(daemon_pb2.GetMetricsRequest(job_id=job, window_steps=WINDOW))
     breakdown = stub.GetBottleneck(daemon_pb2.GetBottleneckRequest(job_id=job, window_steps=WINDOW))
     by_rank = {m.rank: m for m in metrics.ranks}
-    assert sorted(by_rank) == [0, 1] and [j.step for j in metrics.jobs] == [10]
+    assert sorted(by_rank) == [0, 1] and [j.step for j in metrics.jobs] == [STEPS]
     for report in reports:
         rank, seconds = report["rank"], step_seconds(report)[-WINDOW:]
         assert len(seconds) == WINDOW
@@ -114,16 +122,17 @@ def check_mfu_and_breakdown(
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_plain_ddp_script_is_observed_like_a_plait_job(tmp_path: Path) -> None:
-    """The README's DDP example as written; rank 1 is 40 ms slower in every forward and stalls
-    4 s in its second, while rank 0 waits for it in the gradient all-reduce."""
+    """The README's DDP example as written; rank 1's forwards take 5× as long, and its second
+    one stalls until the daemon has shown rank 0 waiting for it in the gradient all-reduce."""
     (script,) = [p for p in write_files(tmp_path) if p.name == "train_ddp.py"]
     server = DaemonServer("127.0.0.1:0", host_interval=0.5, hang_timeout=1.0).start()
     try:
+        release = tmp_path / "hang-seen"
         reports, hangs = torchrun(script, tmp_path / "out", server, env={
-            "OBSERVED_SLOW_RANK": "1", "OBSERVED_SLOW_MS": "40",
+            "OBSERVED_SLOW_RANK": "1", "OBSERVED_SLOW_FACTOR": "4",
             "OBSERVED_STALL_RANK": "1", "OBSERVED_STALL_CALL": "1",
-            "OBSERVED_STALL_SECONDS": "4",
-        })  # fmt: skip
+            "OBSERVED_STALL_UNTIL": str(release),
+        }, release=release)  # fmt: skip
         with grpc.insecure_channel(server.address) as channel:
             stub = daemon_pb2_grpc.DaemonStub(channel)
             breakdown = check_mfu_and_breakdown(stub, reports)
@@ -138,7 +147,7 @@ def test_a_plain_ddp_script_is_observed_like_a_plait_job(tmp_path: Path) -> None
             ("world", "all_reduce", "grad_bucket")
         }
         assert all(list(h.missing_ranks) == [1] and list(h.entered_ranks) == [0] for h in ours)
-        # The straggler: rank 1's forward is 40 ms longer every step.
+        # The straggler: rank 1's forward takes 5× as long every step.
         flagged = {s.rank: s.flagged for s in breakdown.stragglers}
         assert flagged == {0: False, 1: True}
         # The CLI shows the job as it shows plait's.
@@ -170,8 +179,8 @@ def test_an_fsdp2_script_shows_its_all_gathers_and_reduce_scatters(tmp_path: Pat
         for rank in breakdown.ranks:
             ops = dict(rank.comm_ops_by_purpose)
             assert ops == {"param_gather": "all_gather", "grad_bucket": "reduce_scatter"}, ops
-            # The loader's 20 ms, outside the `with`, are the step's data phase.
-            assert 0.019 <= rank.data_wait_seconds < 0.03, rank
+            # The loader's 20 ms (at least), outside the `with`, are the step's data phase.
+            assert rank.data_wait_seconds >= 0.019, rank
         names = {e.get("name") for e in json.loads(trace.chrome_trace_json)["traceEvents"]}
         assert {"all_gather", "reduce_scatter", "forward", "backward", "optimizer"} <= names
     finally:

@@ -4,10 +4,12 @@ a slow device would be), its printed lines and its trainer's state written to a 
 
     torchrun --nproc-per-node 2 launch.py SCRIPT OUT_DIR
 
-`OBSERVED_SLOW_RANK` / `OBSERVED_SLOW_MS`: that rank's every outer forward takes this much
-longer. `OBSERVED_STALL_RANK` / `OBSERVED_STALL_CALL` / `OBSERVED_STALL_SECONDS`: that rank's
-outer forward number CALL (0-based) stalls, so the other rank waits in the gradient
-all-reduce that follows (a hang, for the daemon, until it comes).
+`OBSERVED_SLOW_RANK` / `OBSERVED_SLOW_FACTOR`: that rank's every outer forward takes FACTOR
+times longer than it took (slow in proportion, however loaded the machine is).
+`OBSERVED_STALL_RANK` / `OBSERVED_STALL_CALL` / `OBSERVED_STALL_UNTIL`: that rank's outer
+forward number CALL (0-based) waits until the file UNTIL exists (at most 60 s), so the other
+rank waits in the gradient all-reduce that follows: a hang, for the daemon, until the test
+has seen it and creates the file.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ import torch
 def main() -> None:
     script, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     rank = int(os.environ["RANK"])
-    slow = float(os.environ.get("OBSERVED_SLOW_MS", "0")) / 1e3
+    slow = float(os.environ.get("OBSERVED_SLOW_FACTOR", "0"))
     slow_rank = int(os.environ.get("OBSERVED_SLOW_RANK", "-1"))
     stall_rank = int(os.environ.get("OBSERVED_STALL_RANK", "-1"))
     stall_call = int(os.environ.get("OBSERVED_STALL_CALL", "-1"))
-    stall = float(os.environ.get("OBSERVED_STALL_SECONDS", "0"))
-    depth, calls = [0], [0]
+    stall_until = Path(os.environ.get("OBSERVED_STALL_UNTIL", "/nonexistent"))
+    depth, calls, started = [0], [0], [0.0]
 
     def enter(module: torch.nn.Module, args: object) -> None:
+        if not depth[0]:
+            started[0] = time.perf_counter()
         depth[0] += 1
 
     def leave(module: torch.nn.Module, args: object, output: object) -> None:
@@ -43,9 +47,11 @@ def main() -> None:
         if depth[0]:
             return
         if rank == slow_rank:
-            time.sleep(slow)
+            time.sleep(slow * (time.perf_counter() - started[0]))
         if rank == stall_rank and calls[0] == stall_call:
-            time.sleep(stall)
+            deadline = time.monotonic() + 60
+            while not stall_until.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         calls[0] += 1
 
     torch.nn.modules.module.register_module_forward_pre_hook(enter)

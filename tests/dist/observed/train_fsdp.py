@@ -12,7 +12,7 @@ import plait
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-vocab, dim, seq_len, batch_size, steps = 512, 256, 64, 8, 10
+vocab, dim, seq_len, batch_size, steps = 512, 256, 64, 8, 20
 
 
 class Block(torch.nn.Module):
