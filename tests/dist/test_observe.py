@@ -122,14 +122,14 @@ def check_mfu_and_breakdown(
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_plain_ddp_script_is_observed_like_a_plait_job(tmp_path: Path) -> None:
-    """The README's DDP example as written; rank 1's forwards take 5× as long, and its second
+    """The README's DDP example as written; rank 1's forwards take 10× as long, and its second
     one stalls until the daemon has shown rank 0 waiting for it in the gradient all-reduce."""
     (script,) = [p for p in write_files(tmp_path) if p.name == "train_ddp.py"]
     server = DaemonServer("127.0.0.1:0", host_interval=0.5, hang_timeout=1.0).start()
     try:
         release = tmp_path / "hang-seen"
         reports, hangs = torchrun(script, tmp_path / "out", server, env={
-            "OBSERVED_SLOW_RANK": "1", "OBSERVED_SLOW_FACTOR": "4",
+            "OBSERVED_SLOW_RANK": "1", "OBSERVED_SLOW_FACTOR": "9",
             "OBSERVED_STALL_RANK": "1", "OBSERVED_STALL_CALL": "1",
             "OBSERVED_STALL_UNTIL": str(release),
         }, release=release)  # fmt: skip
@@ -147,9 +147,10 @@ def test_a_plain_ddp_script_is_observed_like_a_plait_job(tmp_path: Path) -> None
             ("world", "all_reduce", "grad_bucket")
         }
         assert all(list(h.missing_ranks) == [1] and list(h.entered_ranks) == [0] for h in ours)
-        # The straggler: rank 1's forward takes 5× as long every step.
+        # The straggler: rank 1's forward takes 10× as long every step (flagged while its
+        # backward takes under 17× its own forward, whatever the machine's load).
         flagged = {s.rank: s.flagged for s in breakdown.stragglers}
-        assert flagged == {0: False, 1: True}
+        assert flagged == {0: False, 1: True}, breakdown.stragglers
         # The CLI shows the job as it shows plait's.
         from plait.tools.cli import app
 
