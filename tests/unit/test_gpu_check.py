@@ -129,9 +129,11 @@ def test_the_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     assert all("CUDA" in case["reason"] for case in tier["tests"])
     assert {"plain eager", "plait torch"} <= set(stages["bench"]["model"]["variants"])
     training = stages["training"]
-    assert training["train_exit_code"] == 0 and training["top_ranks"][0]["step"] == 6
+    assert training["train_exit_code"] == 0 and training["top_ranks"][0]["step"] == 12
     assert training["live_top_ranks"], "no live view while the rank trained"
     assert training["bottleneck_ranks"][0]["dominant"]
+    if stages["profile"]["status"] != "skipped":  # a build with `plait profile`
+        assert stages["profile"]["status"] == "passed", stages["profile"]
     cpu = stages["cpu"]
     assert cpu["eight_ranks"]["counts"] == {"passed": 2}
     assert cpu["daemon_load"]["figures"]["spans_stored_per_second"] > 0
