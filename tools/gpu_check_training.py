@@ -8,13 +8,16 @@ are, else the host's) and serves `/metrics`. The rank is launched by `plait trai
 with `PLAIT_DAEMON` pointing at the daemon. While it trains, `plait top --json` and
 `plait bottleneck --json` over the last `LIVE_WINDOW` steps are asked every few seconds (the
 last answer kept: live MFU once warm-up has left the window, GPU utilization while busy, as an
-operator sees them); once it finishes, the same views of the whole run and `plait status
---json`, and the daemon's `hw.*` Prometheus lines. `DIR/training.json` sums it up.
+operator sees them); where this build has `plait profile`, one capture of `PROFILE_STEPS`
+steps is asked for then too (`DIR/profile.json.gz`, its analysis kept). Once the rank
+finishes: the same views of the whole run and `plait status --json`, and the daemon's `hw.*`
+Prometheus lines. `DIR/training.json` sums it up.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,6 +32,7 @@ from plait.daemon.server import DaemonServer
 JOB_ID = "gpu-check"
 LIVE_WINDOW = 5  # steps: past the first (CUDA initialisation, kernel compilation) by then
 LIVE_POLL_SECONDS = 3.0
+PROFILE_STEPS = 2
 
 # CUDA: a Llama large enough to keep the GPU busy between launches; CPU: the rehearsal's size.
 MODELS = {
@@ -92,10 +96,18 @@ def hardware_lines(prometheus_address: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("hw_")]
 
 
-def watch_live(address: str, train: subprocess.Popen, deadline: float) -> dict[str, Any]:
+def has_profile_command() -> bool:
+    return importlib.util.find_spec("plait.tools.profile_commands") is not None
+
+
+def watch_live(
+    address: str, train: subprocess.Popen, deadline: float, *, capture: Path
+) -> dict[str, Any]:
     """The newest live `top` and `bottleneck` answers while `train` runs (over the last
-    `LIVE_WINDOW` steps); the run is killed at `deadline`."""
+    `LIVE_WINDOW` steps), and one `plait profile` capture once the rank is past them (where the
+    build has the command); the run is killed at `deadline`."""
     live: dict[str, Any] = {}
+    profile_wanted = has_profile_command()
     while train.poll() is None:
         if time.monotonic() > deadline:
             train.kill()
@@ -109,11 +121,30 @@ def watch_live(address: str, train: subprocess.Popen, deadline: float) -> dict[s
             ranks = [r for r in answer.get("ranks", []) if r.get("steps", r.get("step", 0))]
             if ranks and min(r.get("step", LIVE_WINDOW) for r in ranks) >= LIVE_WINDOW:
                 live[view] = answer
+        if profile_wanted and "top" in live:
+            profile_wanted = False
+            live["profile"] = profile_once(address, capture)
         try:
             train.wait(timeout=LIVE_POLL_SECONDS)
         except subprocess.TimeoutExpired:
             continue
     return live
+
+
+def profile_once(address: str, capture: Path) -> dict[str, Any]:
+    """`plait profile` of the running job, as an operator asks for it: its JSON answer (the
+    analysis: time by class, overlap, idle, the slowest rank) and the trace's size."""
+    code, stdout, stderr = cli(
+        address, "profile", "--job", JOB_ID, "--steps", str(PROFILE_STEPS),
+        "-o", str(capture), "--json", "--timeout", "60", timeout=90,
+    )  # fmt: skip
+    found: dict[str, Any] = {"exit_code": code}
+    if code != 0 or not stdout.strip():
+        found["error"] = (stderr or stdout).strip()[-2000:]
+        return found
+    found["answer"] = json.loads(stdout)
+    found["trace_bytes"] = capture.stat().st_size if capture.exists() else 0
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         began = time.monotonic()
         with (args.out / "training.log").open("w") as log:
             train = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-            summary["live"] = watch_live(server.address, train, began + args.timeout)
+            summary["live"] = watch_live(
+                server.address, train, began + args.timeout, capture=args.out / "profile.json.gz"
+            )
         summary["train_exit_code"] = train.returncode
         summary["train_seconds"] = round(time.monotonic() - began, 1)
         summary_path.write_text(json.dumps(summary, indent=2))

@@ -34,6 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The GPU node's own stack: its torch is built for its CUDA, triton for its torch, and the CUDA
 # libraries for its driver. A wheelhouse copy of any of them would replace the node's.
 NODE_OWNED = ("torch", "triton", "nvidia-*")
+# ...but NVML's bindings are pure Python, tied to no CUDA version, and what plait's GPU collector
+# imports: a node without them gets them.
+ALWAYS_KEPT = ("nvidia-ml-py",)
 _LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
 
 
@@ -43,12 +46,17 @@ def normalized(name: str) -> str:
 
 
 def is_left_out(name: str, patterns: Iterable[str]) -> bool:
+    """Whether distribution `name` matches one of `patterns` (a trailing `*`: any suffix)."""
     name = normalized(name)
     for pattern in patterns:
         pattern = normalized(pattern)
         if name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])):
             return True
     return False
+
+
+def node_owns(name: str) -> bool:
+    return is_left_out(name, NODE_OWNED) and normalized(name) not in ALWAYS_KEPT
 
 
 def platform_tags(platform: str) -> list[str]:
@@ -136,17 +144,21 @@ def build(
     extras: Sequence[str] = (),
     assume_present: Sequence[str] = (),
 ) -> list[Path]:
+    if not (REPO_ROOT / "pyproject.toml").is_file():
+        raise SystemExit(f"{REPO_ROOT} is no plait checkout: build the wheelhouse from one")
     out.mkdir(parents=True, exist_ok=True)
-    left_out = (*NODE_OWNED, *assume_present)
+
+    def left_out(name: str) -> bool:
+        return node_owns(name) or is_left_out(name, assume_present)
+
     plait_wheel = build_plait_wheel(out)
     requirements = [
-        r for r in wheel_requirements(plait_wheel, extras)
-        if not is_left_out(requirement_name(r), left_out)
-    ]  # fmt: skip
+        r for r in wheel_requirements(plait_wheel, extras) if not left_out(requirement_name(r))
+    ]
     download_dependencies(requirements, out, python=python, platform=platform)
     # Transitive dependencies are resolved too; drop any that the node owns or already has.
     for wheel in out.glob("*.whl"):
-        if wheel != plait_wheel and is_left_out(wheel_distribution(wheel), left_out):
+        if wheel != plait_wheel and left_out(wheel_distribution(wheel)):
             wheel.unlink()
     return sorted(out.glob("*.whl"))
 
