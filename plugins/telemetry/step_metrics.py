@@ -4,7 +4,6 @@ memory), recorded by the span exporter's thread, never the training thread."""
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
