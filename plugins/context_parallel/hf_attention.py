@@ -86,7 +86,10 @@ class TransformersAttention:
         is_causal: bool | None,
     ) -> None:
         if attention_mask is not None:
-            self._refuse("an attention mask built by the model (pass padding as attention_mask)")
+            self._refuse(
+                "an attention mask reaching attention (the model built one itself; padding "
+                "given as a (batch, seq) attention_mask is handled before the batch is cut)"
+            )
         if dropout:
             self._refuse(f"attention dropout ({dropout}); set the model's attention dropout to 0")
         if softcap:

@@ -69,9 +69,11 @@ def shard_ep(model: nn.Module, *, context: ShardContext, config: None) -> Sharde
         # Reported by the MoE block's name (the experts' parent), as the built-in layers are.
         layers = [(name.rpartition(".")[0], layer) for name, layer in hf_layers]
         experts_of = {id(layer): name for name, layer in hf_layers}
+        runs_locally = {id(layer): layer.run_local_experts for _, layer in hf_layers}
     else:
         layers = moe_layers(model)
         experts_of = {id(layer): f"{name}.experts" for name, layer in layers}
+        runs_locally = {id(layer): layer.experts for _, layer in layers}
     if not layers:
         raise ConfigError(
             f"parallel.transforms.ep = {NAME!r}: {type(model).__name__} has no MoE layer "
@@ -101,11 +103,14 @@ def shard_ep(model: nn.Module, *, context: ShardContext, config: None) -> Sharde
             setattr(experts, leaf, mine)
             mine.register_hook(partial(_scale_gradient, factor=1.0 / degree))
         if degree > 1:
-            # The local experts: plait's grouped module, or the transformers layer's own run.
-            run_local = getattr(layer, "run_local_experts", experts)
+            # Around the local experts: plait's grouped module, or the transformers layer's run.
             experts.first_expert = rank * local  # type: ignore[assignment]
             layer.run_experts = ExpertDispatch(  # type: ignore[method-assign]
-                run_local, comm=context.comm, group=ep_group, rank=rank, num_experts=total
+                runs_locally[id(layer)],
+                comm=context.comm,
+                group=ep_group,
+                rank=rank,
+                num_experts=total,
             )
     if transformers_model:
         install_transformers_experts(model, hf_layers)

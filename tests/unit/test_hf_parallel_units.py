@@ -172,7 +172,7 @@ def test_the_attention_function_refuses_what_it_cannot_cut(kwargs: dict, what: s
     q = torch.randn(1, 4, SEQ, 8)
     with pytest.raises(PlaitError, match=f"with TinyLM: {what}"):
         _attention(degree=2)(SimpleNamespace(is_causal=True), q, q, q, None, **kwargs)
-    with pytest.raises(PlaitError, match="an attention mask built by the model"):
+    with pytest.raises(PlaitError, match="an attention mask reaching attention"):
         _attention()(SimpleNamespace(), q, q, q, torch.zeros(1, 1, SEQ, SEQ))
     # A window the whole sequence fits in is plain causal attention.
     _attention(degree=2)(SimpleNamespace(), q, q, q, None, sliding_window=32)
