@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,7 +39,6 @@ from plait.core.state_layout import ParameterLayout, StateLayout, TensorLayout
 from plait.core.transforms import ExpertParallelism
 
 
-@runtime_checkable
 class MoELayerLike(Protocol):
     """What the ep transform needs of a MoE layer (plait's `moe` model has it; so can yours):
     `experts`, a module whose parameters stack the experts along dim 0 and whose
@@ -58,11 +57,26 @@ class MoELayerLike(Protocol):
     def update_expert_bias(self, load: torch.Tensor) -> None: ...
 
 
+_MOE_LAYER_MEMBERS = (
+    "experts", "tokens_per_expert", "balance_loss_scale", "run_experts", "update_expert_bias",
+)  # fmt: skip
+
+
+def is_moe_layer(module: nn.Module) -> bool:
+    """Whether `module` has what `MoELayerLike` names. Checked with `hasattr`, not `isinstance`
+    against a runtime-checkable protocol: from Python 3.12 that looks members up with
+    `inspect.getattr_static`, which cannot see an `nn.Module`'s submodules and buffers (they
+    live in `_modules` / `_buffers`, reached through `__getattr__`), so no layer would match."""
+    return all(hasattr(module, member) for member in _MOE_LAYER_MEMBERS) and hasattr(
+        module.experts, "first_expert"
+    )
+
+
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayerLike]]:
     return [
-        (name, module)
+        (name, module)  # type: ignore[misc]
         for name, module in model.named_modules()
-        if isinstance(module, MoELayerLike) and hasattr(module.experts, "first_expert")
+        if is_moe_layer(module)
     ]
 
 
