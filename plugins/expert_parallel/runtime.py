@@ -92,8 +92,11 @@ class ExpertParallelRuntime(ParallelRuntime):
         mesh: Mesh,
         load_group: Group,
         layout: ExpertParallelism,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.layers = list(layers)
+        # What reports call the layers; found from the module by identity when not given.
+        self._names = list(names) if names is not None else None
         self.module, self.mesh = module, mesh
         self.comm, self.load_group, self.layout = comm, load_group, layout
         # Per-expert assignments of the last step, all data-parallel ranks: (layers, experts).
@@ -125,7 +128,7 @@ class ExpertParallelRuntime(ParallelRuntime):
 
     def _layer_names(self) -> list[str]:
         """Module names of the MoE layers (what reports call them), found once."""
-        if not hasattr(self, "_names"):
+        if self._names is None:
             by_id = {id(m): normalised_name(n) for n, m in self.module.named_modules()}
             self._names = [by_id.get(id(layer), f"moe{i}") for i, layer in enumerate(self.layers)]
         return self._names
