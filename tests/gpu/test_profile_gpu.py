@@ -142,7 +142,7 @@ def _nccl_rank(rank: int, world_size: int, store_dir: str, out_dir: str) -> None
 
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2,
-    reason="NCCL runs no kernel for a single rank (it copies): needs 2 GPUs",
+    reason="needs 2 CUDA devices: NCCL runs no kernel for a single rank (it copies)",
 )
 def test_nccl_kernels_are_communication() -> None:
     with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as out_dir:
