@@ -334,10 +334,18 @@ def kernel_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(table.values())
 
 
+# A `plait profile` capture starts a couple of seconds after it is asked for (the profilers get
+# ready, then every rank starts at a step it will still reach), and it is asked for once the
+# live views show the rank warm: the run must last well beyond that. The rehearsal's tiny CPU
+# model takes about 10 ms a step.
+REHEARSAL_TRAINING_STEPS, GPU_TRAINING_STEPS = 1500, 1000
+
+
 def training(check: Check, deadline: float) -> dict[str, Any]:
     out = check.out / "training"
     # Enough steps for the live views and a capture to happen while the rank trains.
-    device, steps = ("cpu", "12") if check.rehearse else ("cuda", "300")
+    steps = str(REHEARSAL_TRAINING_STEPS if check.rehearse else GPU_TRAINING_STEPS)
+    device = "cpu" if check.rehearse else "cuda"
     timeout = str(max(10, int(deadline - time.monotonic()) - 15))
     command = [
         check.python, "-m", "plait.tools.gpu_check_training", "--out", str(out),
