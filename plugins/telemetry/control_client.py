@@ -326,5 +326,5 @@ class ControlClient:
         """The run ends: a profile in progress is delivered with the steps it holds, and the
         daemon is told this rank is leaving (called on the thread that ends the run)."""
         self.profile.stop()
-        if not self._disabled:
+        if not (self._disabled or self._failed):  # a daemon already gone costs no timeout
             self.poll(leaving=True)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from plait.daemon.control import ControlRegistry
+from plait.daemon.control import FORGET_AFTER_SECONDS, ControlRegistry
 from plait.daemon.control_records import (
     DELIVERED,
     LEFT,
@@ -250,3 +250,10 @@ def test_the_rate_is_the_fastest_recent_one(registry: ControlRegistry) -> None:
         registry.poll(hello(0, step=step), t * S)
     (view,) = registry.endpoints("job", 3 * S)
     assert view.steps_per_second == pytest.approx(4.0)
+
+
+def test_ranks_silent_for_an_hour_are_forgotten(registry: ControlRegistry) -> None:
+    registry.poll(hello(0, job="old"), 0)
+    hour = int(FORGET_AFTER_SECONDS * S)
+    registry.poll(hello(0, job="new"), hour + S)  # a new rank registering sweeps the old
+    assert [v.hello.job_id for v in registry.endpoints("", hour + S)] == ["new"]
