@@ -45,6 +45,7 @@ from plait.daemon.config import (
     DEFAULT_STALE_FLOOR_SECONDS,
     DEFAULT_STALE_STEP_MULTIPLE,
 )
+from plait.daemon.decoder import MAX_WIRE_STEP
 from plait.daemon.host import HostSample
 from plait.daemon.store import JobWorlds, RankWindow, TelemetryStore
 from plait.daemon.stragglers import RankTiming, StragglerScore, score_ranks
@@ -91,8 +92,13 @@ def median_step_seconds(window: RankWindow, count: int) -> float:
 
 
 def shown_step(wire_step: int | None) -> int:
-    """The trainer's numbering (steps completed) of a 0-based wire step; 0 for none."""
-    return wire_step + 1 if wire_step is not None else 0
+    """The trainer's numbering (steps completed) of a 0-based wire step; 0 for none.
+
+    NOTE: the decoder keeps wire steps below `MAX_WIRE_STEP`; the bound here holds whatever
+    reached the store, since the result goes to int64 fields of every report."""
+    if wire_step is None:
+        return 0
+    return min(wire_step, MAX_WIRE_STEP) + 1
 
 
 # --------------------------------------------------------------------------------------------

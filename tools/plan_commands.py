@@ -232,8 +232,7 @@ def explain(
     links: Links = None,
 ) -> None:
     """Compare the prediction for CONFIG's layout with the daemon's measured step breakdown."""
-    import tomllib
-
+    from plait.core.config import read_toml
     from plait.core.daemon_address import resolve_daemon_address
     from plait.planner.auto import job_for_config, layout_from_config
     from plait.planner.daemon_client import measured_breakdown
@@ -242,7 +241,7 @@ def explain(
 
     targets = list(hosts) if hosts else [resolve_daemon_address()]
     try:
-        data = tomllib.loads(config.read_text())
+        data = read_toml(config)
         planned = job_for_config(
             data, world=world, per_node=per_node, device=_device(device, links)
         )
