@@ -126,6 +126,8 @@ class WorldHistory:
     current_size: int
     attempt: int  # the current world's restart attempt
     started_step: int  # first step of the current world, trainer numbering (0: none yet)
+    started_ns: int = 0  # when this daemon first heard from the current world (Unix ns)
+    last_heard_ns: int = 0  # when it last heard from a rank of the current world (Unix ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,12 +194,15 @@ def job_states(
             for r in ranks
             if r.status != RANK_SUPERSEDED and r.window.first_step is not None
         ]
+        members = [r.window for r in ranks if r.status != RANK_SUPERSEDED]
         world = WorldHistory(
             sizes=tuple(w.size for w in worlds.worlds),
             restarts=worlds.changes,
             current_size=worlds.current.size,
             attempt=worlds.current.attempt,
             started_step=shown_step(min(firsts)) if firsts else 0,
+            started_ns=worlds.current.started_ns,
+            last_heard_ns=max((w.last_seen_ns for w in members), default=0),
         )
         out.append(JobState(job, job_state_of(ranks), ranks, world))
     return out

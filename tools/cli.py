@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import click
 import typer
-from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
 from plait.core.errors import PlaitError
+from plait.tools.output import make_console
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
@@ -72,7 +72,7 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Show or validate a config file.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-console = Console()
+console = make_console()
 
 # (module, name under `plait`, or None to merge its commands at the top level)
 MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (

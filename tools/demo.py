@@ -20,6 +20,7 @@ from rich.console import Console
 from plait.core.mfu import format_mfu
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.tools.output import heading, make_console
 from plait.tools.starter_configs import starter_path
 
 DEMO_CONFIG = "demo"  # the example config (`plait.tools.starter_configs`) the demo trains
@@ -57,7 +58,7 @@ def run_demo(*, nproc_per_node: int = 2, steps: int = 40, config: Path | None = 
 
 
 def _run(*, nproc_per_node: int, steps: int, config: Path) -> int:
-    console = Console()
+    console = make_console()
     server = DaemonServer("127.0.0.1:0").start()
     console.print(f"[bold]plait demo[/bold]: node daemon on {server.address}", highlight=False)
     channel = grpc.insecure_channel(server.address)
@@ -88,14 +89,14 @@ def _run(*, nproc_per_node: int, steps: int, config: Path) -> int:
 def _final_report(address: str, console: Console) -> None:
     from plait.tools import daemon_commands
 
-    console.rule("what the daemon saw")
+    heading(console, "what the daemon saw")
     with grpc.insecure_channel(address) as channel:
         stub = daemon_pb2_grpc.DaemonStub(channel)
         # The demo's job has finished by now: ask for finished jobs too.
         request = daemon_pb2.GetMetricsRequest(include_finished=True)
         metrics = stub.GetMetrics(request, timeout=5.0)
-        console.print(daemon_commands.render_top({address: metrics}))
-    console.rule("bottleneck report")
+        console.print(daemon_commands.render_top({address: metrics}, console.width))
+    heading(console, "bottleneck report")
     daemon_commands.bottleneck(
         hosts=[address], job="", window_steps=20, threshold=0.2, png=None, show_all=True
     )

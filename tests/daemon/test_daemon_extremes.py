@@ -330,9 +330,11 @@ def send(nodes: Nodes, job: str, poisons: list[Poison]) -> None:
         metrics = metrics_service_pb2_grpc.MetricsServiceStub(channel)
         for request, stub in ((spans, traces), (points, metrics)):
             response = stub.Export(request, timeout=10)
-            total = sum(
-                len(ss.spans) for rs in spans.resource_spans for ss in rs.scope_spans
-            ) if request is spans else len(points.resource_metrics[0].scope_metrics[0].metrics)
+            total = (
+                sum(len(ss.spans) for rs in spans.resource_spans for ss in rs.scope_spans)
+                if request is spans
+                else len(points.resource_metrics[0].scope_metrics[0].metrics)
+            )
             rejected = (
                 response.partial_success.rejected_spans
                 if request is spans
