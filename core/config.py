@@ -252,6 +252,12 @@ class CommSection(Section):
 
 class PluginsSection(Section):
     disable: list[str] = Field(default_factory=list, description="plugin names to block")
+    inert_selection: Literal["error", "warn"] = Field(
+        "error",
+        description="a plugin selected by name (comm.algorithm, schedule.name, kernels.prefer) "
+        "that takes over nothing in the first step where it could: 'error' stops the run, "
+        "'warn' says so once and trains on with the default",
+    )
 
 
 class PlaitConfig(BaseModel):
