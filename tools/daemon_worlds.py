@@ -10,9 +10,10 @@ the job's **newest world** is the one that started last on any daemon
 (`JobMetrics.world_started_unix_nano`). A daemon is **on the newest world** when its current
 world is that one, or when it heard from a rank of its current world at or after the newest
 world started (`last_heard_unix_nano`): a rank live then belongs to the live world, whichever
-daemon saw the world first. Otherwise its ranks are **superseded** — silent since before the
-newest world formed — wherever they were seen: they count for nothing (not reporting, not
-stale, no throughput) and their rows say "superseded".
+daemon saw the world first. A daemon whose ranks fell silent before the newest world started
+is on an older world when a new one did form — the newest has another size, or its daemon saw
+more worlds — and its ranks are then **superseded** wherever they were seen: they count for
+nothing (not reporting, not stale, no throughput) and their rows say "superseded".
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ def newest_world(jobs: Sequence[metrics_pb2.JobMetrics]) -> metrics_pb2.JobMetri
 
 def on_newest_world(job: metrics_pb2.JobMetrics, newest: metrics_pb2.JobMetrics) -> bool:
     started = newest.world_started_unix_nano
-    return job.world_started_unix_nano >= started or job.last_heard_unix_nano >= started
+    if job.world_started_unix_nano >= started or job.last_heard_unix_nano >= started:
+        return True
+    # Silent since before the newest world started: an older world only if a new one did
+    # form (another size, or more worlds seen where the newest is); otherwise the same world,
+    # whose ranks on this daemon merely finished their part before another daemon's began.
+    return newest.world_size == job.world_size and newest.restarts <= job.restarts
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,3 +73,13 @@ def test_a_daemon_that_knows_only_the_new_world_gets_the_history_from_the_other(
     b = answer(2, started=100, heard=250, state="stale", reporting=0, stale=1)
     (job,) = aggregate_jobs([a, b])
     assert (job.world.world_sizes, job.world.restarts) == ((2, 1), 1)
+
+
+def test_ranks_of_one_world_that_reported_one_after_the_other_still_add_up() -> None:
+    """No new world formed (same size, no restart anywhere): the ranks on daemon A merely
+    finished before those on daemon B began; both belong to the one world."""
+    a = answer(2, started=100, heard=150, rank=0)
+    b = answer(2, started=160, heard=200, rank=1)
+    (job,) = aggregate_jobs([a, b])
+    assert (job.ranks_reporting, job.world_size) == (2, 2)
+    assert superseded_jobs({"a": a, "b": b}) == {"a": set(), "b": set()}
