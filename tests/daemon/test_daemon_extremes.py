@@ -429,3 +429,23 @@ def test_several_extremes_at_once(tmp_path: Path) -> None:
     # from the sweep's: its hundreds of jobs would slow every view down.
     with node_and_upstream() as nodes:
         send_then_check()
+
+
+def test_the_shown_step_never_leaves_int64() -> None:
+    """Analysis holds the bound whatever reached the store (the door keeps wire steps below
+    `MAX_WIRE_STEP`, so the step after the last is still an int64)."""
+    from plait.daemon.analysis import shown_step
+    from plait.daemon.decoder import MAX_WIRE_STEP
+
+    assert MAX_WIRE_STEP + 1 == INT64_MAX
+    assert shown_step(None) == 0 and shown_step(0) == 1
+    assert shown_step(MAX_WIRE_STEP) == INT64_MAX == shown_step(INT64_MAX)
+
+
+def test_the_door_keeps_room_for_the_shown_step() -> None:
+    from plait.daemon.decoder import MAX_WIRE_STEP, Rejected, decode_span
+
+    attributes = {schema.SPAN_STEP: MAX_WIRE_STEP, schema.SPAN_STEP_MODEL_FLOPS: 1.0}
+    assert decode_span("step", 0, 1, attributes).step == MAX_WIRE_STEP
+    with pytest.raises(Rejected, match=r"plait.step: 9223372036854775807 is outside \[0, 9223"):
+        decode_span("step", 0, 1, {**attributes, schema.SPAN_STEP: INT64_MAX})
