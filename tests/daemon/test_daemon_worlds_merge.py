@@ -17,7 +17,7 @@ S = 10**9  # one second in ns
 def answer(
     world: int, started: int, heard: int, *, state: str = "running", reporting: int = 1,
     stale: int = 0, sizes: tuple[int, ...] = (), restarts: int = 0, rank: int = 0,
-) -> daemon_pb2.GetMetricsResponse:
+) -> daemon_pb2.GetMetricsResponse:  # fmt: skip
     job = metrics_pb2.JobMetrics(
         job_id="j", world_size=world, ranks_reporting=reporting, ranks_stale=stale, state=state,
         world_sizes=sizes or (world,), restarts=restarts, tokens_per_second=1000.0,

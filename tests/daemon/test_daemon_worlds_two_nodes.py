@@ -25,7 +25,7 @@ from plait.planner.daemon_client import measured_breakdowns
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.tools import daemon_commands
 from tests.daemon.test_daemon_worlds import FAST, FOREVER, SLOW, STALE_FLOOR, job, rank, wait_for
-from tests.daemon.test_daemon_worlds import spawn as spawn  # noqa: F401 - the fixture
+from tests.daemon.test_daemon_worlds import spawn as spawn  # the fixture, used by name
 
 JOB = "elastic2"
 

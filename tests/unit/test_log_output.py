@@ -118,9 +118,7 @@ def daemon() -> Iterator[str]:
 
 
 @pytest.mark.timeout(120)
-def test_top_status_and_bottleneck_in_a_file_keep_every_column(
-    daemon: str, tmp_path: Path
-) -> None:
+def test_top_status_and_bottleneck_in_a_file_keep_every_column(daemon: str, tmp_path: Path) -> None:
     top = tables(run_to_file(["top", "--once", "--host", daemon], tmp_path))
     header, rows = top["jobs"]
     every_job_column = [c.header for c in job_columns({})]
