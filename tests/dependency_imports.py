@@ -30,6 +30,7 @@ from pathlib import Path
 OPTIONAL_MODULES: dict[str, frozenset[str]] = {
     "plait.plugins.kernels_triton": frozenset({"triton"}),  # imported lazily by its plugin
     "plait.testing": frozenset({"testing"}),  # a pytest plugin for plugin packages' tests
+    "plait.tools.pytest_outcomes": frozenset({"testing"}),  # a pytest plugin (gpu_check)
     "plait.tools.bench": frozenset({"dev", "deepspeed", "hf"}),  # benchmark scripts
     "plait.tools.gen_protos": frozenset({"dev"}),  # `make protos`
 }
