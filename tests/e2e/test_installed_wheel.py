@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.wheel_build import build_wheel
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"  # the build on disk; any other would be downloaded
 
@@ -91,13 +93,7 @@ def _clean_env() -> dict[str, str]:
 def installed() -> Iterator[Installed]:
     with tempfile.TemporaryDirectory(prefix="plait-wheel-") as folder:
         base = Path(folder)
-        dist = base / "dist"
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-             "--no-build-isolation", "-w", str(dist), str(ROOT)],
-            check=True, cwd=base, timeout=300,
-        )  # fmt: skip
-        (wheel,) = dist.glob("plait-*.whl")
+        wheel = build_wheel(base)
         venv = base / "venv"
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
         python = venv / "bin" / "python"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.wheel_build import build_wheel
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,13 +28,7 @@ def test_no_top_level_core_or_plugins_module(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_wheel_holds_every_package_and_its_data(tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path), str(ROOT)],
-        check=True,
-        cwd=tmp_path,
-    )  # fmt: skip
-    (wheel,) = tmp_path.glob("plait-*.whl")
+    wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"plait", wheel.name.split("-py")[0] + ".dist-info"}
     packages = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
