@@ -449,3 +449,16 @@ def test_the_door_keeps_room_for_the_shown_step() -> None:
     assert decode_span("step", 0, 1, attributes).step == MAX_WIRE_STEP
     with pytest.raises(Rejected, match=r"plait.step: 9223372036854775807 is outside \[0, 9223"):
         decode_span("step", 0, 1, {**attributes, schema.SPAN_STEP: INT64_MAX})
+
+
+def test_every_rpc_and_cli_view_is_exercised() -> None:
+    """An RPC or a daemon command added later must be added to the probe or `CLI_VIEWS`."""
+    from plait.proto.plait.v1 import daemon_pb2
+
+    service = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"]
+    probed = {"Status", "ListRanks", "GetMetrics", "StreamMetrics", "GetBottleneck", "CaptureTrace"}
+    assert {m.name for m in service.methods} == probed  # what `otlp_inputs.probe` calls
+    commands = {c.name or c.callback.__name__ for c in daemon_commands.app.registered_commands} - {
+        "daemon"
+    }
+    assert commands == {view[0] for view in CLI_VIEWS} | {"trace"}
