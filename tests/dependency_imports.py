@@ -31,6 +31,9 @@ OPTIONAL_MODULES: dict[str, frozenset[str]] = {
     "plait.plugins.kernels_triton": frozenset({"triton"}),  # imported lazily by its plugin
     "plait.testing": frozenset({"testing"}),  # a pytest plugin for plugin packages' tests
     "plait.tools.pytest_outcomes": frozenset({"testing"}),  # a pytest plugin (gpu_check)
+    # Adapters for the trainers they plug into, imported by those trainers' users only.
+    "plait.integrations.lightning": frozenset({"lightning"}),
+    "plait.integrations.transformers": frozenset({"hf"}),
     "plait.tools.bench": frozenset({"dev", "deepspeed", "hf"}),  # benchmark scripts
     "plait.tools.gen_protos": frozenset({"dev"}),  # `make protos`
 }
