@@ -55,6 +55,9 @@ from plait.daemon.control_records import (
     first_common_step,
 )
 
+# A rank silent this long is forgotten (asked for, it is then an unknown job or rank).
+FORGET_AFTER_SECONDS = 3600.0
+
 
 class ControlRegistry:
     """Endpoints, their pending orders, and open requests, behind one lock."""
@@ -76,6 +79,7 @@ class ControlRegistry:
         with self.lock:
             endpoint = self._endpoints.get(hello.key)
             if endpoint is None or endpoint.hello.pid != hello.pid:
+                self._forget(now_ns)
                 endpoint = Endpoint(hello, first_poll_ns=now_ns, last_poll_ns=now_ns)
                 self._endpoints[hello.key] = endpoint
             endpoint.record(hello, now_ns)
@@ -93,6 +97,14 @@ class ControlRegistry:
             if changed:
                 self._changed.notify_all()
             return orders
+
+    def _forget(self, now_ns: int) -> None:
+        """Drop ranks silent for `FORGET_AFTER_SECONDS` (a long-lived daemon sees many jobs
+        come and go); a rank an open request still waits for is kept."""
+        waited = {(r.job_id, rank) for r in self._requests.values() for rank in r.deliveries}
+        for key, endpoint in list(self._endpoints.items()):
+            if key not in waited and (now_ns - endpoint.last_poll_ns) / 1e9 > FORGET_AFTER_SECONDS:
+                del self._endpoints[key]
 
     def _answered(self, order: Order, rank: int) -> bool:
         """The order's request is over, or this rank has answered it (cancels always go)."""

@@ -12,6 +12,7 @@ from plait.daemon import trace_analysis
 from plait.daemon.control_records import (
     CANCEL,
     DELIVERED,
+    MAX_STEP,
     MEMORY,
     PROFILE,
     STACKS,
@@ -53,8 +54,10 @@ def poll_problem(request: control_pb2.PollRequest) -> str:
         return f"world_size: must be >= 1, got {request.world_size}"
     if not 0 <= request.rank < request.world_size:
         return f"rank: must be in [0, {request.world_size}), got {request.rank}"
-    if request.step < -1:
-        return f"step: must be >= -1, got {request.step}"
+    if not -1 <= request.step <= MAX_STEP:
+        return f"step: must be in [-1, {MAX_STEP}], got {request.step}"
+    if request.clock_rtt_nano < 0:
+        return f"clock_rtt_nano: must be >= 0, got {request.clock_rtt_nano}"
     return ""
 
 

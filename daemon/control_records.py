@@ -17,6 +17,7 @@ PROFILE, STACKS, MEMORY, CANCEL = "profile", "stacks", "memory", "cancel"
 CAPTURE_KINDS = (PROFILE, MEMORY)  # the kinds limited in concurrency
 MAX_REPLANS = 2  # fresh start steps after a miss before the missing rank is given up
 RATE_WINDOW_SECONDS = 30.0  # step samples kept per rank for its rate
+MAX_STEP = 2**63 - 2  # as the span decoder bounds steps (`plait.daemon.decoder.MAX_WIRE_STEP`)
 
 # Outcome states, as `RankOutcome.state` carries them.
 DELIVERED = "delivered"
@@ -246,13 +247,15 @@ def first_common_step(
 ) -> int:
     """The first step every rank will still reach: each rank's last reported step, moved on by
     its step rate over the time since it polled plus `lookahead_seconds` (for the order to reach
-    it), rounded up, plus one (the step it is in has started already); the largest over ranks."""
+    it), rounded up, plus one (the step it is in has started already); the largest over ranks,
+    at most `MAX_STEP` (a rank reporting absurd steps gets a start it never reaches and is named
+    when the capture times out)."""
     start = 0
     for endpoint in endpoints:
         elapsed = max(now_ns - endpoint.last_poll_ns, 0) / 1e9 + lookahead_seconds
         reached = endpoint.hello.step + endpoint.steps_per_second * elapsed
-        start = max(start, math.ceil(reached) + 1)
-    return start
+        start = max(start, math.ceil(min(reached, MAX_STEP)) + 1)
+    return min(start, MAX_STEP)
 
 
 def steps_for_seconds(seconds: float, endpoints: Sequence[EndpointView]) -> int:

@@ -11,6 +11,7 @@ from plait.daemon.control import FORGET_AFTER_SECONDS, ControlRegistry
 from plait.daemon.control_records import (
     DELIVERED,
     LEFT,
+    MAX_STEP,
     NOT_POLLING,
     NOT_READY,
     OVER_LIMIT,
@@ -257,3 +258,13 @@ def test_ranks_silent_for_an_hour_are_forgotten(registry: ControlRegistry) -> No
     hour = int(FORGET_AFTER_SECONDS * S)
     registry.poll(hello(0, job="new"), hour + S)  # a new rank registering sweeps the old
     assert [v.hello.job_id for v in registry.endpoints("", hour + S)] == ["new"]
+
+
+def test_a_rank_reporting_absurd_steps_gets_a_start_it_never_reaches(
+    registry: ControlRegistry,
+) -> None:
+    registry.poll(hello(0, step=0), 0)
+    registry.poll(hello(0, step=MAX_STEP), S)  # "rate": 2**63 steps per second
+    request = registry.open(PROFILE, "job", [], now_ns=S, profile=ProfileSpec(steps=1))
+    registry.poll(hello(0, step=MAX_STEP, ready=(request.request_id,)), S)
+    assert registry.start_profile(request, None, now_ns=S) == MAX_STEP  # fits int64 on the wire

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from plait.core.step import JobInfo
 from plait.daemon.control_records import ControlLimits
@@ -22,6 +23,7 @@ from plait.daemon.security import SecurityConfig
 from plait.daemon.server import DaemonServer
 from plait.plugins.telemetry.control_client import ControlClient
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
+from plait.tools.cli import app
 
 JOB = "svc"
 WAIT = 60.0
@@ -242,3 +244,41 @@ def test_the_control_channel_needs_the_token_like_every_call() -> None:
             )
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         channel.close()
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def test_extreme_numbers_at_the_control_door_are_refused_or_harmless(
+    daemon: DaemonServer, stub: control_pb2_grpc.ControlStub
+) -> None:
+    base = {"job_id": "extremes", "rank": 0, "world_size": 2, "host": "h", "pid": 1, "step": 3}
+    int32 = (-(2**31), -2, -1, 0, 2**31 - 1)
+    int64 = (INT64_MIN, -2, -1, 0, INT64_MAX)
+    fields = {"rank": int32, "world_size": int32, "pid": int64, "step": int64,
+              "clock_offset_nano": int64, "clock_rtt_nano": int64}  # fmt: skip
+    for name, values in fields.items():
+        for value in values:
+            request = control_pb2.PollRequest(**{**base, name: value})
+            try:
+                stub.Poll(request)
+            except grpc.RpcError as refused:
+                assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, value)
+                assert refused.details().startswith(f"poll refused: {name}:"), refused.details()
+    for name, value in (
+        ("index", 2**31 - 1),
+        ("total_bytes", INT64_MIN),
+        ("first_step", INT64_MAX),
+    ):
+        ack = stub.Deliver(control_pb2.DeliverChunk(request_id="none", job_id="extremes",
+                                                    **{name: value}))  # fmt: skip
+        assert not ack.accepted and ack.reason
+    (view,) = [v for v in daemon.control.endpoints("extremes", time.time_ns()) if v.polling]
+    assert view.hello.step >= -1
+    listed = stub.ListEndpoints(control_pb2.ListEndpointsRequest(job_id="extremes"))
+    assert listed.endpoints
+    result = CliRunner().invoke(
+        app, ["stacks", "--job", "extremes", "--timeout", "1", "--json", "--host", daemon.address]
+    )
+    answer = json.loads(result.output)  # strict JSON, whatever the ranks said of themselves
+    assert [o["state"] for o in answer["outcomes"]] == ["timed out"] and result.exit_code == 1
