@@ -265,6 +265,10 @@ def test_extreme_numbers_at_the_control_door_are_refused_or_harmless(
             except grpc.RpcError as refused:
                 assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, value)
                 assert refused.details().startswith(f"poll refused: {name}:"), refused.details()
+    # The door's own bounds: a step the span decoder would refuse, a negative round trip.
+    for name, value in (("step", INT64_MAX), ("step", -2), ("clock_rtt_nano", -1)):
+        with pytest.raises(grpc.RpcError, match=f"poll refused: {name}"):
+            stub.Poll(control_pb2.PollRequest(**{**base, name: value}))
     for name, value in (
         ("index", 2**31 - 1),
         ("total_bytes", INT64_MIN),
