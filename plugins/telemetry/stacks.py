@@ -7,13 +7,23 @@ channel's thread can answer `plait stacks` while the training thread is stuck: i
 that thread to do anything, unlike a signal handler (which runs only when the stuck thread
 comes back to the interpreter) or PyTorch's debug-server dumps that need the GIL held by a
 thread that may never return it.
+
+Walking a frame's `f_back` chain can stop short: on CPython 3.11 a generator expression's
+frame seen from another thread has been found with no `f_back` while its caller was still on
+the stack. `faulthandler` walks the thread's own frame list in C, which has no such gap, so
+each thread's chain is checked against it and replaced by it when it holds more frames (source
+lines read back with `linecache`; faulthandler keeps the innermost 100).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import linecache
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -32,6 +42,40 @@ def describe_inflight(op: InflightComm) -> str:
     return f"{op.op} seq {op.seq} on {op.group_name} {list(op.group_ranks)}{purpose}, {waited:.1f}s"
 
 
+FAULTHANDLER_THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+) ")
+FAULTHANDLER_FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+
+
+def faulthandler_stacks() -> dict[int, list[dict[str, Any]]]:
+    """thread id -> its frames, outermost first, as faulthandler walks them in C."""
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        out.seek(0)
+        text = out.read()
+    stacks: dict[int, list[dict[str, Any]]] = {}
+    current: list[dict[str, Any]] | None = None
+    for line in text.splitlines():
+        header = FAULTHANDLER_THREAD.match(line)
+        if header:
+            current = stacks.setdefault(int(header.group(1), 16), [])
+            continue
+        frame = FAULTHANDLER_FRAME.match(line)
+        if frame and current is not None:
+            path, number = frame.group(1), int(frame.group(2))
+            code = linecache.getline(path, number).strip()
+            current.append({"file": path, "line": number, "function": frame.group(3), "code": code})
+    for frames in stacks.values():
+        frames.reverse()  # faulthandler prints the most recent call first
+    return stacks
+
+
+def _walked(frame: Any) -> list[dict[str, Any]]:
+    return [
+        {"file": e.filename, "line": e.lineno or 0, "function": e.name, "code": e.line or ""}
+        for e in traceback.extract_stack(frame, limit=MAX_FRAMES)
+    ]
+
+
 def thread_stacks(
     *,
     training_thread: int | None,
@@ -41,6 +85,7 @@ def thread_stacks(
     """The document a rank delivers for `plait stacks` (`plait.daemon.deliveries.read_stacks`):
     every thread's frames, outermost first, the training thread marked."""
     frames = sys._current_frames()
+    checked = faulthandler_stacks()
     by_id = {t.ident: t for t in threading.enumerate()}
     me = threading.get_ident()
     threads = []
@@ -48,22 +93,15 @@ def thread_stacks(
         if ident == me:
             continue  # this thread is answering, not doing anything worth showing
         thread = by_id.get(ident)
-        summary = traceback.extract_stack(frame, limit=MAX_FRAMES)
+        walked = _walked(frame)
+        in_c = checked.get(ident, [])
         threads.append(
             {
                 "thread_id": ident,
                 "name": thread.name if thread is not None else f"thread {ident}",
                 "training": ident == training_thread,
                 "daemon": bool(thread.daemon) if thread is not None else False,
-                "frames": [
-                    {
-                        "file": entry.filename,
-                        "line": entry.lineno or 0,
-                        "function": entry.name,
-                        "code": entry.line or "",
-                    }
-                    for entry in summary
-                ],
+                "frames": in_c if len(in_c) > len(walked) else walked,
             }
         )
     del frames  # frames hold every local of every thread: let them go now
