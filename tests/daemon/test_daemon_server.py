@@ -61,11 +61,11 @@ def test_shutdown_reports_not_serving_before_stopping() -> None:
     )
     first = next(stream)
     assert first.host.hostname
-    started = time.monotonic()
-    server.stop(grace=3.0)
+    server.stop(grace=60.0)
     assert seen_at_stop == [NOT_SERVING]
-    assert time.monotonic() - started < 3.0  # the open stream ended without using the grace
-    remaining = list(stream)  # the stream ends cleanly once the daemon stops
+    # The daemon ended the open stream itself: one still open when the grace ran out would be
+    # cancelled by gRPC, and reading it would raise instead of ending cleanly.
+    remaining = list(stream)
     assert all(r.host.hostname for r in remaining)
     channel.close()
 
