@@ -7,7 +7,8 @@ Each rank is what a user's script is under torchrun: `Engine` + `Checkpointer` o
 Llama, a few steps with a save every two, then the end of the script — `sys.exit`, so Python
 runs its whole shutdown (atexit handlers, thread joins, finalization), where a C++ thread left
 running aborts the process. Even runs close the engine; odd ones leave it open, as the
-README's examples do; every second pair saves in the background.
+README's examples do; every second pair saves in the background, and every fifth run keeps
+the default telemetry with no daemon running.
 
 To pay for `import torch` once instead of 2 × RUNS times, the launcher imports everything and
 forks each rank (the ranks still set up distributed from scratch, as torchrun's workers do:
@@ -39,6 +40,7 @@ from plait.core.process_groups import gloo_worker_threads
 from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import build_batches
 from tests.dist.checkpoint_workers import engine_config
+from tests.free_ports import refused_port
 
 WORLD_SIZE = 2
 STEPS, EVERY = 3, 2
@@ -47,7 +49,7 @@ LEFTOVER_THREADS = 3  # a rank's exit code when a thread would outlive the inter
 PLAIT_THREADS = ("plait-collective-progress", "plait-span-export")
 
 
-def rank_script(run: int, rank: int, port: int, root: Path) -> int:
+def rank_script(run: int, rank: int, port: int, no_daemon_port: int, root: Path) -> int:
     """One rank's script; returns the exit code it asks for."""
     os.environ.update(
         RANK=str(rank),
@@ -62,6 +64,8 @@ def rank_script(run: int, rank: int, port: int, root: Path) -> int:
     atexit.register(_fail_on_leftover_threads, rank)
     config = engine_config()
     config["train"]["steps"] = STEPS
+    if run % 5 == 4:  # telemetry on, as by default, with no daemon to talk to
+        config["telemetry"] = {"daemon": f"127.0.0.1:{no_daemon_port}"}
     engine = Engine(config=config)
     batches = build_batches(
         engine.config.data,
@@ -156,6 +160,11 @@ def _preload() -> None:
 def main(runs: int, root: Path) -> int:
     root.mkdir(parents=True, exist_ok=True)
     _preload()
+    with refused_port() as no_daemon_port:
+        return _runs(runs, root, no_daemon_port)
+
+
+def _runs(runs: int, root: Path, no_daemon_port: int) -> int:
     store_pid, port = _host_store()
     failed = 0
     for run in range(runs):
@@ -168,7 +177,7 @@ def main(runs: int, root: Path) -> int:
             if pid == 0:
                 _output_to(logs[-1])
                 # The rank's script ends here: SystemExit unwinds to the top and Python exits.
-                raise SystemExit(rank_script(run, rank, port, root))
+                raise SystemExit(rank_script(run, rank, port, no_daemon_port, root))
             pids.append(pid)
         codes = _wait(pids, RUN_TIMEOUT_SECONDS)
         print(f"run {run} exit codes {codes}", flush=True)
