@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 
-.PHONY: demo test test-gpu lint format protos bench clean
+.PHONY: demo test test-gpu wheelhouse lint format protos bench clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,15 @@ test: $(STAMP)
 # The GPU tier on a CUDA machine: Triton compiles its kernels (the interpreter stays off).
 test-gpu: $(STAMP)
 	TRITON_INTERPRET=0 $(BIN)/python -m pytest -q -rs tests/gpu
+
+# Wheels for an offline GPU node (its torch, triton and CUDA packages stay): plait's own and its
+# dependencies', for WHEELHOUSE_PYTHON and WHEELHOUSE_PLATFORM.
+WHEELHOUSE ?= wheelhouse
+WHEELHOUSE_PYTHON ?= 3.12
+WHEELHOUSE_PLATFORM ?= manylinux_2_28_x86_64
+wheelhouse: $(STAMP)
+	$(BIN)/python tools/wheelhouse.py --out $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) \
+		--platform $(WHEELHOUSE_PLATFORM) $(WHEELHOUSE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

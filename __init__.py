@@ -4,6 +4,12 @@ The public API for users with their own model and loop::
 
     engine = plait.initialize(model, config="configs/tiny.toml", optimizer=...)
     loss = engine.train_step(batch)
+
+and for a loop plait did not launch (plain, DDP or FSDP2), the node daemon's view of it::
+
+    observer = plait.observe(model, optimizer=optimizer)
+    with observer.step():
+        ...
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from plait.core.engine import Engine, initialize
     from plait.core.hookspecs import hookimpl
+    from plait.plugins.telemetry.observe import observe
 
-__all__ = ["Engine", "hookimpl", "initialize"]
+__all__ = ["Engine", "hookimpl", "initialize", "observe"]
 __version__ = "0.1.0"
 
 
@@ -24,6 +31,10 @@ def __getattr__(name: str) -> Any:
         from plait.core import engine
 
         return getattr(engine, name)
+    if name == "observe":
+        from plait.plugins.telemetry.observe import observe
+
+        return observe
     if name == "hookimpl":
         from plait.core.hookspecs import hookimpl
 

@@ -7,7 +7,7 @@ prefix, so the list is computed here.
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
-MAPPED_FOLDERS = ("core", "plugins", "proto", "daemon", "tools")
+MAPPED_FOLDERS = ("core", "plugins", "proto", "daemon", "tools", "integrations")
 
 packages = ["plait"]
 for folder in MAPPED_FOLDERS:

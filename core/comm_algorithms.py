@@ -55,6 +55,7 @@ __all__ = [
     "GRAD_SHARD",
     "LOSS_SCALE",
     "METRICS",
+    "MOE_AUX_LOSS",
     "MOE_COMBINE",
     "MOE_DISPATCH",
     "NONFINITE_CHECK",
@@ -92,6 +93,7 @@ CP_KV = "cp_kv"  # context-parallel ring: K/V blocks (and their gradients) passe
 CP_A2A = "cp_a2a"  # context-parallel Ulysses: all-to-all between sequence and head shards
 MOE_DISPATCH = "moe_dispatch"  # expert parallel: tokens (and token counts) to their experts' rank
 MOE_COMBINE = "moe_combine"  # expert parallel: expert outputs back to the tokens' rank
+MOE_AUX_LOSS = "moe_aux_loss"  # router logits gathered for a load-balancing loss over all ranks
 METRICS = "metrics"  # loss and other reported values
 GRAD_NORM = "grad_norm"  # the global gradient norm for clipping
 LOSS_SCALE = "loss_scale"  # the fp16 loss scaler's inf/nan vote
@@ -115,6 +117,7 @@ PURPOSES = frozenset(
         CP_A2A,
         MOE_DISPATCH,
         MOE_COMBINE,
+        MOE_AUX_LOSS,
         METRICS,
         GRAD_NORM,
         LOSS_SCALE,

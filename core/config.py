@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from plait.core.errors import ConfigError
 
@@ -148,9 +148,33 @@ class ParallelSection(Section):
         return self
 
 
+# The schedule a job with parallel.pp > 1 runs when it names none (Megatron-LM's and
+# torchtitan's default), and the one without pipeline parallelism.
+PIPELINE_DEFAULT_SCHEDULE = "1f1b"
+PLAIN_DEFAULT_SCHEDULE = "accumulate"
+
+
 class ScheduleSection(Section):
-    name: str = Field("accumulate", description="step schedule plugin: accumulate, 1f1b, …")
+    name: str = Field(
+        "",
+        description="step schedule plugin: accumulate, 1f1b, gpipe, …; '' = 1f1b when "
+        "parallel.pp > 1, else accumulate",
+    )
     virtual_stages: int = Field(1, gt=0, description="model chunks per pipeline rank")
+    # True when `name` was chosen because the config named none (the banner says so).
+    _chosen_by_default: bool = PrivateAttr(default=False)
+
+    @property
+    def chosen_by_default(self) -> bool:
+        return self._chosen_by_default
+
+    def choose_default(self, pipeline_stages: int) -> None:
+        """Fill an unnamed schedule: 1F1B with pipeline parallelism, else accumulation."""
+        if self.name:
+            return
+        pipelined = pipeline_stages > 1
+        self.name = PIPELINE_DEFAULT_SCHEDULE if pipelined else PLAIN_DEFAULT_SCHEDULE
+        self._chosen_by_default = True
 
 
 class KernelsSection(Section):
@@ -266,6 +290,11 @@ class PlaitConfig(BaseModel):
     checkpoint_io: CheckpointIOSection = Field(default_factory=CheckpointIOSection)
     comm: CommSection = Field(default_factory=CommSection)
 
+    @model_validator(mode="after")
+    def _schedule_named(self) -> PlaitConfig:
+        self.schedule.choose_default(self.parallel.pp)
+        return self
+
     @property
     def extensions(self) -> dict[str, dict[str, Any]]:
         """Plugin sections (anything not a core section), as raw dicts."""
@@ -371,6 +400,8 @@ def load_config(
     """Load a config from a TOML path, a dict, or an existing config, then apply overrides."""
     if isinstance(source, PlaitConfig):
         data = source.model_dump()
+        if source.schedule.chosen_by_default:
+            data["schedule"]["name"] = ""  # still the default: chosen again for these degrees
     elif source is None:
         data = {}
     elif isinstance(source, Mapping):

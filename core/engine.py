@@ -373,12 +373,13 @@ class Engine:
         tokens = sum(input_tokens(x).numel() for x in inputs)
         if self.context.context_parallel is not None:
             # Context parallelism: this rank keeps its positions of every sequence, inputs and
-            # targets alike (`ContextParallelism.shard_batch`); `tokens` counts them all.
-            cp, lengths = self.context.context_parallel, [input_tokens(x).shape[1] for x in inputs]
-            inputs = [cp.shard_batch(x, length) for x, length in zip(inputs, lengths, strict=True)]
-            targets = [
-                cp.shard_batch(y, length) for y, length in zip(targets, lengths, strict=True)
+            # targets alike (`ContextParallelism.shard_microbatch`); `tokens` counts them all.
+            cp = self.context.context_parallel
+            pieces = [
+                cp.shard_microbatch(x, y, input_tokens(x).shape[1])
+                for x, y in zip(inputs, targets, strict=True)
             ]
+            inputs, targets = [x for x, _ in pieces], [y for _, y in pieces]
         runner = MicrobatchRunner(
             runtimes=self.runtimes,
             loss_fn=self.loss_fn,

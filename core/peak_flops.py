@@ -124,8 +124,22 @@ _ALIASES = {normalise_device_name(k): v for k, v in DEVICE_NAME_ALIASES.items()}
 _ALIASES.update({normalise_device_name(k): k for k in DEVICE_PEAK_TFLOPS})
 
 
+# The spellings a dtype arrives in (config fields, torch's names) → the table's column.
+_DTYPE_NAMES = {
+    "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "fp16": "float16", "half": "float16", "torch.float16": "float16",
+    "fp32": "float32", "float": "float32", "torch.float32": "float32",
+}  # fmt: skip
+
+
+def normalise_dtype_name(dtype: str) -> str:
+    """`bf16`, `torch.bfloat16` and `bfloat16` name one column of the peak table."""
+    return _DTYPE_NAMES.get(dtype.casefold(), dtype.casefold())
+
+
 def lookup_device_peak_flops(device_name: str, dtype: str) -> PeakFlops | None:
     """The table's dense peak for exactly `device_name` and `dtype`; `None` if not listed."""
+    dtype = normalise_dtype_name(dtype)
     entry = _ALIASES.get(normalise_device_name(device_name))
     if entry is None:
         return None
@@ -137,6 +151,7 @@ def lookup_device_peak_flops(device_name: str, dtype: str) -> PeakFlops | None:
 
 def accelerator_peak_flops(device_name: str, dtype: str, *, allow_tf32: bool) -> PeakFlops:
     """The table's peak for a GPU rank computing in `dtype` (0 and a warning when unknown)."""
+    dtype = normalise_dtype_name(dtype)
     if dtype == "float32" and allow_tf32:
         dtype = "tf32"  # float32 matmuls run on tensor cores as TF32 when torch allows it
     found = lookup_device_peak_flops(device_name, dtype)

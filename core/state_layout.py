@@ -228,6 +228,25 @@ class TensorLayout:
     def numel(self) -> int:
         return sum(p.region.numel for p in self.pieces)
 
+    def rebound(self, old: torch.Tensor, new: torch.Tensor) -> TensorLayout:
+        """The same layout over `new` instead of `old`, a tensor of the same shape (a parameter's
+        fp32 master, or an optimizer-state tensor of that master): every piece that views `old`
+        views `new` at the same place."""
+        if new.shape != old.shape:
+            raise ValueError(f"cannot rebind a {tuple(old.shape)} layout to {tuple(new.shape)}")
+        pieces = []
+        for piece in self.pieces:
+            if piece.tensor is None:
+                raise ValueError("a piece read through a getter cannot be rebound to a tensor")
+            if piece.tensor.untyped_storage().data_ptr() != old.untyped_storage().data_ptr():
+                raise ValueError("a piece of this layout does not view the tensor it replaces")
+            offset = piece.tensor.storage_offset() - old.storage_offset()
+            view = new.as_strided(
+                piece.tensor.shape, piece.tensor.stride(), new.storage_offset() + offset
+            )
+            pieces.append(replace(piece, tensor=view))
+        return replace(self, pieces=tuple(pieces))
+
 
 def _with(axes: tuple[str, ...], axis: str) -> tuple[str, ...]:
     return axes if axis in axes else (*axes, axis)

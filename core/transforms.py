@@ -11,6 +11,7 @@ provide the same fact the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,10 @@ class PipelineStages:
     num_stages: int
     virtual_stages: int = 1
     summary: str = ""  # one line per chunk, for the banner of `plait train`
+    # The whole model the stages were cut from, when they are stage modules around its own
+    # modules rather than a copy of it (a user's or a `transformers` model): later transforms
+    # reach its config and its attention implementation through it.
+    source_model: Any = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,8 +102,9 @@ class ContextParallelism:
     (so causal attention costs every ring position the same); without it, chunk `j` of
     `ring_degree`. The Ulysses ranks of one ring position then split that portion into
     `ulysses_degree` contiguous pieces, so an all-to-all over them gives each the portion whole.
-    The engine shards every batch tensor along the sequence dim with `shard_batch`; models
-    take the global positions of their tokens from `positions`.
+    The engine cuts every micro-batch with `shard_microbatch` (every tensor along the sequence
+    dim, after `prepare` saw it whole); models take the global positions of their tokens from
+    `positions`.
     """
 
     degree: int
@@ -107,6 +113,11 @@ class ContextParallelism:
     ring_degree: int
     ulysses_degree: int = 1
     load_balanced: bool = True
+    # What the model needs of a micro-batch that only the whole sequence shows, added before it
+    # is cut: `prepare(inputs, targets, seq_len) -> (inputs, targets)`. A `transformers` causal
+    # LM takes its labels shifted over the whole sequence (the label at a piece's last position
+    # is the first token of the next piece), its position ids and its loss's token count.
+    prepare: Callable[[Any, Any, int], tuple[Any, Any]] | None = None
 
     @property
     def ring_rank(self) -> int:
@@ -154,6 +165,12 @@ class ContextParallelism:
     ) -> torch.Tensor:
         """`positions` for a rank that holds `local_len` tokens of each sequence."""
         return self.positions(local_len * self.degree, device)
+
+    def shard_microbatch(self, inputs: Any, targets: Any, seq_len: int) -> tuple[Any, Any]:
+        """This rank's positions of a micro-batch's inputs and targets (`prepare` first)."""
+        if self.prepare is not None:
+            inputs, targets = self.prepare(inputs, targets, seq_len)
+        return self.shard_batch(inputs, seq_len), self.shard_batch(targets, seq_len)
 
     def shard_batch(self, batch: Any, seq_len: int) -> Any:
         """`batch` with every tensor whose dim 1 has `seq_len` positions cut to this rank's."""

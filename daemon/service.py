@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -39,6 +40,7 @@ from plait.daemon.host import HostCollector, HostSample
 from plait.daemon.ingest_pool import PoolStats
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.security import CallCounters
+from plait.daemon.shared_answers import SharedAnswers
 from plait.daemon.store import TelemetryStore
 from plait.daemon.stragglers import DEFAULT_THRESHOLD, RankTiming, StragglerScore, score_ranks
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc, metrics_pb2
@@ -291,6 +293,8 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
         self.started = time.monotonic()
         self.stopping = stopping
         self.extras = extras or DaemonExtras()
+        # Streams, `plait top` and scrapers ask the same questions at once: one computation each.
+        self.answers: SharedAnswers[Any] = SharedAnswers()
 
     def hangs(self) -> list[Hang]:
         return find_hangs(
@@ -435,6 +439,14 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
     def _metrics(
         self, job_id: str, window_steps: int, include_finished: bool
     ) -> daemon_pb2.GetMetricsResponse:
+        key = ("metrics", job_id, window_steps, include_finished)
+        return self.answers.get(
+            key, lambda: self._compute_metrics(job_id, window_steps, include_finished)
+        )
+
+    def _compute_metrics(
+        self, job_id: str, window_steps: int, include_finished: bool
+    ) -> daemon_pb2.GetMetricsResponse:
         view = self.metrics_view(
             job_id, window_steps or DEFAULT_METRICS_WINDOW_STEPS, include_finished
         )
@@ -469,12 +481,19 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
         if request.window_steps < 0 or request.straggler_threshold < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative window or threshold")
         threshold = request.straggler_threshold or self.extras.straggler_threshold
-        view = self.bottleneck_view(
-            request.job_id,
-            request.window_steps or DEFAULT_METRICS_WINDOW_STEPS,
-            threshold,
-            request.include_finished,
+        window_steps = request.window_steps or DEFAULT_METRICS_WINDOW_STEPS
+        key = ("bottleneck", request.job_id, window_steps, threshold, request.include_finished)
+        return self.answers.get(
+            key,
+            lambda: self._compute_bottleneck(
+                request.job_id, window_steps, threshold, request.include_finished
+            ),
         )
+
+    def _compute_bottleneck(
+        self, job_id: str, window_steps: int, threshold: float, include_finished: bool
+    ) -> daemon_pb2.GetBottleneckResponse:
+        view = self.bottleneck_view(job_id, window_steps, threshold, include_finished)
         return daemon_pb2.GetBottleneckResponse(
             ranks=[bottleneck_breakdown(a) for a in view.ranks],
             dominant=view.dominant,

@@ -57,6 +57,8 @@ def transform_names(engine: Engine, resolved: dict[str, Any]) -> list[str]:
         )
         parts.append(f"{label} {_with_options(name, resolved)}")
     parts.append(f"schedule {cfg.schedule.name}")
+    if cfg.schedule.chosen_by_default and engine.mesh.size("pp") > 1:
+        parts[-1] += " (the default with parallel.pp > 1)"
     if cfg.schedule.virtual_stages > 1:
         parts[-1] += f" ({cfg.schedule.virtual_stages} virtual stages)"
     parts.append(f"comm {cfg.comm.algorithm}")

@@ -9,8 +9,9 @@ model config that holds them.
 
 A running job exports and imports through the state layout its strategies declare
 (`plait.core.state_layout`), whatever they are: `export_hf_from` writes each rank's pieces of the
-weights (replicas once) and assembles them on rank 0; `load_hf_into` has every rank read from
-the safetensors files only the regions it holds (a block of a fused or transposed HF tensor).
+weights (replicas once) and assembles them on rank 0 (a `transformers` model the job trains is
+then written by its own `save_pretrained`); `load_hf_into` has every rank read from the
+safetensors files only the regions it holds (a block of a fused or transposed HF tensor).
 """
 
 from __future__ import annotations
@@ -136,24 +137,54 @@ def import_hf(hf_dir: Path) -> ImportedHF:
 def export_hf_from(
     engine: Any, out_dir: Path, *, family: str | None = None, process_group: Any = None
 ) -> Path:
-    """Write a running job's built-in model as HF safetensors, however it is sharded.
+    """Write a running job's model as HF safetensors, however it is sharded.
 
     Collective: every rank writes the pieces its strategies declare (DCP, replicas once) into a
     staging directory under `out_dir`, which must be shared by the ranks; rank 0 reads them
-    back whole and writes `model.safetensors` and `config.json`.
+    back whole and writes `model.safetensors` and `config.json`. A built-in model is written as
+    HF `family`; a `transformers` model the job trains (passed to `plait.initialize`) is written
+    by its own `save_pretrained`, with the whole tensors, so the folder is what
+    `from_pretrained` reads (its own names and layout; `family` does not apply).
     """
     import shutil
 
     import torch.distributed as dist
+
+    transformers_model = _transformers_model_of(engine)
+    if engine.model_config is None and transformers_model is None:
+        raise CheckpointError(
+            "only plait's built-in models and transformers models export to HF from a running job"
+        )
+    if transformers_model is None:
+        model, fields = engine.config.model.name, model_fields(engine.model_config)
+        family_for_export(model, fields, family)  # refuse on every rank before any collective
+    elif family is not None:
+        raise CheckpointError(
+            f"export_hf_from: family={family!r} is for plait's built-in models; a transformers "
+            "model is written as itself"
+        )
+    staging = out_dir / ".plait-export"
+    _stage_whole_tensors(engine, staging, process_group)
+    if engine.mesh.rank == 0:
+        from plait.plugins.checkpoint.offline import read_tensors
+
+        tensors = read_tensors(staging)
+        if transformers_model is None:
+            export_hf(tensors, out_dir, model=model, fields=fields, family=family)
+        else:
+            _save_pretrained(transformers_model, tensors, out_dir)
+        shutil.rmtree(staging)
+    if dist.is_initialized():
+        dist.barrier(group=process_group)
+    return out_dir
+
+
+def _stage_whole_tensors(engine: Any, staging: Path, process_group: Any) -> None:
+    """Every rank writes the pieces of the weights it declares (replicas once) under `staging`."""
     import torch.distributed.checkpoint as dcp
 
     from plait.plugins.checkpoint.planner import ChunkedValue, ChunkSavePlanner
 
-    if engine.model_config is None:
-        raise CheckpointError("only plait's built-in models export to HF from a running job")
-    model, fields = engine.config.model.name, model_fields(engine.model_config)
-    family_for_export(model, fields, family)  # refuse on every rank before any collective
-    staging = out_dir / ".plait-export"
     is_writer = first_replica(engine)
     state = {
         name: ChunkedValue(tensor_pieces(entry.value, is_writer=is_writer))
@@ -165,14 +196,29 @@ def export_hf_from(
         planner=ChunkSavePlanner(),
         process_group=process_group,
     )
-    if engine.mesh.rank == 0:
-        from plait.plugins.checkpoint.offline import read_tensors
 
-        export_hf(read_tensors(staging), out_dir, model=model, fields=fields, family=family)
-        shutil.rmtree(staging)
-    if dist.is_initialized():
-        dist.barrier(group=process_group)
-    return out_dir
+
+def _transformers_model_of(engine: Any) -> Any:
+    """The `transformers` model an engine trains (its module, or what pipeline stages were
+    cut from), or None."""
+    from plait.core.transformers_models import is_transformers_model
+
+    pipeline = engine.context.pipeline
+    for candidate in (engine.module, pipeline.source_model if pipeline is not None else None):
+        if candidate is not None and is_transformers_model(candidate):
+            return candidate
+    return None
+
+
+def _save_pretrained(model: Any, tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """`model.save_pretrained` with the job's whole tensors (the ranks' pieces put together)
+    and the model's persistent buffers, which every rank holds whole."""
+    state = dict(tensors)
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for name, tensor in model.state_dict().items():
+        if name not in state and name not in parameters:
+            state[name] = tensor.detach()
+    model.save_pretrained(out_dir, state_dict=state)
 
 
 @torch.no_grad()

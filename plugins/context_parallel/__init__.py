@@ -22,7 +22,10 @@ What the strategy does: writes `context.context_parallel` (`plait.core.transform
 ContextParallelism`, the sequence layout), by which the engine hands every rank its positions
 of each batch (tokens and targets alike); installs the attention above as each attention
 module's `attend` and a pre-hook passing the rank's global positions to the model's forward
-(RoPE, learned positions). The loss is the mean over the rank's tokens, equal in number on
+(RoPE, learned positions). A `transformers` model takes part through its own attention
+interface instead (`hf_attention`): the attention above becomes its `attn_implementation`,
+and each micro-batch gets its position ids and its labels shifted over the whole sequence
+before it is cut (`hf_batches`). The loss is the mean over the rank's tokens, equal in number on
 every rank, so averaging gradients over dp × cp (`Mesh.gradient_group`, which DDP and ZeRO
 use) and the reported loss over the cp ranks gives the mean over all tokens. cp holds no
 parameter shards: every parameter is replicated over cp in the state layout, so checkpoints
@@ -31,6 +34,7 @@ move between cp degrees freely.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -41,8 +45,11 @@ from plait.core.config import Section
 from plait.core.errors import ConfigError
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
+from plait.core.transformers_models import is_transformers_model, model_kind
 from plait.core.transforms import ContextParallelism
 from plait.plugins.context_parallel.attention import ContextParallelAttention
+from plait.plugins.context_parallel.hf_attention import install_transformers_attention
+from plait.plugins.context_parallel.hf_batches import prepare_causal_lm_batch
 from plait.plugins.context_parallel.model_hooks import install
 from plait.plugins.context_parallel.ring import AttentionWork, Ring
 from plait.plugins.context_parallel.ulysses import HeadExchange, check_heads
@@ -79,13 +86,20 @@ class ContextParallelConfig(Section):
     )
 
 
-def _head_counts(context: ShardContext) -> tuple[int, int] | None:
-    """(query heads, key/value heads) each rank holds, when the model's config says."""
+def _head_counts(model: nn.Module, context: ShardContext) -> tuple[int, int] | None:
+    """(query heads, key/value heads) each rank holds, when the model's config says (a
+    built-in model's, or a `transformers` model's `num_attention_heads`)."""
     config = context.model_config
     heads = getattr(config, "n_heads", None)
+    kv_heads = getattr(config, "kv_heads", None) or getattr(config, "n_kv_heads", None)
+    transformers_model = _transformers_model(model, context)
+    if config is None and transformers_model is not None:
+        config = transformers_model.config
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None)
     if not isinstance(heads, int):
         return None
-    kv_heads = getattr(config, "kv_heads", None) or getattr(config, "n_kv_heads", None) or heads
+    kv_heads = kv_heads or heads
     tp = context.tensor_parallel.degree if context.tensor_parallel is not None else 1
     return heads // tp, max(1, kv_heads // tp)
 
@@ -119,7 +133,7 @@ def apply_context_parallel(
 ) -> Sharded:
     mesh = context.mesh
     degree = mesh.size("cp")
-    heads = _head_counts(context)
+    heads = _head_counts(model, context)
     ulysses = _ulysses_degree(strategy, degree, config, heads[0] if heads else None)
     ring_degree = degree // ulysses
     if ulysses > 1 and heads is not None:
@@ -156,9 +170,35 @@ def apply_context_parallel(
         else None
     )
     attend = ContextParallelAttention(kernels=context.kernels, ring=ring, exchange=exchange)
-    install(model, attend, layout)
+    transformers_model = _transformers_model(model, context)
+    if transformers_model is not None:
+        install_transformers_attention(transformers_model, attend, layout)
+        layout = replace(layout, prepare=_transformers_batches(transformers_model, degree))
+    else:
+        install(model, attend, layout)
     context.context_parallel = layout
     return Sharded(module=model)
+
+
+def _transformers_model(model: nn.Module, context: ShardContext) -> nn.Module | None:
+    """The `transformers` model being trained: `model` itself, or the model a pipeline split
+    cut `model`'s stages from."""
+    if is_transformers_model(model):
+        return model
+    source = context.pipeline.source_model if context.pipeline is not None else None
+    return source if source is not None and is_transformers_model(source) else None
+
+
+def _transformers_batches(model: nn.Module, degree: int) -> Any:
+    """`ContextParallelism.prepare` for a `transformers` model (see `hf_batches`)."""
+    loss = getattr(model, "loss_function", None)
+    transformers_loss = getattr(loss, "__name__", "") == "ForCausalLMLoss"
+    return partial(
+        prepare_causal_lm_batch,
+        degree=degree,
+        model_name=model_kind(model),
+        loss_reads_shift_labels=transformers_loss,
+    )
 
 
 def _check_sequence(layout: ContextParallelism, context: ShardContext) -> None:

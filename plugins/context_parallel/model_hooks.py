@@ -52,7 +52,8 @@ def install(model: nn.Module, attend: Any, layout: ContextParallelism) -> None:
         raise ConfigError(
             f"context parallelism ({layout.strategy}) needs a model whose attention modules "
             f"expose attend(q, k, v) and whose forward takes positions= (plait's built-in "
-            f"models do); {type(model).__name__} has {missing}"
+            f"models do) or a transformers model whose attention goes through its "
+            f"AttentionInterface; {type(model).__name__} has {missing}"
         )
     for module in attentions:
         module.attend = attend

@@ -16,6 +16,12 @@ which makes the average over the expert-dp group the gradient of the global mean
 
 With `parallel.ep = 1` and `parallel.transforms = {ep = "ep"}` the experts stay replicated and
 only the runtime runs (balancing-loss scale per micro-batch, routing-bias updates over dp).
+
+A `transformers` MoE model (Mixtral, Qwen2-/Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V3, … : any
+whose experts dispatch through transformers' `ExpertsInterface`) takes part through that
+interface (`hf_experts`): its router, shared experts and losses stay its own, its expert
+tensors keep their names and layout, and its load-balancing loss (`output_router_logits`)
+covers every data-parallel rank's tokens as in one process (`hf_aux_loss`).
 """
 
 from __future__ import annotations
@@ -29,8 +35,14 @@ from plait.core.errors import ConfigError
 from plait.core.names import normalised_name
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
+from plait.core.transformers_models import is_transformers_model
 from plait.core.transforms import ExpertParallelism
 from plait.plugins.expert_parallel.dispatch import ExpertDispatch
+from plait.plugins.expert_parallel.hf_aux_loss import WholeBatchLoadBalancingLoss
+from plait.plugins.expert_parallel.hf_experts import (
+    install_transformers_experts,
+    transformers_moe_layers,
+)
 from plait.plugins.expert_parallel.runtime import ExpertParallelRuntime, moe_layers
 
 NAME = "ep"
@@ -51,11 +63,22 @@ def shard_ep(model: nn.Module, *, context: ShardContext, config: None) -> Sharde
     del config
     degree = context.config.parallel.ep
     mesh = context.mesh
-    layers = moe_layers(model)
+    transformers_model = is_transformers_model(model) and not moe_layers(model)
+    if transformers_model:
+        hf_layers = transformers_moe_layers(model, context.kernels)
+        # Reported by the MoE block's name (the experts' parent), as the built-in layers are.
+        layers = [(name.rpartition(".")[0], layer) for name, layer in hf_layers]
+        experts_of = {id(layer): name for name, layer in hf_layers}
+        runs_locally = {id(layer): layer.run_local_experts for _, layer in hf_layers}
+    else:
+        layers = moe_layers(model)
+        experts_of = {id(layer): f"{name}.experts" for name, layer in layers}
+        runs_locally = {id(layer): layer.experts for _, layer in layers}
     if not layers:
         raise ConfigError(
             f"parallel.transforms.ep = {NAME!r}: {type(model).__name__} has no MoE layer "
-            "(a module with experts, run_experts and tokens_per_expert)"
+            "(a module with experts, run_experts and tokens_per_expert, or a transformers MoE "
+            "model whose experts dispatch through its ExpertsInterface)"
         )
     if mesh.size("dp") % degree:
         raise ConfigError(f"parallel.ep = {degree} does not divide the dp degree {mesh.size('dp')}")
@@ -70,20 +93,29 @@ def shard_ep(model: nn.Module, *, context: ShardContext, config: None) -> Sharde
     total = num_experts.pop()
     local = total // degree
     expert_names: set[str] = set()
-    for layer_name, layer in layers:
+    for _, layer in layers:
         experts = layer.experts
         for leaf, param in list(experts.named_parameters(recurse=False)):
-            expert_names.add(normalised_name(f"{layer_name}.experts.{leaf}"))
+            expert_names.add(normalised_name(f"{experts_of[id(layer)]}.{leaf}"))
             if degree == 1:
                 continue
             mine = nn.Parameter(param.detach()[rank * local : (rank + 1) * local].clone())
             setattr(experts, leaf, mine)
             mine.register_hook(partial(_scale_gradient, factor=1.0 / degree))
         if degree > 1:
+            # Around the local experts: plait's grouped module, or the transformers layer's run.
             experts.first_expert = rank * local  # type: ignore[assignment]
             layer.run_experts = ExpertDispatch(  # type: ignore[method-assign]
-                experts, comm=context.comm, group=ep_group, rank=rank, num_experts=total
+                runs_locally[id(layer)],
+                comm=context.comm,
+                group=ep_group,
+                rank=rank,
+                num_experts=total,
             )
+    if transformers_model:
+        install_transformers_experts(model, hf_layers)
+        loss = WholeBatchLoadBalancingLoss(model, comm=context.comm, group=mesh.gradient_group())
+        model.register_forward_hook(loss, with_kwargs=True)
     layout = ExpertParallelism(
         degree=degree,
         rank=rank,
@@ -100,6 +132,7 @@ def shard_ep(model: nn.Module, *, context: ShardContext, config: None) -> Sharde
         mesh=mesh,
         load_group=mesh.gradient_group(),
         layout=layout,
+        names=[normalised_name(name) for name, _ in layers],
     )
     return Sharded(module=model, runtime=runtime)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,7 +39,6 @@ from plait.core.state_layout import ParameterLayout, StateLayout, TensorLayout
 from plait.core.transforms import ExpertParallelism
 
 
-@runtime_checkable
 class MoELayerLike(Protocol):
     """What the ep transform needs of a MoE layer (plait's `moe` model has it; so can yours):
     `experts`, a module whose parameters stack the experts along dim 0 and whose
@@ -58,11 +57,26 @@ class MoELayerLike(Protocol):
     def update_expert_bias(self, load: torch.Tensor) -> None: ...
 
 
+_MOE_LAYER_MEMBERS = (
+    "experts", "tokens_per_expert", "balance_loss_scale", "run_experts", "update_expert_bias",
+)  # fmt: skip
+
+
+def is_moe_layer(module: nn.Module) -> bool:
+    """Whether `module` has what `MoELayerLike` names. Checked with `hasattr`, not `isinstance`
+    against a runtime-checkable protocol: from Python 3.12 that looks members up with
+    `inspect.getattr_static`, which cannot see an `nn.Module`'s submodules and buffers (they
+    live in `_modules` / `_buffers`, reached through `__getattr__`), so no layer would match."""
+    return all(hasattr(module, member) for member in _MOE_LAYER_MEMBERS) and hasattr(
+        module.experts, "first_expert"
+    )
+
+
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayerLike]]:
     return [
-        (name, module)
+        (name, module)  # type: ignore[misc]
         for name, module in model.named_modules()
-        if isinstance(module, MoELayerLike) and hasattr(module.experts, "first_expert")
+        if is_moe_layer(module)
     ]
 
 
@@ -78,8 +92,11 @@ class ExpertParallelRuntime(ParallelRuntime):
         mesh: Mesh,
         load_group: Group,
         layout: ExpertParallelism,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.layers = list(layers)
+        # What reports call the layers; found from the module by identity when not given.
+        self._names = list(names) if names is not None else None
         self.module, self.mesh = module, mesh
         self.comm, self.load_group, self.layout = comm, load_group, layout
         # Per-expert assignments of the last step, all data-parallel ranks: (layers, experts).
@@ -111,7 +128,7 @@ class ExpertParallelRuntime(ParallelRuntime):
 
     def _layer_names(self) -> list[str]:
         """Module names of the MoE layers (what reports call them), found once."""
-        if not hasattr(self, "_names"):
+        if self._names is None:
             by_id = {id(m): normalised_name(n) for n, m in self.module.named_modules()}
             self._names = [by_id.get(id(layer), f"moe{i}") for i, layer in enumerate(self.layers)]
         return self._names

@@ -181,13 +181,17 @@ def _sharded(
     config: PipelineConfig,
     hidden_dim: int,
     tied: Sequence[tuple[torch.Size, nn.Parameter | None]],
+    source_model: nn.Module | None = None,
 ) -> Sharded:
     mine = plan.for_rank(context.mesh.coordinate("pp"))
     module: nn.Module = (
         chunks[0] if len(chunks) == 1 else PipelineChunks(chunks, [c.stage for c in mine])
     )
     context.pipeline = PipelineStages(
-        num_stages=plan.num_stages, virtual_stages=plan.virtual_stages, summary=plan.describe()
+        num_stages=plan.num_stages,
+        virtual_stages=plan.virtual_stages,
+        summary=plan.describe(),
+        source_model=source_model,
     )
     runtime = PipelineRuntime(
         chunks=chunks,
@@ -238,7 +242,13 @@ def split_any_model(model: nn.Module, *, context: ShardContext, config: Pipeline
     tied = tied_parameters(model, plan, stages, rank=rank, context=context)
     chunks: list[nn.Module] = [stages[c.stage] for c in plan.for_rank(rank)]
     return _sharded(
-        chunks, plan, context=context, config=config, hidden_dim=adapter.hidden_size, tied=tied
+        chunks,
+        plan,
+        context=context,
+        config=config,
+        hidden_dim=adapter.hidden_size,
+        tied=tied,
+        source_model=model,
     )
 
 

@@ -28,6 +28,8 @@ from plait.plugins.pipeline.stages import ModelStage
 # module names (Gemma has the same modules but scales its embeddings).
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 GPT2_FAMILY = ("gpt2",)
+# Batch entries a transformers causal LM's forward hands on to its loss function.
+LOSS_KEYWORDS = ("num_items_in_batch", "shift_labels")
 
 
 def _batch_dict(batch: Any) -> Mapping[str, Any]:
@@ -80,8 +82,11 @@ class _CausalLMStage(ModelStage):
         labels = batch.get("labels")
         loss = None
         if labels is not None:
+            # What the model's forward passes its loss from the batch: a gradient-accumulation
+            # count, and labels shifted over the whole sequence (context parallelism).
+            given = {k: batch[k] for k in LOSS_KEYWORDS if batch.get(k) is not None}
             loss = model.loss_function(
-                logits=logits, labels=labels, vocab_size=model.config.vocab_size
+                logits=logits, labels=labels, vocab_size=model.config.vocab_size, **given
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 

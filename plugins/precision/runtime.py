@@ -25,6 +25,7 @@ gradients directly.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from plait.core.memory import memory_report, storage_bytes
 from plait.core.mesh import Mesh
 from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import OptimizerFactory, ParallelRuntime
+from plait.core.state_layout import ParameterLayout, StateLayout, optimizer_state_layout
 from plait.core.transforms import PrecisionPolicy
 from plait.plugins.precision.scaler import DynamicLossScaler
 
@@ -157,6 +159,38 @@ class MixedPrecisionRuntime(ParallelRuntime):
         report["master_gradients"] = storage_bytes(master.grad for master in masters)
         report["total"] = sum(report.values())
         return report
+
+    def state_layout(self, previous: StateLayout) -> StateLayout:
+        """With master weights, the fp32 masters are the parameters' values — the low-precision
+        parameters are their rounding — and the optimizer's state is the masters': checkpoints
+        save and load those, and the parameters are cast down from the masters after a load.
+        (Described as the module's parameters, a resumed job kept the masters it was built
+        with, and its first step put the initial weights back.)"""
+        if not self.pairs:
+            return previous
+        master_of = {id(param): master for param, master in self.pairs}
+        optimizer = self.optimizer
+
+        def refine(entry: ParameterLayout) -> ParameterLayout:
+            master = master_of.get(id(entry.param))
+            if master is None:
+                return entry
+            param = entry.param.detach()
+            state = optimizer.state.get(master) if optimizer is not None else None
+            tensors, step = optimizer_state_layout(state, master) if state else ({}, None)
+            return replace(
+                entry,
+                value=entry.value.rebound(param, master.detach()),
+                optimizer_state={key: entry.value.rebound(param, state[key]) for key in tensors},
+                step=step,
+            )
+
+        return previous.map(refine).then(self._cast_masters_into_parameters)
+
+    @torch.no_grad()
+    def _cast_masters_into_parameters(self) -> None:
+        for param, master in self.pairs:
+            param.copy_(master)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"policy": self.policy.describe()}

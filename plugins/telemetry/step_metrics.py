@@ -3,6 +3,7 @@ memory), recorded by the span exporter's thread, never the training thread."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -55,7 +56,8 @@ class StepMetrics:
         self.model_flops.add(float(report.model_flops))
         self.step_duration.record(report.step_seconds)
         self.data_wait.record(report.data_wait_seconds)
-        self.loss.set(report.loss)
+        if math.isfinite(report.loss):  # the SDK refuses NaN/inf with a log line per step
+            self.loss.set(report.loss)
 
     def _observe_device_memory(self, options: CallbackOptions) -> list[Observation]:
         import torch

@@ -80,6 +80,15 @@ def test_gpu_peak_follows_the_jobs_compute_dtype() -> None:
         assert peak_flops_for("cuda:0", "NVIDIA L40G", "bfloat16").flops == 0.0
 
 
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "torch.bfloat16", "BF16"])
+def test_every_spelling_of_a_dtype_finds_its_column(spelling: str) -> None:
+    """Config fields say `bf16`, torch says `torch.bfloat16`: one column of the table (a
+    benchmark that asked in `bf16` once got 0 and divided by it on an H200)."""
+    found = peak_flops_for("cuda:0", "NVIDIA H200", spelling)
+    assert found.flops == pytest.approx(989.4e12) and "bfloat16 dense" in found.source
+    assert lookup_device_peak_flops("NVIDIA H100 PCIe", "fp16").flops == pytest.approx(756.5e12)
+
+
 def test_amp_bf16_engine_on_a_faked_h100_uses_the_bf16_dense_peak() -> None:
     from plait.core.engine import Engine
     from plait.core.plugins import Plugins

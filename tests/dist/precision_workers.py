@@ -29,7 +29,12 @@ def global_batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.
 
 
 def make_engine(
-    amp: dict[str, Any] | None, checkpoint: dict[str, Any] | None, micro_batch: int, steps: int
+    amp: dict[str, Any] | None,
+    checkpoint: dict[str, Any] | None,
+    micro_batch: int,
+    steps: int,
+    *,
+    dp_strategy: str = "ddp",
 ) -> Engine:
     transforms = {}
     config: dict[str, Any] = {
@@ -52,7 +57,7 @@ def make_engine(
     if checkpoint is not None:
         transforms["ac"] = checkpointing.NAME
         config["checkpoint"] = checkpoint
-    config["parallel"] = {"transforms": transforms}
+    config["parallel"] = {"transforms": transforms, "dp_strategy": dp_strategy}
     plugins = Plugins.create(
         autoload=False,
         extra=[("precision", precision), ("checkpointing", checkpointing)],
@@ -144,3 +149,38 @@ def overflow_recovery(
         "state": runtime.state_dict()["loss_scale"],
         "params": flat,
     }
+
+
+def resume_with_master_weights(
+    rank: int, world_size: int, ckpt_dir: str, layouts: list[tuple[str, str]], param_dtype: str
+) -> dict[str, dict[str, Any]]:
+    """For each (saving strategy, resuming strategy): 4 steps straight, and 2 steps saved then
+    resumed for 2 more, with bf16 parameters over fp32 master weights (or `param_dtype`)."""
+    from plait.core.config import CheckpointIOSection
+    from plait.plugins.checkpoint.checkpointer import Checkpointer
+
+    del world_size
+    batches = global_batches(4)
+
+    def run(strategy: str, stop: int, save_at: int | None, directory: str) -> list[float]:
+        amp = {"dtype": "bf16", "param_dtype": param_dtype}
+        engine = make_engine(amp, None, 2, 4, dp_strategy=strategy)
+        checkpointer = Checkpointer(engine, None, CheckpointIOSection(dir=directory, keep=0))
+        start = checkpointer.maybe_resume()
+        losses = []
+        for step in range(start, stop):
+            losses.append(engine.train_step(local_share(batches[step], rank, 2)))
+            if save_at == step + 1:
+                checkpointer.save(step + 1)
+        checkpointer.close()
+        engine.close()
+        return losses
+
+    results = {}
+    for saving, resuming in layouts:
+        name = f"{saving}->{resuming}"
+        straight = run(saving, 4, None, f"{ckpt_dir}/{name}/straight")
+        run(saving, 2, 2, f"{ckpt_dir}/{name}/split")
+        resumed = run(resuming, 4, None, f"{ckpt_dir}/{name}/split")
+        results[name] = {"straight": straight, "resumed": resumed}
+    return results

@@ -61,6 +61,10 @@ def test_checkpoint_resume_is_bit_exact(tmp_path: Path, dp_strategy: str) -> Non
 
 
 def test_phase_spans_add_up_to_the_step() -> None:
+    """The device time of the step's phases is the step, less the host work between them (the
+    batch moved to the device, the loss reduced for the report), which the bottleneck report
+    counts as host time: 0.967–0.971 of a ~20 ms step of this model on an H200. Never more than
+    the step: events inside it cannot outlast it."""
     (result,) = run_distributed(engine_workers.phase_coverage, 1, timeout=600)
     for ratio in result["ratios"]:
-        assert 0.98 <= ratio <= 1.02, result
+        assert 0.95 <= ratio <= 1.02, result

@@ -111,6 +111,29 @@ def test_attention(
     _compare("attention", shapes, dtype, lambda f, t: f(*t, causal), seed=6)
 
 
+def test_attention_under_torch_compile_with_symbolic_shapes() -> None:
+    """Compiled with dynamic shapes, the scale reaches the kernel as a float64 scalar (it once
+    made Triton refuse the forward kernel: a float64 running max in its loop)."""
+    attention = _kernel("attention")
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    for seq in (96, 160):  # a second length keeps the compiled graph's shapes symbolic
+        q, k, v = (
+            torch.randn(2, heads, seq, 64, device="cuda", generator=generator, dtype=torch.bfloat16)
+            for heads in (4, 2, 2)
+        )
+
+        def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attention(q, k, v, True).float().square().mean()
+
+        compiled = torch.compile(loss, dynamic=True, fullgraph=False)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        eager_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        compiled(*inputs).backward()
+        loss(*eager_inputs).backward()
+        for got, want in zip(inputs, eager_inputs, strict=True):
+            torch.testing.assert_close(got.grad, want.grad, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grouped_mm(dtype: torch.dtype) -> None:
     counts = torch.tensor([0, 37, 129, 5], device="cuda")

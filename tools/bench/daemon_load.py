@@ -20,12 +20,14 @@ average.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -274,10 +276,26 @@ def run_clients(
     return result
 
 
-def _serve(address_queue: mp.Queue, stop: mp.Event, ingest_workers: int) -> None:  # type: ignore[type-arg]
+class _EveryRequestComputes:
+    """`--unshared-queries`: the daemon as it was before identical queries shared one
+    computation (`plait.daemon.shared_answers`), for comparison in the same run."""
+
+    def get(self, key: Any, compute: Any) -> Any:
+        del key
+        return compute()
+
+
+def _serve(
+    address_queue: mp.Queue,  # type: ignore[type-arg]
+    stop: mp.Event,  # type: ignore[type-arg]
+    ingest_workers: int,
+    shared_queries: bool = True,
+) -> None:
     from plait.daemon.server import DaemonServer
 
     with DaemonServer("127.0.0.1:0", ingest_workers=ingest_workers) as server:
+        if not shared_queries:
+            server.service.answers = _EveryRequestComputes()  # type: ignore[assignment]
         address_queue.put(server.address)
         stop.wait()
 
@@ -305,11 +323,19 @@ def main() -> None:
     parser.add_argument(
         "--ingest-workers", type=int, default=0, help="the daemon's ingest worker processes"
     )
+    parser.add_argument(
+        "--unshared-queries",
+        action="store_true",
+        help="every query computes its own answer (as before identical queries were shared)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
     addresses, stop = ctx.Queue(), ctx.Event()
-    daemon = ctx.Process(target=_serve, args=(addresses, stop, args.ingest_workers))
+    daemon = ctx.Process(
+        target=_serve, args=(addresses, stop, args.ingest_workers, not args.unshared_queries)
+    )
     daemon.start()
     address = addresses.get(timeout=60)
     ranks = [
@@ -394,6 +420,28 @@ def main() -> None:
             f"ingest workers' CPU: {workers_cpu / args.seconds:.0%} of a core in all, "
             f"{worker_span * 1e6:.1f} µs per stored span"
         )
+    if args.json is not None:
+        figures = {
+            "cpus": os.cpu_count(),
+            "settings": vars(args) | {"json": str(args.json)},
+            "spans_stored_per_second": ingest_rate,
+            "spans_received": status.spans_received,
+            "spans_dropped": status.spans_dropped,
+            "calls_refused": status.calls_rejected,
+            "errors": len(result.errors),
+            "daemon_cpu_seconds": daemon_cpu,
+            "ingest_workers_cpu_seconds": workers_cpu,
+            "latency_ms": {
+                method: {
+                    "calls": len(values),
+                    "p50": result.percentile(method, 0.50) * 1e3,
+                    "p99": result.percentile(method, 0.99) * 1e3,
+                    "max": max(values) * 1e3,
+                }
+                for method, values in sorted(result.latencies.items())
+            },
+        }
+        args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

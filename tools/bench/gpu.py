@@ -1,7 +1,11 @@
 """One GPU, one model: plait against a plain PyTorch loop on the same Llama, in one run.
 
     python tools/bench/gpu.py [--size 1b] [--seq 2048] [--batch 4] [--steps 10] [--rounds 3]
+    python tools/bench/gpu.py --quick      # one round, cheapest variants first (tools/gpu_check.py)
     python tools/bench/gpu.py --smoke      # a tiny model on CPU: checks the script runs
+
+`--json PATH` rewrites PATH after every variant's round, so a run cut off part-way still leaves
+the figures of the variants it finished.
 
 Variants, trained on the same random tokens, taking turns round by round (so clock and thermal
 drift hit all of them alike), each round `--steps` timed steps after warm-up:
@@ -24,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -119,67 +125,139 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(setting: Setting, *, steps: int, warmup: int, rounds: int) -> None:
+def _builders(setting: Setting) -> dict[str, Callable[[], Variant]]:
+    """The variants by name, those that compile last: a run cut off at its time cap still has
+    the eager figures, and the compiled ones follow the eager ones they are compared with."""
+    builders: dict[str, Callable[[], Variant]] = {
+        "plain eager": lambda: plain_variant(setting, compiled=False),
+        "plait torch": lambda: plait_variant(setting, kernels="torch"),
+    }
+    if setting.device == "cuda":
+        builders["plait triton"] = lambda: plait_variant(setting, kernels="triton")
+        builders["plain compiled"] = lambda: plain_variant(setting, compiled=True)
+        builders["plait torch compiled"] = lambda: plait_variant(
+            setting, kernels="torch", compiled=True
+        )
+    # On CPU torch.compile measures the compiler, not the model, and Triton cannot compile.
+    return builders
+
+
+def _figures(
+    results: dict[str, Variant], *, tokens: int, flops_per_token: float, peak_flops: float
+) -> dict[str, dict[str, float]]:
+    """Per variant: the median step's tokens/s and MFU, peak memory and its steps' times."""
+    figures = {}
+    for name, record in results.items():
+        median = statistics.median(record.seconds)
+        rate = tokens / median
+        figures[name] = {
+            "tokens_per_second": rate,
+            "mfu": rate * flops_per_token / peak_flops if peak_flops > 0 else 0.0,
+            "peak_memory_gib": record.peak_bytes / 2**30,
+            "step_seconds": list(record.seconds),
+        }
+    return figures
+
+
+def run(
+    setting: Setting, *, steps: int, warmup: int, rounds: int, json_path: Path | None = None
+) -> None:
     model_config = resolve_model_config("llama", setting.size, setting.overrides)
     flops_per_token = flops_per_token_of(model_config, setting.seq)
     device_name = torch.cuda.get_device_name() if setting.device == "cuda" else "cpu"
     peak = peak_flops_for(setting.device, device_name, "bf16")
-    builders: list[Callable[[], Variant]] = [
-        lambda: plain_variant(setting, compiled=False),
-        lambda: plain_variant(setting, compiled=setting.device == "cuda"),
-        lambda: plait_variant(setting, kernels="torch"),
-    ]
-    if setting.device == "cuda":
-        builders.append(lambda: plait_variant(setting, kernels="torch", compiled=True))
-        builders.append(lambda: plait_variant(setting, kernels="triton"))
-    else:
-        builders.pop(1)  # torch.compile on CPU measures the compiler, not the model
+    tokens = setting.batch * setting.seq
+    header = {
+        "model": f"llama {setting.size}",
+        "seq": setting.seq,
+        "batch": setting.batch,
+        "device": device_name,
+        "peak_tflops": peak.flops / 1e12,
+        "peak_source": peak.source,
+        "gflops_per_token": flops_per_token / 1e9,
+        "steps": steps,
+        "rounds": rounds,
+    }
+    builders = _builders(setting)
     batches = _tokens(setting, model_config.vocab_size, warmup + steps)
     results: dict[str, Variant] = {}
+    failures: dict[str, str] = {}
+
+    def save() -> None:
+        if json_path is None:
+            return
+        figures = _figures(
+            results, tokens=tokens, flops_per_token=flops_per_token, peak_flops=peak.flops
+        )
+        document = {**header, "variants": figures, "failed": failures}
+        json_path.write_text(json.dumps(document, indent=2))
+
+    save()
     for _ in range(rounds):
-        for build in builders:
-            # One variant on the device at a time: the model, its optimizer and its graphs.
-            variant = build()
-            for batch in batches[:warmup]:
-                variant.step(batch)
-            if setting.device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            _synchronize(setting.device)
-            start = time.perf_counter()
-            for batch in batches[warmup:]:
-                variant.step(batch)
-            _synchronize(setting.device)
-            seconds = (time.perf_counter() - start) / steps
-            record = results.setdefault(
-                variant.name, Variant(variant.name, variant.step, variant.close, [])
-            )
+        for name, build in builders.items():
+            try:
+                seconds, peak_bytes = _time_variant(setting, build, batches, warmup=warmup)
+            except Exception as exc:  # one variant failing must not lose the others' figures
+                failures[name] = f"{type(exc).__name__}: {exc}"
+                print(f"{name} failed: {failures[name]}", flush=True)
+                continue
+            record = results.setdefault(name, Variant(name, lambda _: 0.0, lambda: None, []))
             record.seconds.append(seconds)
-            if setting.device == "cuda":
-                record.peak_bytes = max(record.peak_bytes, torch.cuda.max_memory_allocated())
-            variant.close()
-            del variant
-            gc.collect()
-            if setting.device == "cuda":
-                torch.cuda.empty_cache()
-    tokens = setting.batch * setting.seq
+            record.peak_bytes = max(record.peak_bytes, peak_bytes)
+            save()
+            print(f"{name}: {tokens / seconds:,.0f} tokens/s this round", flush=True)
     print(
         f"llama {setting.size} · T={setting.seq} · batch {setting.batch} · {device_name} · "
         f"bf16 peak {peak.flops / 1e12:.1f} TFLOP/s ({peak.source}) · "
         f"{flops_per_token / 1e9:.2f} GFLOP/token"
     )
+    if not results:
+        print("no variant finished")
+        return
     baseline_name = "plain compiled" if "plain compiled" in results else "plain eager"
-    baseline = statistics.median(results[baseline_name].seconds)
-    header = f"vs {baseline_name}"
-    print(f"{'variant':16} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {header:>18}  spread")
+    baseline = statistics.median(results.get(baseline_name, next(iter(results.values()))).seconds)
+    ratio_header = f"vs {baseline_name}"
+    print(f"{'variant':20} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {ratio_header:>18}  spread")
     for name, record in results.items():
         median = statistics.median(record.seconds)
         rate = tokens / median
-        mfu = rate * flops_per_token / peak.flops
+        mfu = rate * flops_per_token / peak.flops if peak.flops > 0 else 0.0
         spread = f"{min(record.seconds) * 1e3:.1f}–{max(record.seconds) * 1e3:.1f} ms"
         print(
-            f"{name:16} {rate:10,.0f} {mfu:7.1%} {record.peak_bytes / 2**30:9.2f} "
+            f"{name:20} {rate:10,.0f} {mfu:7.1%} {record.peak_bytes / 2**30:9.2f} "
             f"{baseline / median:18.3f}  {spread}"
         )
+
+
+def _time_variant(
+    setting: Setting,
+    build: Callable[[], Variant],
+    batches: list[torch.Tensor],
+    *,
+    warmup: int,
+) -> tuple[float, int]:
+    """Seconds per timed step and peak device memory of one fresh variant; it is closed and
+    freed before the next is built, so one variant is on the device at a time."""
+    variant = build()
+    try:
+        for batch in batches[:warmup]:
+            variant.step(batch)
+        if setting.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        _synchronize(setting.device)
+        start = time.perf_counter()
+        for batch in batches[warmup:]:
+            variant.step(batch)
+        _synchronize(setting.device)
+        seconds = (time.perf_counter() - start) / (len(batches) - warmup)
+        peak_bytes = torch.cuda.max_memory_allocated() if setting.device == "cuda" else 0
+    finally:
+        variant.close()
+        del variant
+        gc.collect()
+        if setting.device == "cuda":
+            torch.cuda.empty_cache()
+    return seconds, peak_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,12 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU")
+    parser.add_argument(
+        "--quick", action="store_true", help="one round of 4 steps after 2 of warm-up"
+    )
+    parser.add_argument("--json", type=Path, help="write the figures here after every variant")
     args = parser.parse_args(argv)
     if args.smoke:
         overrides = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256}
         setting = Setting("tiny", 64, 2, "cpu", torch.bfloat16, overrides)
-        run(setting, steps=2, warmup=1, rounds=1)
+        run(setting, steps=2, warmup=1, rounds=1, json_path=args.json)
         return 0
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 4, 2
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark measures one GPU (try --smoke to check it runs)")
         return 0
@@ -204,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     setting = Setting(
         args.size, args.seq, args.batch, "cuda", torch.bfloat16, {"max_seq_len": args.seq}
     )
-    run(setting, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
+    run(setting, steps=args.steps, warmup=args.warmup, rounds=args.rounds, json_path=args.json)
     print("\nper-kernel figures: python tools/bench/kernels.py --dtype bfloat16")
     return 0
 

@@ -13,9 +13,11 @@ performance target: the script says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -222,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--json", type=Path, help="write the rows here after every op")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -249,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         rows.extend(time_case(case, dtype, with_compile=not args.no_compile))
         torch.cuda.empty_cache()
+        if args.json is not None:  # after every op: a run cut off still has what it timed
+            device = torch.cuda.get_device_name()
+            args.json.write_text(json.dumps({"device": device, "dtype": args.dtype, "rows": rows}))
     render(rows, dtype)
     print_tuned_tiles()
     return 0

@@ -1,0 +1,1 @@
+"""Adapters that let other trainers report to plait's node daemon (`plait.observe` inside)."""

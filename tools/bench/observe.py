@@ -1,0 +1,210 @@
+"""What `plait.observe` costs a training step, measured two ways on one DDP script.
+
+    python tools/bench/observe.py [--rounds 5] [--steps 30] [--warmup 3] [--pairs 60]
+
+The script is the README's DDP example model (an embedding, four 256-wide blocks, a 512-token
+head; 8 × 64 tokens per rank and step) on two Gloo ranks (`run_distributed`), each step timed
+around the loop body as the user's own code would (rank 0's times: the ranks wait for each
+other in every all-reduce).
+
+1. **Alternating runs.** Each run is a fresh pair of ranks training `--warmup` + `--steps`
+   steps. Four kinds of run rotate within every round, each in every position in turn:
+   `plain` (the script without plait), `plain again` (the same: the noise floor of comparing
+   two runs on this machine), `observed` (`plait.observe(model, optimizer=…)` and `with
+   observer.step():`, exporting to a daemon in this process) and `no daemon` (the same lines,
+   nothing listening: the observer warns once and steps on). Per round, each kind's median
+   step over the plain run's; the headline is the median of the per-round ratios.
+2. **Alternating steps.** One run, one observed model; `--pairs` rounds of two steps, one
+   inside `observer.step()` and one outside it (the hooks installed but idle, DDP's buckets
+   through the observer's hook untimed), the order swapped every round. This is the cost of
+   observing a step with the machine's noise between two runs taken out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from plait.core.testing import run_distributed
+from plait.daemon.server import DaemonServer
+
+KINDS = ("plain", "plain again", "observed", "no daemon")
+VOCAB, DIM, SEQ_LEN, BATCH = 512, 256, 64, 8
+
+
+def train(rank: int, world_size: int, kind: str, address: str, steps: int, warmup: int) -> list:
+    """One run of the DDP script; this rank's step times after the warm-up, in seconds."""
+    import plait
+
+    torch.manual_seed(0)
+    model = DDP(_model(), bucket_cap_mb=0.25)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    observer = None
+    if not kind.startswith("plain"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            observer = plait.observe(
+                model, optimizer=optimizer, daemon=address, job_id=f"bench-{time.time_ns()}"
+            )
+    data = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        step = observer.step() if observer is not None else _Nothing()
+        with step:
+            tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1), generator=data)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    if observer is not None:
+        observer.close()
+    return times[warmup:]
+
+
+def alternate(rank: int, world_size: int, address: str, pairs: int, warmup: int) -> dict:
+    """One observed model; step times inside and outside `observer.step()`, alternating."""
+    import plait
+
+    torch.manual_seed(0)
+    model = DDP(_model(), bucket_cap_mb=0.25)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    observer = plait.observe(model, optimizer=optimizer, daemon=address, job_id="bench-steps")
+    data = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {"observed": [], "idle hooks": []}
+    cpu: dict[str, list[float]] = {"observed": [], "idle hooks": []}  # this process, all threads
+
+    def step(observed: bool) -> float:
+        cpu_start = time.process_time()
+        start = time.perf_counter()
+        with observer.step() if observed else _Nothing():
+            tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1), generator=data)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        wall = time.perf_counter() - start
+        cpu["observed" if observed else "idle hooks"].append(time.process_time() - cpu_start)
+        return wall
+
+    for _ in range(warmup):
+        step(True)
+        step(False)
+    cpu = {kind: [] for kind in cpu}
+    for index in range(pairs):
+        first = index % 2 == 0
+        for observed in (first, not first):
+            times["observed" if observed else "idle hooks"].append(step(observed))
+    observer.close()
+    return {"wall": times, "cpu": cpu}
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Embedding(VOCAB, DIM),
+        *[torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.GELU()) for _ in range(4)],
+        torch.nn.Linear(DIM, VOCAB),
+    )
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: Any) -> None:
+        return None
+
+
+def closed_port() -> str:
+    """An address nothing listens on (a port the OS handed out and took back)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def _print_runs(console: Console, medians: dict[str, list[float]], rounds: int) -> None:
+    table = Table(title="1. DDP step time, 2 Gloo ranks, alternating runs (median per run)")
+    table.add_column("round", justify="right")
+    for kind in KINDS:
+        table.add_column(kind, justify="right")
+    for kind in KINDS[1:]:
+        table.add_column(f"{kind} / plain", justify="right")
+    for index in range(rounds):
+        row = [medians[kind][index] for kind in KINDS]
+        table.add_row(
+            str(index + 1),
+            *(f"{value * 1e3:.2f} ms" for value in row),
+            *(f"{value / row[0]:.4f}" for value in row[1:]),
+        )
+    console.print(table)
+    plain = medians["plain"]
+    ratio = {
+        kind: statistics.median(o / p for o, p in zip(medians[kind], plain, strict=True))
+        for kind in KINDS[1:]
+    }
+    console.print(
+        f"median of {rounds} per-round ratios: observed / plain {ratio['observed']:.4f} "
+        f"(goal ≤ 1.01), no daemon / plain {ratio['no daemon']:.4f}, plain again / plain "
+        f"{ratio['plain again']:.4f} (the noise floor between two runs)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="steps per run not measured")
+    parser.add_argument("--pairs", type=int, default=60, help="step pairs in part 2")
+    parser.add_argument("--only-steps", action="store_true", help="part 2 only")
+    args = parser.parse_args()
+    console = Console()
+    medians: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    with DaemonServer("127.0.0.1:0", host_interval=1.0) as server:
+        nowhere = closed_port()
+        for round_index in range(0 if args.only_steps else args.rounds):
+            shift = round_index % len(KINDS)
+            for kind in KINDS[shift:] + KINDS[:shift]:
+                address = nowhere if kind == "no daemon" else server.address
+                times = run_distributed(
+                    train, 2, kind, address, args.steps, args.warmup, timeout=600
+                )[0]
+                medians[kind].append(statistics.median(times))
+        measured = run_distributed(
+            alternate, 2, server.address, args.pairs, args.warmup, timeout=600
+        )[0]
+        steps, cpu = measured["wall"], measured["cpu"]
+        spans = server.store.spans_received
+    if not args.only_steps:
+        _print_runs(console, medians, args.rounds)
+    pairs = [o / i for o, i in zip(steps["observed"], steps["idle hooks"], strict=True)]
+    console.print(
+        f"2. alternating steps in one run ({len(pairs)} pairs): observed "
+        f"{statistics.median(steps['observed']) * 1e3:.2f} ms, outside observer.step() "
+        f"{statistics.median(steps['idle hooks']) * 1e3:.2f} ms; median per-pair ratio "
+        f"{statistics.median(pairs):.4f}; {spans} spans reached the daemon"
+    )
+    cpu_pairs = [o / i for o, i in zip(cpu["observed"], cpu["idle hooks"], strict=True)]
+    console.print(
+        f"   CPU time of the rank's process per step (every thread: training, exporter, "
+        f"Gloo; load-proof where wall time is not): observed "
+        f"{statistics.median(cpu['observed']) * 1e3:.2f} ms, outside observer.step() "
+        f"{statistics.median(cpu['idle hooks']) * 1e3:.2f} ms; median per-pair ratio "
+        f"{statistics.median(cpu_pairs):.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
