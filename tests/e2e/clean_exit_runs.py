@@ -110,21 +110,26 @@ def _output_to(path: Path) -> None:
     os.close(fd)
 
 
-def _host_store() -> tuple[int, int]:
+def _host_store() -> tuple[int, int, int]:
     """A TCPStore in a process of its own (a forked rank must not inherit a store server);
-    returns (its pid, its port)."""
-    read_end, write_end = os.pipe()
+    returns (its pid, its port, the pipe end whose closing ends it). It also ends when the
+    launcher dies, however it dies: the pipe then reads end-of-file."""
+    port_read, port_write = os.pipe()
+    life_read, life_write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(read_end)
+        os.close(port_read)
+        os.close(life_write)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        os.write(write_end, f"{store.port}\n".encode())
-        os.close(write_end)
-        signal.pause()  # until the launcher ends it
+        os.write(port_write, f"{store.port}\n".encode())
+        os.close(port_write)
+        while os.read(life_read, 1):  # until every holder of the other end is gone
+            pass
         os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        return pid, int(pipe.readline())
+    os.close(port_write)
+    os.close(life_read)
+    with os.fdopen(port_read) as pipe:
+        return pid, int(pipe.readline()), life_write
 
 
 def _wait(pids: list[int], timeout: float) -> list[int | None]:
@@ -165,7 +170,7 @@ def main(runs: int, root: Path) -> int:
 
 
 def _runs(runs: int, root: Path, no_daemon_port: int) -> int:
-    store_pid, port = _host_store()
+    store_pid, port, store_life = _host_store()
     failed = 0
     for run in range(runs):
         sys.stdout.flush()
@@ -175,6 +180,7 @@ def _runs(runs: int, root: Path, no_daemon_port: int) -> int:
             logs.append(root / f"run-{run}-rank{rank}.log")
             pid = os.fork()
             if pid == 0:
+                os.close(store_life)  # the store's life is the launcher's, not a rank's
                 _output_to(logs[-1])
                 # The rank's script ends here: SystemExit unwinds to the top and Python exits.
                 raise SystemExit(rank_script(run, rank, port, no_daemon_port, root))
@@ -185,7 +191,7 @@ def _runs(runs: int, root: Path, no_daemon_port: int) -> int:
             failed += 1
             for log in logs:
                 print(f"--- {log.name}\n{log.read_text()}", flush=True)
-    os.kill(store_pid, signal.SIGTERM)
+    os.close(store_life)
     os.waitpid(store_pid, 0)
     gc.unfreeze()  # the launcher's own exit frees its objects (else extensions report leaks)
     print(f"{runs - failed} of {runs} runs exited 0", flush=True)
