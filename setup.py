@@ -7,12 +7,15 @@ prefix, so the list is computed here.
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
-MAPPED_FOLDERS = ("core", "plugins", "proto", "daemon", "tools", "integrations")
+MAPPED_FOLDERS = ("core", "plugins", "proto", "daemon", "tools", "planner", "integrations")
+# Folders of data only, shipped as package data (their files: pyproject's package-data).
+DATA_FOLDERS = ("configs",)
 
 packages = ["plait"]
 for folder in MAPPED_FOLDERS:
     packages.append(f"plait.{folder}")
     packages.extend(f"plait.{folder}.{sub}" for sub in find_packages(folder))
+packages.extend(f"plait.{folder}" for folder in DATA_FOLDERS)
 
 
 class BuildPy(build_py):

@@ -114,6 +114,16 @@ def _weakly(process_group: Any) -> Any:
         return process_group
 
 
+def reached_default(request: CommRequest) -> None:
+    """The default implementation (torch.distributed) says it carries `request` out: no
+    algorithm took it over. What the selected algorithm's check counts
+    (`plait.core.selection_check`); a no-op unless one watches."""
+    issuer = request.issuer
+    watch = getattr(issuer, "watch", None)
+    if watch is not None:
+        watch.reached_default(request)
+
+
 def world_group() -> Group:
     return Group(name="world", ranks=tuple(range(dist.get_world_size())), process_group=None)
 
@@ -124,6 +134,9 @@ class Comm:
     def __init__(self, plugins: Plugins) -> None:
         self.plugins = plugins
         self._seq: defaultdict[str, int] = defaultdict(int)
+        # While set, told of every request and of those that reached the default
+        # implementation (`plait.core.selection_check.CommWatch`).
+        self.watch: Any = None
 
     def _issue(
         self,
@@ -153,6 +166,8 @@ class Comm:
             attributes=attributes or {},
             issuer=self,
         )
+        if self.watch is not None:
+            self.watch.issued(request)
         return self.plugins.communicate(request)
 
     def all_reduce(

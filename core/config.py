@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import ast
 import difflib
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from plait.core.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 
 
 class Section(BaseModel):
@@ -271,6 +276,12 @@ class CommSection(Section):
 
 class PluginsSection(Section):
     disable: list[str] = Field(default_factory=list, description="plugin names to block")
+    inert_selection: Literal["error", "warn"] = Field(
+        "error",
+        description="a plugin selected by name (comm.algorithm, schedule.name, kernels.prefer) "
+        "that takes over nothing in the first step where it could: 'error' stops the run, "
+        "'warn' says so once and trains on with the default",
+    )
 
 
 class PlaitConfig(BaseModel):
@@ -393,6 +404,16 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file as a dict; `ConfigError` naming the file when it is missing or not TOML."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
 def load_config(
     source: str | Path | Mapping[str, Any] | PlaitConfig | None = None,
     overrides: Sequence[str] = (),
@@ -407,13 +428,7 @@ def load_config(
     elif isinstance(source, Mapping):
         data = _deep_copy(source)
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        data = read_toml(Path(source))
     data = apply_overrides(data, overrides)
     try:
         return PlaitConfig.model_validate(data)

@@ -10,10 +10,12 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -22,7 +24,7 @@ from plait.core.batches import call_model, default_loss, input_tokens, split_bat
 from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
-from plait.core.errors import PlaitError
+from plait.core.errors import InertSelection, PlaitError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
 from plait.core.grad_norm import clip_grads_, global_grad_norm
@@ -46,6 +48,7 @@ from plait.core.schedule import (
     SyncGradients,
     microbatch_positions,
 )
+from plait.core.selection_check import FALLBACK_SCHEDULE, SelectionCheck
 from plait.core.sharding import ParallelRuntime, ShardContext, StepState
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 
@@ -103,6 +106,14 @@ class Engine:
         self.comm = Comm(self.plugins)
         self._drop_disabled_telemetry()
         self.plugins.configure(cfg)
+        # The plugins the config selects by name must act (checked over the first steps).
+        self.selection_check = SelectionCheck(
+            config=cfg,
+            plugins=self.plugins,
+            kernels=self.kernels,
+            comm=self.comm,
+            rank=dist.get_rank() if dist.is_initialized() else 0,
+        )
         torch.manual_seed(cfg.train.seed)
 
         self.model_record = None
@@ -270,15 +281,22 @@ class Engine:
 
     def actions(self, num_microbatches: int) -> list[Action]:
         if num_microbatches not in self._actions:
-            self._actions[num_microbatches] = self.plugins.schedule(
-                ScheduleRequest(
-                    name=self.config.schedule.name,
-                    num_microbatches=num_microbatches,
-                    stage=self.mesh.coordinate("pp"),
-                    num_stages=self.mesh.size("pp"),
-                    virtual_stages=self.config.schedule.virtual_stages,
-                )
+            request = ScheduleRequest(
+                name=self.config.schedule.name,
+                num_microbatches=num_microbatches,
+                stage=self.mesh.coordinate("pp"),
+                num_stages=self.mesh.size("pp"),
+                virtual_stages=self.config.schedule.virtual_stages,
             )
+            try:
+                actions = self.plugins.schedule(request)
+            except InertSelection as exc:
+                fallback = replace(request, name=FALLBACK_SCHEDULE)
+                if request.num_stages > 1 or request.name == FALLBACK_SCHEDULE:
+                    raise  # no default program for a pipeline: nothing to train on with
+                self.selection_check.schedule_answered_nothing(str(exc))  # raises, or warns
+                actions = self.plugins.schedule(fallback)
+            self._actions[num_microbatches] = actions
         return self._actions[num_microbatches]
 
     def positions(self, num_microbatches: int) -> dict[Action, MicrobatchPosition]:
@@ -433,6 +451,7 @@ class Engine:
     def begin_step(self) -> None:
         """Start an optimizer step: tell the plugins (profilers, telemetry)."""
         self._skipped = False
+        self.selection_check.step_started()
         self.plugins.step_start(self.global_step)
 
     def end_step(
@@ -468,6 +487,7 @@ class Engine:
         )
         self.last_report = report
         self.plugins.step_end(report)
+        self.selection_check.step_ended(self.global_step)
         self.global_step += 1
         return loss
 

@@ -15,6 +15,11 @@ class PluginError(PlaitError):
     """A plugin is missing, misbehaves or raised; the message names it and its distribution."""
 
 
+class InertSelection(PluginError):
+    """A plugin the config selects by name took over nothing where it could have
+    (`plait.core.selection_check`)."""
+
+
 class MeshError(PlaitError):
     """The parallel degrees do not fit the world size or the model."""
 

@@ -118,6 +118,10 @@ class Kernels:
             )
         return impl, getattr(impl, "plait_provider", "unknown")
 
+    def chosen_providers(self) -> dict[tuple[str, str, str], str]:
+        """(op, device type, dtype) -> the provider that answered, for every op resolved."""
+        return dict(self._chosen)
+
     def providers_for(self, name: str) -> list[str]:
         return sorted(
             {

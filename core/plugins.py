@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pluggy
 
 from plait.core import hookspecs
-from plait.core.errors import PlaitError, PluginError
+from plait.core.errors import InertSelection, PlaitError, PluginError
 from plait.core.records import (
     CommAlgorithmRecord,
     KernelRecord,
@@ -309,8 +309,10 @@ class Plugins:
         record = self.schedule_record(request.name)
         actions = self._call("plait_schedule", request=request)
         if actions is None:
-            raise PluginError(
-                f"schedule {record.name!r} is registered but no plait_schedule answered for it"
+            owner = self.schedules()[record.name][0]
+            raise InertSelection(
+                f"schedule.name = {record.name!r} selects {self.describe(owner)}, but its "
+                f"plait_schedule answered nothing when offered {request}."
             )
         return list(actions)
 

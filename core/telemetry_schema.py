@@ -41,7 +41,7 @@ RESOURCE_PROCESS_PID = "process.pid"  # int >= 0
 # span attributes
 # --------------------------------------------------------------------------------------------
 
-SPAN_STEP = "plait.step"  # int >= 0, on step, phase and comm spans
+SPAN_STEP = "plait.step"  # int, 0 <= step < 2**63 - 1 (shown + 1), on step/phase/comm spans
 SPAN_STEP_TOKENS = "plait.step.tokens"  # int >= 0, whole job, this step
 SPAN_STEP_MODEL_FLOPS = "plait.step.model_flops"  # float FLOP, whole job, this step
 SPAN_STEP_DATA_WAIT = "plait.step.data_wait_seconds"  # float s >= 0
@@ -70,7 +70,7 @@ JOB_OUTCOME_FAILED = "failed"
 JOB_OUTCOMES = (JOB_OUTCOME_FINISHED, JOB_OUTCOME_FAILED)
 # Expert load of one MoE layer in one step (one span per layer per step), whole job.
 SPAN_MOE_LAYER = "plait.moe.layer"  # str: the layer's module name
-SPAN_MOE_TOKENS_PER_EXPERT = "plait.moe.tokens_per_expert"  # int[]: kept assignments per expert
+SPAN_MOE_TOKENS_PER_EXPERT = "plait.moe.tokens_per_expert"  # int[]: kept per expert, sum < 2**63
 SPAN_MOE_DROPPED = "plait.moe.dropped"  # int >= 0: assignments dropped over capacity
 
 # --------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from plait.daemon.config import (
     DEFAULT_STALE_FLOOR_SECONDS,
     DEFAULT_STALE_STEP_MULTIPLE,
 )
+from plait.daemon.decoder import MAX_WIRE_STEP
 from plait.daemon.host import HostSample
 from plait.daemon.store import JobWorlds, RankWindow, TelemetryStore
 from plait.daemon.stragglers import RankTiming, StragglerScore, score_ranks
@@ -91,8 +92,13 @@ def median_step_seconds(window: RankWindow, count: int) -> float:
 
 
 def shown_step(wire_step: int | None) -> int:
-    """The trainer's numbering (steps completed) of a 0-based wire step; 0 for none."""
-    return wire_step + 1 if wire_step is not None else 0
+    """The trainer's numbering (steps completed) of a 0-based wire step; 0 for none.
+
+    NOTE: the decoder keeps wire steps below `MAX_WIRE_STEP`; the bound here holds whatever
+    reached the store, since the result goes to int64 fields of every report."""
+    if wire_step is None:
+        return 0
+    return min(wire_step, MAX_WIRE_STEP) + 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,6 +126,8 @@ class WorldHistory:
     current_size: int
     attempt: int  # the current world's restart attempt
     started_step: int  # first step of the current world, trainer numbering (0: none yet)
+    started_ns: int = 0  # when this daemon first heard from the current world (Unix ns)
+    last_heard_ns: int = 0  # when it last heard from a rank of the current world (Unix ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +194,15 @@ def job_states(
             for r in ranks
             if r.status != RANK_SUPERSEDED and r.window.first_step is not None
         ]
+        members = [r.window for r in ranks if r.status != RANK_SUPERSEDED]
         world = WorldHistory(
             sizes=tuple(w.size for w in worlds.worlds),
             restarts=worlds.changes,
             current_size=worlds.current.size,
             attempt=worlds.current.attempt,
             started_step=shown_step(min(firsts)) if firsts else 0,
+            started_ns=worlds.current.started_ns,
+            last_heard_ns=max((w.last_seen_ns for w in members), default=0),
         )
         out.append(JobState(job, job_state_of(ranks), ranks, world))
     return out

@@ -15,6 +15,7 @@ metadata events name processes and threads.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,6 +42,9 @@ def process_ids(keys: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
 
 
 def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        # JSON has no NaN or infinity (a diverging loss is NaN); trace viewers refuse them.
+        return str(value)
     if isinstance(value, str | int | float | bool) or value is None:
         return value
     if isinstance(value, list | tuple):
@@ -110,7 +114,7 @@ def chrome_trace(spans: Iterable[tuple[RankIdentity, SpanRecord]]) -> dict[str, 
 
 
 def chrome_trace_json(spans: Iterable[tuple[RankIdentity, SpanRecord]]) -> bytes:
-    return json.dumps(chrome_trace(spans), separators=(",", ":")).encode()
+    return json.dumps(chrome_trace(spans), separators=(",", ":"), allow_nan=False).encode()
 
 
 def merge_traces(documents: Iterable[dict[str, Any]]) -> dict[str, Any]:

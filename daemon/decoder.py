@@ -28,6 +28,9 @@ from plait.core import telemetry_schema as schema
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+# The last 0-based step a rank may send: reports show steps completed (`plait.step` + 1), an
+# int64 field, so the step after it must fit too.
+MAX_WIRE_STEP = INT64_MAX - 1
 MAX_VALUE_REPR = 40
 
 RankKey = tuple[str, int]  # (job id, rank)
@@ -366,6 +369,10 @@ def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
         tokens = read_int_list(attributes, schema.SPAN_MOE_TOKENS_PER_EXPERT, high=INT64_MAX)
         if not tokens:
             raise Rejected(schema.SPAN_MOE_TOKENS_PER_EXPERT, MISSING, "no experts listed")
+        if sum(tokens) > INT64_MAX:  # reported as the layer's total, an int64
+            raise Rejected(
+                schema.SPAN_MOE_TOKENS_PER_EXPERT, OUT_OF_RANGE, f"the sum exceeds {INT64_MAX}"
+            )
         return SpanStatics(kind, expert_layer=layer, tokens_per_expert=tokens)
     return SpanStatics(kind)
 
@@ -393,7 +400,7 @@ def decode_span_fields(
     if statics is None:
         statics = span_statics(name, attributes)
     kind = statics.kind
-    step = read_int(attributes, schema.SPAN_STEP, -1)
+    step = read_int(attributes, schema.SPAN_STEP, -1, high=MAX_WIRE_STEP)
     figures = comm = expert_load = None
     if kind == schema.SPAN_KIND_STEP:
         figures = (  # StepFigures

@@ -147,6 +147,8 @@ def job_metrics(j: JobFigures) -> metrics_pb2.JobMetrics:
         world_started_step=j.world.started_step,
         ranks_stale=j.ranks_stale,
         expert_load=[expert_layer_load(f) for f in j.expert_load],
+        world_started_unix_nano=j.world.started_ns,
+        last_heard_unix_nano=j.world.last_heard_ns,
     )
 
 

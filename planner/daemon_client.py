@@ -3,14 +3,15 @@
 `comm_samples(host)` captures the daemon's window of spans (`CaptureTrace`, the Chrome trace
 `plait trace` writes) and turns every collective and point-to-point span into a `CommSample`
 (op, bytes, group size, seconds, intra-node or not: whether every rank of its group reported
-from one host). `measured_breakdown(host)` is `GetBottleneck`'s per-rank step breakdown.
+from one host). `measured_breakdowns(hosts)` is `GetBottleneck`'s per-rank step breakdown of
+every host, the ranks of a world that another host's superseded left out.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from plait.core import telemetry_schema as names
@@ -81,11 +82,26 @@ def comm_samples(host: str, *, job: str = "") -> list[CommSample]:
 
 def measured_breakdown(host: str, *, job: str = "", window_steps: int = 20) -> list[Any]:
     """`GetBottleneck`'s per-rank breakdowns (`metrics_pb2.BottleneckBreakdown`)."""
-    from plait.proto.plait.v1 import daemon_pb2
+    return measured_breakdowns([host], job=job, window_steps=window_steps)
 
-    channel, stub = _stub(host)
-    try:
-        request = daemon_pb2.GetBottleneckRequest(job_id=job, window_steps=window_steps)
-        return list(stub.GetBottleneck(request, timeout=RPC_TIMEOUT_SECONDS).ranks)
-    finally:
-        channel.close()
+
+def measured_breakdowns(
+    hosts: Sequence[str], *, job: str = "", window_steps: int = 20
+) -> list[Any]:
+    """The per-rank breakdowns of every host's daemon, less the ranks of a world that another
+    host's superseded (an elastic shrink: `plait.tools.daemon_worlds`)."""
+    from plait.proto.plait.v1 import daemon_pb2
+    from plait.tools.daemon_worlds import superseded_jobs, without_jobs
+
+    breakdowns, metrics = {}, {}
+    for host in hosts:
+        channel, stub = _stub(host)
+        try:
+            request = daemon_pb2.GetBottleneckRequest(job_id=job, window_steps=window_steps)
+            breakdowns[host] = stub.GetBottleneck(request, timeout=RPC_TIMEOUT_SECONDS)
+            worlds = daemon_pb2.GetMetricsRequest(job_id=job, window_steps=1)
+            metrics[host] = stub.GetMetrics(worlds, timeout=RPC_TIMEOUT_SECONDS)
+        finally:
+            channel.close()
+    superseded = superseded_jobs(metrics)
+    return [r for host in hosts for r in without_jobs(breakdowns[host], superseded[host]).ranks]

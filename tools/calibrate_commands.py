@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from plait.tools.output import make_console
+
 if TYPE_CHECKING:
     from plait.core.peak_flops import CpuCalibration
 
@@ -50,4 +52,4 @@ def calibrate(
     ] = False,
 ) -> None:
     """Measure this host's CPU peak FLOP/s (all cores, fastest dtype) and cache it."""
-    report_calibration(Console(), force=force)
+    report_calibration(make_console(), force=force)

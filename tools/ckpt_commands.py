@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
 from plait.core.errors import PlaitError
+from plait.tools.output import make_console
 
 app = typer.Typer(help="Inspect, export, import and convert checkpoints.", no_args_is_help=True)
-console = Console()
+console = make_console()
 
 
 def _fail(exc: Exception) -> None:

@@ -1,4 +1,4 @@
-"""The `plait` command line: train, config, plugins, demo, and the mounted command groups.
+"""The `plait` command line: train, config, plugins, demo, init, and the mounted command groups.
 
 Operator commands (daemon, status, top, trace, bottleneck), `plait data`, `plait schedule` and
 `plait kernels` live in their own modules and are mounted here. Modules listed in
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import click
 import typer
-from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
 from plait.core.errors import PlaitError
+from plait.tools.output import make_console
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
@@ -72,7 +72,7 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Show or validate a config file.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-console = Console()
+console = make_console()
 
 # (module, name under `plait`, or None to merge its commands at the top level)
 MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
@@ -372,6 +372,35 @@ def demo(
     from plait.tools.demo import run_demo
 
     raise typer.Exit(run_demo(nproc_per_node=nproc_per_node, steps=steps))
+
+
+@app.command()
+def init(
+    name: Annotated[
+        str, typer.Argument(help="which example: tiny (the default) or demo; see --list")
+    ] = "tiny",
+    path: Annotated[
+        Path | None, typer.Argument(help="file (or folder) to write; default ./NAME.toml")
+    ] = None,
+    list_names: Annotated[
+        bool, typer.Option("--list", help="list the example configs and exit")
+    ] = False,
+) -> None:
+    """Write a starter config to edit, from an example that ships with plait (never
+    overwrites a file)."""
+    from plait.tools.starter_configs import starter_names, write_starter
+
+    if list_names:
+        for choice in starter_names():
+            print(choice)
+        return
+    try:
+        written = write_starter(name, path if path is not None else Path(f"{name}.toml"))
+    except PlaitError as exc:
+        _fail(exc)
+    console.print(
+        f"wrote {written}; next: plait train {written} --nproc-per-node 2", highlight=False
+    )
 
 
 def command_help_from_source(module_name: str) -> dict[str, str]:

@@ -23,7 +23,6 @@ from typing import Annotated
 
 import grpc
 import typer
-from rich.console import Console
 from rich.live import Live
 
 from plait.core.daemon_address import DEFAULT_DAEMON_ADDRESS
@@ -58,11 +57,13 @@ from plait.tools.daemon_views import (
     render_hangs,
     render_top,
 )
+from plait.tools.daemon_worlds import marked_superseded, superseded_jobs, without_jobs
+from plait.tools.output import make_console
 
 __all__ = ["JobSummary", "aggregate_jobs", "app", "render_hangs", "render_top"]
 
 app = typer.Typer(help="The node daemon and the commands that query it.")
-console = Console()
+console = make_console()
 
 
 ShowAll = Annotated[
@@ -231,16 +232,22 @@ def status(
 
     results = call_all(resolve_hosts(hosts), query)
     daemons, ranks, metrics, errors = [], [], [], []
+    answered = {h: r for h, r in results.items() if not isinstance(r, grpc.RpcError)}
+    # Jobs whose ranks on a host an elastic shrink left behind: superseded by another host's.
+    superseded = superseded_jobs({host: result[2] for host, result in answered.items()})
     for host, result in results.items():
         if isinstance(result, grpc.RpcError):
             errors.append((host, error_text(result)))
             continue
         state, listing, figures = result
         daemons.append(DaemonRow(host, state))
+        listed = [
+            marked_superseded(r) if r.job_id in superseded[host] else r for r in listing.ranks
+        ]
         # Finished jobs and earlier worlds' ranks only with --all (or the job asked for).
         ranks.extend(
             r
-            for r in listing.ranks
+            for r in listed
             if show_all
             or job
             or (r.status != "superseded" and state.job_states.get(r.job_id) != "finished")
@@ -357,7 +364,7 @@ def top(
         latest = {
             h: error_text(r) if isinstance(r, grpc.RpcError) else r for h, r in results.items()
         }
-        view = TopView.from_latest(latest)
+        view = TopView.from_latest(latest, show_superseded=show_all)
         if as_json:
             _emit_json("top", top_document(view))
         else:
@@ -373,7 +380,8 @@ def top(
         with Live(console=console, refresh_per_second=max(1.0, 1.0 / interval)) as live:
             while True:
                 # The width is read on every refresh: the terminal may be resized under it.
-                live.update(render_top({f.host: f.latest for f in followers}, console.width))
+                latest = {f.host: f.latest for f in followers}
+                live.update(render_top(latest, console.width, show_superseded=show_all))
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
@@ -428,12 +436,16 @@ def bottleneck(
         )
 
     responses, infos, metrics, errors = [], [], [], []
-    for host, result in call_all(resolve_hosts(hosts), query).items():
+    results = call_all(resolve_hosts(hosts), query)
+    answered = {h: r for h, r in results.items() if not isinstance(r, grpc.RpcError)}
+    # A host's ranks of a world another host's superseded are no part of the breakdown.
+    superseded = superseded_jobs({host: result[2] for host, result in answered.items()})
+    for host, result in results.items():
         if isinstance(result, grpc.RpcError):
             errors.append((host, error_text(result)))
             continue
         breakdown, listing, figures = result
-        responses.append(breakdown)
+        responses.append(without_jobs(breakdown, superseded[host]))
         infos.extend(listing.ranks)
         metrics.append(figures)
     ranks = sorted((r for resp in responses for r in resp.ranks), key=lambda r: (r.job_id, r.rank))

@@ -1,9 +1,12 @@
 """Jobs in the daemon CLI's tables: state, worlds and restarts, stale ranks, expert load.
 
 A job's ranks may report to several daemons (one per node); each daemon says what it sees, and
-these functions combine the answers: the job runs while any daemon sees a live rank, its worlds
-are the longest history any daemon kept, stale ranks add up. The expert load is the job's
-(every rank reports the whole job's counts), taken from the first daemon that has it.
+these functions combine the answers of the daemons on the job's newest world
+(`plait.tools.daemon_worlds`; a daemon whose ranks an elastic shrink left behind counts for
+nothing): the job runs while any of them sees a live rank, its worlds are the longest history
+kept (an older world another daemon saw comes first), stale ranks add up. The expert load is
+the job's (every rank reports the whole job's counts), taken from the first daemon on the
+newest world that has it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from dataclasses import dataclass
 
 from plait.proto.plait.v1 import daemon_pb2, metrics_pb2
 from plait.tools.daemon_tables import Column, percent
+from plait.tools.daemon_worlds import JobAnswers, superseded_jobs
+
+MAX_WORLDS_SHOWN = 32  # as many as a daemon keeps (plait.daemon.store.MAX_WORLDS_KEPT)
 
 # As plait.daemon.analysis names them (not imported: the CLI starts without the daemon).
 RUNNING, FINISHED, FAILED, STALE = "running", "finished", "failed", "stale"
@@ -47,15 +53,23 @@ class JobWorld:
         return ("… → " if len(self.world_sizes) > 4 else "") + " → ".join(sizes)
 
 
-def job_world(jobs: Sequence[metrics_pb2.JobMetrics]) -> JobWorld:
+def job_world(answers: JobAnswers) -> JobWorld:
     """One job's world as several daemons see it."""
-    longest = max(jobs, key=lambda j: (j.restarts, len(j.world_sizes)))
+    current = answers.current
+    longest = max(current, key=lambda j: (j.restarts, len(j.world_sizes)))
+    sizes, restarts = tuple(longest.world_sizes), longest.restarts
+    if answers.older:
+        # A daemon that saw only the older world knows where the history began.
+        before = max(answers.older, key=lambda j: (j.restarts, len(j.world_sizes)))
+        if before.restarts >= restarts:
+            sizes = (*before.world_sizes, answers.newest.world_size)[-MAX_WORLDS_SHOWN:]
+            restarts = before.restarts + 1
     return JobWorld(
-        state=combined_state([j.state for j in jobs]),
-        world_sizes=tuple(longest.world_sizes),
-        restarts=longest.restarts,
-        started_step=max(j.world_started_step for j in jobs),
-        ranks_stale=sum(j.ranks_stale for j in jobs),
+        state=combined_state([j.state for j in current]),
+        world_sizes=sizes,
+        restarts=restarts,
+        started_step=max(j.world_started_step for j in current),
+        ranks_stale=sum(j.ranks_stale for j in current),
     )
 
 
@@ -86,10 +100,13 @@ class ExpertRow:
 
 
 def expert_rows(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[ExpertRow]:
-    """Each MoE job's layers, from the first daemon that reports them."""
+    """Each MoE job's layers, from the first daemon on its newest world that reports them."""
+    superseded = superseded_jobs({str(i): r for i, r in enumerate(responses)})
     rows: dict[str, list[ExpertRow]] = {}
-    for response in responses:
+    for index, response in enumerate(responses):
         for job in response.jobs:
+            if job.job_id in superseded[str(index)]:
+                continue
             if job.expert_load and job.job_id not in rows:
                 rows[job.job_id] = [ExpertRow(job.job_id, layer) for layer in job.expert_load]
     return [row for job_id in sorted(rows) for row in rows[job_id]]

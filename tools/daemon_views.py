@@ -41,6 +41,7 @@ from plait.tools.daemon_tables import (
     percent,
     short_job_ids,
 )
+from plait.tools.daemon_worlds import current_ranks, split_by_world, superseded_jobs
 
 HostError = tuple[str, str]  # (address, error text)
 
@@ -261,20 +262,25 @@ def aggregate_jobs(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[J
     for response in responses:
         for job in response.jobs:
             by_job.setdefault(job.job_id, []).append(job)
-    return [
-        JobSummary(
-            job_id=job_id,
-            ranks_reporting=sum(j.ranks_reporting for j in jobs),
-            world_size=max(j.world_size for j in jobs),
-            step=max(j.step for j in jobs),
-            tokens_per_second=sum(j.tokens_per_second for j in jobs),
-            model_flops_per_second=sum(j.model_flops_per_second for j in jobs),
-            peak_flops=sum(j.peak_flops for j in jobs),
-            step_seconds=max(j.step_seconds for j in jobs),
-            world=job_world(jobs),
+    summaries = []
+    for job_id, answers in sorted(by_job.items()):
+        # Only daemons on the job's newest world count (`plait.tools.daemon_worlds`).
+        split = split_by_world(answers)
+        jobs = split.current
+        summaries.append(
+            JobSummary(
+                job_id=job_id,
+                ranks_reporting=sum(j.ranks_reporting for j in jobs),
+                world_size=split.newest.world_size,
+                step=max(j.step for j in jobs),
+                tokens_per_second=sum(j.tokens_per_second for j in jobs),
+                model_flops_per_second=sum(j.model_flops_per_second for j in jobs),
+                peak_flops=sum(j.peak_flops for j in jobs),
+                step_seconds=max(j.step_seconds for j in jobs),
+                world=job_world(split),
+            )
         )
-        for job_id, jobs in sorted(by_job.items())
-    ]
+    return summaries
 
 
 def job_columns(jobs: Mapping[str, str]) -> list[Column[JobSummary]]:
@@ -357,14 +363,24 @@ class TopView:
     experts: list[ExpertRow] = field(default_factory=list)  # one per MoE layer
 
     @classmethod
-    def from_latest(cls, latest: Mapping[str, daemon_pb2.GetMetricsResponse | str]) -> TopView:
-        responses = [r for r in latest.values() if not isinstance(r, str)]
+    def from_latest(
+        cls,
+        latest: Mapping[str, daemon_pb2.GetMetricsResponse | str],
+        *,
+        show_superseded: bool = False,
+    ) -> TopView:
+        """The view of each host's latest answer; ranks of a world that another host's
+        superseded are marked so, and left out unless `show_superseded`."""
+        answered = {h: r for h, r in latest.items() if not isinstance(r, str)}
+        responses = list(answered.values())
+        ranks = current_ranks(
+            {h: r.ranks for h, r in answered.items()},
+            superseded_jobs(answered),
+            keep_superseded=show_superseded,
+        )
         return cls(
             jobs=aggregate_jobs(responses),
-            ranks=sorted(
-                (r for response in responses for r in response.ranks),
-                key=lambda r: (r.job_id, r.rank),
-            ),
+            ranks=sorted(ranks, key=lambda r: (r.job_id, r.rank)),
             hosts=[HostRow(a, r.host) for a, r in latest.items() if not isinstance(r, str)],
             errors=[(a, r) for a, r in latest.items() if isinstance(r, str)],
             experts=expert_rows(responses),
@@ -399,10 +415,13 @@ class TopView:
 
 
 def render_top(
-    latest: Mapping[str, daemon_pb2.GetMetricsResponse | str], width: int = 200
+    latest: Mapping[str, daemon_pb2.GetMetricsResponse | str],
+    width: int = 200,
+    *,
+    show_superseded: bool = False,
 ) -> Group:
     """The `plait top` screen for the latest response (or error text) of each host."""
-    return TopView.from_latest(latest).render(width)
+    return TopView.from_latest(latest, show_superseded=show_superseded).render(width)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,15 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from plait.tools.output import make_console
 
 app = typer.Typer(
     name="data",
     help="Prepare and inspect the token files training reads.",
     no_args_is_help=True,
 )
-console = Console()
+console = make_console()
 
 
 @app.command()

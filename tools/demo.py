@@ -20,8 +20,10 @@ from rich.console import Console
 from plait.core.mfu import format_mfu
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.tools.output import heading, make_console
+from plait.tools.starter_configs import starter_path
 
-DEFAULT_CONFIG = Path("configs/demo.toml")
+DEMO_CONFIG = "demo"  # the example config (`plait.tools.starter_configs`) the demo trains
 POLL_SECONDS = 4.0
 
 
@@ -47,11 +49,16 @@ def _watch(stub: daemon_pb2_grpc.DaemonStub, done: threading.Event, console: Con
             console.print(line, style="cyan", highlight=False)
 
 
-def run_demo(*, nproc_per_node: int = 2, steps: int = 40, config: Path = DEFAULT_CONFIG) -> int:
-    console = Console()
-    if not config.is_file():
-        console.print(f"[red]error:[/red] demo config {config} not found (run from the repo root)")
-        return 2
+def run_demo(*, nproc_per_node: int = 2, steps: int = 40, config: Path | None = None) -> int:
+    """Run the demo on `config` (default: the `demo` example that ships with plait)."""
+    if config is None:
+        with starter_path(DEMO_CONFIG) as shipped:
+            return _run(nproc_per_node=nproc_per_node, steps=steps, config=shipped)
+    return _run(nproc_per_node=nproc_per_node, steps=steps, config=config)
+
+
+def _run(*, nproc_per_node: int, steps: int, config: Path) -> int:
+    console = make_console()
     server = DaemonServer("127.0.0.1:0").start()
     console.print(f"[bold]plait demo[/bold]: node daemon on {server.address}", highlight=False)
     channel = grpc.insecure_channel(server.address)
@@ -82,14 +89,14 @@ def run_demo(*, nproc_per_node: int = 2, steps: int = 40, config: Path = DEFAULT
 def _final_report(address: str, console: Console) -> None:
     from plait.tools import daemon_commands
 
-    console.rule("what the daemon saw")
+    heading(console, "what the daemon saw")
     with grpc.insecure_channel(address) as channel:
         stub = daemon_pb2_grpc.DaemonStub(channel)
         # The demo's job has finished by now: ask for finished jobs too.
         request = daemon_pb2.GetMetricsRequest(include_finished=True)
         metrics = stub.GetMetrics(request, timeout=5.0)
-        console.print(daemon_commands.render_top({address: metrics}))
-    console.rule("bottleneck report")
+        console.print(daemon_commands.render_top({address: metrics}, console.width))
+    heading(console, "bottleneck report")
     daemon_commands.bottleneck(
         hosts=[address], job="", window_steps=20, threshold=0.2, png=None, show_all=True
     )

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from plait.core.errors import PlaitError
+from plait.tools.output import make_console
 
 app = typer.Typer(
     name="kernels",
@@ -24,7 +24,7 @@ app = typer.Typer(
     # listing has no subcommands, so let `--set` follow the config path as in `plait train`.
     context_settings={"allow_interspersed_args": True},
 )
-console = Console()
+console = make_console()
 
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
 from plait.core.errors import PlaitError
+from plait.tools.output import make_console
 
 
 class _DefaultSearch(TyperGroup):
@@ -35,7 +35,7 @@ app = typer.Typer(
     help="Choose a parallel layout from a cost model calibrated by the daemon's measurements.",
     no_args_is_help=True,
 )
-console = Console()
+console = make_console()
 
 Device = Annotated[str, typer.Option(help="device: H100-80GB, A100-80GB, A100-40GB, H200-141GB")]
 Links = Annotated[
@@ -232,27 +232,22 @@ def explain(
     links: Links = None,
 ) -> None:
     """Compare the prediction for CONFIG's layout with the daemon's measured step breakdown."""
-    import tomllib
-
+    from plait.core.config import read_toml
     from plait.core.daemon_address import resolve_daemon_address
     from plait.planner.auto import job_for_config, layout_from_config
-    from plait.planner.daemon_client import measured_breakdown
+    from plait.planner.daemon_client import measured_breakdowns
     from plait.planner.explain import explain as compare
     from plait.planner.time_model import estimate_step_time
 
     targets = list(hosts) if hosts else [resolve_daemon_address()]
     try:
-        data = tomllib.loads(config.read_text())
+        data = read_toml(config)
         planned = job_for_config(
             data, world=world, per_node=per_node, device=_device(device, links)
         )
         layout = layout_from_config(data, world=world)
         prediction = estimate_step_time(planned, layout)
-        ranks = [
-            r
-            for host in targets
-            for r in measured_breakdown(host, job=job, window_steps=window_steps)
-        ]
+        ranks = measured_breakdowns(targets, job=job, window_steps=window_steps)
         explanation = compare(prediction, ranks)
     except (PlaitError, ValueError, OSError) as exc:
         _fail(exc)

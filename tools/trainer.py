@@ -33,6 +33,7 @@ from plait.core.peak_flops import PeakFlops
 from plait.core.step import StepReport
 from plait.tools.graceful_stop import StopRequests, signal_name
 from plait.tools.launch_errors import record_rank_error
+from plait.tools.output import make_console
 from plait.tools.rank_notices import quiet_repeated_notices
 from plait.tools.run_records import EarlierSteps, RunRecords
 
@@ -76,7 +77,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     engine = Engine(config=config)
     mesh = engine.mesh
     is_leader = mesh.rank == 0
-    console = console or Console(stderr=False)
+    console = console or make_console(stderr=False)
     train = config.train
     if train.eval_every:
         check_validation_layout(engine)

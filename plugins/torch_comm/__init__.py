@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from plait.core.comm import INPUT_SPLIT_SIZES, OUTPUT_SPLIT_SIZES, CompletedWork, Work
+from plait.core.comm import (
+    INPUT_SPLIT_SIZES,
+    OUTPUT_SPLIT_SIZES,
+    CompletedWork,
+    Work,
+    reached_default,
+)
 from plait.core.hookspecs import hookimpl
 from plait.core.records import CommRequest
 
@@ -72,4 +78,5 @@ def run_torch_distributed(request: CommRequest) -> Work:
 
 @hookimpl(trylast=True)
 def plait_communicate(request: CommRequest) -> Work:
+    reached_default(request)  # no algorithm took it over (what a selected one is checked by)
     return run_torch_distributed(request)

@@ -61,6 +61,9 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
             prometheus="127.0.0.1:0",
             ingest_workers=request.param,
             ingest_offload_bytes=0,
+            # The healthy job never goes stale during a test (its figures must not move).
+            stale_floor=3600.0,
+            stale_ceiling=3600.0,
         ).start()
         channel = grpc.insecure_channel(server.address)
         try:

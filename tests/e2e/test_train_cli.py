@@ -137,9 +137,29 @@ def test_train_rejects_bad_config_before_launching() -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-def test_demo_runs_with_the_daemon() -> None:
-    result = _run(["demo", "--steps", "10"], timeout=220)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "node daemon on 127.0.0.1:" in result.stdout
-    assert "what the daemon saw" in result.stdout
-    assert re.search(r"2/2 .*\d+\.\d%", result.stdout), "the daemon's job table shows 2 ranks"
+def test_demo_runs_with_the_daemon_from_any_folder_and_logs_to_a_file(tmp_path: Path) -> None:
+    # As under Slurm: stdout is a file, no COLUMNS, and the working folder holds nothing.
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["PLAIT_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    (tmp_path / "work").mkdir()
+    log = tmp_path / "demo.log"
+    with log.open("w") as out:
+        code = subprocess.run(
+            [*PLAIT, "demo", "--steps", "10"], stdout=out, stderr=subprocess.STDOUT,
+            cwd=tmp_path / "work", env=env, timeout=220,
+        ).returncode  # fmt: skip
+    text = log.read_text()
+    assert code == 0, text
+    assert "node daemon on 127.0.0.1:" in text
+    assert "── what the daemon saw ──" in text and "── bottleneck report ──" in text
+    # The job table: one line per job, every column whole (`tokens/s`, not `toke`).
+    (header,) = [line for line in text.splitlines() if line.startswith("┃ job ")][:1]
+    assert all(f" {c} " in header for c in ("job", "ranks", "step", "tokens/s", "MFU", "step ms"))
+    assert re.search(r"^│ demo +│ +2/2 │.*\d+\.\d% ", text, re.MULTILINE), text
+    # The daemon's live lines (if the run lasted past a poll) are whole: never a figure cut.
+    rank = r"rank \d+: step \d+ · [\d,]+ tok/s · MFU \S+"
+    for line in text.splitlines():
+        if "tok/s" in line and "daemon │" in line:
+            assert re.fullmatch(rf"daemon │ {rank}( \| {rank})*", line), line
+        assert not re.match(r"^\s*tok/s", line), line
+    assert list((tmp_path / "work").iterdir()) == []  # the demo leaves the folder as it was

@@ -77,11 +77,11 @@ def test_a_stage_past_its_cap_loses_its_whole_process_group(tmp_path: Path) -> N
     grandchild = int(pid_file.read_text())
     assert gpu_check.finish(process, time.monotonic()) is None  # the cap has passed
     assert process.returncode is not None
-    # The group was signalled; the grandchild dies when it next runs, in the scheduler's time.
-    deadline = time.monotonic() + 60
+    # The signal is sent to the group at once; the grandchild dies when it next runs.
+    deadline = time.monotonic() + 30
     while Path(f"/proc/{grandchild}").exists() and not _is_zombie(grandchild):
-        assert time.monotonic() < deadline, f"grandchild {grandchild} outlived its group's end"
-        time.sleep(0.02)
+        assert time.monotonic() < deadline, "the grandchild outlived its stage's cap"
+        time.sleep(0.05)
 
 
 def _is_zombie(pid: int) -> bool:

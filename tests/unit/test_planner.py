@@ -493,7 +493,7 @@ def test_cli_calibrate_and_explain_read_the_daemon(tmp_path, monkeypatch) -> Non
         '[parallel]\ndp_strategy = "zero1"\n'
     )
     breakdown = _Breakdown(step_seconds=1.0, compute_seconds=0.9, exposed_comm_seconds=0.05)
-    monkeypatch.setattr(daemon_client, "measured_breakdown", lambda *a, **k: [breakdown])
+    monkeypatch.setattr(daemon_client, "measured_breakdowns", lambda *a, **k: [breakdown])
     result = runner.invoke(
         app,
         ["explain", "--config", str(config), "--world", "2", "--per-node", "2",

@@ -151,7 +151,7 @@ class ExpertLayerLoad(_message.Message):
     def __init__(self, layer: _Optional[str] = ..., experts: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mean_tokens: _Optional[float] = ..., imbalance: _Optional[float] = ..., dropped: _Optional[int] = ..., dropped_fraction: _Optional[float] = ..., mean_imbalance: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class JobMetrics(_message.Message):
-    __slots__ = ("job_id", "world_size", "ranks_reporting", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "state", "restarts", "world_sizes", "world_started_step", "ranks_stale", "expert_load")
+    __slots__ = ("job_id", "world_size", "ranks_reporting", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "state", "restarts", "world_sizes", "world_started_step", "ranks_stale", "expert_load", "world_started_unix_nano", "last_heard_unix_nano")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_REPORTING_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,8 @@ class JobMetrics(_message.Message):
     WORLD_STARTED_STEP_FIELD_NUMBER: _ClassVar[int]
     RANKS_STALE_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    WORLD_STARTED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARD_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     ranks_reporting: int
@@ -184,7 +186,9 @@ class JobMetrics(_message.Message):
     world_started_step: int
     ranks_stale: int
     expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLayerLoad]
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_reporting: _Optional[int] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., world_sizes: _Optional[_Iterable[int]] = ..., world_started_step: _Optional[int] = ..., ranks_stale: _Optional[int] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLayerLoad, _Mapping]]] = ...) -> None: ...
+    world_started_unix_nano: int
+    last_heard_unix_nano: int
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_reporting: _Optional[int] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., world_sizes: _Optional[_Iterable[int]] = ..., world_started_step: _Optional[int] = ..., ranks_stale: _Optional[int] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLayerLoad, _Mapping]]] = ..., world_started_unix_nano: _Optional[int] = ..., last_heard_unix_nano: _Optional[int] = ...) -> None: ...
 
 class HostMetrics(_message.Message):
     __slots__ = ("hostname", "cpu_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes", "net_bytes_sent", "net_bytes_recv", "net_sent_bytes_per_second", "net_recv_bytes_per_second", "sampled_unix_nano")
