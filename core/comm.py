@@ -7,6 +7,7 @@ plugins (compression, ring/tree all-reduce, a parameter server) can take an op o
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from plait.core.errors import PlaitError
 from plait.core.records import CommOp, CommRequest
 
 if TYPE_CHECKING:
@@ -61,13 +63,39 @@ class ChainedWork:
         return self._done
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Group:
-    """A process group with the name and global ranks telemetry reports for it."""
+    """A process group with the name and global ranks telemetry reports for it.
+
+    `Group(name, ranks, process_group)`; `process_group=None` means the default (world) group.
+    The process group is held weakly: torch.distributed keeps every group it creates until
+    `destroy_process_group`, and nothing plait holds (a model's hooks, an engine left open)
+    may keep one alive past that, since a Gloo group's worker threads end only when the group
+    is freed (`plait.core.process_groups`). An object that cannot be referenced weakly (a test
+    double) is held as it is.
+    """
 
     name: str
     ranks: tuple[int, ...]
-    process_group: Any = None  # None means the default (world) group
+    _process_group: Any  # weakref.ref to the group, the group itself, or None (world)
+
+    def __init__(self, name: str, ranks: tuple[int, ...], process_group: Any = None) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "_process_group", _weakly(process_group))
+
+    @property
+    def process_group(self) -> Any:
+        held = self._process_group
+        if not isinstance(held, weakref.ref):
+            return held
+        group = held()
+        if group is None:
+            raise PlaitError(
+                f"process group {self.name!r} {list(self.ranks)} was destroyed "
+                "(torch.distributed.destroy_process_group); no op can be issued on it"
+            )
+        return group
 
     @property
     def size(self) -> int:
@@ -75,6 +103,15 @@ class Group:
 
     def rank_of(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)
+
+
+def _weakly(process_group: Any) -> Any:
+    if process_group is None:
+        return None
+    try:
+        return weakref.ref(process_group)
+    except TypeError:
+        return process_group
 
 
 def reached_default(request: CommRequest) -> None:

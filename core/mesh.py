@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from plait.core import process_groups
 from plait.core.comm import Group
 from plait.core.errors import MeshError
 
@@ -41,9 +42,17 @@ def resolve_device(choice: str = "auto") -> torch.device:
 
 
 def init_distributed(device: torch.device, *, timeout_seconds: float = 600.0) -> None:
-    """Join the process group torchrun set up (or a one-rank group when run directly)."""
+    """Join the process group torchrun set up (or a one-rank group when run directly).
+
+    A group created here is plait's to destroy, at interpreter exit (`process_groups`); one
+    the caller initialised is left as it is."""
     if dist.is_initialized():
         return
+    _create_process_group(device, timeout_seconds)
+    process_groups.adopt()
+
+
+def _create_process_group(device: torch.device, timeout_seconds: float) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_seconds)
     device_id = device if backend == "nccl" else None
@@ -124,13 +133,27 @@ class Mesh:
             tuple(degrees[a] for a in MESH_AXES),
             mesh_dim_names=MESH_AXES,
         )
-        return cls(
+        mesh = cls(
             degrees=degrees,
             device=torch_device,
             device_mesh=device_mesh,
             rank=dist.get_rank(),
             world_size=world_size,
         )
+        process_groups.track_mesh(mesh)
+        return mesh
+
+    def release(self) -> None:
+        """Drop this mesh's process groups (its device mesh holds them) so that destroying
+        them frees them; the mesh issues nothing afterwards. Called at interpreter exit."""
+        self._groups.clear()
+        self._split_groups.clear()
+        # A DeviceMesh keeps its (and its flattened meshes') groups in its root's registry,
+        # inside reference cycles: emptied here, the groups need no garbage collection.
+        registry = getattr(self.device_mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+        self.device_mesh = None  # type: ignore[assignment]
 
     def size(self, axis: str) -> int:
         return self.degrees[axis]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait.core.comm import Group
 from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.config import PlaitConfig
 from plait.plugins.checkpoint.state import (
@@ -64,8 +65,17 @@ class Checkpointer:
         # DCP coordinates over a process group of its own: a dedicated Gloo group keeps checkpoint
         # traffic out of the training groups' op sequence and lets a save thread run beside
         # training. Creating a group is collective, so it is made here, on every rank.
+        # Held weakly (a `Group`), so destroying the process groups at exit frees it.
         distributed = self.root is not None and dist.get_world_size() > 1
-        self.group = dist.new_group(backend="gloo") if distributed else None
+        self._group = (
+            Group(
+                name="checkpoint",
+                ranks=tuple(range(dist.get_world_size())),
+                process_group=dist.new_group(backend="gloo"),
+            )
+            if distributed
+            else None
+        )
         if config.max_consecutive_nonfinite > 0:
             from plait.plugins.checkpoint.guard import NonFiniteGuard
 
@@ -75,6 +85,11 @@ class Checkpointer:
             from plait.plugins.checkpoint.fault_injection import FaultInjector
 
             engine.plugins.register(FaultInjector(config.fault_injection), "fault_injection")
+
+    @property
+    def group(self) -> Any:
+        """The checkpoint's own Gloo process group (None in one process or without a dir)."""
+        return self._group.process_group if self._group is not None else None
 
     @classmethod
     def from_config(cls, engine: Any, batches: Any, config: PlaitConfig) -> Checkpointer:

@@ -25,9 +25,11 @@ differently): a timed-out send or receive names its peer. Sub-ops of a communica
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
+import weakref
 from collections.abc import Generator, Mapping
 from typing import Any, NamedTuple
 
@@ -40,6 +42,10 @@ from plait.core.records import CommRequest
 
 STORE_PREFIX = "plait/collective_progress"
 PUBLISH_INTERVAL_SECONDS = 1.0
+# At interpreter exit a publisher still running (its engine never closed) is stopped and waited
+# for: a daemon thread inside a store call (C++, the GIL released) when Python finalizes is
+# ended from the destructor that retakes the GIL, which aborts the process (SIGABRT).
+EXIT_JOIN_SECONDS = 60.0
 _TIMEOUT_WORDS = ("timed out", "timeout", "timing out")
 _POINT_TO_POINT = ("send", "recv")
 
@@ -200,6 +206,7 @@ class CollectiveTimeoutReporter:
             target=self._publish_loop, name="plait-collective-progress", daemon=True
         )
         self._thread.start()
+        _stop_at_exit(self)
 
     def _publish_loop(self) -> None:
         while not self._stop.wait(self.publish_interval):
@@ -223,11 +230,14 @@ class CollectiveTimeoutReporter:
         self._published_version = version
         return True
 
-    def stop(self) -> None:
+    def stop(self, join_seconds: float | None = None) -> None:
+        """Stop publishing (waiting up to `join_seconds`, by default two intervals, for a
+        publish in flight) and publish the final progress."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2 * self.publish_interval)
+            wait = 2 * self.publish_interval if join_seconds is None else join_seconds
+            thread.join(timeout=wait)
             if self._store is not None:
                 self._publish()
 
@@ -302,6 +312,21 @@ class CollectiveTimeoutReporter:
             else "it entered no collective on this group"
         )
         return (op.peer,), f"peer rank {op.peer} did not complete the matching op ({where})"
+
+
+_publishing: weakref.WeakSet[CollectiveTimeoutReporter] = weakref.WeakSet()
+
+
+def _stop_at_exit(reporter: CollectiveTimeoutReporter) -> None:
+    if not _publishing:
+        atexit.unregister(_stop_publishers)
+        atexit.register(_stop_publishers)
+    _publishing.add(reporter)
+
+
+def _stop_publishers() -> None:
+    for reporter in list(_publishing):
+        reporter.stop(join_seconds=EXIT_JOIN_SECONDS)
 
 
 def make_plugin() -> CollectiveTimeoutReporter:

@@ -46,7 +46,7 @@ def _attn_fwd(
 ):  # fmt: skip
     # Under torch.compile a scale derived from a symbolic head size arrives as float64, which
     # would turn every score and the loop-carried running max into float64.
-    qk_scale = qk_scale.to(tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     start_m = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)
     batch = batch_head // n_heads
@@ -130,7 +130,7 @@ def _attn_bwd_dq(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    qk_scale, sm_scale = qk_scale.to(tl.float32), sm_scale.to(tl.float32)  # as in _attn_fwd
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as fwd
     start_m = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)
     batch = batch_head // n_heads
@@ -189,7 +189,7 @@ def _attn_bwd_dkdv(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    qk_scale, sm_scale = qk_scale.to(tl.float32), sm_scale.to(tl.float32)  # as in _attn_fwd
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as fwd
     start_n = tl.program_id(0)
     batch_kv_head = tl.program_id(1).to(tl.int64)
     batch = batch_kv_head // n_kv_heads

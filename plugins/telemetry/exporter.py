@@ -19,9 +19,11 @@ daemon from here (`plait.plugins.telemetry.control_client`), never from the trai
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,6 +36,10 @@ from plait.plugins.telemetry import otlp_spans, otlp_wire
 from plait.plugins.telemetry.comm_records import CommRecord
 
 STEP, COMM, EXPERT_LOAD, JOB_END = 0, 1, 2, 3
+# An exporter still running at interpreter exit (its engine never closed) sends what is queued
+# and stops first: on a GPU its thread reads device events in torch's C++ with the GIL
+# released, and a daemon thread caught there when Python finalizes aborts the process.
+EXIT_FLUSH_SECONDS = 10.0
 BATCH_DELAY_SECONDS = 0.5
 MAX_BATCH_SPANS = 4096
 MAX_QUEUE_RECORDS = 65536
@@ -79,6 +85,7 @@ class SpanExporter:
         self.spans_sent = 0
         self._thread = threading.Thread(target=self._run, name="plait-span-export", daemon=True)
         self._thread.start()
+        _stop_at_exit(self)
 
     # -- the training thread ---------------------------------------------------------------------
 
@@ -304,3 +311,19 @@ class SpanExporter:
             end_ns=time_ns,
             attributes=attributes,
         )
+
+
+_running: weakref.WeakSet[SpanExporter] = weakref.WeakSet()
+
+
+def _stop_at_exit(exporter: SpanExporter) -> None:
+    if not _running:
+        atexit.unregister(_stop_exporters)
+        atexit.register(_stop_exporters)
+    _running.add(exporter)
+
+
+def _stop_exporters() -> None:
+    for exporter in list(_running):
+        if exporter._thread.is_alive():
+            exporter.shutdown(EXIT_FLUSH_SECONDS)

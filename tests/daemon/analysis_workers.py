@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,10 +19,23 @@ SLOW_JOB_ID = "slow"
 BUCKET_JOB_ID = "buckets"
 
 
+RELEASE_TIMEOUT_SECONDS = 90.0
+
+
+def wait_for_file(path: Path, timeout: float = RELEASE_TIMEOUT_SECONDS) -> None:
+    """Block until `path` exists (the test creates it when it has seen what it waits for)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} was never created")
+        time.sleep(0.02)
+
+
 def stall_before_all_reduce(
-    rank: int, world_size: int, address: str, stall_seq: int, stall_seconds: float, ops: int
+    rank: int, world_size: int, address: str, stall_seq: int, release: str, ops: int
 ) -> list[float]:
-    """`ops` all-reduces on the world group; rank 1 sleeps before the one numbered `stall_seq`."""
+    """`ops` all-reduces on the world group; rank 1 stalls before the one numbered `stall_seq`
+    until the file `release` exists (the test creates it once the daemon reported the hang)."""
     plugins = Plugins.create(autoload=False, builtins=(("torch_comm", "plait.plugins.torch_comm"),))
     plugins.register(make_plugin(), "telemetry")
     plugins.configure(load_config({"telemetry": {"daemon": address}}))
@@ -33,7 +47,7 @@ def stall_before_all_reduce(
     results = []
     for seq in range(ops):
         if rank == 1 and seq == stall_seq:
-            time.sleep(stall_seconds)
+            wait_for_file(Path(release))
         tensor = torch.full((1024,), float(rank + seq))
         comm.all_reduce(tensor, group=group, purpose="grad_bucket")
         results.append(tensor[0].item())
@@ -44,9 +58,10 @@ def stall_before_all_reduce(
 def bucket_finishing_under_compute(
     rank: int, world_size: int, address: str, compute_seconds: float
 ) -> dict[str, float]:
-    """DDP's pattern on real Gloo: a bucket's async all-reduce, `compute_seconds` of backward
-    under which it finishes, the next bucket's issue, then both waited on. Returns the first
-    bucket's recorded duration and how long after its start the second was issued."""
+    """DDP's pattern on real Gloo: a bucket's async all-reduce that finishes under backward
+    (the rank computes until the work reports completion), the next bucket's issue, then
+    `compute_seconds` more of backward and both waited on. Returns the first bucket's recorded
+    duration and how long after its start the second was issued."""
     plugins = Plugins.create(autoload=False, builtins=(("torch_comm", "plait.plugins.torch_comm"),))
     plugin = make_plugin()
     plugins.register(plugin, "telemetry")
@@ -58,7 +73,11 @@ def bucket_finishing_under_compute(
     plugins.step_start(0)
     first = comm.all_reduce(torch.ones(4096), group=group, purpose="grad_bucket", async_op=True)
     record = plugin.records[-1]
-    time.sleep(compute_seconds)  # the backward it hides under
+    deadline = time.monotonic() + RELEASE_TIMEOUT_SECONDS
+    while not first.is_completed():  # the backward it hides under, as long as it takes
+        if time.monotonic() > deadline:
+            raise TimeoutError("the first bucket's all-reduce never completed")
+        time.sleep(0.005)
     second = comm.all_reduce(torch.ones(4096), group=group, purpose="grad_bucket", async_op=True)
     issued = plugin.records[-1].start_ns
     time.sleep(compute_seconds)  # the rest of backward

@@ -114,13 +114,13 @@ class Probe:
         for rank in ranks:
             rank.ClearField("otel_metrics")
             rank.ClearField("silent_seconds")  # time since the rank was heard from: it moves
+        jobs = [j for j in self.metrics.jobs if j.job_id == job_id]
+        for job in jobs:  # when this daemon heard the world: two daemons hear it apart
+            job.ClearField("world_started_unix_nano")
+            job.ClearField("last_heard_unix_nano")
         return (
             [r.SerializeToString(deterministic=True) for r in ranks],
-            [
-                j.SerializeToString(deterministic=True)
-                for j in self.metrics.jobs
-                if j.job_id == job_id
-            ],
+            [j.SerializeToString(deterministic=True) for j in jobs],
             [
                 b.SerializeToString(deterministic=True)
                 for b in self.bottleneck.ranks

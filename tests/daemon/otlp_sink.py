@@ -43,7 +43,7 @@ class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer,
                 self.metrics.extend((resource, m) for sm in rm.scope_metrics for m in sm.metrics)
             return metrics_service_pb2.ExportMetricsServiceResponse()
 
-    def wait_for(self, predicate: Callable[[OtlpSink], bool], timeout: float = 10.0) -> bool:
+    def wait_for(self, predicate: Callable[[OtlpSink], bool], timeout: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:

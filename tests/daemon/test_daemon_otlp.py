@@ -10,8 +10,9 @@ import pytest
 
 from plait.core import telemetry_schema as names
 from plait.core.config import load_config
+from plait.core.daemon_auth import CONNECT_TIMEOUT_SECONDS, daemon_reachable
 from plait.daemon.server import DaemonServer
-from plait.plugins.telemetry import make_plugin
+from plait.plugins.telemetry import make_plugin, rank_telemetry
 from plait.plugins.telemetry.rank_telemetry import RankTelemetry
 from plait.proto.plait.v1 import daemon_pb2
 from tests.daemon.daemon_fakes import (
@@ -87,16 +88,27 @@ def test_spans_metrics_and_mfu_reach_the_daemon(daemon_server: DaemonServer, dae
     assert len(backend.requests) == 12
 
 
-def test_unreachable_daemon_warns_once_and_is_quick(caplog: pytest.LogCaptureFixture) -> None:
+def test_unreachable_daemon_warns_once_and_is_quick(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Quick by construction, not by a stopwatch: the rank pays one bounded connection probe,
+    # then holds no exporter, so no later step or the end of the run touches the network.
+    probes: list[tuple[str, float]] = []
+
+    def probe(address: str, timeout: float = CONNECT_TIMEOUT_SECONDS, **kwargs: object) -> bool:
+        probes.append((address, timeout))
+        return daemon_reachable(address, timeout, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rank_telemetry, "daemon_reachable", probe)
     plugin = make_plugin()
     plugin.plait_configure(config=load_config({"telemetry": {"daemon": "127.0.0.1:9"}}))
-    started = time.monotonic()
     with caplog.at_level(logging.WARNING):
         plugin.plait_job_start(info=job_info())
+        assert plugin.telemetry is None and plugin.exporter is None
         plugin.plait_step_start(step=0)
         plugin.plait_step_end(report=synthetic_report(0, time.time_ns()))
         plugin.plait_job_end()
-    assert time.monotonic() - started < 3.0
+    assert probes == [("127.0.0.1:9", CONNECT_TIMEOUT_SECONDS)] and CONNECT_TIMEOUT_SECONDS <= 1
     warnings = [r for r in caplog.records if "no daemon reachable" in r.getMessage()]
     assert len(warnings) == 1 and plugin.telemetry is None
 
@@ -112,7 +124,9 @@ def test_daemon_going_away_mid_run_warns_once(caplog: pytest.LogCaptureFixture) 
             telemetry.flush(timeout_seconds=3)
         started = time.monotonic()
         telemetry.shutdown()
-    assert time.monotonic() - started < 8.0
+    # Within its own budgets (a 6 s flush, 2 s exports), not the exporters' retry schedule of a
+    # minute: the bound is far from both, whatever the machine's load.
+    assert time.monotonic() - started < 30.0
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert sum("training continues" in m for m in messages) == 1, messages
     assert not any("Failed to export" in m or "Transient error" in m for m in messages), messages

@@ -61,11 +61,11 @@ def test_shutdown_reports_not_serving_before_stopping() -> None:
     )
     first = next(stream)
     assert first.host.hostname
-    started = time.monotonic()
-    server.stop(grace=3.0)
+    server.stop(grace=60.0)
     assert seen_at_stop == [NOT_SERVING]
-    assert time.monotonic() - started < 3.0  # the open stream ended without using the grace
-    remaining = list(stream)  # the stream ends cleanly once the daemon stops
+    # The daemon ended the open stream itself: one still open when the grace ran out would be
+    # cancelled by gRPC, and reading it would raise instead of ending cleanly.
+    remaining = list(stream)
     assert all(r.host.hostname for r in remaining)
     channel.close()
 
@@ -76,10 +76,12 @@ def test_stream_metrics_follows_new_steps(daemon_server: DaemonServer, daemon_st
     stream = daemon_stub.StreamMetrics(request)
     assert list(next(stream).ranks) == []
     run_fake_rank(daemon_server.address, rank=1, steps=2, backend=FakeBackend())
-    deadline = time.monotonic() + 5
+    # The daemon ingests off the receiving thread: read on until the rank's last step shows
+    # (a bound for a broken daemon only), whatever the stream sent while it caught up.
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         response = next(stream)
-        if response.ranks:
+        if [r.step for r in response.ranks] == [2]:
             break
     stream.cancel()
     # Steps 0 and 1 on the wire are steps 1 and 2 as the trainer numbers them.

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections import Counter
 from typing import Any
 
+import pytest
+
 from plait.core import telemetry_schema as names
+from plait.daemon import service as service_module
 from plait.daemon.chrome_trace import merge_traces
 from plait.plugins.telemetry.rank_telemetry import RankTelemetry
 from plait.proto.plait.v1 import daemon_pb2
@@ -66,26 +68,43 @@ def test_trace_has_every_collective_and_phase(daemon_server, daemon_stub) -> Non
     assert names_meta[(0, comm_tids.pop())] == "comm dp"
 
 
-def test_timed_capture_only_holds_spans_started_during_it(daemon_server, daemon_stub) -> None:
+def test_timed_capture_only_holds_spans_started_during_it(
+    daemon_server, daemon_stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The window is a matter of span start times, so the test sets them and the capture's own
+    # start (the daemon's clock) instead of racing a capture thread with a sleep.
+    capture_start = time.time_ns()
+    monkeypatch.setattr(service_module, "time", _FrozenWallClock(capture_start))
     telemetry = RankTelemetry.start(job_info(job_id="job-b"), daemon_server.address)
     assert telemetry is not None
-    telemetry.tracer.start_span("before", attributes={names.SPAN_STEP: 6}).end()
-    telemetry.flush()
-    result: dict[str, Any] = {}
-    capture = threading.Thread(
-        target=lambda: result.setdefault(
-            "response", daemon_stub.CaptureTrace(daemon_pb2.CaptureTraceRequest(seconds=1.0))
+    for name, step, offset in (("before", 6, -1.0), ("during", 7, 0.5), ("after", 8, 1.5)):
+        start = capture_start + int(offset * 1e9)
+        span = telemetry.tracer.start_span(
+            name, attributes={names.SPAN_STEP: step}, start_time=start
         )
-    )
-    capture.start()
-    time.sleep(0.2)
-    telemetry.tracer.start_span("during", attributes={names.SPAN_STEP: 7}).end()
+        span.end(end_time=start + 1000)
     telemetry.flush()
-    capture.join(timeout=10)
     telemetry.shutdown()
-    events = validate_chrome_trace(json.loads(result["response"].chrome_trace_json))
+    deadline = time.monotonic() + 60  # the daemon ingests off the receiving thread
+    while daemon_server.store.spans_received < 3:
+        assert time.monotonic() < deadline, "the daemon never stored the three spans"
+        time.sleep(0.02)
+    response = daemon_stub.CaptureTrace(daemon_pb2.CaptureTraceRequest(seconds=1.0))
+    events = validate_chrome_trace(json.loads(response.chrome_trace_json))
     assert [(e["name"], e["args"][names.SPAN_STEP]) for e in events] == [("during", 7)]
-    assert daemon_server.store.spans_received == 2
+
+
+class _FrozenWallClock:
+    """`time` for the daemon's service module: wall-clock time stands at `now_ns`."""
+
+    def __init__(self, now_ns: int) -> None:
+        self.now_ns = now_ns
+
+    def time_ns(self) -> int:
+        return self.now_ns
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
 
 
 def test_merge_rebases_hosts_on_one_timeline() -> None:

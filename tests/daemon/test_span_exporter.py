@@ -17,6 +17,7 @@ from plait.core.schedule import Backward, Forward, OptimizerStep
 from plait.core.step import PhaseSpan, StepReport
 from plait.daemon.decoder import decode_span
 from plait.daemon.otlp import attributes
+from plait.plugins.telemetry import exporter as exporter_module
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter
 from tests.daemon.fake_cuda import FakeCuda, FakeDevice
@@ -32,7 +33,7 @@ class Sink:
         self.gate.set()
 
     def __call__(self, request: bytes) -> None:
-        self.gate.wait(10)
+        self.gate.wait(60)
         self.threads.add(threading.current_thread().name)
         # The official classes must parse every byte the exporter writes.
         self.requests.append(ExportTraceServiceRequest.FromString(request))
@@ -77,12 +78,18 @@ def test_spans_are_built_and_sent_off_the_training_thread() -> None:
     steps: list[int] = []
     spans = exporter(sink, batch_delay=0.01, on_step=lambda r: steps.append(r.step))
     phases = (PhaseSpan(name="forward", start_ns=1, end_ns=2, microbatch=0),)
-    start = time.perf_counter()
-    for step in range(50):
-        spans.put_step(report(step, phases))
-        spans.put_comm([comm(step, step)])
-    queued = time.perf_counter() - start
-    assert queued < 0.05  # queuing only, whatever the daemon does
+
+    def training() -> None:
+        for step in range(50):
+            spans.put_step(report(step, phases))
+            spans.put_comm([comm(step, step)])
+
+    # Queuing only, whatever the daemon does: the training thread finishes its 50 steps while
+    # the daemon has not answered a single request (the sink is held shut until after).
+    trainer = threading.Thread(target=training)
+    trainer.start()
+    trainer.join(timeout=30)
+    assert not trainer.is_alive() and sink.requests == []
     sink.gate.set()
     assert spans.flush(10)
     spans.shutdown(5)
@@ -196,3 +203,13 @@ def test_phases_not_complete_at_shutdown_keep_their_host_times() -> None:
 
 def test_no_timer_on_cpu() -> None:
     assert PhaseTimer.for_device("cpu") is None
+
+
+def test_an_exporter_left_running_sends_its_queue_and_stops_at_interpreter_exit() -> None:
+    sink = Sink()
+    spans = exporter(sink, batch_delay=60.0)  # nothing is sent before the exit handler runs
+    spans.put_step(report(3))
+    (thread,) = [t for t in threading.enumerate() if t.name == "plait-span-export"]
+    exporter_module._stop_exporters()  # what atexit runs
+    assert not thread.is_alive()
+    assert [span.name for span in sink.spans] == ["step"]

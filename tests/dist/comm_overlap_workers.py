@@ -12,6 +12,7 @@ from collections.abc import Generator
 from typing import Any
 
 import torch
+from torch import nn
 
 import plait
 from plait.core.comm_algorithms import GRAD_BUCKET, is_sub_op
@@ -38,42 +39,86 @@ def algorithm_of(case: str) -> str:
     return "param_server" if case.startswith("param_server") else case
 
 
-class OverlapGate:
-    """Holds the algorithm's first sub-op until the data-parallel runtime issues the last
-    bucket, and records whether the algorithm's work had started before that.
+# How long one side of the gate waits for the other. Both events are set by the code under test
+# as soon as it runs, so a healthy run never waits long; only broken overlap reaches the limit.
+GATE_TIMEOUT_SECONDS = 30.0
 
-    An algorithm that completes a bucket inside the hook runs its sub-ops on the training
-    thread (recorded, never held); one that starts only when waited on starts after the last
-    bucket. Either way the test fails.
+
+class OverlapGate:
+    """Proves, with events the code under test sets, that an algorithm reduces the first
+    gradient bucket while backward is still running.
+
+    Backward cannot finish until the algorithm's first gradient sub-op has started: a gate placed
+    on the embedding's output (the last step of backward before the embedding's own gradient)
+    blocks the training thread until that sub-op enters the communicate hook. The sub-op in turn
+    is held until backward has passed the gate, so the training thread must go on without
+    waiting for bucket 0's reduction. No outcome depends on which thread the OS runs first:
+
+    - overlap works: the sub-op starts on the algorithm's worker while the gate waits for it;
+    - buckets reduced only after backward (DDP deferring its launches): bucket 0 is not issued
+      when the gate runs (`first_issued_in_backward` is False);
+    - an algorithm that starts its work only when waited on: the gate times out;
+    - one that reduces inside the hook: its sub-op runs on the training thread;
+    - a training thread that waits for bucket 0 during backward: the held sub-op times out.
     """
 
     def __init__(self, algorithm: str) -> None:
-        self.prefix = f"{algorithm}/"
-        self.last_bucket = -1
-        self.last_issued = threading.Event()
+        self.prefix = f"{algorithm}/{GRAD_BUCKET}"
         self.armed = False  # watching this step
-        self.holding = False  # the next sub-op is still to be held
-        self.first_issued_before_last: bool | None = None
-        self.started_before_last: bool | None = None
+        self.first_issued = threading.Event()  # DDP issued bucket 0
+        self.first_sub_op_started = threading.Event()
+        self.backward_passed_gate = threading.Event()
+        self.first_issued_in_backward: bool | None = None
+        self.started_in_backward: bool | None = None
         self.on_training_thread = False
-        self.timed_out = False
+        self.held_timed_out = False
+
+    def arm(self, armed: bool) -> None:
+        self.armed = armed
+
+    def install(self, embedding: nn.Module) -> None:
+        """Put the gate on `embedding`'s output (a forward hook: the model is unchanged)."""
+        embedding.register_forward_hook(self._on_embedding_output)
+
+    def _on_embedding_output(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
+        return _BackwardGate.apply(output, self) if self.armed else output
+
+    def wait_in_backward(self) -> None:
+        """Called by the gate's backward, on the training thread."""
+        self.first_issued_in_backward = self.first_issued.is_set()
+        if self.first_issued_in_backward:
+            self.started_in_backward = self.first_sub_op_started.wait(GATE_TIMEOUT_SECONDS)
+        else:  # nothing was handed to the algorithm yet: it cannot have started
+            self.started_in_backward = False
+        self.backward_passed_gate.set()
 
     @hookimpl(wrapper=True)
     def plait_communicate(self, request: CommRequest) -> Generator[None, Any, Any]:
-        if self.armed and request.purpose == GRAD_BUCKET:
-            index = request.attributes.get("bucket_index")
-            if index == 0:
-                self.first_issued_before_last = not self.last_issued.is_set()
-            if index == self.last_bucket:
-                self.last_issued.set()
-        elif self.armed and self.holding and request.purpose.startswith(self.prefix):
-            self.holding = False  # only the first sub-op of the step is held
-            self.started_before_last = not self.last_issued.is_set()
-            if threading.current_thread() is threading.main_thread():
-                self.on_training_thread = True
-            else:
-                self.timed_out = not self.last_issued.wait(timeout=10)
+        if self.armed:
+            if request.purpose == GRAD_BUCKET and request.attributes.get("bucket_index") == 0:
+                self.first_issued.set()
+            elif request.purpose.startswith(self.prefix) and not self.first_sub_op_started.is_set():
+                self.first_sub_op_started.set()  # only the first sub-op of the step is held
+                if threading.current_thread() is threading.main_thread():
+                    self.on_training_thread = True
+                else:
+                    passed = self.backward_passed_gate.wait(GATE_TIMEOUT_SECONDS)
+                    self.held_timed_out = not passed
         return (yield)
+
+
+class _BackwardGate(torch.autograd.Function):
+    """Identity forward; its backward holds the training thread at the gate."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, gate: OverlapGate) -> torch.Tensor:
+        ctx.gate = gate
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.gate.wait_in_backward()
+        return grad, None
 
 
 class OpCounter:
@@ -132,16 +177,17 @@ def train(
     overlap_gate = OverlapGate(algorithm_of(case))
     counter = OpCounter()
     extra: list[tuple[str, object]] = [("op_counter", counter)]
+    model = OddLM()
     if gate:
         extra.append(("overlap_gate", overlap_gate))
+        overlap_gate.install(model.embed)
     plugins = Plugins.create(autoload=False, extra=extra)
     config = _config(strategy, case, share, reduction)
-    engine = plait.initialize(OddLM(), config=config, plugins=plugins)
-    if gate:
-        overlap_gate.last_bucket = len(engine.runtimes[0].buckets) - 1
+    engine = plait.initialize(model, config=config, plugins=plugins)
+    buckets = len(engine.runtimes[0].buckets) if strategy == "ddp" else 0
     losses = []
     for step, (inputs, targets) in enumerate(global_batches(STEPS, GLOBAL_BATCH)):
-        overlap_gate.armed = overlap_gate.holding = gate and step == 0
+        overlap_gate.arm(gate and step == 0)
         local = (
             inputs[rank * share : (rank + 1) * share],
             targets[rank * share : (rank + 1) * share],
@@ -152,11 +198,11 @@ def train(
         "losses": losses,
         "ops": dict(counter.ops),
         "sub_ops": counter.sub_ops,
-        "buckets": overlap_gate.last_bucket + 1,
-        "first_issued_before_last": overlap_gate.first_issued_before_last,
-        "started_before_last": overlap_gate.started_before_last,
+        "buckets": buckets,
+        "first_issued_in_backward": overlap_gate.first_issued_in_backward,
+        "started_in_backward": overlap_gate.started_in_backward,
         "on_training_thread": overlap_gate.on_training_thread,
-        "timed_out": overlap_gate.timed_out,
+        "held_timed_out": overlap_gate.held_timed_out,
     }
 
 

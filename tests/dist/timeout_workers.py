@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
@@ -18,6 +20,8 @@ from plait.plugins.data import build_batches
 from tests.dist.checkpoint_workers import engine_config
 
 REPORTED_KEY = "test/timeout_reported"
+PUBLISHED_KEY = "test/stalled_rank_published"
+WAIT = timedelta(seconds=60)
 
 
 class Stalled(Exception):
@@ -26,30 +30,55 @@ class Stalled(Exception):
 
 class StallBeforeGradientAllReduce:
     """On the stalling rank, the first gradient all-reduce of step `step` is never entered: the
-    rank waits (outside the op) until its peer has reported the timeout, then gives up."""
+    rank waits (outside the op) until its peer has reported the timeout, then gives up.
+
+    Neither side races the reporter's once-a-second publisher: the stalling rank first waits
+    until its published progress shows the last collective it entered, and only then does its
+    peer enter the op and start its timeout clock."""
 
     def __init__(self, *, active: bool, step: int) -> None:
         self.active = active
         self.step = step
         self.engine: Engine | None = None
         self.stalled_seq: int | None = None
+        self.entered = False
 
     # tryfirst: the outermost wrapper, so the op is stopped before the reporter records it.
     @hookimpl(wrapper=True, tryfirst=True)
     def plait_communicate(self, request: CommRequest) -> Generator[None, Work, Work]:
         if (
-            self.active
-            and self.stalled_seq is None
+            not self.entered
             and self.engine is not None
             and self.engine.global_step == self.step
             and request.op == "all_reduce"
             and request.purpose == "grad_bucket"
         ):
-            self.stalled_seq = request.seq
+            self.entered = True
             store = dist.distributed_c10d._get_default_store()
-            store.wait([REPORTED_KEY], timedelta(seconds=60))
-            raise Stalled(f"stalled before {request.op} seq {request.seq}")
+            if self.active:
+                self.stalled_seq = request.seq
+                _wait_until_published(self.engine, store)
+                store.set(PUBLISHED_KEY, "1")
+                store.wait([REPORTED_KEY], WAIT)
+                raise Stalled(f"stalled before {request.op} seq {request.seq}")
+            store.wait([PUBLISHED_KEY], WAIT)
         return (yield)
+
+
+def _wait_until_published(engine: Engine, store: Any) -> None:
+    """Until this rank's progress in the store is what its reporter holds now (the publisher
+    thread writes it within a second or so)."""
+    reporter = engine.plugins.manager.get_plugin("collective_timeouts")
+    expected = {timeouts.group_label(key): e.count for key, e in reporter._entered.items()}
+    key = f"{timeouts.STORE_PREFIX}/rank{dist.get_rank()}"
+    deadline = time.monotonic() + WAIT.total_seconds()
+    while True:
+        published = json.loads(store.get(key)) if store.check([key]) else {}
+        if {label: entry[0] for label, entry in published.items()} == expected:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"progress {expected} never published (store has {published})")
+        time.sleep(0.05)
 
 
 def stall_one_rank(

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.free_ports import unassigned_port
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY, KILL_AFTER = 8, 2, 5
 SETTINGS = [
@@ -38,19 +40,13 @@ SETTINGS = [
 RDZV_CONF = "join_timeout=120,last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def etcd_endpoint(tmp_path: Path):
     binary = shutil.which("etcd")
     if binary is None:
         pytest.skip("no etcd server on PATH (Debian: apt-get install etcd-server)")
     pytest.importorskip("etcd", reason="torchrun's etcd-v2 rendezvous needs python-etcd")
-    client, peer = _free_port(), _free_port()
+    client, peer = unassigned_port(), unassigned_port()
     command = [
         binary,
         "--data-dir", str(tmp_path / "etcd"),

@@ -4,26 +4,21 @@ one job and train it — nothing but the allocation tells them about each other.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.free_ports import unassigned_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_two_nodes_form_a_job_from_slurm_variables_alone() -> None:
-    port = _free_port()
+    port = unassigned_port()
     launchers = []
     for node in range(2):
         env = dict(

