@@ -334,22 +334,14 @@ def kernel_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(table.values())
 
 
-# A `plait profile` capture starts a couple of seconds after it is asked for (the profilers get
-# ready, then every rank starts at a step it will still reach), and it is asked for once the
-# live views show the rank warm: the run must last well beyond that. The rehearsal's tiny CPU
-# model takes about 10 ms a step.
-REHEARSAL_TRAINING_STEPS, GPU_TRAINING_STEPS = 1500, 1000
-
-
 def training(check: Check, deadline: float) -> dict[str, Any]:
     out = check.out / "training"
-    # Enough steps for the live views and a capture to happen while the rank trains.
-    steps = str(REHEARSAL_TRAINING_STEPS if check.rehearse else GPU_TRAINING_STEPS)
+    # The rank trains until the live views and a capture are in; then it is stopped.
     device = "cpu" if check.rehearse else "cuda"
     timeout = str(max(10, int(deadline - time.monotonic()) - 15))
     command = [
         check.python, "-m", "plait.tools.gpu_check_training", "--out", str(out),
-        "--device", device, "--steps", steps, "--timeout", timeout,
+        "--device", device, "--timeout", timeout,
     ]  # fmt: skip
     ran = run(check, command, "training", deadline)
     found = read_json(out / "training.json") or {}
@@ -359,6 +351,7 @@ def training(check: Check, deadline: float) -> dict[str, Any]:
         "status": "timed_out" if ran.timed_out else ("passed" if ok else "failed"),
         "exit_code": ran.code,
         "train_exit_code": found.get("train_exit_code"),
+        "stopped_after_views": (found.get("live") or {}).get("stopped_after_views", False),
         "train_seconds": found.get("train_seconds"),
         "gpu_collector": found.get("gpu_collector"),
         "profile": (found.get("live") or {}).get("profile"),

@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,9 +104,10 @@ def has_profile_command() -> bool:
 def watch_live(
     address: str, train: subprocess.Popen, deadline: float, *, capture: Path
 ) -> dict[str, Any]:
-    """The newest live `top` and `bottleneck` answers while `train` runs (over the last
-    `LIVE_WINDOW` steps), and one `plait profile` capture once the rank is past them (where the
-    build has the command); the run is killed at `deadline`."""
+    """The live `top` and `bottleneck` answers once the rank is `LIVE_WINDOW` steps in, then
+    one `plait profile` capture (where the build has the command); then the run is stopped as
+    an operator stops one, with SIGTERM (the ranks finish their step and exit 143). Driven by
+    what the daemon shows, not by a guess of how long the steps take. Killed at `deadline`."""
     live: dict[str, Any] = {}
     profile_wanted = has_profile_command()
     while train.poll() is None:
@@ -114,21 +116,32 @@ def watch_live(
             train.wait()
             live["killed_at_timeout"] = True
             break
-        window = ("--window-steps", str(LIVE_WINDOW), "--job", JOB_ID)
-        for view in ("top", "bottleneck"):
-            code, stdout, _ = cli(address, view, "--json", *window)
-            answer = json.loads(stdout) if code == 0 and stdout.strip() else {}
-            ranks = [r for r in answer.get("ranks", []) if r.get("steps", r.get("step", 0))]
-            if ranks and min(r.get("step", LIVE_WINDOW) for r in ranks) >= LIVE_WINDOW:
-                live[view] = answer
-        if profile_wanted and "top" in live:
+        if "top" not in live:
+            window = ("--window-steps", str(LIVE_WINDOW), "--job", JOB_ID)
+            views = ("top", "bottleneck")
+            answers = {view: cli(address, view, "--json", *window) for view in views}
+            if all(warm(code, stdout) for code, stdout, _ in answers.values()):
+                live.update({view: json.loads(out) for view, (_, out, _) in answers.items()})
+        if "top" in live and profile_wanted:
             profile_wanted = False
             live["profile"] = profile_once(address, capture)
+        if "top" in live and not profile_wanted:
+            train.send_signal(signal.SIGTERM)
+            live["stopped_after_views"] = True
+            train.wait(max(1.0, deadline - time.monotonic()))
+            break
         try:
             train.wait(timeout=LIVE_POLL_SECONDS)
         except subprocess.TimeoutExpired:
             continue
     return live
+
+
+def warm(code: int, stdout: str) -> bool:
+    """A view of at least one rank, every one of them `LIVE_WINDOW` steps in."""
+    answer = json.loads(stdout) if code == 0 and stdout.strip() else {}
+    ranks = [r for r in answer.get("ranks", []) if r.get("steps", r.get("step", 0))]
+    return bool(ranks) and min(r.get("step", LIVE_WINDOW) for r in ranks) >= LIVE_WINDOW
 
 
 def profile_once(address: str, capture: Path) -> dict[str, Any]:
@@ -151,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=sorted(MODELS), default="cuda")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--steps", type=int, default=100_000, help="the most steps (the run is stopped earlier)"
+    )
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds for the run")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop(grace=1.0)
         summary_path.write_text(json.dumps(summary, indent=2))
-    return 0 if summary.get("train_exit_code") == 0 else 1
+    return 0 if stopped_cleanly(summary) else 1
+
+
+def stopped_cleanly(summary: dict[str, Any]) -> bool:
+    """The rank trained to its last step, or stopped gracefully when this script asked."""
+    asked = (summary.get("live") or {}).get("stopped_after_views", False)
+    return summary.get("train_exit_code") == (128 + signal.SIGTERM if asked else 0)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.tools import gpu_check
+from plait.tools import gpu_check, gpu_check_training
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,12 +133,14 @@ def test_the_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     assert all("CUDA" in case["reason"] for case in tier["tests"])
     assert {"plain eager", "plait torch"} <= set(stages["bench"]["model"]["variants"])
     training = stages["training"]
-    assert training["train_exit_code"] == 0
-    assert training["top_ranks"][0]["step"] == gpu_check.REHEARSAL_TRAINING_STEPS
-    assert training["live_top_ranks"], "no live view while the rank trained"
+    # The stage stops the rank itself once the live views and the capture are in (SIGTERM:
+    # the rank finishes its step and exits 143), whatever its pace.
+    assert training["stopped_after_views"] and training["train_exit_code"] == 143
+    assert training["live_top_ranks"][0]["step"] >= gpu_check_training.LIVE_WINDOW
+    assert training["top_ranks"][0]["step"] >= training["live_top_ranks"][0]["step"]
     assert training["bottleneck_ranks"][0]["dominant"]
-    if stages["profile"]["status"] != "skipped":  # a build with `plait profile`
-        assert stages["profile"]["status"] == "passed", stages["profile"]
+    profile = stages["profile"]
+    assert profile["status"] == "passed" and profile["trace_bytes"] > 0, profile
     cpu = stages["cpu"]
     assert cpu["eight_ranks"]["counts"] == {"passed": 2}
     assert cpu["daemon_load"]["figures"]["spans_stored_per_second"] > 0
