@@ -56,6 +56,9 @@ CALL_TIMEOUT_SECONDS = 2.0
 DELIVER_TIMEOUT_SECONDS = 10.0
 DEFAULT_CHUNK_BYTES = 2**20
 FLUSH_BEFORE_DELIVERY_SECONDS = 5.0
+# At the end of a run, how long deliveries under way (a trace exported after the last step of
+# a capture, a memory report) are waited for before the daemon hears the rank leave.
+CLOSE_WAIT_SECONDS = 60.0
 
 
 def poll_interval() -> float:
@@ -323,8 +326,11 @@ class ControlClient:
         return True
 
     def close(self) -> None:
-        """The run ends: a profile in progress is delivered with the steps it holds, and the
-        daemon is told this rank is leaving (called on the thread that ends the run)."""
-        self.profile.stop()
+        """The run ends: a profile in progress is delivered with the steps it holds, answers
+        still being delivered are let through, and the daemon is told this rank is leaving
+        (called on the thread that ends the run)."""
+        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+        self.profile.stop(CLOSE_WAIT_SECONDS)
+        self.memory.wait(max(deadline - time.monotonic(), 0.0))
         if not (self._disabled or self._failed):  # a daemon already gone costs no timeout
             self.poll(leaving=True)

@@ -85,6 +85,7 @@ class MemoryCapture:
         self.order: MemoryOrder | None = None  # armed: read at every step start
         self.metering: Metering | None = None
         self._working: set[str] = set()
+        self._workers: set[threading.Thread] = set()  # building and delivering answers
 
     # -- the control channel's thread -----------------------------------------------------------
 
@@ -192,8 +193,17 @@ class MemoryCapture:
                 self._deliver(result)
             finally:
                 self._working.discard(order.request_id)
+                self._workers.discard(threading.current_thread())
 
-        threading.Thread(target=run, name="plait-memory", daemon=True).start()
+        worker = threading.Thread(target=run, name="plait-memory", daemon=True)
+        self._workers.add(worker)
+        worker.start()
+
+    def wait(self, timeout: float) -> None:
+        """The run ends: let answers under way reach the daemon (at most `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        for worker in list(self._workers):
+            worker.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     def _report(
         self, metering: Metering, note: str, model_state: dict[str, int] | None

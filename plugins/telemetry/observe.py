@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import math
 import weakref
@@ -47,8 +48,10 @@ from plait.core import telemetry_schema as schema
 from plait.core.batches import loss_from_output
 from plait.core.daemon_address import resolve_daemon_address
 from plait.core.errors import PlaitError
+from plait.core.memory import memory_report
 from plait.core.step import PhaseSpan, StepReport
 from plait.plugins.telemetry.comm_records import CudaAnchor
+from plait.plugins.telemetry.control_client import ControlClient
 from plait.plugins.telemetry.observe_comm import CommLedger, install_ddp_hook, install_fsdp_comms
 from plait.plugins.telemetry.observe_flops import ModelFlops
 from plait.plugins.telemetry.observe_identity import (
@@ -145,6 +148,8 @@ class Observer:
         self.device = model_device(model)
         self.clock = StepClock(torch.cuda if self.device.type == "cuda" else None)
         self.telemetry: RankTelemetry | None = None
+        # The control channel (`plait profile`, `plait stacks`, `plait memory`), once running.
+        self._control: ControlClient | None = None
         self.state = "new"  # "on" once telemetry runs, "off" without a daemon, then "closed"
         self.last_step = -1
         self._address = resolve_daemon_address(daemon or "")
@@ -208,6 +213,11 @@ class Observer:
             self.ledger.cuda_anchor = CudaAnchor(clock.anchor.event, clock.anchor.wall_ns)
         self._rank_tokens, self._losses = 0, []
         self.flops.start_counting()
+        control = self._control
+        if control is not None:
+            control.step = number  # where `plait stacks` says the rank is
+            if control.armed:  # a profile or memory capture may start with this step
+                control.step_started(number)
         return handle
 
     def end_step(self, *, hold: bool = False) -> None:
@@ -238,9 +248,15 @@ class Observer:
         else:
             self._pending.append(ended)
         self._send_ready(final=False)
+        control = self._control
+        if control is not None and control.armed:
+            control.step_finished(handle.number)  # after the step's spans are queued
 
     def abandon_step(self) -> None:
         """The open step failed: drop it (the run is marked failed unless a step succeeds)."""
+        control, handle = self._control, self._handle
+        if control is not None and control.armed and handle is not None:
+            control.step_finished(handle.number)  # a capture's step ends with it
         self.flops.stop_counting(None, completed=False)
         self._timeline = self._handle = None
         self.ledger.step = None
@@ -397,6 +413,7 @@ class Observer:
             self.launch,
             flops_per_token=self.flops.per_token or 0.0,
             tokens_per_step=0,
+            memory_report=functools.partial(memory_report, self.model, self.optimizer),
         )
         telemetry = RankTelemetry.start(info, self._address)
         if telemetry is None:  # warned once; nothing more to do in this run
@@ -410,6 +427,9 @@ class Observer:
         self.telemetry, self.state = telemetry, "on"
         self.ledger.active = True
         telemetry.start_heartbeat(self.ledger.in_flight)
+        self._control = telemetry.control
+        if self._handle is not None:
+            self._control.step = self._handle.number
 
     def _step_loss(self, handle: StepHandle) -> torch.Tensor | float | None:
         loss: Any = handle.loss

@@ -13,7 +13,7 @@ without talking to the others, which these variables give.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -127,8 +127,10 @@ def observed_job_info(
     *,
     flops_per_token: float,
     tokens_per_step: int,
+    memory_report: Callable[[], dict[str, int]] | None = None,
 ) -> JobInfo:
-    """The `JobInfo` of an observed rank: one data-parallel axis over the world."""
+    """The `JobInfo` of an observed rank: one data-parallel axis over the world
+    (`memory_report`: what `plait memory` counts of the model's state on this rank)."""
     device = model_device(model)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -148,4 +150,5 @@ def observed_job_info(
         num_params=sum(p.numel() for p in model.parameters()),
         flops_per_token=flops_per_token,
         tokens_per_step=tokens_per_step,
+        memory_report=memory_report,
     )

@@ -35,6 +35,7 @@ from typing import Any
 logger = logging.getLogger("plait.telemetry")
 
 STEP_ANNOTATION = "ProfilerStep#{}"  # torch.profiler's own step annotation
+EXPORT_WAIT_SECONDS = 60.0  # how long the end of a run waits for a trace to be delivered
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ class ProfileCapture:
         self._ready: set[str] = set()
         self._exporting: set[str] = set()
         self._cancelled: set[str] = set()  # requests the daemon gave up on
+        self._exports: set[threading.Thread] = set()  # delivering, waited for at `stop`
         # Read by the training thread at every step boundary: one attribute each.
         self.plan: ProfilePlan | None = None
         self.recording: Recording | None = None
@@ -253,22 +255,26 @@ class ProfileCapture:
         if not cancelled:
             self._export(recording)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = EXPORT_WAIT_SECONDS) -> None:
         """The run ends: a recording in progress is stopped and delivered with the steps it
-        holds (called on the training thread, at shutdown)."""
+        holds, and deliveries still under way are waited for (at most `timeout` seconds in
+        all), so that a run ending right after its capture still delivers it (called on the
+        thread that ends the run, at shutdown)."""
         recording = self.recording
-        if recording is None:
-            return
-        if recording.annotation is not None:
-            recording.annotation.__exit__(None, None, None)
-        self.recording = None
-        recording.profiler.stop_trace()
-        if recording.last_step >= recording.first_step:
-            self._export(recording, wait=True)
+        if recording is not None:
+            if recording.annotation is not None:
+                recording.annotation.__exit__(None, None, None)
+            self.recording = None
+            recording.profiler.stop_trace()
+            if recording.last_step >= recording.first_step:
+                self._export(recording)
+        deadline = time.monotonic() + timeout
+        for worker in list(self._exports):
+            worker.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     # -- the worker thread ----------------------------------------------------------------------
 
-    def _export(self, recording: Recording, wait: bool = False) -> None:
+    def _export(self, recording: Recording) -> None:
         plan = recording.plan
         with self._lock:
             self._exporting.add(plan.request_id)
@@ -294,11 +300,11 @@ class ProfileCapture:
             finally:
                 with self._lock:
                     self._exporting.discard(plan.request_id)
+                self._exports.discard(threading.current_thread())
 
         worker = threading.Thread(target=run, name="plait-profile-export", daemon=True)
+        self._exports.add(worker)
         worker.start()
-        if wait:
-            worker.join(timeout=60)
 
 
 def _enter_step(step: int) -> Any:

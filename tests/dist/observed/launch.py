@@ -7,9 +7,10 @@ a slow device would be), its printed lines and its trainer's state written to a 
 `OBSERVED_SLOW_RANK` / `OBSERVED_SLOW_FACTOR`: that rank's every outer forward takes FACTOR
 times longer than it took (slow in proportion, however loaded the machine is).
 `OBSERVED_STALL_RANK` / `OBSERVED_STALL_CALL` / `OBSERVED_STALL_UNTIL`: that rank's outer
-forward number CALL (0-based) waits until the file UNTIL exists (at most 60 s), so the other
-rank waits in the gradient all-reduce that follows: a hang, for the daemon, until the test
-has seen it and creates the file.
+forward number CALL (0-based) writes the job's id to UNTIL + ".reached" and waits until UNTIL
+exists (at most 240 s), so the other rank waits in the collective that follows: a hang, for
+the daemon, until the test has done what it does while the rank is stuck and creates UNTIL.
+The report also has the model's parameter bytes (a sharded parameter counted whole).
 """
 
 from __future__ import annotations
@@ -49,9 +50,7 @@ def main() -> None:
         if rank == slow_rank:
             time.sleep(slow * (time.perf_counter() - started[0]))
         if rank == stall_rank and calls[0] == stall_call:
-            deadline = time.monotonic() + 60
-            while not stall_until.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            stall_until_released(stall_until)
         calls[0] += 1
 
     torch.nn.modules.module.register_module_forward_pre_hook(enter)
@@ -70,6 +69,7 @@ def main() -> None:
         report["dense_weights"] = sum(
             m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
         )
+        report["parameter_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     for name in ("batch_size", "seq_len", "steps"):
         if name in scope:
             report[name] = scope[name]
@@ -82,6 +82,17 @@ def main() -> None:
         report["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
     sys.stdout.write(printed.getvalue())
+
+
+def stall_until_released(until: Path) -> None:
+    """The stalled forward (named, so that its stack shows where the rank is)."""
+    reached = until.with_name(until.name + ".reached")
+    written = reached.with_name(reached.name + ".tmp")
+    written.write_text(os.environ.get("TORCHELASTIC_RUN_ID", ""))  # the job's id
+    written.rename(reached)  # whole, for whoever waits for it
+    deadline = time.monotonic() + 240
+    while not until.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
