@@ -63,6 +63,13 @@ Deliver = Callable[[MemoryResult], None]
 Accounting = Callable[[], dict[str, int]]
 
 
+def _raises(exc: Exception) -> Callable[[], dict[str, int] | None]:
+    def count() -> dict[str, int] | None:
+        raise exc
+
+    return count
+
+
 def _saved_bytes(saved: dict[int, int]) -> Callable[[Any], Any]:
     def pack(tensor: Any) -> Any:
         try:
@@ -147,7 +154,12 @@ class MemoryCapture:
         metering.hooks.__exit__(None, None, None)
         snapshot = self._cuda_snapshot(metering.cuda_history)
         # Counted here, between steps: the parameters and optimizer state are not changing.
-        state = self._accounting() if self._accounting is not None else None
+        # A count that fails is the operator's answer (an error), never the training loop's.
+        try:
+            state = self._accounting() if self._accounting is not None else None
+        except Exception as exc:
+            self._finish(metering, note="", snapshot=snapshot, model_state=_raises(exc))
+            return
         self._finish(metering, note="", snapshot=snapshot, model_state=lambda: state)
 
     def _cuda_snapshot(self, recording: bool) -> dict[str, Any] | None:

@@ -136,6 +136,26 @@ def test_a_run_that_ends_mid_capture_delivers_what_it_holds(recorded: int) -> No
         assert delivered.results == []
 
 
+def test_the_end_of_a_run_waits_for_a_trace_still_being_delivered() -> None:
+    gate, delivered = threading.Event(), Delivered()
+
+    def slow(result: ProfileResult) -> None:
+        gate.wait(60)  # a daemon slow to take the trace
+        delivered(result)
+
+    capture = ProfileCapture(device="cpu", deliver=slow)
+    prepared(capture)
+    capture.arm(plan(start=0, steps=1), current_step=-1)
+    run_steps(capture, range(0, 2))  # the capture ended with step 0; its export is under way
+    ending = threading.Thread(target=capture.stop)
+    ending.start()
+    ending.join(0.2)
+    assert ending.is_alive() and delivered.results == []
+    gate.set()
+    ending.join(60)
+    assert not ending.is_alive() and delivered.one().last_step == 0
+
+
 def test_the_clock_offset_comes_from_the_shortest_round_trip() -> None:
     from plait.plugins.telemetry.control_client import ClockEstimate
 
