@@ -386,6 +386,11 @@ class Observer:
         gradients is computed and ends when autograd finishes the pass."""
         if not torch.is_grad_enabled():
             return
+        if isinstance(output, torch.Tensor):
+            # One tensor: a hook of its own, much lighter than a multi-grad hook.
+            if output.requires_grad:
+                output.register_hook(self._backward_started)
+            return
         outputs = [t for t in tree_flatten(output)[0]
                    if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
         if outputs:
@@ -433,9 +438,15 @@ class Observer:
 
     def _step_loss(self, handle: StepHandle) -> torch.Tensor | float | None:
         loss: Any = handle.loss
-        if loss is None and self._losses:
-            loss = torch.stack([t.float().reshape(()) for t in self._losses]).mean()
+        losses = self._losses
+        if loss is None and losses:
+            many = len(losses) > 1
+            loss = (
+                torch.stack([t.float().reshape(()) for t in losses]).mean() if many else losses[0]
+            )
         if isinstance(loss, torch.Tensor):
+            if not loss.is_cuda and loss.numel() == 1:
+                return float(loss.item())  # on the host already: read now, no copies
             loss = loss.detach().float().reshape(-1)[:1]
             # Copied to host memory behind the step's work; read once the step's end event has
             # completed, so the training thread never waits for the device.
@@ -481,7 +492,9 @@ def count_tokens(args: Any, kwargs: Any) -> int:
     """Token ids in a forward's inputs: `input_ids`, else the first tensor if it holds
     integers (0 when the inputs are not token ids)."""
     ids = kwargs.get("input_ids") if isinstance(kwargs, dict) else None
-    if not isinstance(ids, torch.Tensor):
+    if not isinstance(ids, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+        ids = args[0]  # the first leaf of the inputs, without flattening them
+    elif not isinstance(ids, torch.Tensor):
         ids = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
     if ids is None or ids.is_floating_point() or ids.is_complex():
         return 0

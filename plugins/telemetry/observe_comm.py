@@ -177,6 +177,11 @@ class TimedBucketHook:
         self.process_group = process_group
         self.inner_hook: Any = None  # the user's hook, once registered through DDP's method
         self.inner_state: Any = None
+        # DDP's default is issued on the group itself: `dist.all_reduce`'s argument checks and
+        # logging wrapper cost more than the rest of the hook, once per bucket.
+        self._size = process_group.size()
+        self._options = dist.AllreduceOptions()
+        self._options.asyncOp = True
 
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         ledger = self.ledger
@@ -187,18 +192,19 @@ class TimedBucketHook:
             "all_reduce", buffer, self.process_group, purpose=GRAD_BUCKET, overlappable=True
         )
         if self.inner_hook is None:
-            buffer.div_(self.process_group.size())
-            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-            return work.get_future().then(lambda future: _finish(record, future.value()[0]))
+            return self._average(buffer).then(lambda future: _finish(record, future.value()[0]))
         future = self.inner_hook(self.inner_state, bucket)
         return future.then(lambda done: _finish(record, done.value()))
 
     def _untimed(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if self.inner_hook is not None:
             return self.inner_hook(self.inner_state, bucket)
-        buffer = bucket.buffer().div_(self.process_group.size())
-        work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-        return work.get_future().then(lambda future: future.value()[0])
+        return self._average(bucket.buffer()).then(lambda future: future.value()[0])
+
+    def _average(self, buffer: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
+        """DDP's default: divide by the group's size, then one all-reduce (a sum)."""
+        buffer.div_(self._size)
+        return self.process_group.allreduce([buffer], self._options).get_future()
 
 
 def _finish(record: CommRecord, value: Any) -> Any:

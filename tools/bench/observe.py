@@ -1,19 +1,26 @@
 """What `plait.observe` costs a training step, measured two ways on one DDP script.
 
     python tools/bench/observe.py [--rounds 5] [--steps 30] [--warmup 3] [--pairs 60]
+                                  [--dim 256] [--bucket-mb 0.25]
 
 The script is the README's DDP example model (an embedding, four 256-wide blocks, a 512-token
-head; 8 × 64 tokens per rank and step) on two Gloo ranks (`run_distributed`), each step timed
-around the loop body as the user's own code would (rank 0's times: the ranks wait for each
-other in every all-reduce).
+head; 8 × 64 tokens per rank and step; 0.25 MB gradient buckets: six of them) on two Gloo
+ranks (`run_distributed`), each step timed around the loop body as the user's own code would
+(rank 0's times: the ranks wait for each other in every all-reduce). `--dim` widens the blocks
+and `--bucket-mb` sets DDP's bucket size (25: DDP's default), for a step of a realistic length:
+what observing costs is mostly per bucket, not per FLOP.
 
 1. **Alternating runs.** Each run is a fresh pair of ranks training `--warmup` + `--steps`
-   steps. Four kinds of run rotate within every round, each in every position in turn:
+   steps. Five kinds of run rotate within every round, each in every position in turn:
    `plain` (the script without plait), `plain again` (the same: the noise floor of comparing
-   two runs on this machine), `observed` (`plait.observe(model, optimizer=…)` and `with
-   observer.step():`, exporting to a daemon in this process) and `no daemon` (the same lines,
-   nothing listening: the observer warns once and steps on). Per round, each kind's median
-   step over the plain run's; the headline is the median of the per-round ratios.
+   two runs on this machine), `torch hook` (the script with torch's own Python comm hook,
+   `ddp_comm_hooks.default_hooks.allreduce_hook`: what any Python hook on DDP's buckets
+   costs, the floor under per-bucket timing), `observed` (`plait.observe(model, optimizer=…)`
+   and `with observer.step():`, exporting to a daemon in this process) and `no daemon` (the
+   same lines, nothing listening: the observer warns once and steps on). Per round, each
+   kind's median step over the plain run's, in wall time and in the CPU time of the rank's
+   process (every thread: training, Gloo, exporter, gRPC; the figure a loaded machine
+   disturbs least); the headline is the median of the per-round ratios.
 2. **Alternating steps.** One run, one observed model; `--pairs` rounds of two steps, one
    inside `observer.step()` and one outside it (the hooks installed but idle, DDP's buckets
    through the observer's hook untimed), the order swapped every round. This is the cost of
@@ -33,32 +40,39 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plait.core.testing import run_distributed
 from plait.daemon.server import DaemonServer
 
-KINDS = ("plain", "plain again", "observed", "no daemon")
+KINDS = ("plain", "plain again", "torch hook", "observed", "no daemon")
 VOCAB, DIM, SEQ_LEN, BATCH = 512, 256, 64, 8
 
 
-def train(rank: int, world_size: int, kind: str, address: str, steps: int, warmup: int) -> list:
-    """One run of the DDP script; this rank's step times after the warm-up, in seconds."""
+def train(
+    rank: int, world_size: int, kind: str, address: str, steps: int, warmup: int, shape: tuple
+) -> dict[str, list[float]]:
+    """One run of the DDP script; this rank's step times after the warm-up, in seconds (wall,
+    and CPU time of the whole process)."""
     import plait
 
     torch.manual_seed(0)
-    model = DDP(_model(), bucket_cap_mb=0.25)
+    model = _ddp_model(*shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     observer = None
-    if not kind.startswith("plain"):
+    if kind == "torch hook":
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif not kind.startswith("plain"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             observer = plait.observe(
                 model, optimizer=optimizer, daemon=address, job_id=f"bench-{time.time_ns()}"
             )
     data = torch.Generator().manual_seed(rank)
-    times = []
+    times, cpu = [], []
     for _ in range(warmup + steps):
+        cpu_start = time.process_time()
         start = time.perf_counter()
         step = observer.step() if observer is not None else _Nothing()
         with step:
@@ -69,17 +83,20 @@ def train(rank: int, world_size: int, kind: str, address: str, steps: int, warmu
             optimizer.step()
             optimizer.zero_grad()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
     if observer is not None:
         observer.close()
-    return times[warmup:]
+    return {"wall": times[warmup:], "cpu": cpu[warmup:]}
 
 
-def alternate(rank: int, world_size: int, address: str, pairs: int, warmup: int) -> dict:
+def alternate(
+    rank: int, world_size: int, address: str, pairs: int, warmup: int, shape: tuple
+) -> dict:
     """One observed model; step times inside and outside `observer.step()`, alternating."""
     import plait
 
     torch.manual_seed(0)
-    model = DDP(_model(), bucket_cap_mb=0.25)
+    model = _ddp_model(*shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     observer = plait.observe(model, optimizer=optimizer, daemon=address, job_id="bench-steps")
     data = torch.Generator().manual_seed(rank)
@@ -112,12 +129,16 @@ def alternate(rank: int, world_size: int, address: str, pairs: int, warmup: int)
     return {"wall": times, "cpu": cpu}
 
 
-def _model() -> torch.nn.Module:
+def _model(dim: int = DIM) -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Embedding(VOCAB, DIM),
-        *[torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.GELU()) for _ in range(4)],
-        torch.nn.Linear(DIM, VOCAB),
+        torch.nn.Embedding(VOCAB, dim),
+        *[torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU()) for _ in range(4)],
+        torch.nn.Linear(dim, VOCAB),
     )
+
+
+def _ddp_model(dim: int, bucket_mb: float) -> DDP:
+    return DDP(_model(dim), bucket_cap_mb=bucket_mb)
 
 
 class _Nothing:
@@ -135,8 +156,8 @@ def closed_port() -> str:
         return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
-def _print_runs(console: Console, medians: dict[str, list[float]], rounds: int) -> None:
-    table = Table(title="1. DDP step time, 2 Gloo ranks, alternating runs (median per run)")
+def _print_runs(console: Console, medians: dict[str, list[float]], rounds: int, what: str) -> None:
+    table = Table(title=f"1. DDP step {what}, 2 Gloo ranks, alternating runs (median per run)")
     table.add_column("round", justify="right")
     for kind in KINDS:
         table.add_column(kind, justify="right")
@@ -155,10 +176,13 @@ def _print_runs(console: Console, medians: dict[str, list[float]], rounds: int) 
         kind: statistics.median(o / p for o, p in zip(medians[kind], plain, strict=True))
         for kind in KINDS[1:]
     }
+    step = statistics.median(plain)
     console.print(
-        f"median of {rounds} per-round ratios: observed / plain {ratio['observed']:.4f} "
-        f"(goal ≤ 1.01), no daemon / plain {ratio['no daemon']:.4f}, plain again / plain "
-        f"{ratio['plain again']:.4f} (the noise floor between two runs)"
+        f"{what}: median of {rounds} per-round ratios: observed / plain {ratio['observed']:.4f} "
+        f"(goal ≤ 1.01; {(ratio['observed'] - 1) * step * 1e3:+.2f} ms on a {step * 1e3:.2f} ms "
+        f"step), torch hook / plain {ratio['torch hook']:.4f}, no daemon / plain "
+        f"{ratio['no daemon']:.4f}, plain again / plain {ratio['plain again']:.4f} (the noise "
+        f"floor between two runs)"
     )
 
 
@@ -169,9 +193,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps per run not measured")
     parser.add_argument("--pairs", type=int, default=60, help="step pairs in part 2")
     parser.add_argument("--only-steps", action="store_true", help="part 2 only")
+    parser.add_argument("--dim", type=int, default=DIM, help="width of the model's blocks")
+    parser.add_argument("--bucket-mb", type=float, default=0.25, help="DDP's bucket_cap_mb")
     args = parser.parse_args()
+    shape = (args.dim, args.bucket_mb)
     console = Console()
-    medians: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    medians: dict[str, dict[str, list[float]]] = {
+        what: {kind: [] for kind in KINDS} for what in ("wall", "cpu")
+    }
     with DaemonServer("127.0.0.1:0", host_interval=1.0) as server:
         nowhere = closed_port()
         for round_index in range(0 if args.only_steps else args.rounds):
@@ -179,16 +208,18 @@ def main() -> None:
             for kind in KINDS[shift:] + KINDS[:shift]:
                 address = nowhere if kind == "no daemon" else server.address
                 times = run_distributed(
-                    train, 2, kind, address, args.steps, args.warmup, timeout=600
+                    train, 2, kind, address, args.steps, args.warmup, shape, timeout=600
                 )[0]
-                medians[kind].append(statistics.median(times))
+                for what, values in times.items():
+                    medians[what][kind].append(statistics.median(values))
         measured = run_distributed(
-            alternate, 2, server.address, args.pairs, args.warmup, timeout=600
+            alternate, 2, server.address, args.pairs, args.warmup, shape, timeout=600
         )[0]
         steps, cpu = measured["wall"], measured["cpu"]
         spans = server.store.spans_received
     if not args.only_steps:
-        _print_runs(console, medians, args.rounds)
+        _print_runs(console, medians["wall"], args.rounds, "wall time")
+        _print_runs(console, medians["cpu"], args.rounds, "CPU time of the rank's process")
     pairs = [o / i for o, i in zip(steps["observed"], steps["idle hooks"], strict=True)]
     console.print(
         f"2. alternating steps in one run ({len(pairs)} pairs): observed "
