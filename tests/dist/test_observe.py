@@ -196,11 +196,14 @@ class WhileStuck:
             assert time.monotonic() < deadline, "rank 0 never waited in the stalled step"
         self.stacks = self._stacks(job, host)
         # The daemon shows the hang once rank 0 has waited its hang timeout.
-        while not self.status.get("hangs"):
-            assert time.monotonic() < deadline, "the daemon never showed the hang"
+        while True:
             code, printed = cli("status", "--json", *host)
             assert code == 0, printed
             self.status = json.loads(printed)
+            if self.status["hangs"]:
+                break
+            assert time.monotonic() < deadline, "the daemon never showed the hang"
+            time.sleep(0.2)
         self.profile = cli_process("profile", "--job", job, "--steps", "2", "-o",
                                    str(self.trace), *host, "--json")  # fmt: skip
         wait_until_both_ranks_hold_an_order(self.server, job, self.profile, started=True)

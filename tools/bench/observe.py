@@ -21,10 +21,13 @@ what observing costs is mostly per bucket, not per FLOP.
    kind's median step over the plain run's, in wall time and in the CPU time of the rank's
    process (every thread: training, Gloo, exporter, gRPC; the figure a loaded machine
    disturbs least); the headline is the median of the per-round ratios.
-2. **Alternating steps.** One run, one observed model; `--pairs` rounds of two steps, one
-   inside `observer.step()` and one outside it (the hooks installed but idle, DDP's buckets
-   through the observer's hook untimed), the order swapped every round. This is the cost of
-   observing a step with the machine's noise between two runs taken out.
+2. **Alternating steps.** One run, two models of the same shape on the same ranks: one
+   observed, one plain. `--pairs` rounds of three steps, the order rotating every round: a
+   step of the observed model inside `observer.step()`, one of it outside (`idle hooks`: the
+   hooks installed, DDP's buckets still timed by the observer's comm hook, no step report),
+   and one of the plain model. Per round, each step over the plain one; the headline is the
+   median of the per-round ratios: what observing costs a step, including DDP's comm hook,
+   with the machine's noise between two runs taken out (the same process, interleaved).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from plait.core.testing import run_distributed
 from plait.daemon.server import DaemonServer
 
 KINDS = ("plain", "plain again", "torch hook", "observed", "no daemon")
+STEP_KINDS = ("observed", "idle hooks", "plain")
 VOCAB, DIM, SEQ_LEN, BATCH = 512, 256, 64, 8
 
 
@@ -92,41 +96,44 @@ def train(
 def alternate(
     rank: int, world_size: int, address: str, pairs: int, warmup: int, shape: tuple
 ) -> dict:
-    """One observed model; step times inside and outside `observer.step()`, alternating."""
+    """An observed model and a plain one; their step times (wall and the process's CPU) in
+    rounds of an observed step, an idle-hooks step and a plain step, interleaved."""
     import plait
 
+    torch.manual_seed(0)
+    plain = _ddp_model(*shape)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     torch.manual_seed(0)
     model = _ddp_model(*shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     observer = plait.observe(model, optimizer=optimizer, daemon=address, job_id="bench-steps")
     data = torch.Generator().manual_seed(rank)
-    times: dict[str, list[float]] = {"observed": [], "idle hooks": []}
-    cpu: dict[str, list[float]] = {"observed": [], "idle hooks": []}  # this process, all threads
+    times: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
+    cpu: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}  # the process, all threads
 
-    def step(observed: bool) -> float:
+    def step(kind: str) -> None:
+        net, adam = (plain, plain_optimizer) if kind == "plain" else (model, optimizer)
         cpu_start = time.process_time()
         start = time.perf_counter()
-        with observer.step() if observed else _Nothing():
+        with observer.step() if kind == "observed" else _Nothing():
             tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1), generator=data)
-            logits = model(tokens[:, :-1])
+            logits = net(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        wall = time.perf_counter() - start
-        cpu["observed" if observed else "idle hooks"].append(time.process_time() - cpu_start)
-        return wall
+            adam.step()
+            adam.zero_grad()
+        times[kind].append(time.perf_counter() - start)
+        cpu[kind].append(time.process_time() - cpu_start)
 
-    for _ in range(warmup):
-        step(True)
-        step(False)
-    cpu = {kind: [] for kind in cpu}
-    for index in range(pairs):
-        first = index % 2 == 0
-        for observed in (first, not first):
-            times["observed" if observed else "idle hooks"].append(step(observed))
+    for index in range(warmup + pairs):
+        shift = index % len(STEP_KINDS)
+        for kind in STEP_KINDS[shift:] + STEP_KINDS[:shift]:
+            step(kind)
     observer.close()
-    return {"wall": times, "cpu": cpu}
+    return {
+        "wall": {kind: values[warmup:] for kind, values in times.items()},
+        "cpu": {kind: values[warmup:] for kind, values in cpu.items()},
+    }
 
 
 def _model(dim: int = DIM) -> torch.nn.Module:
@@ -191,7 +198,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps per run not measured")
-    parser.add_argument("--pairs", type=int, default=60, help="step pairs in part 2")
+    parser.add_argument("--pairs", type=int, default=60, help="rounds of steps in part 2")
     parser.add_argument("--only-steps", action="store_true", help="part 2 only")
     parser.add_argument("--dim", type=int, default=DIM, help="width of the model's blocks")
     parser.add_argument("--bucket-mb", type=float, default=0.25, help="DDP's bucket_cap_mb")
@@ -215,26 +222,31 @@ def main() -> None:
         measured = run_distributed(
             alternate, 2, server.address, args.pairs, args.warmup, shape, timeout=600
         )[0]
-        steps, cpu = measured["wall"], measured["cpu"]
         spans = server.store.spans_received
     if not args.only_steps:
         _print_runs(console, medians["wall"], args.rounds, "wall time")
         _print_runs(console, medians["cpu"], args.rounds, "CPU time of the rank's process")
-    pairs = [o / i for o, i in zip(steps["observed"], steps["idle hooks"], strict=True)]
     console.print(
-        f"2. alternating steps in one run ({len(pairs)} pairs): observed "
-        f"{statistics.median(steps['observed']) * 1e3:.2f} ms, outside observer.step() "
-        f"{statistics.median(steps['idle hooks']) * 1e3:.2f} ms; median per-pair ratio "
-        f"{statistics.median(pairs):.4f}; {spans} spans reached the daemon"
+        f"2. alternating steps in one run ({args.pairs} rounds of an observed, an idle-hooks "
+        f"and a plain step; {spans} spans reached the daemon):"
     )
-    cpu_pairs = [o / i for o, i in zip(cpu["observed"], cpu["idle hooks"], strict=True)]
-    console.print(
-        f"   CPU time of the rank's process per step (every thread: training, exporter, "
-        f"Gloo; load-proof where wall time is not): observed "
-        f"{statistics.median(cpu['observed']) * 1e3:.2f} ms, outside observer.step() "
-        f"{statistics.median(cpu['idle hooks']) * 1e3:.2f} ms; median per-pair ratio "
-        f"{statistics.median(cpu_pairs):.4f}"
-    )
+    for what, label in (("wall", "wall time"), ("cpu", "CPU time of the rank's process")):
+        figures = measured[what]
+        plain = statistics.median(figures["plain"])
+        ratios = {
+            kind: statistics.median(
+                a / b for a, b in zip(figures[kind], figures["plain"], strict=True)
+            )
+            for kind in ("observed", "idle hooks")
+        }
+        console.print(
+            f"   {label}: plain {plain * 1e3:.2f} ms, observed "
+            f"{statistics.median(figures['observed']) * 1e3:.2f} ms, idle hooks "
+            f"{statistics.median(figures['idle hooks']) * 1e3:.2f} ms; median per-round ratio "
+            f"observed / plain {ratios['observed']:.4f} (goal ≤ 1.01; "
+            f"{(ratios['observed'] - 1) * plain * 1e3:+.2f} ms), idle hooks / plain "
+            f"{ratios['idle hooks']:.4f}"
+        )
 
 
 if __name__ == "__main__":
