@@ -475,3 +475,6 @@ def test_a_users_comm_hook_runs_inside_the_timing_hook() -> None:
         # Summed, not averaged: the inputs are 1 and 2 on the two ranks.
         assert result["grad"] == pytest.approx(3.0)
         assert result["timed"] == [("all_reduce", "grad_bucket", True)]
+        # DDP's default without a user's hook: averaged (the inputs' mean, 1.5), timed too.
+        assert result["default_grad"] == pytest.approx(1.5)
+        assert result["default_timed"] == [("all_reduce", "grad_bucket", True)]

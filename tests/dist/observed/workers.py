@@ -19,8 +19,15 @@ def summing_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 def user_comm_hook(rank: int, world_size: int, address: str) -> dict[str, object]:
     """A hook registered before `plait.observe` is refused; one registered after runs inside
-    plait's timing hook, and its buckets are timed."""
+    plait's timing hook, and its buckets are timed. Without one, plait's hook does DDP's
+    default (the gradients averaged), timed as well."""
     torch.manual_seed(0)
+    averaged = DDP(torch.nn.Linear(4, 4, bias=False))
+    observer = plait.observe(averaged, daemon=address, job_id="default-hook")
+    with observer.step():
+        averaged(torch.full((1, 4), float(rank + 1))).sum().backward()
+        default_records = list(observer.ledger.records)
+    observer.close()
     early = DDP(torch.nn.Linear(4, 4))
     early.register_comm_hook(None, summing_hook)
     try:
@@ -39,4 +46,6 @@ def user_comm_hook(rank: int, world_size: int, address: str) -> dict[str, object
         "refused": refused,
         "grad": model.module.weight.grad[0, 0].item(),
         "timed": [(r.op, r.purpose, r.end_ns > r.start_ns) for r in records],
+        "default_grad": averaged.module.weight.grad[0, 0].item(),
+        "default_timed": [(r.op, r.purpose, r.end_ns > r.start_ns) for r in default_records],
     }
