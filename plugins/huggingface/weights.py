@@ -1,7 +1,7 @@
-"""Hugging Face interop: plait weights <-> safetensors + `config.json` that transformers loads.
+"""Hugging Face weights: plait tensors <-> safetensors + the `config.json` transformers loads.
 
 The families (Llama, Mistral, Qwen2 on plait's `llama`; GPT-2 on plait's `gpt2`), their tensor
-names, layouts and config fields are in `hf_families`; this module moves tensors.
+names, layouts and config fields are in `families`; this module moves tensors.
 
 Offline (`plait ckpt export/import`): `export_hf` writes full plait tensors as one family;
 `import_hf` reads a folder (one safetensors file or shards) into plait tensors and the plait
@@ -32,7 +32,7 @@ from plait.core.state_chunks import (
     region_chunks,
     tensor_pieces,
 )
-from plait.plugins.checkpoint.hf_families import (
+from plait.plugins.huggingface.families import (
     LLAMA,
     HFFamily,
     Slot,
