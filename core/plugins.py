@@ -62,7 +62,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     # known it by (the saving and loading of checkpoints is `plait.plugins.checkpoint`).
     ("checkpointing", "plait.plugins.activation_checkpointing"),
     ("compile", "plait.plugins.compile"),
-    ("collective_timeouts", "plait.plugins.checkpoint.timeouts"),
+    ("collective_timeouts", "plait.plugins.resilience.timeouts"),
     # Spans and metrics of steps and comm ops; the engine unregisters it when
     # `telemetry.enabled` is false, so a run without telemetry pays nothing per op.
     ("telemetry", "plait.plugins.telemetry"),
