@@ -97,7 +97,7 @@ MOE_AUX_LOSS = "moe_aux_loss"  # router logits gathered for a load-balancing los
 METRICS = "metrics"  # loss and other reported values
 GRAD_NORM = "grad_norm"  # the global gradient norm for clipping
 LOSS_SCALE = "loss_scale"  # the fp16 loss scaler's inf/nan vote
-NONFINITE_CHECK = "nonfinite_check"  # the checkpoint guard's NaN/Inf vote
+NONFINITE_CHECK = "nonfinite_check"  # the NaN/Inf guard's vote (plugins/resilience)
 BARRIER = "barrier"
 GENERIC = "generic"  # the default when a caller names none
 

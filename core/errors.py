@@ -26,3 +26,7 @@ class MeshError(PlaitError):
 
 class ScheduleError(PlaitError):
     """A schedule's action list is invalid (unmatched send, backward before forward, deadlock)."""
+
+
+class CheckpointError(PlaitError):
+    """A checkpoint or a weight folder is missing, incomplete or corrupted, or cannot be applied."""

@@ -58,9 +58,11 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("context_parallel", "plait.plugins.context_parallel"),
     ("expert_parallel", "plait.plugins.expert_parallel"),
     ("precision", "plait.plugins.precision"),
-    ("checkpointing", "plait.plugins.checkpointing"),
+    # Activation recomputation, registered under the name `PLAIT_DISABLE_PLUGINS` has always
+    # known it by (the saving and loading of checkpoints is `plait.plugins.checkpoint`).
+    ("checkpointing", "plait.plugins.activation_checkpointing"),
     ("compile", "plait.plugins.compile"),
-    ("collective_timeouts", "plait.plugins.checkpoint.timeouts"),
+    ("collective_timeouts", "plait.plugins.resilience.timeouts"),
     # Spans and metrics of steps and comm ops; the engine unregisters it when
     # `telemetry.enabled` is false, so a run without telemetry pays nothing per op.
     ("telemetry", "plait.plugins.telemetry"),

@@ -27,7 +27,15 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from plait.daemon.config import DEFAULT_INGEST_OFFLOAD_BYTES
-from plait.daemon.ingest import DecodedResource, decode_resources, decode_wire, encode_resources
+from plait.daemon.decoder import StaticsCache
+from plait.daemon.ingest import (
+    DecodedResource,
+    collect_garbage_less_often,
+    decode_resources,
+    decode_wire,
+    encode_resources,
+)
+from plait.daemon.otlp_requests import trace_request_parser
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +53,6 @@ class WorkerLost(RuntimeError):
 
 def _work(conn: Connection) -> None:
     """A worker's loop: request bytes in, decoded spans (or why not) out, until EOF."""
-    # Imported here, not at module level: the daemon imports this module, the worker runs it.
-    from plait.daemon.decoder import StaticsCache
-    from plait.daemon.otlp import collect_garbage_less_often, trace_request_parser
-
     collect_garbage_less_often()
     parse, statics = trace_request_parser(), StaticsCache()
     conn.send_bytes(_DECODED)  # ready

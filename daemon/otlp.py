@@ -4,9 +4,9 @@ Ranks export with the stock OTLP/gRPC exporters, so any OpenTelemetry Collector 
 for the daemon, and the daemon could receive from any OTLP source (spans without plait resource
 attributes are counted as ignored and only forwarded).
 
-Trace requests are read straight from their bytes (`plait.daemon.otlp_wire`, protobuf when that
-reader declines), without building message objects per span; every resource and span of a
-rank then goes through `plait.daemon.decoder`. One that fails is
+Trace requests are read straight from their bytes (`plait.daemon.otlp_requests`: the wire
+reader, protobuf when that reader declines), without building message objects per span; every
+resource and span of a rank then goes through `plait.daemon.decoder`. One that fails is
 rejected *alone*: the rest of the request is stored, the response is an OTLP partial success
 whose `error_message` names the first bad attribute, the reject is counted per reason, and the
 request forwarded upstream leaves the rejected items out.
@@ -21,11 +21,10 @@ also be handed to a forwarder (`plait.daemon.exporters.OtlpUpstream`).
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
-from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from plait.core import telemetry_schema as names
 from plait.daemon.decoder import (
@@ -47,9 +44,9 @@ from plait.daemon.decoder import (
     decode_resource,
 )
 from plait.daemon.hangs import heartbeat_from_points
-from plait.daemon.ingest import DecodedResource, decode_resources
+from plait.daemon.ingest import collect_garbage_less_often, decode_resources
 from plait.daemon.ingest_pool import IngestPool, WorkerLost
-from plait.daemon.otlp_wire import Decline, TraceRequestReader, WireResource, WireSpan
+from plait.daemon.otlp_requests import TraceRequest, attributes, trace_request_parser
 from plait.daemon.security import CallCounters
 from plait.daemon.store import TelemetryStore
 
@@ -80,22 +77,6 @@ class IngestLimiter:
     def release(self, items: int) -> None:
         with self._lock:
             self._pending -= items
-
-
-def any_value(value: AnyValue) -> Any:
-    """An OTLP `AnyValue` as a Python value."""
-    which = value.WhichOneof("value")
-    if which is None:
-        return None
-    if which == "array_value":
-        return [any_value(v) for v in value.array_value.values]
-    if which == "kvlist_value":
-        return attributes(value.kvlist_value.values)
-    return getattr(value, which)
-
-
-def attributes(pairs: Iterable[KeyValue]) -> dict[str, Any]:
-    return {kv.key: any_value(kv.value) for kv in pairs}
 
 
 def metric_points(metric: Metric) -> dict[str, float]:
@@ -152,89 +133,6 @@ class Outcome:
     @property
     def clean(self) -> bool:
         return self.rejected == 0
-
-
-class TraceRequest:
-    """A received trace request: its spans as the decoder needs them (or, from an ingest
-    worker, already decoded; or, when `deferred`, only its bytes, for the receiver to hand to
-    a worker), and the message itself (parsed from the bytes only when something needs it:
-    forwarding upstream)."""
-
-    __slots__ = ("_message", "_raw", "decoded", "deferred", "resources")
-
-    def __init__(
-        self,
-        resources: list[WireResource],
-        *,
-        raw: bytes | None = None,
-        message: trace_service_pb2.ExportTraceServiceRequest | None = None,
-        decoded: list[DecodedResource] | None = None,
-        deferred: bool = False,
-    ) -> None:
-        self.resources, self._raw, self._message = resources, raw, message
-        self.decoded, self.deferred = decoded, deferred
-
-    @property
-    def raw(self) -> bytes:
-        return self._raw if self._raw is not None else self.message.SerializeToString()
-
-    @property
-    def message(self) -> trace_service_pb2.ExportTraceServiceRequest:
-        if self._message is None:
-            self._message = trace_service_pb2.ExportTraceServiceRequest.FromString(self._raw or b"")
-        return self._message
-
-    @property
-    def span_count(self) -> int:
-        if self.decoded is not None:
-            return sum(resource.span_count for resource in self.decoded)
-        return sum(len(resource.spans) for resource in self.resources)
-
-    @classmethod
-    def from_message(cls, request: trace_service_pb2.ExportTraceServiceRequest) -> TraceRequest:
-        """The message walk: what `TraceRequestReader` reads from the bytes, from the objects."""
-        resources = []
-        for resource_spans in request.resource_spans:
-            resource = WireResource(attributes(resource_spans.resource.attributes))
-            for s, scope_spans in enumerate(resource_spans.scope_spans):
-                resource.spans.extend(
-                    WireSpan(
-                        s,
-                        i,
-                        span.name,
-                        span.start_time_unix_nano,
-                        span.end_time_unix_nano,
-                        attributes(span.attributes),
-                        span.status.code == Status.STATUS_CODE_ERROR,
-                    )
-                    for i, span in enumerate(scope_spans.spans)
-                )
-            resources.append(resource)
-        return cls(resources, message=request)
-
-
-def trace_request_parser(
-    reader: TraceRequestReader | None = None, defer: Callable[[bytes], bool] | None = None
-) -> Callable[[bytes], Any]:
-    """The receiver's request deserializer: the fast reader, else protobuf (which raises
-    `DecodeError` for malformed bytes, answered INVALID_ARGUMENT by the call guard).
-
-    A request `defer` says yes to is left as bytes (`TraceRequest.deferred`) for the receiver
-    to hand to an ingest worker: gRPC calls the deserializer on its one polling thread, so
-    whatever it does happens one request at a time; the receiver runs on the handler threads,
-    several at once."""
-    reader = reader or TraceRequestReader()
-
-    def parse(data: bytes) -> TraceRequest:
-        if defer is not None and defer(data):
-            return TraceRequest([], raw=data, deferred=True)
-        try:
-            return TraceRequest(reader.read(data), raw=data)
-        except Decline:
-            message = trace_service_pb2.ExportTraceServiceRequest.FromString(data)
-            return TraceRequest.from_message(message)
-
-    return parse
 
 
 class TraceReceiver:
@@ -448,27 +346,6 @@ def _without(request: Any, outcome: Outcome, field_name: str) -> Any:
                 item for i, item in enumerate(getattr(scope, items_field)) if (s, i) not in dropped
             )
     return kept
-
-
-# The cyclic collector's first generation is collected after this many new container objects
-# (CPython's default is 700).
-INGEST_GC_THRESHOLD = 50_000
-
-
-def collect_garbage_less_often() -> None:
-    """Raise the cyclic collector's first threshold for a process that ingests spans.
-
-    NOTE: storing a span allocates a dozen small container objects (records, attribute dicts,
-    interval tuples), and the windows keep hundreds of thousands of them alive. With the default
-    threshold the collector runs every ~60 spans and, every few hundred thousand, walks the
-    whole window: with five ranks' windows full, storing cost 31 CPU-µs per span against 17
-    with this threshold (same requests, same process), in bursts of tens of milliseconds that
-    also stall queries. Nothing the store keeps forms reference cycles, so collecting less
-    often costs no memory that matters. Never lowers a threshold set higher.
-    """
-    first, second, third = gc.get_threshold()
-    if 0 < first < INGEST_GC_THRESHOLD:
-        gc.set_threshold(INGEST_GC_THRESHOLD, max(second, 20), max(third, 100))
 
 
 def add_receivers(

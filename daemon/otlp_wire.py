@@ -9,7 +9,7 @@ left as its serialized `KeyValue` bytes; the attributes that repeat from span to
 group, purpose, phase) are decoded once per distinct byte string, and integers (step, sequence
 number) are read straight from their bytes.
 
-What it yields is exactly what the message walk yields (`plait.daemon.otlp.attributes`):
+What it yields is exactly what the message walk yields (`plait.daemon.otlp_requests.attributes`):
 per resource its attributes, per span its name, times, attributes and error flag, with the
 indices the receiver uses to leave rejected spans out of a forwarded copy, and each span's
 *shape* when it came from a template: spans of one shape differ only in their numbers, so the
@@ -434,7 +434,7 @@ class TraceRequestReader:
         return key, value
 
     def _any_value(self, buf: bytes, pos: int, end: int) -> Any:
-        """An `AnyValue` as `plait.daemon.otlp.any_value` gives it (last field set wins)."""
+        """An `AnyValue` as `plait.daemon.otlp_requests.any_value` gives it (last set wins)."""
         value: Any = None
         seen_array = False
         while pos < end:

@@ -4,7 +4,7 @@
 MoE). `shape_from_config` reads it off a built-in family's validated config
 (`plait.plugins.models`), so the planner prices exactly the model `plait train` would build;
 `published.py` writes the shapes of models plait does not ship (GPT-3 175B, Llama 3 405B) the
-same way.
+same way, and resolves a MODEL argument to either kind (`resolve_shape`).
 """
 
 from __future__ import annotations
@@ -101,23 +101,3 @@ def shape_from_config(family: str, config: Any, *, name: str = "") -> ModelShape
         head_params=head,
         **experts,
     )
-
-
-def resolve_shape(spec: str, overrides: dict[str, Any] | None = None) -> ModelShape:
-    """`family:size` (`llama:7b`, `gpt2:small`, `moe:mixtral-8x7b`) or a published model's name
-    (`gpt3-175b`, `llama3-405b`) as a shape."""
-    from plait.planner.published import PUBLISHED_MODELS
-
-    if spec in PUBLISHED_MODELS and not overrides:
-        return PUBLISHED_MODELS[spec]
-    family, _, size = spec.partition(":")
-    if not size:
-        known = ", ".join(sorted(PUBLISHED_MODELS))
-        raise ConfigError(
-            f"MODEL: expected family:size (e.g. llama:7b, gpt2:small, moe:mixtral-8x7b) or one "
-            f"of {known}, got {spec!r}"
-        )
-    from plait.plugins.models import resolve_model_config
-
-    config = resolve_model_config(family, size, overrides or {})
-    return shape_from_config(family, config, name=spec)

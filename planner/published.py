@@ -12,15 +12,20 @@
   dimension 16384, FFN 53248, 128 heads and 8 key/value heads, vocabulary 128256, sequence 8192;
   16,384 H100-80GB (8 per node), 16M tokens per batch = 2048 sequences; TP 8, CP 1, PP 16,
   DP 128; 400 TFLOP/s per GPU, 41 % BF16 MFU.
+
+`resolve_shape` reads the MODEL of `plait plan`: one of these published models by name, or a
+built-in family's size (`shape_from_config`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from plait.core.errors import ConfigError
 from plait.planner.devices import device_spec
 from plait.planner.layouts import Job, SearchSpace
-from plait.planner.model_shape import ModelShape
+from plait.planner.model_shape import ModelShape, shape_from_config
 
 
 def _gpt(name: str, *, layers: int, dim: int, heads: int, vocab: int, seq: int) -> ModelShape:
@@ -68,6 +73,25 @@ PUBLISHED_MODELS: dict[str, ModelShape] = {
         "llama3-405b", layers=126, dim=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256
     ),
 }
+
+
+def resolve_shape(spec: str, overrides: dict[str, Any] | None = None) -> ModelShape:
+    """`family:size` (`llama:7b`, `gpt2:small`, `moe:mixtral-8x7b`) or a published model's name
+    (`gpt3-175b`, `llama3-405b`) as a shape."""
+    if spec in PUBLISHED_MODELS and not overrides:
+        return PUBLISHED_MODELS[spec]
+    family, _, size = spec.partition(":")
+    if not size:
+        known = ", ".join(sorted(PUBLISHED_MODELS))
+        raise ConfigError(
+            f"MODEL: expected family:size (e.g. llama:7b, gpt2:small, moe:mixtral-8x7b) or one "
+            f"of {known}, got {spec!r}"
+        )
+    from plait.plugins.models import resolve_model_config
+
+    config = resolve_model_config(family, size, overrides or {})
+    return shape_from_config(family, config, name=spec)
+
 
 MEGATRON_2021_SPACE = SearchSpace(
     zero_stages=(0,),

@@ -105,8 +105,8 @@ def export(
     ] = None,
 ) -> None:
     """Write a checkpoint's weights as Hugging Face safetensors plus config.json."""
-    from plait.plugins.checkpoint.hf import export_hf, model_fields
     from plait.plugins.checkpoint.offline import model_weights
+    from plait.plugins.huggingface.weights import export_hf, model_fields
     from plait.plugins.models import resolve_model_config
 
     if format != "hf":
@@ -162,9 +162,9 @@ def import_(
 ) -> None:
     """Read a Hugging Face Llama, Mistral, Qwen2 or GPT-2 folder (local files) into a plait
     checkpoint (weights only)."""
-    from plait.plugins.checkpoint.hf import import_hf
     from plait.plugins.checkpoint.offline import write_checkpoint
     from plait.plugins.checkpoint.state import FORMAT
+    from plait.plugins.huggingface.weights import import_hf
 
     try:
         imported = import_hf(source)

@@ -121,7 +121,7 @@ def search(
 ) -> None:
     """Rank the valid layouts of MODEL on WORLD devices by predicted step time."""
     from plait.planner.layouts import PRECISIONS, Job, SearchSpace
-    from plait.planner.model_shape import resolve_shape
+    from plait.planner.published import resolve_shape
     from plait.planner.search import plan
 
     try:

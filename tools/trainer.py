@@ -71,6 +71,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     """Train for `config.train.steps` steps; rank 0 shows live progress."""
     from plait.plugins.checkpoint import Checkpointer
     from plait.plugins.data import build_batches
+    from plait.plugins.resilience import attach_resilience
     from plait.tools.validation import Validation, check_validation_layout
 
     quiet_repeated_notices(os.environ)
@@ -101,6 +102,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         Validation(engine, split_batches["validation"]) if "validation" in split_batches else None
     )
     checkpointer = Checkpointer.from_config(engine, batches, config)
+    attach_resilience(engine, config.checkpoint_io)
     start_step = checkpointer.maybe_resume()
     rank_peak = _rank_peak(engine) if is_leader else PeakFlops(0.0, "")
     # Every rank of a job runs on the same kind of device, so the job's peak is W × the rank's.

@@ -5,17 +5,18 @@
     start = checkpointer.maybe_resume()
     ...  checkpointer.maybe_save(step + 1)  ...
 
-- `layout`: the canonical layout (original name, global shape, rectangular chunks), read from
-  the `plait.core.state_layout.StateLayout` the engine's runtimes declare (`state_layout()`),
-  so any layout — a third-party strategy's included — loads any other.
-- `planner`: DCP planners for chunked values; `state`: what a checkpoint holds;
-  `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
+- `state`: what a checkpoint holds, gathered from and applied to an engine through the
+  canonical layout (original name, global shape, rectangular chunks) that
+  `plait.core.state_chunks` reads from the `StateLayout` the engine's runtimes declare, so any
+  layout — a third-party strategy's included — loads any other (DCP planners:
+  `plait.core.dcp_planner`).
+- `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
 - `checkpointer`: the training-loop policy and the `[checkpoint_io]` section.
-- `guard`: skip steps with NaN/Inf gradients; `fault_injection`: SIGKILL a rank for restart
-  tests.
-- `hf`: Hugging Face safetensors export/import of Llama weights.
-- `timeouts`: the `plait_communicate` wrapper that turns a collective timeout into an error
-  naming the op, its sequence number and the ranks that did not arrive.
+- `offline`: whole-tensor reads and writes in one process, for `plait ckpt`.
+
+Elsewhere: Hugging Face weights in `plait.plugins.huggingface`; the NaN/Inf guard, fault
+injection and collective-timeout reports (configured in `[checkpoint_io]` too) in
+`plait.plugins.resilience`.
 """
 
 from __future__ import annotations
@@ -29,28 +30,16 @@ if TYPE_CHECKING:
         CheckpointIOConfig,
         checkpoint_io_config,
     )
-    from plait.plugins.checkpoint.layout import TensorChunk, TensorPieces, flat_range_chunks
     from plait.plugins.checkpoint.storage import CheckpointError
 
-# Resolved on first use: importing the package (e.g. for the timeouts plugin) stays cheap.
+# Resolved on first use: importing the package (e.g. for `plait ckpt`) stays cheap.
 _EXPORTS = {
     "Checkpointer": "checkpointer",
     "CheckpointIOConfig": "checkpointer",
     "checkpoint_io_config": "checkpointer",
     "CheckpointError": "storage",
-    "TensorChunk": "layout",
-    "TensorPieces": "layout",
-    "flat_range_chunks": "layout",
 }
-__all__ = [
-    "CheckpointError",
-    "CheckpointIOConfig",
-    "Checkpointer",
-    "TensorChunk",
-    "TensorPieces",
-    "checkpoint_io_config",
-    "flat_range_chunks",
-]
+__all__ = ["CheckpointError", "CheckpointIOConfig", "Checkpointer", "checkpoint_io_config"]
 
 
 def __getattr__(name: str) -> Any:

@@ -7,7 +7,9 @@
         checkpointer.maybe_save(step + 1)
     checkpointer.close()                          # waits for an asynchronous save
 
-Configured by the `[checkpoint_io]` section (`[checkpoint]` is activation checkpointing).
+Configured by the `[checkpoint_io]` section (`[checkpoint]` is activation checkpointing). The
+section's NaN/Inf guard and fault injection are not the checkpointer's: the training loop
+attaches them beside it (`plait.plugins.resilience.attach_resilience`).
 """
 
 from __future__ import annotations
@@ -76,15 +78,6 @@ class Checkpointer:
             if distributed
             else None
         )
-        if config.max_consecutive_nonfinite > 0:
-            from plait.plugins.checkpoint.guard import NonFiniteGuard
-
-            self.guard = NonFiniteGuard(engine, max_consecutive=config.max_consecutive_nonfinite)
-            engine.runtimes.append(self.guard)
-        if config.fault_injection.kill_after_step >= 0:
-            from plait.plugins.checkpoint.fault_injection import FaultInjector
-
-            engine.plugins.register(FaultInjector(config.fault_injection), "fault_injection")
 
     @property
     def group(self) -> Any:

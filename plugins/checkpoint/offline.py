@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from plait.plugins.checkpoint.layout import TensorPieces
-from plait.plugins.checkpoint.planner import ChunkedValue, ChunkLoadPlanner, ChunkSavePlanner
+from plait.core.dcp_planner import ChunkedValue, ChunkSavePlanner, read_tensors
+from plait.core.errors import CheckpointError
+from plait.core.state_chunks import TensorPieces
 from plait.plugins.checkpoint.storage import (
-    CheckpointError,
     describe_files,
     publish,
     resolve_checkpoint,
@@ -36,27 +35,6 @@ def read_checkpoint(path: Path, *, prefix: str = "", with_objects: bool = True) 
     if not verdict.ok:
         raise CheckpointError(f"checkpoint {directory} is unusable: {verdict.problem}")
     return read_tensors(directory, prefix=prefix, with_objects=with_objects)
-
-
-def read_tensors(directory: Path, *, prefix: str = "", with_objects: bool = True) -> dict[str, Any]:
-    """Like `read_checkpoint`, from a DCP directory with no manifest (e.g. a staging one)."""
-    reader = dcp.FileSystemReader(directory)
-    state: dict[str, Any] = {}
-    for key, md in reader.read_metadata().state_dict_metadata.items():
-        if not key.startswith(prefix):
-            continue
-        if isinstance(md, TensorStorageMetadata):
-            full = torch.empty(md.size, dtype=md.properties.dtype)
-            state[key] = ChunkedValue(TensorPieces.whole(full))
-        elif isinstance(md, BytesStorageMetadata) and with_objects:
-            state[key] = None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), no_dist=True)
-    return {
-        k: (v.pieces.chunks[0].tensor if isinstance(v, ChunkedValue) else v)
-        for k, v in state.items()
-    }
 
 
 def model_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -29,17 +29,16 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
-from plait.core.state_layout import StateLayout
-from plait.plugins.checkpoint.layout import (
+from plait.core.dcp_planner import ChunkedValue, ChunkLoadPlanner, ChunkSavePlanner
+from plait.core.errors import CheckpointError
+from plait.core.state_chunks import (
     Staging,
     TensorPieces,
-    ensure_optimizer_state,
     first_replica,
     layout_for,
     tensor_pieces,
 )
-from plait.plugins.checkpoint.planner import ChunkedValue, ChunkLoadPlanner, ChunkSavePlanner
-from plait.plugins.checkpoint.storage import CheckpointError
+from plait.core.state_layout import StateLayout
 
 FORMAT = "plait-dcp-1"
 _GROUP_HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay", "momentum")
@@ -145,6 +144,30 @@ class LoadReport:
     step: int
     model_only: bool
     notes: tuple[str, ...] = ()
+
+
+def empty_adam_state(optimizer: torch.optim.Optimizer, like: torch.Tensor) -> dict[str, Any]:
+    """Adam state for a parameter that has not stepped yet, to load a checkpoint into.
+
+    plait's AdamW counts steps in a Python int; torch's optimizers keep a 0-d float tensor.
+    """
+    from plait.core.optim import AdamW
+
+    step: Any = 0 if isinstance(optimizer, AdamW) else torch.tensor(0.0)
+    return {
+        "step": step,
+        "exp_avg": torch.zeros_like(like, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(like, memory_format=torch.preserve_format),
+    }
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of `optimizer` that has not stepped yet empty state to load into,
+    so that strategies describe (and the loader fills) state a resumed job has not built."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not optimizer.state.get(param):
+                optimizer.state[param] = empty_adam_state(optimizer, param)
 
 
 def load_engine_state(

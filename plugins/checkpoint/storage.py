@@ -25,7 +25,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.core.errors import PlaitError
+from plait.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,6 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _READ_BLOCK = 1 << 22
-
-
-class CheckpointError(PlaitError):
-    """A checkpoint is missing, incomplete or corrupted, or cannot be applied."""
 
 
 def step_dir_name(step: int) -> str:

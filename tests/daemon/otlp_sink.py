@@ -12,7 +12,7 @@ import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from plait.daemon.otlp import attributes
+from plait.daemon.otlp_requests import attributes
 
 
 class OtlpSink(trace_service_pb2_grpc.TraceServiceServicer,

@@ -28,7 +28,7 @@ from plait.daemon.forwarding import (
     Outgoing,
     RetryPolicy,
 )
-from plait.daemon.otlp import attributes
+from plait.daemon.otlp_requests import attributes
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.daemon.otlp_inputs import rank_resource, step_spans, trace_request

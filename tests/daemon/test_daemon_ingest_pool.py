@@ -25,7 +25,7 @@ from plait.core.expert_load import ExpertLoadBoard
 from plait.core.step import PhaseSpan, StepReport
 from plait.daemon.decoder import Rejected, StaticsCache
 from plait.daemon.ingest import DecodedResource, decode_resources, decode_wire, encode_resources
-from plait.daemon.otlp import trace_request_parser
+from plait.daemon.otlp_requests import trace_request_parser
 from plait.daemon.server import DaemonServer
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter

@@ -20,7 +20,7 @@ from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
-from plait.daemon.otlp import TraceRequest, trace_request_parser
+from plait.daemon.otlp_requests import TraceRequest, trace_request_parser
 from plait.daemon.otlp_wire import Decline, TraceRequestReader
 from tests.daemon.test_daemon_fuzz import key_values, values
 

@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from plait.daemon.otlp import attributes as decoded
+from plait.daemon.otlp_requests import attributes as decoded
 from plait.plugins.telemetry import otlp_wire
 
 VALUES: dict[str, Any] = {

@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from plait.core import telemetry_schema as names
 from plait.core.step import PhaseSpan, StepReport
 from plait.daemon.decoder import Rejected, StaticsCache, decode_span
-from plait.daemon.otlp import TraceRequest
+from plait.daemon.otlp_requests import TraceRequest
 from plait.daemon.otlp_wire import TraceRequestReader, WireSpan
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter

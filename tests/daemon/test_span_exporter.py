@@ -16,7 +16,7 @@ from plait.core.phase_timing import DEVICE_TIMING, PhaseTimer
 from plait.core.schedule import Backward, Forward, OptimizerStep
 from plait.core.step import PhaseSpan, StepReport
 from plait.daemon.decoder import decode_span
-from plait.daemon.otlp import attributes
+from plait.daemon.otlp_requests import attributes
 from plait.plugins.telemetry import exporter as exporter_module
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter

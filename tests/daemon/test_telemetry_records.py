@@ -19,7 +19,7 @@ from plait.core import telemetry_schema as names
 from plait.core.expert_load import ExpertLoadBoard
 from plait.core.records import CommRequest
 from plait.daemon.decoder import decode_span
-from plait.daemon.otlp import attributes
+from plait.daemon.otlp_requests import attributes
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter
 

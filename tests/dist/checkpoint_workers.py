@@ -11,6 +11,7 @@ from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import build_batches
+from plait.plugins.resilience import attach_resilience
 
 STEPS = 10
 
@@ -57,11 +58,9 @@ def train_and_checkpoint(
         dp_size=engine.mesh.size("dp"),
         seed=engine.config.train.seed,
     )
-    checkpointer = Checkpointer(
-        engine,
-        batches,
-        CheckpointIOConfig(dir=ckpt_dir, resume=resume, async_save=async_save, keep=0),
-    )
+    settings = CheckpointIOConfig(dir=ckpt_dir, resume=resume, async_save=async_save, keep=0)
+    checkpointer = Checkpointer(engine, batches, settings)
+    attach_resilience(engine, settings)  # as the trainer does: the default NaN/Inf guard
     start = checkpointer.maybe_resume()
     losses: dict[int, float] = {}
     for step in range(start, stop_at):
@@ -76,10 +75,10 @@ def train_and_checkpoint(
 def nonfinite_guard(rank: int, world_size: int, nan_steps: tuple[int, ...]) -> dict[str, Any]:
     """Poison one gradient on `nan_steps`; report skipped steps and whether parameters changed."""
     del rank, world_size
-    from plait.plugins.checkpoint.guard import NonFiniteGradients
+    from plait.plugins.resilience.nonfinite_guard import NonFiniteGradients
 
     engine = Engine(config=engine_config())
-    Checkpointer(engine, None, CheckpointIOConfig(max_consecutive_nonfinite=2))
+    attach_resilience(engine, CheckpointIOConfig(max_consecutive_nonfinite=2))
     param = engine.module.output.weight
     state = {"step": 0}
 

@@ -8,7 +8,7 @@ import torch
 
 from plait.core.engine import Engine
 from plait.core.plugins import Plugins
-from plait.plugins import checkpointing, compile, ddp, pipeline, precision, zero
+from plait.plugins import activation_checkpointing, compile, ddp, pipeline, precision, zero
 from plait.plugins.models.init import normalised_name
 from tests.dist.precision_workers import GLOBAL_BATCH, SEQ, global_batches, local_share
 
@@ -61,7 +61,7 @@ def make_engine(run: dict[str, Any], micro_batch: int, steps: int) -> Engine:
         transforms["precision"] = precision.NAME
         config["amp"] = run["amp"]
     if run.get("checkpoint") is not None:
-        transforms["ac"] = checkpointing.NAME
+        transforms["ac"] = activation_checkpointing.NAME
         config["checkpoint"] = run["checkpoint"]
     config["parallel"] = {
         "transforms": transforms,
@@ -72,8 +72,8 @@ def make_engine(run: dict[str, Any], micro_batch: int, steps: int) -> Engine:
         config["schedule"] = run["schedule"]
     plugins = Plugins.create(
         autoload=False,
-        extra=[("precision", precision), ("checkpointing", checkpointing), ("compile", compile),
-               ("ddp", ddp), ("zero", zero), ("pipeline", pipeline)],
+        extra=[("precision", precision), ("checkpointing", activation_checkpointing),
+               ("compile", compile), ("ddp", ddp), ("zero", zero), ("pipeline", pipeline)],
     )  # fmt: skip
     return Engine(config=config, plugins=plugins)
 

@@ -26,7 +26,7 @@ def gpt2_through_tp2_and_zero2(rank: int, world_size: int, hf_dir: str, out_dir:
     blocks of the fused, transposed c_attn) and exports it again; a ZeRO-2 job (flat ranges of
     every tensor) loads the same folder. Returns the ZeRO-2 job's parameters."""
     del rank, world_size
-    from plait.plugins.checkpoint.hf import export_hf_from, load_hf_into
+    from plait.plugins.huggingface.weights import export_hf_from, load_hf_into
 
     tp = Engine(config=_config({"tp": 2}))
     local = {name: p.shape for name, p in tp.module.named_parameters()}

@@ -316,7 +316,7 @@ def _save_at_ep2_resume_at_ep1(ckpt_dir: Path) -> dict[str, Any]:
 def _export_after_ep2(out_dir: Path) -> dict[str, Any]:
     import transformers
 
-    from plait.plugins.checkpoint.hf import export_hf_from
+    from plait.plugins.huggingface.weights import export_hf_from
 
     engine, _, _, _ = train_case(MIXTRAL_EP2)
     probe = batches(1)[0]["input_ids"]

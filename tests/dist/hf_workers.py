@@ -82,7 +82,7 @@ def plain_loop(family: str) -> tuple[list[float], list[float], nn.Module]:
 def global_parameters(engine: Any) -> dict[str, torch.Tensor]:
     """Every parameter reassembled from the pieces the ranks declare they hold: what a
     checkpoint of the run would contain."""
-    from plait.plugins.checkpoint.layout import first_replica, layout_for, tensor_pieces
+    from plait.core.state_chunks import first_replica, layout_for, tensor_pieces
 
     writer = first_replica(engine)
     mine = {

@@ -9,7 +9,7 @@ import torch
 from plait.core.engine import Engine
 from plait.core.plugins import Plugins
 from plait.core.sharding import ParallelRuntime
-from plait.plugins import checkpointing, precision
+from plait.plugins import activation_checkpointing, precision
 
 SEQ = 16
 GLOBAL_BATCH = 8
@@ -55,12 +55,12 @@ def make_engine(
         transforms["precision"] = precision.NAME
         config["amp"] = amp
     if checkpoint is not None:
-        transforms["ac"] = checkpointing.NAME
+        transforms["ac"] = activation_checkpointing.NAME
         config["checkpoint"] = checkpoint
     config["parallel"] = {"transforms": transforms, "dp_strategy": dp_strategy}
     plugins = Plugins.create(
         autoload=False,
-        extra=[("precision", precision), ("checkpointing", checkpointing)],
+        extra=[("precision", precision), ("checkpointing", activation_checkpointing)],
     )
     return Engine(config=config, plugins=plugins)
 

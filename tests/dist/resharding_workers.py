@@ -98,7 +98,7 @@ def hf_export_then_import(rank: int, world_size: int, out_dir: str) -> dict[str,
     del rank, world_size
     from pathlib import Path
 
-    from plait.plugins.checkpoint.hf import export_hf_from, load_hf_into
+    from plait.plugins.huggingface.weights import export_hf_from, load_hf_into
 
     tp = Engine(config=layout_config("tp2", 1))
     export_hf_from(tp, Path(out_dir))

@@ -80,7 +80,7 @@ def test_hf_export_from_tp2_imports_into_zero2(tmp_path: Path) -> None:
     assembled into whole tensors, and ZeRO-2 ranks read the flat ranges they hold."""
     from safetensors.torch import load_file
 
-    from plait.plugins.checkpoint.hf import hf_to_plait_name
+    from plait.plugins.huggingface.weights import hf_to_plait_name
 
     ranks = run_distributed(resharding_workers.hf_export_then_import, 2, str(tmp_path), timeout=150)
     exported = {

@@ -18,7 +18,7 @@ def test_gpt2_folder_loads_into_tp2_and_zero2_and_exports_unchanged(tmp_path: Pa
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from plait.plugins.checkpoint.hf import import_hf
+    from plait.plugins.huggingface.weights import import_hf
 
     config = transformers.GPT2Config(
         vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=32, tie_word_embeddings=False

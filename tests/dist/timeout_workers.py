@@ -15,7 +15,7 @@ from plait.core.engine import Engine
 from plait.core.hookspecs import hookimpl
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
-from plait.plugins.checkpoint import timeouts
+from plait.plugins.resilience import timeouts
 from plait.plugins.data import build_batches
 from tests.dist.checkpoint_workers import engine_config
 

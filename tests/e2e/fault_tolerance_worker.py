@@ -13,6 +13,7 @@ from plait.core.config import FaultInjectionSection as FaultInjectionConfig
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import build_batches
+from plait.plugins.resilience import attach_resilience
 from tests.dist.checkpoint_workers import engine_config
 
 
@@ -28,15 +29,13 @@ def main(ckpt_dir: str, steps: int, every: int, kill_after: int) -> None:
         dp_size=engine.mesh.size("dp"),
         seed=engine.config.train.seed,
     )
-    checkpointer = Checkpointer(
-        engine,
-        batches,
-        CheckpointIOConfig(
-            dir=ckpt_dir,
-            every=every,
-            fault_injection=FaultInjectionConfig(kill_after_step=kill_after, rank=1),
-        ),
+    settings = CheckpointIOConfig(
+        dir=ckpt_dir,
+        every=every,
+        fault_injection=FaultInjectionConfig(kill_after_step=kill_after, rank=1),
     )
+    checkpointer = Checkpointer(engine, batches, settings)
+    attach_resilience(engine, settings)
     start = checkpointer.maybe_resume()
     if engine.mesh.rank == 0:
         print(f"start {start}", flush=True)

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.core.errors import ConfigError
 from plait.core.kernels import Kernels
-from plait.plugins.checkpointing import apply_activation_checkpointing
+from plait.plugins.activation_checkpointing import apply_activation_checkpointing
 from plait.plugins.models import resolve_model_config
 from plait.plugins.models.init import normalised_name
 

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from plait.core.kernels import Kernels
-from plait.plugins.checkpoint.hf import export_hf_from, load_hf_into
 from plait.plugins.checkpoint.offline import model_weights, write_checkpoint
 from plait.plugins.checkpoint.state import FORMAT
+from plait.plugins.huggingface.weights import export_hf_from, load_hf_into
 from plait.plugins.models import resolve_model_config
 from plait.plugins.models.llama import Llama
 from plait.tools.ckpt_commands import app

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.core.state_chunks import region_chunks, tensor_pieces
 from plait.core.state_layout import Region, TensorLayout
-from plait.plugins.checkpoint.layout import region_chunks, tensor_pieces
 from plait.plugins.checkpoint.state import fit_scheduler_state
 from plait.plugins.checkpoint.storage import CheckpointError
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from plait.plugins.checkpoint.layout import TensorPieces, flat_range_chunks
+from plait.core.dcp_planner import ChunkedValue, ChunkSavePlanner
+from plait.core.state_chunks import TensorPieces, flat_range_chunks
 from plait.plugins.checkpoint.offline import read_checkpoint, write_checkpoint
-from plait.plugins.checkpoint.planner import ChunkedValue, ChunkSavePlanner
 from plait.plugins.checkpoint.storage import (
     describe_files,
     find_latest_complete,

@@ -15,8 +15,8 @@ from plait.core.errors import PluginError
 from plait.core.hookspecs import hookimpl
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
-from plait.plugins.checkpoint import timeouts
-from plait.plugins.checkpoint.timeouts import (
+from plait.plugins.resilience import timeouts
+from plait.plugins.resilience.timeouts import (
     STORE_PREFIX,
     CollectiveTimeoutError,
     CollectiveTimeoutReporter,

@@ -18,10 +18,10 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from plait.core.errors import CheckpointError  # noqa: E402
 from plait.core.kernels import Kernels  # noqa: E402
-from plait.plugins.checkpoint.hf import export_hf, import_hf, model_fields  # noqa: E402
-from plait.plugins.checkpoint.hf_families import FAMILIES, Slot  # noqa: E402
-from plait.plugins.checkpoint.storage import CheckpointError  # noqa: E402
+from plait.plugins.huggingface.families import FAMILIES, Slot  # noqa: E402
+from plait.plugins.huggingface.weights import export_hf, import_hf, model_fields  # noqa: E402
 from plait.plugins.models import GPT2, Llama, resolve_model_config  # noqa: E402
 
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -1,8 +1,16 @@
-"""The dependency rule of DESIGN.md: plugins depend on `plait.core`, never on each other, and the
-core imports no plugin. Every import of every module under `core/` and `plugins/` counts —
-inside functions and `TYPE_CHECKING` blocks too — as parsed by `ast`, without importing anything.
-(The core's table of built-in plugins names their modules as strings, which is how the plugin
-manager finds them; that is registration, not a dependency.)"""
+"""The dependency rules of DESIGN.md, checked on the source as parsed by `ast`, without importing
+anything.
+
+- Plugins depend on `plait.core`, never on each other, and the core imports no plugin. Every
+  import of every module under `core/` and `plugins/` counts — inside functions and
+  `TYPE_CHECKING` blocks too. (The core's table of built-in plugins names their modules as
+  strings, which is how the plugin manager finds them; that is registration, not a dependency.)
+- No run-time import loop inside a folder of plait (`core/`, `daemon/`, `planner/`, `tools/`, …,
+  each plugin's folder, the top folder's own files): two modules that import each other, however
+  indirectly, can be neither read nor tested alone, and the one imported first sees the other
+  half-built. Imports inside functions count (they run); imports under `if TYPE_CHECKING:` do not
+  (they never run), which is how a type hint may point back.
+"""
 
 from __future__ import annotations
 
@@ -26,26 +34,54 @@ def module_name(path: Path) -> str:
     return ".".join(["plait", *parts])
 
 
-def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
-    """(line, absolute module name) of every import in `path`, names of `from x import y`
-    included as `x.y` (they may be submodules)."""
+def is_type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING` (or any `x.TYPE_CHECKING`)."""
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def import_nodes(tree: ast.AST, *, runtime_only: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement of `tree`, at any depth; with `runtime_only`, not those in the
+    body of an `if TYPE_CHECKING:` (its `else:` runs)."""
+    pending: list[ast.AST] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif runtime_only and isinstance(node, ast.If) and is_type_checking(node.test):
+            pending.extend(node.orelse)
+        else:
+            pending.extend(ast.iter_child_nodes(node))
+
+
+def import_targets(path: Path, *, runtime_only: bool = False) -> Iterator[tuple[int, list[str]]]:
+    """(line, names) per imported thing in `path`: `[x]` for `import x`, `[x.y, x]` for
+    `from x import y` (`y` may be a submodule, or a name defined in `x`). Relative imports are
+    made absolute."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module_name(path)
     if path.name != "__init__.py":
         package = package.rpartition(".")[0]
-    for node in ast.walk(tree):
+    for node in import_nodes(tree, runtime_only=runtime_only):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            yield node.lineno, base
-            for alias in node.names:
-                yield node.lineno, f"{base}.{alias.name}"
+                yield node.lineno, [alias.name]
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")
+            anchor = anchor[: len(anchor) - (node.level - 1)]
+            base = ".".join([*anchor, base] if base else anchor)
+        for alias in node.names:
+            yield node.lineno, [f"{base}.{alias.name}", base]
+
+
+def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in `path`, `TYPE_CHECKING` ones included;
+    names of `from x import y` included as `x.y` (they may be submodules)."""
+    for line, names in import_targets(path):
+        yield from ((line, name) for name in names)
 
 
 def plugin_package(module: str) -> str | None:
@@ -104,6 +140,199 @@ def test_imports_are_found_wherever_they_are_written(
     assert expected in {module for _, module in imported_modules(path)}
     if where.startswith("core/") or "checkpoint" in where:
         assert violations(), "a forbidden import went unnoticed"
+
+
+# -- run-time import loops ----------------------------------------------------------------------
+
+# Folders whose files are not modules of plait.
+NOT_PLAIT = {"tests", "build", "dist", "__pycache__"}
+
+
+def plait_modules() -> dict[str, Path]:
+    """Every module of plait by name (`plait.daemon.otlp` -> daemon/otlp.py)."""
+    modules: dict[str, Path] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT).parts
+        if any(p in NOT_PLAIT or p.startswith(".") or p.endswith(".egg-info") for p in parts):
+            continue
+        modules[module_name(path)] = path
+    return modules
+
+
+def folder_of(path: Path) -> str:
+    """The folder a module belongs to for the loop rule: `plugins/<name>` for a plugin's
+    modules, the top folder for the others (`core`, `daemon`, …), "" for the top's own files."""
+    parts = path.relative_to(ROOT).parts
+    if parts[0] == "plugins" and len(parts) > 2:
+        return "/".join(parts[:2])
+    return parts[0] if len(parts) > 1 else ""
+
+
+def runtime_imports(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """module -> {module of plait it imports when its code runs: the first line doing so}.
+
+    `from pkg import sub` imports the submodule `sub` (not `pkg`'s own code, which Python runs
+    first for any submodule); `from pkg import name` imports `pkg`."""
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        for line, candidates in import_targets(path, runtime_only=True):
+            target = next((c for c in candidates if c in modules), None)
+            if target is not None and target != name:
+                edges.setdefault(target, line)
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's components of more than one module: each holds at least one loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def shortest_loop(graph: dict[str, dict[str, int]], start: str) -> list[str]:
+    """The shortest chain of imports from `start` back to itself (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following: list[str] = []
+        for node in frontier:
+            for target in sorted(graph[node]):
+                if target == start:
+                    chain = [node]
+                    while chain[-1] != start:
+                        chain.append(came_from[chain[-1]])
+                    return [start, *reversed(chain[:-1]), start]
+                if target not in came_from:
+                    came_from[target] = node
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"{start} is on no loop")
+
+
+def import_loops() -> list[str]:
+    """Each run-time import loop inside a folder, named by its files in import order, with
+    the line of each import: `daemon/a.py → daemon/b.py → daemon/a.py (a.py:3, b.py:9)`."""
+    modules = plait_modules()
+    graph = runtime_imports(modules)
+    described: list[str] = []
+    for folder in sorted({folder_of(path) for path in modules.values()}):
+        inside = {name for name, path in modules.items() if folder_of(path) == folder}
+        subgraph = {
+            name: {t: line for t, line in graph[name].items() if t in inside} for name in inside
+        }
+        for component in strongly_connected(subgraph):
+            loop = shortest_loop(subgraph, component[0])
+            files = [modules[name].relative_to(ROOT).as_posix() for name in loop]
+            lines = [f"{files[i]}:{subgraph[loop[i]][loop[i + 1]]}" for i in range(len(loop) - 1)]
+            described.append(f"{' → '.join(files)} (imports at {', '.join(lines)})")
+    return described
+
+
+def test_no_run_time_import_loop_inside_a_folder() -> None:
+    loops = import_loops()
+    assert loops == [], "run-time import loops:\n  " + "\n  ".join(loops)
+
+
+LOOP_CASES = {
+    "a loop through an import inside a function": (
+        {
+            "daemon/receiver.py": "from plait.daemon.pool import Pool\n",
+            "daemon/pool.py": "def work():\n    from plait.daemon.receiver import parse\n",
+        },
+        [
+            "daemon/pool.py → daemon/receiver.py → daemon/pool.py (imports at daemon/pool.py:2, "
+            "daemon/receiver.py:1)"
+        ],
+    ),
+    "a longer loop through relative imports": (
+        {
+            "core/a.py": "from . import b\n",
+            "core/b.py": "from .c import thing\n",
+            "core/c.py": "import plait.core.a\n",
+        },
+        [
+            "core/a.py → core/b.py → core/c.py → core/a.py (imports at core/a.py:1, core/b.py:1, "
+            "core/c.py:1)"
+        ],
+    ),
+    "a package and a module importing a name from it": (
+        {
+            "plugins/x/__init__.py": "from plait.plugins.x.impl import run\n",
+            "plugins/x/impl.py": "from plait.plugins.x import DEFAULTS\n",
+        },
+        [
+            "plugins/x/__init__.py → plugins/x/impl.py → plugins/x/__init__.py (imports at "
+            "plugins/x/__init__.py:1, plugins/x/impl.py:1)"
+        ],
+    ),
+    "a type-hint import back is no loop": (
+        {
+            "core/a.py": "from plait.core.b import B\n",
+            "core/b.py": "import typing\n"
+            "if typing.TYPE_CHECKING:\n    from plait.core.a import A\n",
+        },
+        [],
+    ),
+    "the else of TYPE_CHECKING runs": (
+        {
+            "core/a.py": "from plait.core.b import B\n",
+            "core/b.py": "if TYPE_CHECKING:\n    pass\nelse:\n    from plait.core.a import A\n",
+        },
+        ["core/a.py → core/b.py → core/a.py (imports at core/a.py:1, core/b.py:4)"],
+    ),
+    "importing a sibling submodule does not import the package back": (
+        {
+            "plugins/x/__init__.py": "from plait.plugins.x.impl import run\n",
+            "plugins/x/impl.py": "from plait.plugins.x import helpers\n",
+            "plugins/x/helpers.py": "VALUE = 1\n",
+        },
+        [],
+    ),
+}
+
+
+@pytest.mark.parametrize(("files", "expected"), LOOP_CASES.values(), ids=LOOP_CASES.keys())
+def test_loops_are_found_and_named(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    files: dict[str, str],
+    expected: list[str],
+) -> None:
+    for relative, source in files.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert import_loops() == expected
 
 
 # The rank-side OpenTelemetry SDK and its OTLP exporters: only the telemetry plugin (and the

@@ -34,7 +34,7 @@ from plait.planner.memory_model import (
     layers_on_stage,
     stage_parameters,
 )
-from plait.planner.model_shape import resolve_shape
+from plait.planner.published import resolve_shape
 from plait.planner.schedule_model import max_in_flight, pipeline_makespan
 from plait.planner.search import plan, price, why_slower
 from plait.planner.time_model import estimate_step_time

@@ -13,7 +13,7 @@ import pytest
 
 from plait.planner.devices import DeviceSpec, Link, device_spec
 from plait.planner.layouts import PRECISIONS, Job, Layout
-from plait.planner.model_shape import resolve_shape
+from plait.planner.published import resolve_shape
 from plait.planner.search import plan, price, why_slower
 from plait.planner.time_model import estimate_step_time
 from plait.tools.bench import plan as bench

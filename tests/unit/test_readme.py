@@ -96,3 +96,14 @@ def test_your_own_model_snippet_trains_a_transformers_model(tmp_path: Path) -> N
     snippet = next(b for b in _python_blocks() if b.startswith("# your_own_model.py"))
     out = _run(snippet.replace('"zero3"', '"zero3"}, "telemetry": {"enabled": False'), tmp_path)
     assert "trained 6 steps" in out, out
+
+
+def test_the_layout_names_every_plugin_folder_and_no_other() -> None:
+    """The Layout section's `plugins/` row follows the folders as they are."""
+    layout = README.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    (row,) = [line for line in layout.splitlines() if line.startswith("| `plugins/` |")]
+    named = set(re.findall(r"`([a-z_0-9]+)/`", row.split("|")[3]))
+    folders = {p.parent.name for p in (ROOT / "plugins").glob("*/__init__.py")}
+    assert named == folders, (
+        f"README layout lacks {sorted(folders - named)}, names missing {sorted(named - folders)}"
+    )

@@ -83,7 +83,7 @@ class LiveTensorMeter(TorchDispatchMode):
 def build_model(args: argparse.Namespace, checkpoint: dict[str, Any] | None) -> nn.Module:
     from plait.core.kernels import Kernels
     from plait.core.plugins import Plugins
-    from plait.plugins.checkpointing import apply_activation_checkpointing
+    from plait.plugins.activation_checkpointing import apply_activation_checkpointing
     from plait.plugins.models import resolve_model_config
 
     plugins = Plugins.create(autoload=False)

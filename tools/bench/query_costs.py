@@ -25,7 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.daemon.host import HostCollector
-from plait.daemon.otlp import TraceReceiver, trace_request_parser
+from plait.daemon.otlp import TraceReceiver
+from plait.daemon.otlp_requests import trace_request_parser
 from plait.daemon.service import DaemonService
 from plait.daemon.store import TelemetryStore
 from plait.proto.plait.v1 import daemon_pb2

@@ -47,7 +47,8 @@ from plait.core.records import CommRequest
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 from plait.core.telemetry_resource import resource_attributes
 from plait.core.testing import run_distributed
-from plait.daemon.otlp import TraceReceiver, TraceRequest, trace_request_parser
+from plait.daemon.otlp import TraceReceiver
+from plait.daemon.otlp_requests import TraceRequest, trace_request_parser
 from plait.daemon.server import DaemonServer
 from plait.daemon.store import TelemetryStore
 from plait.plugins.telemetry import make_plugin

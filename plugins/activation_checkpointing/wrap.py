@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from plait.core.blocks import find_block_container
-from plait.plugins.checkpointing.policy import selective_context_fn
+from plait.plugins.activation_checkpointing.policy import selective_context_fn
 
 CheckpointMode = Literal["full", "every", "selective"]
 

@@ -9,7 +9,7 @@ that did not arrive. This `wrapper=True` `plait_communicate` plugin provides it:
   last one's sequence number, op and purpose (one tuple stored in a dict: nothing on the wire);
 - a background thread publishes that record to the job's c10d store about once a second, only
   when it changed. Publishing from the op path instead would cost a store round trip per op
-  (`python -m plait.plugins.checkpoint.timeouts` measures both on this machine's store);
+  (`python -m plait.plugins.resilience.timeouts` measures both on this machine's store);
 - when an op fails with a timeout — from the hook call for a synchronous op, from `wait()` for
   an asynchronous one (the returned `Work` is wrapped) — it reads the peers' records and raises
   `CollectiveTimeoutError` naming the op, group, sequence number and the ranks whose count shows

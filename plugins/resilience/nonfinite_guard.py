@@ -1,9 +1,9 @@
 """The NaN/Inf guard: skip an optimizer step whose gradients are not finite, stop after N in a row.
 
-A runtime appended to the engine's runtimes, so its `skip_step` is asked after gradient sync on
-every step. Every rank checks the gradients it holds (its own shards under ZeRO, TP or PP) and the
-verdict is all-reduced (max), so all ranks skip together. Cost: one fused norm over the local
-gradients and an all-reduce of one number per step.
+A runtime `attach_resilience` appends to the engine's runtimes, so its `skip_step` is asked after
+gradient sync on every step. Every rank checks the gradients it holds (its own shards under ZeRO,
+TP or PP) and the verdict is all-reduced (max), so all ranks skip together. Cost: one fused norm
+over the local gradients and an all-reduce of one number per step.
 """
 
 from __future__ import annotations

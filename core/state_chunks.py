@@ -1,4 +1,4 @@
-"""The canonical checkpoint layout, read from what the strategies declare about their state.
+"""The chunks of declared state that checkpoints and weight exports write and read.
 
 A checkpoint stores every tensor under its *original* name (`plait.core.names`) with its *global*
 shape, as a set of rectangular chunks. What a rank holds — a whole replicated parameter, a
@@ -7,6 +7,9 @@ third-party strategy keeps — is read from the engine's `plait.core.state_layou
 (each runtime's `state_layout()`), never from the strategies' classes, and turned into
 `TensorPieces`: the global shape and this rank's chunks with their offsets. Saving writes those
 chunks; loading reads whichever saved chunks overlap them, so any layout loads any other.
+
+Shared by the checkpoint plugin (`plait.plugins.checkpoint`) and the Hugging Face interop
+(`plait.plugins.huggingface`); `plait.core.dcp_planner` has DCP write and read them.
 """
 
 from __future__ import annotations
@@ -129,27 +132,3 @@ def first_replica(engine: Any) -> Callable[[tuple[str, ...]], bool]:
 def layout_for(engine: Any) -> StateLayout:
     """The engine's state as its strategies declare it, the data parallel one last."""
     return describe_state(engine.module, engine.optimizer, engine.runtimes, engine.mesh)
-
-
-def empty_adam_state(optimizer: torch.optim.Optimizer, like: torch.Tensor) -> dict[str, Any]:
-    """Adam state for a parameter that has not stepped yet, to load a checkpoint into.
-
-    plait's AdamW counts steps in a Python int; torch's optimizers keep a 0-d float tensor.
-    """
-    from plait.core.optim import AdamW
-
-    step: Any = 0 if isinstance(optimizer, AdamW) else torch.tensor(0.0)
-    return {
-        "step": step,
-        "exp_avg": torch.zeros_like(like, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(like, memory_format=torch.preserve_format),
-    }
-
-
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of `optimizer` that has not stepped yet empty state to load into,
-    so that strategies describe (and the loader fills) state a resumed job has not built."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not optimizer.state.get(param):
-                optimizer.state[param] = empty_adam_state(optimizer, param)

@@ -1,7 +1,7 @@
-"""Hugging Face interop: plait weights <-> safetensors + `config.json` that transformers loads.
+"""Hugging Face weights: plait tensors <-> safetensors + the `config.json` transformers loads.
 
 The families (Llama, Mistral, Qwen2 on plait's `llama`; GPT-2 on plait's `gpt2`), their tensor
-names, layouts and config fields are in `hf_families`; this module moves tensors.
+names, layouts and config fields are in `families`; this module moves tensors.
 
 Offline (`plait ckpt export/import`): `export_hf` writes full plait tensors as one family;
 `import_hf` reads a folder (one safetensors file or shards) into plait tensors and the plait
@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-from plait.plugins.checkpoint.hf_families import (
+from plait.core.errors import CheckpointError
+from plait.core.state_chunks import (
+    Staging,
+    first_replica,
+    layout_for,
+    region_chunks,
+    tensor_pieces,
+)
+from plait.plugins.huggingface.families import (
     LLAMA,
     HFFamily,
     Slot,
@@ -33,14 +41,6 @@ from plait.plugins.checkpoint.hf_families import (
     hf_config,
     merge,
 )
-from plait.plugins.checkpoint.layout import (
-    Staging,
-    first_replica,
-    layout_for,
-    region_chunks,
-    tensor_pieces,
-)
-from plait.plugins.checkpoint.storage import CheckpointError
 
 
 def plait_to_hf_name(name: str, family: HFFamily = LLAMA) -> str:
@@ -166,7 +166,7 @@ def export_hf_from(
     staging = out_dir / ".plait-export"
     _stage_whole_tensors(engine, staging, process_group)
     if engine.mesh.rank == 0:
-        from plait.plugins.checkpoint.offline import read_tensors
+        from plait.core.dcp_planner import read_tensors
 
         tensors = read_tensors(staging)
         if transformers_model is None:
@@ -183,7 +183,7 @@ def _stage_whole_tensors(engine: Any, staging: Path, process_group: Any) -> None
     """Every rank writes the pieces of the weights it declares (replicas once) under `staging`."""
     import torch.distributed.checkpoint as dcp
 
-    from plait.plugins.checkpoint.planner import ChunkedValue, ChunkSavePlanner
+    from plait.core.dcp_planner import ChunkedValue, ChunkSavePlanner
 
     is_writer = first_replica(engine)
     state = {

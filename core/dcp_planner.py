@@ -5,23 +5,29 @@ read any overlapping set of chunks back (that is how it reshards DTensors); what
 way to say "this rank holds these arbitrary rectangles of that tensor" for layouts that are not
 DTensors (a flat ZeRO shard is up to three rectangles). `ChunkedValue` says it, and the two
 planners look chunks up by offset. Identical chunks written by several ranks (replicated data)
-are deduplicated by DCP's default global plan, so each is stored once.
+are deduplicated by DCP's default global plan, so each is stored once. `read_tensors` reads a
+DCP directory back whole in one process.
 """
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from plait.plugins.checkpoint.layout import TensorPieces
+from plait.core.state_chunks import TensorPieces
 
 
 class ChunkedValue:
@@ -108,3 +114,25 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         if isinstance(value, ChunkedValue):
             return value.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
+
+
+def read_tensors(directory: Path, *, prefix: str = "", with_objects: bool = True) -> dict[str, Any]:
+    """Every entry of a DCP directory whose key starts with `prefix`, tensors whole, on the CPU
+    (no manifest needed: a staging directory reads too)."""
+    reader = dcp.FileSystemReader(directory)
+    state: dict[str, Any] = {}
+    for key, md in reader.read_metadata().state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            full = torch.empty(md.size, dtype=md.properties.dtype)
+            state[key] = ChunkedValue(TensorPieces.whole(full))
+        elif isinstance(md, BytesStorageMetadata) and with_objects:
+            state[key] = None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), no_dist=True)
+    return {
+        k: (v.pieces.chunks[0].tensor if isinstance(v, ChunkedValue) else v)
+        for k, v in state.items()
+    }

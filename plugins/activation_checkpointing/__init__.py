@@ -34,7 +34,10 @@ from plait.core.errors import ConfigError
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
 from plait.core.transforms import ActivationCheckpointing
-from plait.plugins.checkpointing.wrap import CheckpointMode, apply_activation_checkpointing
+from plait.plugins.activation_checkpointing.wrap import (
+    CheckpointMode,
+    apply_activation_checkpointing,
+)
 
 NAME = "checkpoint"
 

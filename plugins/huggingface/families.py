@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from plait.plugins.checkpoint.storage import CheckpointError
+from plait.core.errors import CheckpointError
 
 
 @dataclass(frozen=True, slots=True)
