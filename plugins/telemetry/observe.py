@@ -445,7 +445,7 @@ class Observer:
                 torch.stack([t.float().reshape(()) for t in losses]).mean() if many else losses[0]
             )
         if isinstance(loss, torch.Tensor):
-            if not loss.is_cuda and loss.numel() == 1:
+            if loss.device.type == "cpu" and loss.numel() == 1:
                 return float(loss.item())  # on the host already: read now, no copies
             loss = loss.detach().float().reshape(-1)[:1]
             # Copied to host memory behind the step's work; read once the step's end event has
