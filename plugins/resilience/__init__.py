@@ -1,9 +1,9 @@
 """Fault handling: what keeps a job going, or makes it fail clearly, when something goes wrong.
 
-    from plait.plugins.checkpoint import Checkpointer
     from plait.plugins.resilience import attach_resilience
-    checkpointer = Checkpointer.from_config(engine, batches, config)
     attach_resilience(engine, config.checkpoint_io)   # NaN/Inf guard, fault injection
+
+called by the training loop beside its `Checkpointer` (`plait train` does).
 
 - `nonfinite_guard`: skip optimizer steps whose gradients hold NaN or Inf, on every rank
   together, and stop after `checkpoint_io.max_consecutive_nonfinite` of them in a row.
