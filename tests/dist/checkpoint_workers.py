@@ -10,7 +10,7 @@ import torch
 from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
-from plait.plugins.data import build_batches
+from plait.plugins.data import TokenBatches, build_batches
 from plait.plugins.resilience import attach_resilience
 
 STEPS = 10
@@ -50,14 +50,7 @@ def train_and_checkpoint(
     """Train until `stop_at` steps are done (resuming first if asked), saving after `save_at`."""
     del world_size
     engine = Engine(config=engine_config(dp_strategy=dp_strategy, parallel=parallel))
-    batches = build_batches(
-        engine.config.data,
-        seq_len=engine.config.data.seq_len,
-        global_batch_size=engine.config.train.global_batch_size,
-        dp_rank=engine.mesh.coordinate("dp"),
-        dp_size=engine.mesh.size("dp"),
-        seed=engine.config.train.seed,
-    )
+    batches = engine_batches(engine)
     settings = CheckpointIOConfig(dir=ckpt_dir, resume=resume, async_save=async_save, keep=0)
     checkpointer = Checkpointer(engine, batches, settings)
     attach_resilience(engine, settings)  # as the trainer does: the default NaN/Inf guard
@@ -70,6 +63,18 @@ def train_and_checkpoint(
     checkpointer.close()
     engine.close()
     return {"start": start, "losses": losses, "rank": rank, "rng": torch.rand(1).item()}
+
+
+def engine_batches(engine: Engine) -> TokenBatches:
+    """This rank's data-parallel share of the engine's configured data (no held-out split)."""
+    return build_batches(
+        engine.config.data,
+        seq_len=engine.config.data.seq_len,
+        global_batch_size=engine.config.train.global_batch_size,
+        dp_rank=engine.mesh.coordinate("dp"),
+        dp_size=engine.mesh.size("dp"),
+        seed=engine.config.train.seed,
+    )
 
 
 def nonfinite_guard(rank: int, world_size: int, nan_steps: tuple[int, ...]) -> dict[str, Any]:

@@ -8,8 +8,7 @@ from typing import Any
 from plait.core.config import CheckpointIOSection
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
-from plait.plugins.data import build_batches
-from tests.dist.checkpoint_workers import engine_config
+from tests.dist.checkpoint_workers import engine_batches, engine_config
 
 # Layouts by name: the `parallel` and `schedule` sections that select them.
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -43,14 +42,7 @@ def train_with_checkpoints(
     asked and saving after the steps in `save_at`; the (closed) engine, the step it started at
     and the losses by step."""
     engine = Engine(config=config)
-    batches = build_batches(
-        engine.config.data,
-        seq_len=engine.config.data.seq_len,
-        global_batch_size=engine.config.train.global_batch_size,
-        dp_rank=engine.mesh.coordinate("dp"),
-        dp_size=engine.mesh.size("dp"),
-        seed=engine.config.train.seed,
-    )
+    batches = engine_batches(engine)
     checkpointer = Checkpointer(
         engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
     )

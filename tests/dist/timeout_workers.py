@@ -16,8 +16,7 @@ from plait.core.hookspecs import hookimpl
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
 from plait.plugins.resilience import timeouts
-from plait.plugins.data import build_batches
-from tests.dist.checkpoint_workers import engine_config
+from tests.dist.checkpoint_workers import engine_batches, engine_config
 
 REPORTED_KEY = "test/timeout_reported"
 PUBLISHED_KEY = "test/stalled_rank_published"
@@ -101,14 +100,7 @@ def stall_one_rank(
     dist.distributed_c10d._set_pg_timeout(
         timedelta(seconds=engine.config.train.collective_timeout_seconds)
     )
-    batches = build_batches(
-        engine.config.data,
-        seq_len=engine.config.data.seq_len,
-        global_batch_size=engine.config.train.global_batch_size,
-        dp_rank=engine.mesh.coordinate("dp"),
-        dp_size=engine.mesh.size("dp"),
-        seed=engine.config.train.seed,
-    )
+    batches = engine_batches(engine)
     result: dict[str, Any] = {"rank": rank, "error": None, "stalled_seq": None}
     try:
         for _ in range(stall_step + 1):

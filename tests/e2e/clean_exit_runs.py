@@ -38,8 +38,7 @@ from plait.core.engine import Engine
 from plait.core.plugins import BUILTIN_PLUGINS
 from plait.core.process_groups import gloo_worker_threads
 from plait.plugins.checkpoint.checkpointer import Checkpointer
-from plait.plugins.data import build_batches
-from tests.dist.checkpoint_workers import engine_config
+from tests.dist.checkpoint_workers import engine_batches, engine_config
 from tests.free_ports import refused_port
 
 WORLD_SIZE = 2
@@ -67,14 +66,7 @@ def rank_script(run: int, rank: int, port: int, no_daemon_port: int, root: Path)
     if run % 5 == 4:  # telemetry on, as by default, with no daemon to talk to
         config["telemetry"] = {"daemon": f"127.0.0.1:{no_daemon_port}"}
     engine = Engine(config=config)
-    batches = build_batches(
-        engine.config.data,
-        seq_len=engine.config.data.seq_len,
-        global_batch_size=engine.config.train.global_batch_size,
-        dp_rank=engine.mesh.coordinate("dp"),
-        dp_size=engine.mesh.size("dp"),
-        seed=engine.config.train.seed,
-    )
+    batches = engine_batches(engine)
     checkpointer = Checkpointer(
         engine,
         batches,

@@ -12,23 +12,15 @@ from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.config import FaultInjectionSection as FaultInjectionConfig
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
-from plait.plugins.data import build_batches
 from plait.plugins.resilience import attach_resilience
-from tests.dist.checkpoint_workers import engine_config
+from tests.dist.checkpoint_workers import engine_batches, engine_config
 
 
 def main(ckpt_dir: str, steps: int, every: int, kill_after: int) -> None:
     config = engine_config()
     config["train"]["steps"] = steps
     engine = Engine(config=config)
-    batches = build_batches(
-        engine.config.data,
-        seq_len=engine.config.data.seq_len,
-        global_batch_size=engine.config.train.global_batch_size,
-        dp_rank=engine.mesh.coordinate("dp"),
-        dp_size=engine.mesh.size("dp"),
-        seed=engine.config.train.seed,
-    )
+    batches = engine_batches(engine)
     settings = CheckpointIOConfig(
         dir=ckpt_dir,
         every=every,
