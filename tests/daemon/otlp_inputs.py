@@ -16,6 +16,7 @@ from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metr
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -127,6 +128,30 @@ class Probe:
                 if b.job_id == job_id
             ],
         )
+
+
+def any_value(value: Any) -> AnyValue:
+    """A Python value as an OTLP `AnyValue`, built by hand (a dict becomes a key-value list),
+    for inputs the SDK would never produce."""
+    if value is None:
+        return AnyValue()
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    if isinstance(value, str):
+        return AnyValue(string_value=value)
+    if isinstance(value, bytes):
+        return AnyValue(bytes_value=value)
+    if isinstance(value, list):
+        return AnyValue(array_value=ArrayValue(values=[any_value(v) for v in value]))
+    return AnyValue(kvlist_value=KeyValueList(values=key_values(value)))
+
+
+def key_values(attributes: dict[str, Any]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=any_value(v)) for k, v in attributes.items()]
 
 
 def probe(server: DaemonServer) -> Probe:

@@ -28,7 +28,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import (
     Gauge,
     Metric,
@@ -43,7 +42,14 @@ from typer.testing import CliRunner
 from plait.core import telemetry_schema as schema
 from plait.daemon.server import DaemonServer
 from plait.tools import daemon_commands
-from tests.daemon.otlp_inputs import Probe, probe, rank_resource, step_spans, trace_request
+from tests.daemon.otlp_inputs import (
+    Probe,
+    key_values,
+    probe,
+    rank_resource,
+    step_spans,
+    trace_request,
+)
 
 GOOD = "good"
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -99,22 +105,6 @@ def test_every_numeric_attribute_of_the_schema_is_covered() -> None:
 # --------------------------------------------------------------------------------------------
 # raw OTLP items
 # --------------------------------------------------------------------------------------------
-
-
-def any_value(value: Any) -> AnyValue:
-    if isinstance(value, bool):
-        return AnyValue(bool_value=value)
-    if isinstance(value, int):
-        return AnyValue(int_value=value)
-    if isinstance(value, float):
-        return AnyValue(double_value=value)
-    if isinstance(value, list):
-        return AnyValue(array_value=ArrayValue(values=[any_value(v) for v in value]))
-    return AnyValue(string_value=str(value))
-
-
-def key_values(attributes: dict[str, Any]) -> list[KeyValue]:
-    return [KeyValue(key=k, value=any_value(v)) for k, v in attributes.items()]
 
 
 Poison = tuple[str, str, Any]  # (where: "resource", a span kind, "time", "point"; name; value)

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
 from opentelemetry.proto.metrics.v1.metrics_pb2 import (
     Gauge,
     Metric,
@@ -28,7 +27,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 from plait.core import telemetry_schema as schema
 from plait.daemon.server import DaemonServer
-from tests.daemon.otlp_inputs import probe, rank_resource, step_spans, trace_request
+from tests.daemon.otlp_inputs import (
+    key_values,
+    probe,
+    rank_resource,
+    step_spans,
+    trace_request,
+)
 
 GOOD = "good"
 RESOURCE_KEYS = [
@@ -64,28 +69,6 @@ values = st.one_of(
     st.lists(scalars, max_size=3),
     st.dictionaries(st.text(max_size=3), scalars, max_size=2),
 )
-
-
-def any_value(value: Any) -> AnyValue:
-    if value is None:
-        return AnyValue()
-    if isinstance(value, bool):
-        return AnyValue(bool_value=value)
-    if isinstance(value, int):
-        return AnyValue(int_value=value)
-    if isinstance(value, float):
-        return AnyValue(double_value=value)
-    if isinstance(value, str):
-        return AnyValue(string_value=value)
-    if isinstance(value, bytes):
-        return AnyValue(bytes_value=value)
-    if isinstance(value, list):
-        return AnyValue(array_value=ArrayValue(values=[any_value(v) for v in value]))
-    return AnyValue(kvlist_value=KeyValueList(values=key_values(value)))
-
-
-def key_values(attributes: dict[str, Any]) -> list[KeyValue]:
-    return [KeyValue(key=k, value=any_value(v)) for k, v in attributes.items()]
 
 
 def overrides(keys: list[str]) -> st.SearchStrategy[dict[str, Any]]:

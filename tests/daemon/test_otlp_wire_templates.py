@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -33,6 +33,7 @@ from plait.daemon.otlp_wire import TraceRequestReader, WireSpan
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.plugins.telemetry.otlp_spans import comm_attributes, phase_attributes, step_attributes
+from tests.daemon.otlp_inputs import any_value
 from tests.daemon.test_daemon_otlp_wire import assert_same_reading
 
 RESOURCE = {names.RESOURCE_JOB_ID: "j", names.RESOURCE_RANK: 0, names.RESOURCE_WORLD_SIZE: 2}
@@ -151,16 +152,6 @@ def key_value(key: str, value: Any) -> KeyValue:
     else:
         entry.value.CopyFrom(any_value(value))
     return entry
-
-
-def any_value(value: Any) -> AnyValue:
-    if isinstance(value, bool):
-        return AnyValue(bool_value=value)
-    if isinstance(value, int):
-        return AnyValue(int_value=value)
-    if isinstance(value, float):
-        return AnyValue(double_value=value)
-    return AnyValue(string_value=value)
 
 
 layouts = st.lists(st.integers(min_value=0, max_value=len(POOL) - 1), min_size=1, max_size=6)
