@@ -50,6 +50,15 @@ class Rejected(ValueError):
         """What the reject counters are keyed by: "plait.world_size: out of range"."""
         return f"{self.attribute}: {self.reason}"
 
+    def detached(self) -> Rejected:
+        """The same rejection, never raised: to keep after its `except` block.
+
+        NOTE: a raised exception's traceback holds the frames it passed through, and they hold
+        whatever keeps the exception (a decoded request, with the call that carried it): a
+        reference cycle that only the cyclic collector reclaims, and the daemon's collector
+        leaves survivors alone for an hour (`plait.daemon.interpreter`)."""
+        return Rejected(self.attribute, self.reason, self.detail)
+
 
 WRONG_TYPE = "wrong type"
 OUT_OF_RANGE = "out of range"

@@ -10,13 +10,11 @@ A worker process decodes each span into its `SpanFields` (plain tuples, dicts an
 hands the request back as `encode_resources` bytes, written with `marshal` (C code on both
 sides, about 1 µs per span to read back); `decode_wire` turns them into the same
 `DecodedResource`s the daemon would have built itself. The bytes only ever travel between the
-daemon and the workers it started. `collect_garbage_less_often` tunes the cyclic collector of
-a process that does either half.
+daemon and the workers it started.
 """
 
 from __future__ import annotations
 
-import gc
 import marshal
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +72,7 @@ def decode_resources(
         try:
             out.identity = decode_resource(resource.attributes)
         except Rejected as error:
-            out.rejected = error
+            out.rejected = error.detached()
             continue
         if out.identity is None:
             continue
@@ -93,7 +91,9 @@ def decode_resources(
                     )
                 )
             except Rejected as error:
-                out.span_rejects.append(SpanReject(error, span.scope_index, span.span_index))
+                out.span_rejects.append(
+                    SpanReject(error.detached(), span.scope_index, span.span_index)
+                )
     return decoded
 
 
@@ -152,24 +152,3 @@ def decode_wire(data: bytes) -> list[DecodedResource]:
             ]
         decoded.append(resource)
     return decoded
-
-
-# The cyclic collector's first generation is collected after this many new container objects
-# (CPython's default is 700).
-INGEST_GC_THRESHOLD = 50_000
-
-
-def collect_garbage_less_often() -> None:
-    """Raise the cyclic collector's first threshold for a process that ingests spans.
-
-    NOTE: storing a span allocates a dozen small container objects (records, attribute dicts,
-    interval tuples), and the windows keep hundreds of thousands of them alive. With the default
-    threshold the collector runs every ~60 spans and, every few hundred thousand, walks the
-    whole window: with five ranks' windows full, storing cost 31 CPU-µs per span against 17
-    with this threshold (same requests, same process), in bursts of tens of milliseconds that
-    also stall queries. Nothing the store keeps forms reference cycles, so collecting less
-    often costs no memory that matters. Never lowers a threshold set higher.
-    """
-    first, second, third = gc.get_threshold()
-    if 0 < first < INGEST_GC_THRESHOLD:
-        gc.set_threshold(INGEST_GC_THRESHOLD, max(second, 20), max(third, 100))

@@ -30,11 +30,11 @@ from plait.daemon.config import DEFAULT_INGEST_OFFLOAD_BYTES
 from plait.daemon.decoder import StaticsCache
 from plait.daemon.ingest import (
     DecodedResource,
-    collect_garbage_less_often,
     decode_resources,
     decode_wire,
     encode_resources,
 )
+from plait.daemon.interpreter import collect_garbage_less_often
 from plait.daemon.otlp_requests import trace_request_parser
 
 log = logging.getLogger(__name__)

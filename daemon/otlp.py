@@ -44,8 +44,9 @@ from plait.daemon.decoder import (
     decode_resource,
 )
 from plait.daemon.hangs import heartbeat_from_points
-from plait.daemon.ingest import collect_garbage_less_often, decode_resources
+from plait.daemon.ingest import decode_resources
 from plait.daemon.ingest_pool import IngestPool, WorkerLost
+from plait.daemon.interpreter import collect_garbage_less_often
 from plait.daemon.otlp_requests import TraceRequest, attributes, trace_request_parser
 from plait.daemon.security import CallCounters
 from plait.daemon.store import TelemetryStore

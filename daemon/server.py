@@ -33,6 +33,7 @@ from plait.daemon.forwarding import RetryPolicy
 from plait.daemon.hangs import Hang
 from plait.daemon.host import HostCollector
 from plait.daemon.ingest_pool import IngestPool
+from plait.daemon.interpreter import serving_interpreter
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.otlp import IngestLimiter, add_receivers
 from plait.daemon.security import OVERSIZE_HEADROOM, CallCounters, CallGuard, SecurityConfig
@@ -256,7 +257,8 @@ class DaemonServer:
 
 
 def serve(server: DaemonServer, *, grace: float = 5.0) -> None:
-    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    """Run until SIGTERM or SIGINT, then shut down gracefully. The process is the daemon's:
+    its interpreter is set for serving (`plait.daemon.interpreter`)."""
     done = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -264,8 +266,9 @@ def serve(server: DaemonServer, *, grace: float = 5.0) -> None:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.start()
-        done.wait()
+        with serving_interpreter():
+            server.start()
+            done.wait()
     finally:
         server.stop(grace)
         for signum, handler in previous.items():

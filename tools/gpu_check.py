@@ -18,7 +18,8 @@ stage — with its processes' output in `DIR/<stage>.log`:
    to it; `plait top / bottleneck / status --json` and the daemon's `hw.*` metrics.
 5. `cpu`: the 8-rank layouts against one process (`tests/dist/test_eight_ranks.py` at a larger
    size; started in the background after `environment`, on the upper half of the cores, since it
-   needs no GPU) and `tools/bench/daemon_load.py --ingest-workers 4 --flooders 8`.
+   needs no GPU) and `tools/bench/daemon_load.py --ingest-workers 4 --flooders 8
+   --client-processes 4`.
 6. `profile`: `plait profile` of a GPU run, where this build has the command.
 
 `--rehearse` runs every stage on a CPU machine at tiny sizes, so the plumbing is proven before a
@@ -399,13 +400,14 @@ def cpu(check: Check, deadline: float) -> dict[str, Any]:
             "tests": cases,
         }
     load_json = check.out / "daemon_load.json"
-    # Clients query once a second, as `plait top` refreshes, while 8 exporters flood the daemon.
+    # Clients query once a second, as `plait top` refreshes, while 8 exporters flood the daemon;
+    # on the node they are 4 processes of 8, as operators' `plait top`s are processes of their own.
     if check.rehearse:
         load = ["--ingest-workers", "1", "--flooders", "1", "--ranks", "1", "--clients", "2",
-                "--seconds", "1", "--query-interval", "0.5"]  # fmt: skip
+                "--client-processes", "2", "--seconds", "1", "--query-interval", "0.5"]  # fmt: skip
     else:
         load = ["--ingest-workers", "4", "--flooders", "8", "--seconds", "8",
-                "--query-interval", "1"]  # fmt: skip
+                "--client-processes", "4", "--query-interval", "1"]  # fmt: skip
     command = [check.python, "-m", "plait.tools.bench.daemon_load", *load, "--json", str(load_json)]
     ran = run(check, command, "cpu", deadline)
     figures = read_json(load_json)

@@ -11,15 +11,22 @@ collectives, as plait's exporter encodes them) back to back, so the daemon inges
 it can. `--clients` client threads each hold a `StreamMetrics` stream open (0.2 s interval)
 and, meanwhile, issue `GetMetrics`, `GetBottleneck` and `Status` calls, timing each one: back
 to back by default, or one round every `--query-interval` seconds (as `plait top` refreshes).
+The clients run in `--client-processes` processes (each operator's `plait top` is a process of
+its own; one process's GIL would time its own threads as much as the daemon).
+
+The daemon process runs its interpreter as `plait daemon` does (`plait.daemon.interpreter`:
+0.5 ms lock hand-overs, survivors of a collection frozen); `--default-switch-interval` and
+`--gc-walks-everything` run it without either, for comparison.
 Reported: calls, errors, p50/p99/max latency per method, the spans the daemon stored per second
-while the clients ran (from its own counters), plus what it dropped, the daemon process's CPU
-time per stored span (what one core would ingest, whatever the machine's load) and the load
-average.
+while the clients ran (from its own counters), plus what it dropped, the daemon's garbage
+collections while the clients ran (count, longest pause, total), the daemon process's CPU time
+per stored span (what one core would ingest, whatever the machine's load) and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -285,19 +292,61 @@ class _EveryRequestComputes:
         return compute()
 
 
+class CollectorPauses:
+    """Every garbage collection of this process: (monotonic start, seconds, generation)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float, int]] = []
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.monotonic()
+        else:
+            self.pauses.append((self._began, time.monotonic() - self._began, info["generation"]))
+
+
 def _serve(
     address_queue: mp.Queue,  # type: ignore[type-arg]
     stop: mp.Event,  # type: ignore[type-arg]
     ingest_workers: int,
     shared_queries: bool = True,
+    switch_interval: bool = True,
+    freeze_survivors: bool = True,
 ) -> None:
+    """The daemon's process: its address, then (at `stop`) its collector's pauses, on the queue."""
+    from plait.daemon.interpreter import SWITCH_INTERVAL_SECONDS, serving_interpreter
     from plait.daemon.server import DaemonServer
 
+    pauses = CollectorPauses()
+    gc.callbacks.append(pauses)
     with DaemonServer("127.0.0.1:0", ingest_workers=ingest_workers) as server:
         if not shared_queries:
             server.service.answers = _EveryRequestComputes()  # type: ignore[assignment]
-        address_queue.put(server.address)
-        stop.wait()
+        with serving_interpreter(
+            freeze_survivors=freeze_survivors,
+            switch_interval_seconds=SWITCH_INTERVAL_SECONDS if switch_interval else None,
+        ):
+            address_queue.put(server.address)
+            stop.wait()
+    gc.callbacks.remove(pauses)
+    address_queue.put(pauses.pauses)
+
+
+def query_from_a_process(
+    address: str,
+    clients: int,
+    seconds: float,
+    query_interval: float,
+    ready: Any,  # multiprocessing.Event: set once this process can start
+    go: Any,  # multiprocessing.Event: start querying
+    out: Any,  # multiprocessing.Queue: (latencies, errors, stream messages), once done
+) -> None:
+    """`run_clients` in a process of its own."""
+    ready.set()
+    go.wait()
+    result = run_clients(address, clients, seconds, query_interval)
+    out.put((result.latencies, result.errors, result.stream_messages))
 
 
 def process_cpu_seconds(pid: int) -> tuple[float, float]:
@@ -328,13 +377,36 @@ def main() -> None:
         action="store_true",
         help="every query computes its own answer (as before identical queries were shared)",
     )
+    parser.add_argument(
+        "--client-processes", type=int, default=1, help="processes the clients are spread over"
+    )
+    parser.add_argument(
+        "--default-switch-interval",
+        action="store_true",
+        help="the daemon's interpreter hands its lock over every 5 ms (as before 0.5 ms)",
+    )
+    parser.add_argument(
+        "--gc-walks-everything",
+        action="store_true",
+        help="the daemon's collector walks every object (as before it froze survivors)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
     addresses, stop = ctx.Queue(), ctx.Event()
+    if not 1 <= args.client_processes <= args.clients:
+        parser.error(f"--client-processes must be 1 to --clients ({args.clients})")
     daemon = ctx.Process(
-        target=_serve, args=(addresses, stop, args.ingest_workers, not args.unshared_queries)
+        target=_serve,
+        args=(
+            addresses,
+            stop,
+            args.ingest_workers,
+            not args.unshared_queries,
+            not args.default_switch_interval,
+            not args.gc_walks_everything,
+        ),
     )
     daemon.start()
     address = addresses.get(timeout=60)
@@ -351,9 +423,22 @@ def main() -> None:
         )
         for r in range(args.flooders)
     ]
-    for process in ranks + flooders:
+    shares = [
+        args.clients // args.client_processes + (i < args.clients % args.client_processes)
+        for i in range(args.client_processes)
+    ]
+    answers, query = ctx.Queue(), ctx.Event()
+    querying = [ctx.Event() for _ in shares]
+    queriers = [
+        ctx.Process(
+            target=query_from_a_process,
+            args=(address, n, args.seconds, args.query_interval, querying[i], query, answers),
+        )
+        for i, n in enumerate(shares)
+    ]
+    for process in ranks + flooders + queriers:
         process.start()
-    for event in ready:  # every flooder has built its requests
+    for event in ready + querying:  # every flooder has built its requests, every client started
         event.wait(300)
     go.set()
     time.sleep(2)  # the ranks and flooders are exporting before the clients start
@@ -364,7 +449,16 @@ def main() -> None:
             return stub.Status(daemon_pb2.StatusRequest(), timeout=30).spans_received
 
     before, began, cpu_before = stored(), time.perf_counter(), process_cpu_seconds(daemon.pid)
-    result = run_clients(address, args.clients, args.seconds, args.query_interval)
+    window_start = time.monotonic()
+    query.set()
+    result = LoadResult()
+    for _ in queriers:
+        latencies, errors, stream_messages = answers.get(timeout=args.seconds + 300)
+        for method, values in latencies.items():
+            result.latencies.setdefault(method, []).extend(values)
+        result.errors.extend(errors)
+        result.stream_messages += stream_messages
+    window_end = time.monotonic()
     spans_stored = stored() - before
     ingest_rate = spans_stored / (time.perf_counter() - began)
     cpu_after = process_cpu_seconds(daemon.pid)
@@ -372,14 +466,22 @@ def main() -> None:
     with grpc.insecure_channel(address) as channel:
         status = daemon_pb2_grpc.DaemonStub(channel).Status(daemon_pb2.StatusRequest())
     flooded = sum(sent_queue.get(timeout=120) for _ in flooders)
-    for process in ranks + flooders:
+    for process in ranks + flooders + queriers:
         process.join()
     stop.set()
+    pauses = [
+        (seconds, generation)
+        for began_at, seconds, generation in addresses.get(timeout=60)
+        if window_start <= began_at <= window_end
+    ]
     daemon.join()
+    longest = max(pauses, default=(0.0, 0))
+    total_pause = sum(seconds for seconds, _ in pauses)
 
     pace = f"every {args.query_interval:g}s" if args.query_interval > 0 else "back to back"
     table = Table(
-        title=f"{args.clients} clients querying {pace}, {args.ranks} ranks and "
+        title=f"{args.clients} clients ({args.client_processes} processes) querying {pace}, "
+        f"{args.ranks} ranks and "
         f"{args.flooders} flooding exporters, {args.seconds:g}s"
     )
     for column in ("method", "calls", "p50 ms", "p99 ms", "max ms", "mean ms"):
@@ -406,6 +508,12 @@ def main() -> None:
         f"ingest while the clients ran: {ingest_rate:,.0f} spans/s stored "
         f"({args.flooders} flooding exporters sent {flooded:,} spans in all)"
     )
+    console.print(
+        f"daemon's garbage collections while the clients ran: {len(pauses)}, longest "
+        f"{longest[0] * 1e3:.1f} ms (generation {longest[1]}), {total_pause * 1e3:.0f} ms in all "
+        f"({'walking every object' if args.gc_walks_everything else 'survivors frozen'}; "
+        f"lock hand-overs every {5 if args.default_switch_interval else 0.5} ms)"
+    )
     per_span = daemon_cpu / max(spans_stored, 1)
     console.print(
         f"daemon process CPU: {daemon_cpu / args.seconds:.0%} of a core, "
@@ -430,6 +538,11 @@ def main() -> None:
             "calls_refused": status.calls_rejected,
             "errors": len(result.errors),
             "daemon_cpu_seconds": daemon_cpu,
+            "gc": {
+                "collections": len(pauses),
+                "longest_pause_ms": longest[0] * 1e3,
+                "total_pause_ms": total_pause * 1e3,
+            },
             "ingest_workers_cpu_seconds": workers_cpu,
             "latency_ms": {
                 method: {
