@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.daemon.decoder import StaticsCache
-from plait.daemon.interpreter import collect_garbage_less_often
 from plait.daemon.ingest import decode_resources, decode_wire, encode_resources
+from plait.daemon.interpreter import collect_garbage_less_often
 from plait.daemon.otlp_requests import trace_request_parser
 from plait.daemon.store import TelemetryStore
 from plait.tools.bench.daemon_load import encoded_rank_requests
