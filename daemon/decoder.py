@@ -55,8 +55,8 @@ class Rejected(ValueError):
 
         NOTE: a raised exception's traceback holds the frames it passed through, and they hold
         whatever keeps the exception (a decoded request, with the call that carried it): a
-        reference cycle that only the cyclic collector reclaims, and the daemon's collector
-        leaves survivors alone for an hour (`plait.daemon.interpreter`)."""
+        reference cycle that only the cyclic collector reclaims, and while the daemon serves it
+        collects every ten minutes (`plait.daemon.interpreter`)."""
         return Rejected(self.attribute, self.reason, self.detail)
 
 

@@ -1,6 +1,6 @@
-"""The daemon process's interpreter: quick lock hand-overs while it serves; its collector's
-survivors frozen out of the walks, cycles still reclaimed, and the daemon's hot paths forming no
-cycles (what makes freezing safe)."""
+"""The daemon process's interpreter while it serves: quick lock hand-overs, no automatic
+collection, cycles still reclaimed on a schedule, and the daemon's hot paths forming no cycles
+(what makes turning automatic collection off safe)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import sys
 import time
 import types
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,12 +19,13 @@ import pytest
 import plait
 from plait.daemon.interpreter import (
     SWITCH_INTERVAL_SECONDS,
-    FreezeSurvivors,
+    ScheduledCollections,
     serving_interpreter,
 )
 from plait.daemon.server import DaemonServer
 from plait.tools.bench.daemon_load import export_like_a_rank
 from tests.daemon.otlp_inputs import SpanSpec, probe, rank_resource, step_spans, trace_request
+from tests.daemon.otlp_sink import OtlpSink
 
 PLAIT_DIR = str(Path(plait.__file__).parent)
 
@@ -37,81 +37,62 @@ class Node:
         self.partner: Node | None = None
 
 
-@pytest.fixture
-def freezing() -> Iterator[FreezeSurvivors]:
-    gc.collect()
-    with FreezeSurvivors() as policy:
-        yield policy
-    gc.collect()
-
-
-def test_what_survives_a_collection_is_never_walked_again(freezing: FreezeSurvivors) -> None:
-    window = [Node() for _ in range(10_000)]  # what a store keeps
-    gc.collect(0)  # any collection, as an allocation would trigger one
-    walked = {id(o) for generation in range(3) for o in gc.get_objects(generation)}
-    assert not any(id(node) in walked for node in window)
-    assert gc.get_freeze_count() >= len(window)
-
-
-def test_a_frozen_object_is_still_freed_when_dropped(freezing: FreezeSurvivors) -> None:
-    node = Node()
-    gc.collect(0)
-    dead = weakref.ref(node)
-    del node  # reference counting, no collector
-    assert dead() is None
-
-
-def test_a_cycle_frozen_while_alive_is_reclaimed_by_the_full_collection(
-    freezing: FreezeSurvivors,
-) -> None:
+def cycle() -> weakref.ref[Node]:
+    """A reference cycle nothing else holds: only the collector reclaims it."""
     first, second = Node(), Node()
     first.partner, second.partner = second, first
-    gc.collect(0)  # frozen while still referenced
-    dead = weakref.ref(first)
-    del first, second
-    gc.collect()  # a collection of every generation does not walk the frozen
-    assert dead() is not None
-    assert freezing.collect_all() >= 2
-    assert dead() is None
-    assert freezing.full_collections == 1
+    return weakref.ref(first)
+
+
+def test_no_automatic_collection_while_entered() -> None:
+    gc.collect()
+    with ScheduledCollections(every_seconds=3600):
+        assert not gc.isenabled()
+        dead = [cycle() for _ in range(2 * gc.get_threshold()[0])]  # past the threshold
+        assert all(ref() is not None for ref in dead)
+    assert gc.isenabled()
+    gc.collect()
+    assert all(ref() is None for ref in dead)
 
 
 @pytest.mark.timeout(60)
-def test_the_youngest_generation_is_collected_without_waiting_for_allocations() -> None:
-    """A full window allocates as much as it frees, so CPython's own trigger rarely fires:
-    the policy collects (and freezes) on its own clock."""
-    gc.collect()
-    gc.disable()  # CPython's own trigger never fires here
+def test_cycles_are_reclaimed_on_the_schedule() -> None:
+    with ScheduledCollections(every_seconds=0.01) as collections:
+        dead = cycle()
+        while dead() is not None or collections.collections == 0:
+            time.sleep(0.01)  # until the schedule's thread has reclaimed it
+
+
+def test_collection_stays_off_when_it_was_off() -> None:
+    gc.disable()
     try:
-        with FreezeSurvivors(young_collection_seconds=0.01):
-            window = [Node() for _ in range(100)]
-            ids = {id(node) for node in window}
-            while any(id(o) in ids for gen in range(3) for o in gc.get_objects(gen)):
-                time.sleep(0.01)  # until the policy's thread has collected once
-            assert gc.get_freeze_count() >= len(window)
+        with ScheduledCollections():
+            pass
+        assert not gc.isenabled()
     finally:
         gc.enable()
 
 
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan")])
+def test_a_schedule_must_be_positive(seconds: float) -> None:
+    with pytest.raises(ValueError, match="every_seconds must be > 0"):
+        ScheduledCollections(every_seconds=seconds)
+
+
 SERVE_UNTIL_STOPPED = """
 import gc, os, signal, sys, threading, time
-from plait.daemon.interpreter import FreezeSurvivors
 from plait.daemon.server import DaemonServer, serve
-
-def installed():
-    return [c for c in gc.callbacks if isinstance(getattr(c, "__self__", None), FreezeSurvivors)]
 
 def stop_once_serving():
     deadline = time.monotonic() + 60
-    while not installed() and time.monotonic() < deadline:
+    while gc.isenabled() and time.monotonic() < deadline:
         time.sleep(0.01)
-    print("serving", len(installed()), gc.get_freeze_count() > 0, sys.getswitchinterval(),
-          flush=True)
+    print("serving", gc.isenabled(), sys.getswitchinterval(), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
 threading.Thread(target=stop_once_serving, daemon=True).start()
 serve(DaemonServer("127.0.0.1:0"), grace=1.0)
-print("stopped", len(installed()), gc.get_freeze_count(), sys.getswitchinterval(), flush=True)
+print("stopped", gc.isenabled(), sys.getswitchinterval(), flush=True)
 """
 
 
@@ -125,38 +106,21 @@ def test_the_daemon_process_serves_with_its_interpreter_set() -> None:
     assert done.returncode == 0, done.stderr
     default = sys.getswitchinterval()
     assert done.stdout.split("\n")[:2] == [
-        f"serving 1 True {SWITCH_INTERVAL_SECONDS}",
-        f"stopped 0 0 {default}",
+        f"serving False {SWITCH_INTERVAL_SECONDS}",
+        f"stopped True {default}",
     ]
 
 
-@pytest.mark.parametrize("freeze", [True, False])
-def test_serving_settings_are_undone_on_exit(freeze: bool) -> None:
+@pytest.mark.parametrize("scheduled", [True, False])
+def test_serving_settings_are_undone_on_exit(scheduled: bool) -> None:
     default = sys.getswitchinterval()
-    with serving_interpreter(freeze_survivors=freeze):
+    with serving_interpreter(scheduled_collections=scheduled):
         assert sys.getswitchinterval() == SWITCH_INTERVAL_SECONDS
-        gc.collect(0)
-        assert (gc.get_freeze_count() > 0) is freeze
+        assert gc.isenabled() is not scheduled
     assert sys.getswitchinterval() == default
-    assert gc.get_freeze_count() == 0
+    assert gc.isenabled()
     with serving_interpreter(switch_interval_seconds=None):
         assert sys.getswitchinterval() == default
-
-
-def test_leaving_unfreezes_everything() -> None:
-    with FreezeSurvivors():
-        kept = [Node() for _ in range(100)]
-        gc.collect(0)
-        assert gc.get_freeze_count() >= len(kept)
-    assert gc.get_freeze_count() == 0
-    assert not any(isinstance(getattr(c, "__self__", None), FreezeSurvivors) for c in gc.callbacks)
-
-
-@pytest.mark.parametrize("period", ["young_collection_seconds", "full_collection_seconds"])
-@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan")])
-def test_a_collection_period_must_be_positive(period: str, seconds: float) -> None:
-    with pytest.raises(ValueError, match=f"{period} must be > 0"):
-        FreezeSurvivors(**{period: seconds})
 
 
 def _ours(obj: object) -> bool:
@@ -175,14 +139,25 @@ def _describe(obj: object) -> str:
 
 
 @pytest.mark.timeout(180)
-def test_ingest_queries_and_streams_form_no_reference_cycles() -> None:
+@pytest.mark.parametrize("ingest_workers", [0, 1], ids=["decoded-here", "decoded-by-a-worker"])
+def test_ingest_queries_and_streams_form_no_reference_cycles(ingest_workers: int) -> None:
     """What the daemon does all day leaves nothing for the collector: a rank exporting through
     plait's telemetry (steps, phases, collectives, heartbeats, control polls, its end), a stock
-    SDK request with a rejected span and a resource that is no rank, and every query. The rank
-    runs in a process of its own: its side (plugin manager, channel) is not the daemon's heap."""
+    SDK request with a rejected span and a resource that is no rank, forwarding upstream, and
+    every query. The rank runs in a process of its own: its side (plugin manager, channel) is
+    not the daemon's heap."""
     bad = step_spans(0, 2, 1_000_000_000)
     bad.append(SpanSpec("plait.step", 5, 1, {"plait.step": -3}))  # ends before it starts
-    with DaemonServer("127.0.0.1:0", prometheus="127.0.0.1:0") as server:
+    with (
+        OtlpSink() as sink,
+        DaemonServer(
+            "127.0.0.1:0",
+            prometheus="127.0.0.1:0",
+            otlp_endpoint=sink.endpoint,
+            ingest_workers=ingest_workers,
+            ingest_offload_bytes=1,  # with a worker, every trace request goes to it
+        ) as server,
+    ):
         export_like_a_rank(server.address, 0, 2, 0.5)  # every code path once: caches filled
         probe(server)
         rank = mp.get_context("spawn").Process(
@@ -203,6 +178,9 @@ def test_ingest_queries_and_streams_form_no_reference_cycles() -> None:
                 export(trace_request({"service.name": "not-a-rank"}, bad), timeout=10)
             for _ in range(3):
                 probe(server)
+            assert server.upstream is not None
+            server.upstream.meter_provider.force_flush(5000)
+            assert sink.wait_for(lambda s: any(r.get("plait.rank") == 1 for r, _ in s.spans))
             gc.collect()
             garbage = [_describe(o) for o in gc.garbage if _ours(o)]
         finally:

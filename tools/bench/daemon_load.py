@@ -15,8 +15,8 @@ The clients run in `--client-processes` processes (each operator's `plait top` i
 its own; one process's GIL would time its own threads as much as the daemon).
 
 The daemon process runs its interpreter as `plait daemon` does (`plait.daemon.interpreter`:
-0.5 ms lock hand-overs, survivors of a collection frozen); `--default-switch-interval` and
-`--gc-walks-everything` run it without either, for comparison.
+0.5 ms lock hand-overs, automatic collection off and a full collection every ten minutes);
+`--default-switch-interval` and `--automatic-gc` run it without either, for comparison.
 Reported: calls, errors, p50/p99/max latency per method, the spans the daemon stored per second
 while the clients ran (from its own counters), plus what it dropped, the daemon's garbage
 collections while the clients ran (count, longest pause, total), the daemon process's CPU time
@@ -312,7 +312,7 @@ def _serve(
     ingest_workers: int,
     shared_queries: bool = True,
     switch_interval: bool = True,
-    freeze_survivors: bool = True,
+    scheduled_collections: bool = True,
 ) -> None:
     """The daemon's process: its address, then (at `stop`) its collector's pauses, on the queue."""
     from plait.daemon.interpreter import SWITCH_INTERVAL_SECONDS, serving_interpreter
@@ -324,7 +324,7 @@ def _serve(
         if not shared_queries:
             server.service.answers = _EveryRequestComputes()  # type: ignore[assignment]
         with serving_interpreter(
-            freeze_survivors=freeze_survivors,
+            scheduled_collections=scheduled_collections,
             switch_interval_seconds=SWITCH_INTERVAL_SECONDS if switch_interval else None,
         ):
             address_queue.put(server.address)
@@ -386,9 +386,9 @@ def main() -> None:
         help="the daemon's interpreter hands its lock over every 5 ms (as before 0.5 ms)",
     )
     parser.add_argument(
-        "--gc-walks-everything",
+        "--automatic-gc",
         action="store_true",
-        help="the daemon's collector walks every object (as before it froze survivors)",
+        help="the daemon's collector runs on CPython's own trigger (as before it was scheduled)",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -405,7 +405,7 @@ def main() -> None:
             args.ingest_workers,
             not args.unshared_queries,
             not args.default_switch_interval,
-            not args.gc_walks_everything,
+            not args.automatic_gc,
         ),
     )
     daemon.start()
@@ -511,7 +511,7 @@ def main() -> None:
     console.print(
         f"daemon's garbage collections while the clients ran: {len(pauses)}, longest "
         f"{longest[0] * 1e3:.1f} ms (generation {longest[1]}), {total_pause * 1e3:.0f} ms in all "
-        f"({'walking every object' if args.gc_walks_everything else 'survivors frozen'}; "
+        f"({'automatic' if args.automatic_gc else 'scheduled'}; "
         f"lock hand-overs every {5 if args.default_switch_interval else 0.5} ms)"
     )
     per_span = daemon_cpu / max(spans_stored, 1)
