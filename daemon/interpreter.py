@@ -75,14 +75,13 @@ class ScheduledCollections:
             raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
         self.every_seconds = every_seconds
         self.collections = 0
-        self.collected = 0  # objects in the cycles reclaimed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._was_enabled = True
 
     def _collect_on_schedule(self) -> None:
         while not self._stop.wait(self.every_seconds):
-            self.collected += gc.collect()
+            gc.collect()
             self.collections += 1
 
     def __enter__(self) -> ScheduledCollections:
