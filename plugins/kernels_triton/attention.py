@@ -1,8 +1,19 @@
-"""Triton causal attention in the FlashAttention-2 style, with grouped-query attention.
+"""Triton causal attention in the FlashAttention-2 style, with grouped-query attention and
+document masking (packed rows, varlen).
 
 Forward: one program per (query block, batch·head) walks the key/value blocks up to the causal
 diagonal with an online softmax, keeping the output accumulator, the running max and the
 running sum in registers; only the output and the per-row logsumexp (base 2) are written.
+Keys may be fewer or more than queries (a ring's block): the causal mask is bottom-right
+aligned, as FlashAttention's.
+
+Documents: with `document_ids` (and `key_document_ids` for another block's keys) a query sees
+only keys of its own document. Ids never decrease along a row, so the keys of a query block's
+documents are one contiguous range: a binary search per block (`document_ranges`, on the
+device, before the launch) gives each program where to start and stop its walk, as
+FlashAttention's varlen kernels walk only a document's own keys, and the element mask is
+applied only inside those tiles. The backward walks the same ranges (dK/dV the range of
+queries of each key block). A query that sees no key gets output 0 and lse -inf, exactly.
 
 With `return_lse=True` the logsumexp is returned too (natural log, float32) and is
 differentiable: d lse / d score = softmax probability, so its gradient only shifts delta
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,25 +49,28 @@ DEFAULT_BLOCK = 64
 
 @triton.jit
 def _attn_fwd(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_doc_ptr, k_doc_ptr, key_lo_ptr, key_hi_ptr, visits_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    n_heads, group_size, seq_len, head_dim, qk_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    n_heads, group_size, seq_q, seq_k, head_dim, qk_scale,
+    CAUSAL: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT_VISITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Under torch.compile a scale derived from a symbolic head size arrives as float64, which
     # would turn every score and the loop-carried running max into float64.
     qk_scale = tl.cast(qk_scale, tl.float32)
     start_m = tl.program_id(0)
+    n_blocks = tl.num_programs(0)
     batch_head = tl.program_id(1).to(tl.int64)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq_len
+    row_ok = rows < seq_q
     dim_ok = dims < head_dim
+    # Bottom-right aligned causal mask: key j is visible to query i when j <= i + diagonal.
+    diagonal = seq_k - seq_q
     q_base = q_ptr + batch * stride_qb + head * stride_qh
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
@@ -66,10 +81,18 @@ def _attn_fwd(
     running_max = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, end_n, BLOCK_N):
+    lo = 0
+    hi = tl.minimum((start_m + 1) * BLOCK_M + diagonal, seq_k) if CAUSAL else seq_k
+    if DOCUMENTS:
+        # The keys of this block's documents, planned on the host side (`_document_ranges`):
+        # tiles outside [lo, hi) hold no key any of these queries may see, and are never loaded.
+        lo = tl.load(key_lo_ptr + batch * n_blocks + start_m)
+        hi = tl.minimum(hi, tl.load(key_hi_ptr + batch * n_blocks + start_m))
+        q_docs = tl.load(q_doc_ptr + batch * seq_q + rows, mask=row_ok, other=-1)
+    visits = 0
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_len
+        col_ok = cols < hi
         k_t = tl.load(
             k_base + cols[None, :] * stride_ks + dims[:, None],
             mask=col_ok[None, :] & dim_ok[:, None], other=0.0,
@@ -77,12 +100,17 @@ def _attn_fwd(
         scores = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
         valid = col_ok[None, :]
         if CAUSAL:
-            valid = valid & (rows[:, None] >= cols[None, :])
+            valid = valid & (rows[:, None] + diagonal >= cols[None, :])
+        if DOCUMENTS:
+            k_docs = tl.load(k_doc_ptr + batch * seq_k + cols, mask=col_ok, other=-2)
+            valid = valid & (q_docs[:, None] == k_docs[None, :])
         scores = tl.where(valid, scores, -float("inf"))
-        # Column 0 is valid for every row, so the first block makes every max finite.
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
+        # A row that has seen no key yet (its document starts later in the walk, or it has
+        # none) keeps a max of -inf: subtracting 0 instead keeps its exp2 terms 0, not NaN.
+        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
+        rescale = tl.exp2(running_max - safe_max)
+        p = tl.exp2(scores - safe_max[:, None])
         running_sum = running_sum * rescale + tl.sum(p, axis=1)
         v = tl.load(
             v_base + cols[:, None] * stride_vs + dims[None, :],
@@ -90,13 +118,21 @@ def _attn_fwd(
         )  # fmt: skip
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         running_max = new_max
-    out = acc / running_sum[:, None]
+        visits += 1
+    # A row that saw no key at all (another block's documents only, or above the diagonal of a
+    # shorter key block) has a sum of 0: its output is exactly 0 and its logsumexp -inf.
+    seen = running_sum > 0.0
+    safe_sum = tl.where(seen, running_sum, 1.0)
+    out = acc / safe_sum[:, None]
     o_base = o_ptr + batch * stride_ob + head * stride_oh
     tl.store(
         o_base + rows[:, None] * stride_os + dims[None, :],
         out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
     )  # fmt: skip
-    tl.store(lse_ptr + batch_head * seq_len + rows, running_max + tl.log2(running_sum), mask=row_ok)
+    lse = tl.where(seen, running_max + tl.log2(safe_sum), -float("inf"))
+    tl.store(lse_ptr + batch_head * seq_q + rows, lse, mask=row_ok)
+    if COUNT_VISITS:
+        tl.store(visits_ptr + batch_head * n_blocks + start_m, visits)
 
 
 @triton.jit
@@ -124,22 +160,25 @@ def _attn_bwd_delta(
 @triton.jit
 def _attn_bwd_dq(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_doc_ptr, k_doc_ptr, key_lo_ptr, key_hi_ptr, visits_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_db, stride_dh, stride_ds,
-    n_heads, group_size, seq_len, head_dim, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    n_heads, group_size, seq_q, seq_k, head_dim, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT_VISITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as fwd
     start_m = tl.program_id(0)
+    n_blocks = tl.num_programs(0)
     batch_head = tl.program_id(1).to(tl.int64)
     batch = batch_head // n_heads
     head = batch_head % n_heads
     kv_head = head // group_size
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq_len
+    row_ok = rows < seq_q
     dim_ok = dims < head_dim
+    diagonal = seq_k - seq_q
     tile_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(
         q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qs + dims[None, :],
@@ -149,15 +188,21 @@ def _attn_bwd_dq(
         do_ptr + batch * stride_db + head * stride_dh + rows[:, None] * stride_ds + dims[None, :],
         mask=tile_mask, other=0.0,
     )  # fmt: skip
-    lse = tl.load(lse_ptr + batch_head * seq_len + rows, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + batch_head * seq_len + rows, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + batch_head * seq_q + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + batch_head * seq_q + rows, mask=row_ok, other=0.0)
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, end_n, BLOCK_N):
+    lo = 0
+    hi = tl.minimum((start_m + 1) * BLOCK_M + diagonal, seq_k) if CAUSAL else seq_k
+    if DOCUMENTS:  # as in the forward
+        lo = tl.load(key_lo_ptr + batch * n_blocks + start_m)
+        hi = tl.minimum(hi, tl.load(key_hi_ptr + batch * n_blocks + start_m))
+        q_docs = tl.load(q_doc_ptr + batch * seq_q + rows, mask=row_ok, other=-1)
+    visits = 0
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_len
+        col_ok = cols < hi
         k = tl.load(
             k_base + cols[:, None] * stride_ks + dims[None, :],
             mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
@@ -169,35 +214,45 @@ def _attn_bwd_dq(
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         valid = row_ok[:, None] & col_ok[None, :]
         if CAUSAL:
-            valid = valid & (rows[:, None] >= cols[None, :])
-        p = tl.where(valid, tl.exp2(scores - lse[:, None]), 0.0)
+            valid = valid & (rows[:, None] + diagonal >= cols[None, :])
+        if DOCUMENTS:
+            k_docs = tl.load(k_doc_ptr + batch * seq_k + cols, mask=col_ok, other=-2)
+            valid = valid & (q_docs[:, None] == k_docs[None, :])
+        # Masked before exp2: a row that saw no key has lse -inf, and exp2(+inf) is no zero.
+        p = tl.exp2(tl.where(valid, scores - lse[:, None], -float("inf")))
         dp = tl.dot(do, v_t, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        visits += 1
     tl.store(
-        dq_ptr + batch_head * seq_len * head_dim + rows[:, None] * head_dim + dims[None, :],
+        dq_ptr + batch_head * seq_q * head_dim + rows[:, None] * head_dim + dims[None, :],
         (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask,
     )  # fmt: skip
+    if COUNT_VISITS:
+        tl.store(visits_ptr + batch_head * n_blocks + start_m, visits)
 
 
 @triton.jit
 def _attn_bwd_dkdv(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_doc_ptr, k_doc_ptr, query_lo_ptr, query_hi_ptr, visits_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_db, stride_dh, stride_ds,
-    n_heads, n_kv_heads, group_size, seq_len, head_dim, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    n_heads, n_kv_heads, group_size, seq_q, seq_k, head_dim, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, DOCUMENTS: tl.constexpr, COUNT_VISITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # as fwd
     start_n = tl.program_id(0)
+    n_blocks = tl.num_programs(0)
     batch_kv_head = tl.program_id(1).to(tl.int64)
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
     cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    col_ok = cols < seq_len
+    col_ok = cols < seq_k
     dim_ok = dims < head_dim
+    diagonal = seq_k - seq_q
     kv_mask = col_ok[:, None] & dim_ok[None, :]
     k = tl.load(
         k_ptr + batch * stride_kb + kv_head * stride_kh + cols[:, None] * stride_ks
@@ -209,36 +264,49 @@ def _attn_bwd_dkdv(
     )  # fmt: skip
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    # Query blocks wholly above the diagonal see none of these keys.
-    start_m = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    # Queries above the diagonal see none of these keys.
+    lo = tl.maximum(start_n * BLOCK_N - diagonal, 0) if CAUSAL else 0
+    hi = seq_q
+    if DOCUMENTS:
+        # The queries of this key block's documents (`_document_ranges`, roles swapped).
+        lo = tl.maximum(lo, tl.load(query_lo_ptr + batch * n_blocks + start_n))
+        hi = tl.load(query_hi_ptr + batch * n_blocks + start_n)
+        k_docs = tl.load(k_doc_ptr + batch * seq_k + cols, mask=col_ok, other=-2)
+    visits = 0
     for member in range(0, group_size):
         head = kv_head * group_size + member
         batch_head = batch * n_heads + head
         q_base = q_ptr + batch * stride_qb + head * stride_qh
         do_base = do_ptr + batch * stride_db + head * stride_dh
-        for block_m in range(start_m, seq_len, BLOCK_M):
+        for block_m in range(lo, hi, BLOCK_M):
             rows = block_m + tl.arange(0, BLOCK_M)
-            row_ok = rows < seq_len
+            row_ok = rows < hi
             tile_mask = row_ok[:, None] & dim_ok[None, :]
             q = tl.load(q_base + rows[:, None] * stride_qs + dims[None, :], mask=tile_mask,
                         other=0.0)  # fmt: skip
             do = tl.load(do_base + rows[:, None] * stride_ds + dims[None, :], mask=tile_mask,
                          other=0.0)  # fmt: skip
-            lse = tl.load(lse_ptr + batch_head * seq_len + rows, mask=row_ok, other=0.0)
-            delta = tl.load(delta_ptr + batch_head * seq_len + rows, mask=row_ok, other=0.0)
+            lse = tl.load(lse_ptr + batch_head * seq_q + rows, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptr + batch_head * seq_q + rows, mask=row_ok, other=0.0)
             # Transposed scores (keys × queries), so dK and dV come out without transposes.
             scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
             valid = col_ok[:, None] & row_ok[None, :]
             if CAUSAL:
-                valid = valid & (rows[None, :] >= cols[:, None])
-            p_t = tl.where(valid, tl.exp2(scores_t - lse[None, :]), 0.0)
+                valid = valid & (rows[None, :] + diagonal >= cols[:, None])
+            if DOCUMENTS:
+                q_docs = tl.load(q_doc_ptr + batch * seq_q + rows, mask=row_ok, other=-1)
+                valid = valid & (k_docs[:, None] == q_docs[None, :])
+            p_t = tl.exp2(tl.where(valid, scores_t - lse[None, :], -float("inf")))  # as dQ
             dv = dv + tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             dk = dk + tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-    out_offsets = batch_kv_head * seq_len * head_dim + cols[:, None] * head_dim + dims[None, :]
+            visits += 1
+    out_offsets = batch_kv_head * seq_k * head_dim + cols[:, None] * head_dim + dims[None, :]
     tl.store(dk_ptr + out_offsets, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out_offsets, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+    if COUNT_VISITS:
+        tl.store(visits_ptr + batch_kv_head * n_blocks + start_n, visits)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -303,16 +371,105 @@ def _given_tile(block_m: int | None, block_n: int | None) -> Tile | None:
                 BLOCK_M=block_m or DEFAULT_BLOCK, BLOCK_N=block_n or DEFAULT_BLOCK)  # fmt: skip
 
 
-def _problem(q: torch.Tensor, n_kv_heads: int, causal: bool) -> tuple[Hashable, ...]:
-    """What decides the best tile: dtype, head size, masking, the sequence length's class and
-    whether query heads share key/value heads (dK/dV then walk several heads' queries)."""
+def _problem(
+    q: torch.Tensor, n_kv_heads: int, causal: bool, documents: bool
+) -> tuple[Hashable, ...]:
+    """What decides the best tile: dtype, head size, masking, the sequence length's class,
+    whether query heads share key/value heads (dK/dV then walk several heads' queries) and
+    whether documents cut the walks short (short walks favour other tiles than full ones)."""
     _, n_heads, seq_len, head_dim = q.shape
     return (str(q.dtype).removeprefix("torch."), _head_block(head_dim), causal,
-            power_of_two_class(seq_len), n_heads // n_kv_heads)  # fmt: skip
+            power_of_two_class(seq_len), n_heads // n_kv_heads, documents)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentIds:
+    """The document of every query and every key, validated, as the kernels read them."""
+
+    queries: torch.Tensor  # (batch, seq_q), contiguous
+    keys: torch.Tensor  # (batch, seq_k), contiguous, of the queries' dtype
+    in_order: torch.Tensor  # (batch,) bool: both rows' ids never decrease
+
+    @classmethod
+    def of(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        document_ids: torch.Tensor,
+        key_document_ids: torch.Tensor | None,
+    ) -> DocumentIds:
+        keys = document_ids if key_document_ids is None else key_document_ids
+        for name, ids, of in (("document_ids", document_ids, q), ("key_document_ids", keys, k)):
+            expected = (of.shape[0], of.shape[2])
+            if tuple(ids.shape) != expected or ids.is_floating_point() or ids.is_complex():
+                raise ValueError(
+                    f"attention: {name} must be an integer tensor (batch, seq) = {expected}; "
+                    f"got {ids.dtype} of shape {tuple(ids.shape)}"
+                )
+            if ids.device != of.device:
+                raise ValueError(f"attention: {name} is on {ids.device}, the inputs on {of.device}")
+        dtype = torch.promote_types(document_ids.dtype, keys.dtype)  # searchsorted wants one
+        queries = document_ids.to(dtype).contiguous()
+        keys = keys.to(dtype).contiguous()
+        in_order = _non_decreasing(queries) & _non_decreasing(keys)
+        return cls(queries, keys, in_order)
+
+
+def _non_decreasing(ids: torch.Tensor) -> torch.Tensor:
+    return (ids[:, 1:] >= ids[:, :-1]).all(dim=1)
+
+
+def document_ranges(
+    block_ids: torch.Tensor, other_ids: torch.Tensor, block: int, in_order: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every block of `block` positions of `block_ids` (batch, n), the positions [lo, hi) of
+    `other_ids` (batch, m) whose document lies between the block's first and last: the only
+    keys a query block may see (or, roles swapped, the only queries that see a key block).
+
+    Ids never decrease along a row, so a block's documents run from its first id to its last
+    and the other side's positions of those documents are one contiguous range, found by a
+    binary search per block (as FlashAttention's varlen kernels walk only a document's own
+    keys). Nothing is read back to the host. A row whose ids are out of order gets the whole
+    range: the kernels' element mask keeps it exact, only slower.
+    """
+    seq = block_ids.shape[1]
+    starts = torch.arange(0, seq, block, device=block_ids.device)
+    ends = (starts + block).clamp(max=seq) - 1
+    lo = torch.searchsorted(other_ids, block_ids[:, starts].contiguous(), out_int32=True)
+    hi = torch.searchsorted(other_ids, block_ids[:, ends].contiguous(), right=True, out_int32=True)
+    lo = torch.where(in_order[:, None], lo, 0)
+    hi = torch.where(in_order[:, None], hi, other_ids.shape[1])
+    return lo.contiguous(), hi.contiguous()
+
+
+class _Ranges:
+    """`document_ranges` of one call, computed once per block size (a tuned launch tries
+    several) and shared by the forward and the backward."""
+
+    def __init__(self, documents: DocumentIds | None) -> None:
+        self.documents = documents
+        self._memo: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def pointers(self, side: str, block: int) -> tuple[torch.Tensor | None, ...]:
+        """(query ids, key ids, lo, hi) for the kernels, or Nones without documents. `side` is
+        "keys" (the key range of each query block) or "queries" (of each key block)."""
+        documents = self.documents
+        if documents is None:
+            return None, None, None, None
+        memo = (side, block)
+        if memo not in self._memo:
+            blocks, other = (
+                (documents.queries, documents.keys)
+                if side == "keys"
+                else (documents.keys, documents.queries)
+            )
+            self._memo[memo] = document_ranges(blocks, other, block, documents.in_order)
+        return documents.queries, documents.keys, *self._memo[memo]
 
 
 class AttentionFunction(torch.autograd.Function):
-    """softmax(Q·Kᵀ/√d [+ causal mask]) · V with K/V heads shared by groups of query heads."""
+    """softmax(Q·Kᵀ/√d [+ causal mask] [+ document mask]) · V with K/V heads shared by groups
+    of query heads."""
 
     @staticmethod
     def forward(
@@ -324,13 +481,15 @@ class AttentionFunction(torch.autograd.Function):
         block_m: int | None,
         block_n: int | None,
         return_lse: bool = False,
+        documents: DocumentIds | None = None,
+        visits: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        batch, n_heads, seq_len, head_dim = q.shape
-        n_kv_heads = k.shape[1]
-        if k.shape != (batch, n_kv_heads, seq_len, head_dim) or v.shape != k.shape:
+        batch, n_heads, seq_q, head_dim = q.shape
+        n_kv_heads, seq_k = k.shape[1], k.shape[2]
+        if k.shape != (batch, n_kv_heads, seq_k, head_dim) or v.shape != k.shape:
             raise ValueError(
                 f"attention: q {tuple(q.shape)} needs k and v of shape (batch, kv_heads, "
-                f"{seq_len}, {head_dim}); got k {tuple(k.shape)}, v {tuple(v.shape)}"
+                f"seq_k, {head_dim}); got k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
         if n_heads % n_kv_heads:
             raise ValueError(f"attention: {n_heads} heads are not a multiple of {n_kv_heads}")
@@ -338,21 +497,28 @@ class AttentionFunction(torch.autograd.Function):
         block_d = _head_block(head_dim)
         sm_scale = 1.0 / math.sqrt(head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(batch, n_heads, seq_len, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, n_heads, seq_q, dtype=torch.float32, device=q.device)
+        ranges = _Ranges(documents)
 
         def launch(chosen: Tile) -> None:
-            _attn_fwd[(triton.cdiv(seq_len, chosen["BLOCK_M"]), batch * n_heads)](
-                q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-                n_heads, n_heads // n_kv_heads, seq_len, head_dim, sm_scale * LOG2_E,
-                CAUSAL=causal, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype),
-                **chosen.launch_options(),
+            n_blocks = triton.cdiv(seq_q, chosen["BLOCK_M"])
+            counts = _visit_counts(visits, "forward", batch * n_heads, n_blocks, q.device)
+            _attn_fwd[(n_blocks, batch * n_heads)](
+                q, k, v, out, lse, *ranges.pointers("keys", chosen["BLOCK_M"]), counts,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+                n_heads, n_heads // n_kv_heads, seq_q, seq_k, head_dim, sm_scale * LOG2_E,
+                CAUSAL=causal, DOCUMENTS=documents is not None, COUNT_VISITS=counts is not None,
+                BLOCK_D=block_d, PRECISION=dot_precision(q.dtype), **chosen.launch_options(),
             )  # fmt: skip
 
         given = _given_tile(block_m, block_n)
-        launch(given or FORWARD_TILES.choose(_problem(q, n_kv_heads, causal), launch, q.device))
+        problem = _problem(q, n_kv_heads, causal, documents is not None)
+        launch(given or FORWARD_TILES.choose(problem, launch, q.device))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = causal
         ctx.given_tile = given
+        ctx.ranges = ranges
+        ctx.visits = visits
         if return_lse:
             # The kernel keeps log2 of the sum over exp2 of log2(e)-scaled scores.
             return out, lse / LOG2_E
@@ -364,16 +530,19 @@ class AttentionFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         given: Tile | None = ctx.given_tile
-        batch, n_heads, seq_len, head_dim = q.shape
-        n_kv_heads = k.shape[1]
+        ranges: _Ranges = ctx.ranges
+        visits: dict[str, torch.Tensor] | None = ctx.visits
+        documents = ranges.documents is not None
+        batch, n_heads, seq_q, head_dim = q.shape
+        n_kv_heads, seq_k = k.shape[1], k.shape[2]
         group_size = n_heads // n_kv_heads
         block_d = _head_block(head_dim)
         dout = _unit_last_stride(dout)
         sm_scale = 1.0 / math.sqrt(head_dim)
         delta = torch.empty_like(lse)
         delta_rows = (given or DEFAULT_TILE)["BLOCK_M"]
-        _attn_bwd_delta[(triton.cdiv(seq_len, delta_rows), batch * n_heads)](
-            out, dout, delta, *_strides(out), *_strides(dout), n_heads, seq_len, head_dim,
+        _attn_bwd_delta[(triton.cdiv(seq_q, delta_rows), batch * n_heads)](
+            out, dout, delta, *_strides(out), *_strides(dout), n_heads, seq_q, head_dim,
             BLOCK_M=delta_rows, BLOCK_D=block_d,
         )  # fmt: skip
         if dlse is not None:
@@ -382,28 +551,65 @@ class AttentionFunction(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        common = dict(CAUSAL=ctx.causal, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype))
+        common = dict(
+            CAUSAL=ctx.causal, DOCUMENTS=documents, BLOCK_D=block_d,
+            PRECISION=dot_precision(q.dtype),
+        )  # fmt: skip
 
         def launch_dq(chosen: Tile) -> None:
-            _attn_bwd_dq[(triton.cdiv(seq_len, chosen["BLOCK_M"]), batch * n_heads)](
-                q, k, v, dout, lse, delta, dq,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-                n_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale,
-                **common, **chosen.launch_options(),
+            n_blocks = triton.cdiv(seq_q, chosen["BLOCK_M"])
+            counts = _visit_counts(visits, "backward_dq", batch * n_heads, n_blocks, q.device)
+            _attn_bwd_dq[(n_blocks, batch * n_heads)](
+                q, k, v, dout, lse, delta, dq, *ranges.pointers("keys", chosen["BLOCK_M"]),
+                counts, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+                n_heads, group_size, seq_q, seq_k, head_dim, sm_scale * LOG2_E, sm_scale,
+                COUNT_VISITS=counts is not None, **common, **chosen.launch_options(),
             )  # fmt: skip
 
         def launch_dkdv(chosen: Tile) -> None:
-            _attn_bwd_dkdv[(triton.cdiv(seq_len, chosen["BLOCK_N"]), batch * n_kv_heads)](
-                q, k, v, dout, lse, delta, dk, dv,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-                n_heads, n_kv_heads, group_size, seq_len, head_dim, sm_scale * LOG2_E, sm_scale,
-                **common, **chosen.launch_options(),
+            n_blocks = triton.cdiv(seq_k, chosen["BLOCK_N"])
+            counts = _visit_counts(visits, "backward_dkdv", batch * n_kv_heads, n_blocks, q.device)
+            _attn_bwd_dkdv[(n_blocks, batch * n_kv_heads)](
+                q, k, v, dout, lse, delta, dk, dv, *ranges.pointers("queries", chosen["BLOCK_N"]),
+                counts, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+                n_heads, n_kv_heads, group_size, seq_q, seq_k, head_dim, sm_scale * LOG2_E,
+                sm_scale, COUNT_VISITS=counts is not None, **common, **chosen.launch_options(),
             )  # fmt: skip
 
-        problem = _problem(q, n_kv_heads, ctx.causal)
+        problem = _problem(q, n_kv_heads, ctx.causal, documents)
         launch_dq(given or DQ_TILES.choose(problem, launch_dq, q.device))
         launch_dkdv(given or DKDV_TILES.choose(problem, launch_dkdv, q.device))
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _visit_counts(
+    visits: dict[str, torch.Tensor] | None, kernel: str, programs: int, blocks: int,
+    device: torch.device,
+) -> torch.Tensor | None:  # fmt: skip
+    """Where `kernel` writes how many tiles each of its programs walked, when asked to."""
+    if visits is None:
+        return None
+    visits[kernel] = torch.zeros(programs, blocks, dtype=torch.int32, device=device)
+    return visits[kernel]
+
+
+def _check_blocks(block_m: int | None, block_n: int | None) -> None:
+    for name, block in (("block_m", block_m), ("block_n", block_n)):
+        if block is not None and (block < 16 or block & (block - 1)):
+            raise ValueError(f"{name} must be a power of two of at least 16, got {block}")
+
+
+def _document_ids(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    key_document_ids: torch.Tensor | None,
+) -> DocumentIds | None:
+    if document_ids is None:
+        if key_document_ids is not None:
+            raise ValueError("attention: key_document_ids given without document_ids")
+        return None
+    return DocumentIds.of(q, k, document_ids, key_document_ids)
 
 
 def attention(
@@ -415,14 +621,44 @@ def attention(
     block_m: int | None = None,
     block_n: int | None = None,
     return_lse: bool = False,
+    document_ids: torch.Tensor | None = None,
+    key_document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention, q (B, H, S, D), k/v (B, KV_H, S, D), H % KV_H == 0.
+    """Scaled dot-product attention, q (B, H, Sq, D), k/v (B, KV_H, Sk, D), H % KV_H == 0.
 
     `block_m`/`block_n` (powers of two, at least 16) set the query/key tile sizes.
-    `return_lse=True` returns `(out, lse)`, lse (B, H, S) the natural logsumexp of each query
+    `return_lse=True` returns `(out, lse)`, lse (B, H, Sq) the natural logsumexp of each query
     row's scaled scores, in float32, differentiable.
+
+    `document_ids` (B, Sq) int32 names each query's document and `key_document_ids` (B, Sk)
+    each key's (default: `document_ids`); a query sees only keys of its own document (and,
+    with `causal`, not after it, bottom-right aligned). Ids never decrease along a row
+    (`plait.core.documents`), which lets every program walk only the tiles of its documents.
+    A query that sees no key has output 0 and lse -inf, and passes no gradient.
     """
-    for name, block in (("block_m", block_m), ("block_n", block_n)):
-        if block is not None and (block < 16 or block & (block - 1)):
-            raise ValueError(f"{name} must be a power of two of at least 16, got {block}")
-    return AttentionFunction.apply(q, k, v, causal, block_m, block_n, return_lse)
+    _check_blocks(block_m, block_n)
+    documents = _document_ids(q, k, document_ids, key_document_ids)
+    return AttentionFunction.apply(q, k, v, causal, block_m, block_n, return_lse, documents)
+
+
+def tiles_visited(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    document_ids: torch.Tensor | None = None,
+    key_document_ids: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Runs attention forward and backward and returns, per kernel ("forward", "backward_dq",
+    "backward_dkdv"), how many key (or query) tiles each program walked: (programs, blocks)
+    int32. For tests and benchmarks of the tile skipping; the kernels count only when asked."""
+    _check_blocks(block_m, block_n)
+    documents = _document_ids(q, k, document_ids, key_document_ids)
+    visits: dict[str, torch.Tensor] = {}
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = AttentionFunction.apply(q, k, v, causal, block_m, block_n, False, documents, visits)
+    out.backward(torch.ones_like(out))
+    return visits
