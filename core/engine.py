@@ -20,10 +20,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from plait.core.batches import call_model, default_loss, input_tokens, split_batch
+from plait.core.batches import batch_rows, call_model, default_loss, input_tokens, split_batch
 from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
+from plait.core.documents import documents_of
 from plait.core.errors import InertSelection, PlaitError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
@@ -34,6 +35,7 @@ from plait.core.manual_loop import ManualLoop
 from plait.core.memory import memory_report
 from plait.core.mesh import Mesh
 from plait.core.microbatch import MicrobatchRunner
+from plait.core.microbatch_count import default_microbatch_count
 from plait.core.optim import default_optimizer_factory, warmup_cosine
 from plait.core.phase_timing import PhaseTimer
 from plait.core.plugins import Plugins
@@ -51,6 +53,8 @@ from plait.core.schedule import (
 from plait.core.selection_check import FALLBACK_SCHEDULE, SelectionCheck
 from plait.core.sharding import ParallelRuntime, ShardContext, StepState
 from plait.core.step import JobInfo, PhaseSpan, StepReport
+from plait.core.token_loss import LossCounting, TokenWeights, scored_tokens, token_weights
+from plait.core.transformers_models import is_transformers_model
 
 OptimizerArg = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -132,8 +136,17 @@ class Engine:
             model_config=self.model_config,
         )
         self.runtimes: list[ParallelRuntime] = []
+        self._documents_input = _documents_input(model)
+        if is_transformers_model(model):
+            # A training step never wants a KV cache; holding one, transformers also skips the
+            # block-diagonal mask of packed rows (their restarting position ids).
+            model.config.use_cache = False
+        model_counting = _loss_counting(model, self._documents_input)
         self.module = self._shard(model)
         self.loss_fn = self._choose_loss_fn(loss_fn)
+        self._loss_counting: LossCounting = (
+            "targets" if self._loss_replaced else None if loss_fn is not None else model_counting
+        )
         self.optimizer = self._build_optimizer(optimizer)
         self.lr_scheduler = (
             torch.optim.lr_scheduler.LambdaLR(
@@ -223,9 +236,11 @@ class Engine:
         return module
 
     def _choose_loss_fn(self, loss_fn: LossFn | None) -> LossFn:
+        self._loss_replaced = False
         for runtime in self.runtimes:
             replacement = runtime.loss_fn()
             if replacement is not None:
+                self._loss_replaced = True  # a token cross-entropy against the targets
                 return replacement
         if loss_fn is not None:
             return loss_fn
@@ -374,22 +389,38 @@ class Engine:
         clip_grads_(params, norm, max_norm)
         return norm
 
+    def micro_batch_size(self, rows: int) -> int:
+        """Rows per micro-batch of a batch of `rows` on this rank: `train.micro_batch_size`, or
+        with it unset as many micro-batches as the schedule wants (`plait.core.microbatch_count`:
+        one without a pipeline)."""
+        if self.config.train.micro_batch_size is not None:
+            return self.config.train.micro_batch_size
+        count = default_microbatch_count(
+            rows,
+            num_stages=self.mesh.size("pp"),
+            schedule=self.config.schedule.name,
+            program=self.actions,
+        )
+        return rows // count
+
     def train_step(self, batch: Any, *, data_start_ns: int | None = None) -> float:
         """Forward, backward, gradient sync and optimizer step over `batch`.
 
         `batch` is this rank's share: `(inputs, targets)`, a dict such as a Hugging Face batch
         (`input_ids`, `labels`, …), or a tensor for a model that computes its own loss (see
         `plait.core.batches`). Every tensor's dim 0 is split into micro-batches of
-        `train.micro_batch_size` (unset: one micro-batch). Returns the mean loss across
+        `micro_batch_size(rows)` rows. Returns the mean loss across
         micro-batches and data-parallel ranks, identical on every rank.
         """
         start_ns = time.time_ns()
         self.begin_step()
         microbatches = split_batch(
-            batch, micro_batch_size=self.config.train.micro_batch_size, device=self.device
+            batch, micro_batch_size=self.micro_batch_size(batch_rows(batch)), device=self.device
         )
         inputs, targets, n = microbatches.inputs, microbatches.targets, len(microbatches)
         tokens = sum(input_tokens(x).numel() for x in inputs)
+        # Document structure is read from whole rows, before context parallelism cuts them.
+        inputs = [self._with_documents(x) for x in inputs]
         if self.context.context_parallel is not None:
             # Context parallelism: this rank keeps its positions of every sequence, inputs and
             # targets alike (`ContextParallelism.shard_microbatch`); `tokens` counts them all.
@@ -399,11 +430,13 @@ class Engine:
                 for x, y in zip(inputs, targets, strict=True)
             ]
             inputs, targets = [x for x, _ in pieces], [y for _, y in pieces]
+        weights = self._token_weights(inputs, targets)
         runner = MicrobatchRunner(
             runtimes=self.runtimes,
             loss_fn=self.loss_fn,
             positions=self.positions(n),
             num_microbatches=n,
+            weights=weights,
         )
         state = StepState(
             inputs=inputs, targets=targets, losses=[None] * n, num_microbatches=n, runner=runner
@@ -418,12 +451,47 @@ class Engine:
         spans = sorted([*spans, *state.extra_spans], key=lambda s: s.start_ns)
         return self.end_step(
             losses=state.losses,
+            weights=weights,
             tokens=tokens,
             lr=lr,
             spans=spans,
             start_ns=start_ns,
             data_start_ns=data_start_ns,
         )
+
+    def _with_documents(self, inputs: Any) -> Any:
+        """A micro-batch of packed rows (position ids that restart) with its `Documents` added
+        for a model that takes them; a model that cannot honour them is refused by name."""
+        documents = documents_of(inputs)
+        if documents is None or self._documents_input == "masks_itself":
+            return inputs
+        if self._documents_input == "documents":
+            return {**inputs, "documents": documents}
+        raise PlaitError(
+            f"the batch holds packed documents (position ids that restart at 0 inside a row), "
+            f"but {self._documents_input} cannot mask attention between them: it would train "
+            "every token on the documents before it. Give the model a `documents=` argument "
+            "(plait.core.documents.Documents) and pass it to its attention, use a transformers "
+            "model, or send one document per row"
+        )
+
+    def _token_weights(self, inputs: Sequence[Any], targets: Sequence[Any]) -> TokenWeights | None:
+        """Each micro-batch's share of the step's token-weighted mean (`plait.core.token_loss`):
+        scored tokens counted on this rank's pieces, summed over the ranks averaging gradients."""
+        if self._loss_counting is None:
+            return None
+        group = self.mesh.gradient_group()
+        counts = [
+            scored_tokens(x, y, self._loss_counting) for x, y in zip(inputs, targets, strict=True)
+        ]
+
+        def all_reduce_sum(totals: torch.Tensor) -> None:
+            if group.size > 1:
+                on_device = totals.to(self.device)
+                self.comm.all_reduce(on_device, group=group, op="sum", purpose="metrics")
+                totals.copy_(on_device.cpu())
+
+        return token_weights(counts, all_reduce_sum=all_reduce_sum, replicas=group.size)
 
     @contextlib.contextmanager
     def _flop_counter(self, tokens: int) -> Iterator[None]:
@@ -464,9 +532,10 @@ class Engine:
         spans: list[PhaseSpan],
         start_ns: int,
         data_start_ns: int | None = None,
+        weights: TokenWeights | None = None,
     ) -> float:
         """Reduce the step's loss, report the step to the plugins and advance the step count."""
-        loss = self._mean_loss(losses)
+        loss = self._mean_loss(losses, weights)
         end_ns = time.time_ns()
         if data_start_ns is not None:
             spans.insert(0, PhaseSpan(name="data", start_ns=data_start_ns, end_ns=start_ns))
@@ -492,13 +561,26 @@ class Engine:
         self.global_step += 1
         return loss
 
-    def _mean_loss(self, losses: Sequence[torch.Tensor | None]) -> float:
-        """Mean over micro-batches and over the ranks that hold losses (last pipeline stage)."""
+    def _mean_loss(
+        self, losses: Sequence[torch.Tensor | None], weights: TokenWeights | None = None
+    ) -> float:
+        """The step's loss over the ranks that hold losses (the last pipeline stage): the mean
+        over every scored token of the global batch when the losses can be `weights`-weighed,
+        else the mean of the micro-batch losses."""
         # One tensor on the compute device (NCCL reduces device tensors) and one host sync.
-        held = [loss.detach().float().reshape(()) for loss in losses if loss is not None]
-        loss_sum = torch.stack(held).sum() if held else torch.zeros((), device=self.device)
-        count = torch.tensor(float(len(held)), device=loss_sum.device)
-        totals = torch.stack([loss_sum, count])
+        held = [
+            (loss.detach().float().reshape(()), weights.scored[i] if weights else 1.0)
+            for i, loss in enumerate(losses)
+            if loss is not None
+        ]
+        # A micro-batch that scores no token has a NaN mean and weighs nothing.
+        loss_sum = (
+            torch.stack([loss.nan_to_num() * weight for loss, weight in held]).sum()
+            if held
+            else torch.zeros((), device=self.device)
+        )
+        count = torch.tensor(sum(weight for _, weight in held), device=loss_sum.device)
+        totals = torch.stack([loss_sum, count.float()])
         if self._loss_group.size > 1:
             self.comm.all_reduce(totals, group=self._loss_group, op="sum", purpose="metrics")
         return (totals[0] / totals[1]).item()
@@ -563,3 +645,33 @@ def _cpu_name() -> str:
     import platform
 
     return platform.processor() or "cpu"
+
+
+def _documents_input(model: nn.Module) -> str:
+    """How `model` takes the document structure of packed rows: `"documents"` (its forward has
+    a `documents=` argument, as plait's models do), `"masks_itself"` (a transformers model
+    builds the block-diagonal mask from restarting position ids), or the model's name (it
+    cannot: packed rows are refused)."""
+    import inspect
+
+    if is_transformers_model(model):
+        return "masks_itself"
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    if "documents" in parameters:
+        return "documents"
+    return f"{type(model).__name__}.forward (it takes no documents= argument)"
+
+
+def _loss_counting(model: nn.Module, documents_input: str) -> LossCounting:
+    """Which tokens the model's default loss is a mean over (`plait.core.token_loss`), known
+    before the first step: a transformers causal LM's own loss over its shifted labels, plait's
+    token cross-entropy against the targets for plait's models (they return logits). Any other
+    model may return a loss of its own kind: its steps stay a mean of micro-batch losses."""
+    if is_transformers_model(model):
+        loss = getattr(model, "loss_function", None)
+        own_causal_lm_loss = getattr(loss, "__name__", "") == "ForCausalLMLoss"
+        return "shifted_labels" if own_causal_lm_loss else None
+    return "targets" if documents_input == "documents" else None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.core.schedule import Action, Backward, Forward, MicrobatchPosition
+from plait.core.token_loss import TokenWeights
 
 if TYPE_CHECKING:
     from plait.core.sharding import ParallelRuntime, StepState
@@ -31,11 +32,13 @@ class MicrobatchRunner:
         loss_fn: LossFn,
         positions: dict[Action, MicrobatchPosition],
         num_microbatches: int,
+        weights: TokenWeights | None = None,
     ) -> None:
         self.runtimes = tuple(runtimes)
         self.loss_fn = loss_fn
         self.positions = positions
         self.num_microbatches = num_microbatches
+        self.weights = weights
 
     def position(self, action: Forward | Backward) -> MicrobatchPosition:
         try:
@@ -59,11 +62,18 @@ class MicrobatchRunner:
 
     def loss(self, state: StepState, microbatch: int, output: Any) -> torch.Tensor:
         """The micro-batch's loss from the model output: recorded (detached) for the step's mean
-        and returned divided by the micro-batch count and scaled by the runtimes (fp16 loss
-        scaling), ready for backward."""
+        and returned weighted for backward — by its share of the global batch's scored tokens
+        (`plait.core.token_loss`), or 1 / the micro-batch count when the loss cannot be weighed
+        — and scaled by the runtimes (fp16 loss scaling)."""
         loss = self.loss_fn(output, state.targets[microbatch])
         state.losses[microbatch] = loss.detach()
-        scaled = loss / self.num_microbatches
+        if self.weights is None:
+            scaled = loss / self.num_microbatches
+        elif self.weights.scored[microbatch] == 0:
+            # No scored token: the mean is NaN (0 / 0); the micro-batch trains on nothing.
+            scaled = loss.nan_to_num() * 0.0
+        else:
+            scaled = loss * self.weights.gradient_scale(microbatch)
         for runtime in self.runtimes:
             scaled = runtime.scale_loss(scaled)
         return scaled

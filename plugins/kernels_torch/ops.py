@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
+from plait.core.documents import document_mask
+
 PROVIDER = "torch"
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -66,16 +68,20 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding in the "rotate_half" convention.
 
-    `x` is (batch, seq, heads, head_dim) and `cos`/`sin` are (seq, head_dim // 2). The first half
-    of `head_dim` is rotated against the second half:
+    `x` is (batch, seq, heads, head_dim) and `cos`/`sin` are (seq, head_dim // 2), or
+    (batch, seq, head_dim // 2) when every row has positions of its own (packed documents). The
+    first half of `head_dim` is rotated against the second half:
     `[x1·cos − x2·sin, x2·cos + x1·sin]`.
     """
     compute = _compute_dtype(x.dtype)
     half = x.shape[-1] // 2
     x1, x2 = x.to(compute).split(half, dim=-1)
-    # (seq, half) -> (1, seq, 1, half) to broadcast over batch and heads.
-    cos = cos.to(compute)[None, :, None, :]
-    sin = sin.to(compute)[None, :, None, :]
+    # (seq, half) -> (1, seq, 1, half), or (batch, seq, half) -> (batch, seq, 1, half), to
+    # broadcast over heads (and batch).
+    cos = cos.to(compute).unsqueeze(-2)
+    sin = sin.to(compute).unsqueeze(-2)
+    if cos.ndim == 3:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(x.dtype)
 
@@ -98,12 +104,20 @@ def attention(
     causal: bool = True,
     *,
     return_lse: bool = False,
+    document_ids: torch.Tensor | None = None,
+    key_document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention with grouped-query support.
+    """Scaled dot-product attention with grouped-query support and document masking.
 
     `q` is (batch, heads, seq, head_dim); `k`/`v` are (batch, kv_heads, seq, head_dim) and each
     group of `heads // kv_heads` query heads shares one key/value head. SDPA's `enable_gqa` lets
     the flash/memory-efficient backends read shared heads without materialising copies.
+
+    `document_ids` (batch, seq_q) names each query's document and `key_document_ids`
+    (batch, seq_k) each key's (default: `document_ids`, self-attention over packed rows): a query
+    attends only to keys of its own document (`plait.core.documents`). A query that sees no key
+    at all (possible when the keys are another block of the sequence, as in ring attention)
+    gets output 0 and log-sum-exp −inf.
 
     `return_lse=True` also returns the natural log-sum-exp of each query row's scaled scores,
     (batch, heads, seq) in float32, differentiable: context parallelism merges attention over
@@ -113,21 +127,40 @@ def attention(
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads != 0:
         raise ValueError(f"attention: {heads} query heads is not a multiple of {kv_heads} kv heads")
-    if not return_lse:
+    allowed = None
+    if document_ids is not None:
+        keys = document_ids if key_document_ids is None else key_document_ids
+        allowed = document_mask(document_ids, keys, causal=causal)
+    elif key_document_ids is not None:
+        raise ValueError("attention: key_document_ids given without document_ids")
+    if not return_lse and (allowed is None or key_document_ids is None):
+        # Self-attention never leaves a query without a key (it sees itself), so SDPA's masked
+        # softmax is safe; another block of keys may leave one with none, written out below.
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, enable_gqa=heads != kv_heads
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            is_causal=causal and allowed is None,
+            enable_gqa=heads != kv_heads,
         )
-    return _attention_with_lse(q, k, v, causal)
+    out, lse = _attention_with_lse(q, k, v, causal, allowed)
+    return (out, lse) if return_lse else out
 
 
 def _attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if not needs_graph and q.device.type == "cpu" and q.shape[-2] == k.shape[-2]:
+    fused = not needs_graph and q.device.type == "cpu" and q.shape[-2] == k.shape[-2]
+    if fused and allowed is None:
         # Nothing to differentiate (a ring's forward pass): SDPA's fused CPU kernel returns the
         # log-sum-exp too and never materialises the scores.
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[
@@ -136,15 +169,23 @@ def _attention_with_lse(
         return out, lse
     compute = _compute_dtype(q.dtype)
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if causal:
+    if allowed is None and causal:
         # Bottom-right aligned, as FlashAttention: the last query sees every key.
         q_len, k_len = scores.shape[-2:]
-        hidden = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).triu(1 + k_len - q_len)
-        scores = scores.masked_fill(hidden, float("-inf"))
+        allowed = ~torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).triu(
+            1 + k_len - q_len
+        )
+    if allowed is None:
+        lse = torch.logsumexp(scores, dim=-1)
+        return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(compute)).to(q.dtype), lse
+    # A row with no allowed key is computed on zeros and then zeroed, so that neither its
+    # output nor its gradient is NaN; its log-sum-exp is −inf (it adds nothing to a merge).
+    blind = ~allowed.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(blind, 0.0)
     lse = torch.logsumexp(scores, dim=-1)
-    probabilities = torch.exp(scores - lse.unsqueeze(-1))
+    probabilities = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(blind, 0.0)
     out = torch.matmul(probabilities, v.to(compute))
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse.masked_fill(blind.squeeze(-1), float("-inf"))
 
 
 @_provided

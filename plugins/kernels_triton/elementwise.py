@@ -73,7 +73,8 @@ def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr,
     stride_xb, stride_xs, stride_xh, stride_ob, stride_os, stride_oh, stride_cs,
     seq_len, n_heads, half,
-    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INVERSE: tl.constexpr, ROW_TABLES: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     # One program per (batch, position): every head shares that position's cos/sin row.
     pid = tl.program_id(0).to(tl.int64)
@@ -82,8 +83,11 @@ def _rope_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < n_heads) & (cols < half)
-    cos = tl.load(cos_ptr + s * stride_cs + cols, mask=cols < half, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + s * stride_cs + cols, mask=cols < half, other=0.0).to(tl.float32)
+    # Packed rows have positions of their own: one cos/sin row per (batch, position).
+    table_row = pid if ROW_TABLES else s
+    cos = tl.load(cos_ptr + table_row * stride_cs + cols, mask=cols < half, other=0.0)
+    sin = tl.load(sin_ptr + table_row * stride_cs + cols, mask=cols < half, other=0.0)
+    cos, sin = cos.to(tl.float32), sin.to(tl.float32)
     if INVERSE:
         # The backward of a rotation is the rotation by the opposite angle.
         sin = -sin
@@ -163,20 +167,23 @@ class BiasGeluFunction(torch.autograd.Function):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     batch, seq_len, n_heads, head_dim = x.shape
     half = head_dim // 2
-    if head_dim % 2 or cos.shape != (seq_len, half) or sin.shape != cos.shape:
+    row_tables = cos.ndim == 3
+    allowed = (batch, seq_len, half) if row_tables else (seq_len, half)
+    if head_dim % 2 or cos.shape != allowed or sin.shape != cos.shape:
         raise ValueError(
             f"rope: x {tuple(x.shape)} needs an even head_dim and cos/sin of shape "
-            f"({seq_len}, {half}); got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+            f"({seq_len}, {half}) or ({batch}, {seq_len}, {half}); got cos {tuple(cos.shape)}, "
+            f"sin {tuple(sin.shape)}"
         )
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cos, sin = _flat(cos), _flat(sin)
+    cos, sin = _flat(cos).reshape(-1, half), _flat(sin).reshape(-1, half)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _rope_kernel[(batch * seq_len,)](
         x, cos, sin, out,
         x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0), seq_len, n_heads, half,
-        INVERSE=inverse, BLOCK_H=triton.next_power_of_2(n_heads),
+        INVERSE=inverse, ROW_TABLES=row_tables, BLOCK_H=triton.next_power_of_2(n_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
     )  # fmt: skip
     return out
@@ -210,5 +217,6 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (batch, seq, heads, head_dim) by cos/sin of shape (seq, head_dim // 2)."""
+    """Rotate x (batch, seq, heads, head_dim) by cos/sin of shape (seq, head_dim // 2), or
+    (batch, seq, head_dim // 2) for rows with positions of their own."""
     return RopeFunction.apply(x, cos, sin)

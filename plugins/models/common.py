@@ -14,6 +14,9 @@ What the parallel strategies rely on, and why the code is shaped the way it is:
 - Attention calls `attend(q, k, v)` and the model forward takes `positions=` (the global
   positions of the tokens it is given): context parallelism replaces the first and passes the
   second, since each rank then holds only some positions of every sequence.
+- Packed rows: the forward takes `documents=` (`plait.core.documents.Documents`, computed on
+  whole rows) and `positions` (rows, seq) restarting per document; attention then attends only
+  inside a document (`attend(q, k, v, documents=…)`).
 - `init_weights(seed=…)` draws every parameter from a generator seeded by (seed, parameter
   name), so any subset of the model, on any device, gets the values of the full model.
 """
@@ -29,6 +32,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from plait.core.config import Section
+from plait.core.documents import Documents, documents_of
 from plait.core.errors import ConfigError
 from plait.core.flops import transformer_flops_per_token
 from plait.plugins.models.init import init_parameter, normalised_name
@@ -160,6 +164,7 @@ class Attention(UsesKernels):
         x: torch.Tensor,
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -168,14 +173,36 @@ class Attention(UsesKernels):
         if cos is not None and sin is not None:
             rope = self.kernel("rope", q)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # An attend() installed by a plugin that knows nothing of documents still serves rows
+        # of one sequence each; packed rows always reach it with `documents`.
+        out = (
+            self.attend(q, k, v) if documents is None else self.attend(q, k, v, documents=documents)
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of q (batch, heads, seq, head_dim) over k/v. Context parallelism
-        sets an instance attribute of this name to attend over the whole sequence across its
-        group while this rank holds only its shard of the positions."""
-        return self.kernel("attention", q)(q, k, v, causal=True)
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of q (batch, heads, seq, head_dim) over k/v, inside each document
+        of packed rows. Context parallelism sets an instance attribute of this name to attend
+        over the whole sequence across its group while this rank holds only its shard of the
+        positions."""
+        document_ids = documents.document_ids if documents is not None else None
+        return self.kernel("attention", q)(q, k, v, causal=True, document_ids=document_ids)
+
+
+def documents_for(positions: torch.Tensor | None, documents: Documents | None) -> Documents | None:
+    """The documents of a forward's rows: those given, or those its own whole rows' restarting
+    `positions` show when the model is called directly (the engine always passes `documents`,
+    computed before context parallelism cuts the rows)."""
+    if documents is not None or positions is None or positions.ndim != 2:
+        return documents
+    return documents_of({"positions": positions})
 
 
 class TransformerBase(UsesKernels):

@@ -16,6 +16,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from plait.core.documents import Documents
 from plait.plugins.models.common import (
     Attention,
     LayerNorm,
@@ -23,6 +24,7 @@ from plait.plugins.models.common import (
     TransformerBase,
     UsesKernels,
     _KernelsHandle,
+    documents_for,
 )
 
 if TYPE_CHECKING:
@@ -107,8 +109,8 @@ class GPT2Block(nn.Module):
         self.ffn_norm = LayerNorm(config.dim, eps=config.norm_eps, kernels=kernels)
         self.feed_forward = FeedForward(config.dim, config.hidden_dim, kernels=kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -151,9 +153,16 @@ class GPT2(TransformerBase):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self._init_if_materialised()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
         """`positions` (seq,) are the global positions of the given tokens (default 0..seq-1);
-        context parallelism passes those of this rank's shard."""
+        context parallelism passes those of this rank's shard. Packed rows give `positions`
+        (rows, seq) restarting per document and their `documents` (see `common`)."""
+        documents = documents_for(positions, documents)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
         if seq > self.config.max_seq_len:
@@ -165,7 +174,7 @@ class GPT2(TransformerBase):
                 positions = torch.arange(seq, device=h.device)
             h = h + self.pos_embeddings(positions)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h) if documents is None else layer(h, documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

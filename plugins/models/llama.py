@@ -17,6 +17,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from plait.core.documents import Documents
 from plait.plugins.models.common import (
     Attention,
     ModelConfig,
@@ -24,6 +25,7 @@ from plait.plugins.models.common import (
     TransformerBase,
     UsesKernels,
     _KernelsHandle,
+    documents_for,
 )
 
 if TYPE_CHECKING:
@@ -134,8 +136,14 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps, kernels=kernels)
         self.feed_forward = FeedForward(config.dim, config.hidden_dim, kernels=kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -193,9 +201,16 @@ class Llama(TransformerBase):
         self.rope_cos = angles.cos().to(device=device, dtype=torch.float32)
         self.rope_sin = angles.sin().to(device=device, dtype=torch.float32)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
         """`positions` (seq,) are the global positions of the given tokens (default 0..seq-1);
-        context parallelism passes those of this rank's shard."""
+        context parallelism passes those of this rank's shard. Packed rows give `positions`
+        (rows, seq) restarting per document and their `documents` (see `common`)."""
+        documents = documents_for(positions, documents)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
         if seq > self.config.max_seq_len:
@@ -207,7 +222,7 @@ class Llama(TransformerBase):
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
