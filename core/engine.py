@@ -123,6 +123,7 @@ class Engine:
         self.model_record = None
         self.model_config: Any = None
         self.flops_per_token = 0.0
+        self._attention_flops_per_square = 0.0
         if model is None:
             model = self._build_builtin_model()
         self.context = ShardContext(
@@ -161,6 +162,7 @@ class Engine:
         self._loss_group = self.mesh.group("pp", "dp", *cp)
         if cfg.train.flops_per_token > 0:
             self.flops_per_token = cfg.train.flops_per_token
+            self._attention_flops_per_square = 0.0  # the user's figure is taken as it is
         # A model without a FLOPs formula is counted on the first step, summed over the ranks
         # that split one replica's work.
         self._flops_group = self.mesh.group("pp", *cp, "tp") if self.flops_per_token == 0 else None
@@ -194,6 +196,11 @@ class Engine:
             self.model_config = record.config_cls.model_validate(cfg.model.overrides)
         self.flops_per_token = self.model_record.flops_per_token(
             self.model_config, cfg.data.seq_len
+        )
+        # The formula is 6·N + c·T per token: c, the attention FLOPs of one (query, key) row of
+        # the score square's lower half, lets a packed step count each document's own nᵢ².
+        self._attention_flops_per_square = self.flops_per_token - self.model_record.flops_per_token(
+            self.model_config, cfg.data.seq_len - 1
         )
         with torch.device("meta"):
             return self.model_record.build(self.model_config, self.kernels)
@@ -421,6 +428,7 @@ class Engine:
         tokens = sum(input_tokens(x).numel() for x in inputs)
         # Document structure is read from whole rows, before context parallelism cuts them.
         inputs = [self._with_documents(x) for x in inputs]
+        attention_squares = _attention_squares(inputs)
         if self.context.context_parallel is not None:
             # Context parallelism: this rank keeps its positions of every sequence, inputs and
             # targets alike (`ContextParallelism.shard_microbatch`); `tokens` counts them all.
@@ -457,6 +465,7 @@ class Engine:
             spans=spans,
             start_ns=start_ns,
             data_start_ns=data_start_ns,
+            attention_squares=attention_squares,
         )
 
     def _with_documents(self, inputs: Any) -> Any:
@@ -533,20 +542,31 @@ class Engine:
         start_ns: int,
         data_start_ns: int | None = None,
         weights: TokenWeights | None = None,
+        attention_squares: int | None = None,
     ) -> float:
-        """Reduce the step's loss, report the step to the plugins and advance the step count."""
+        """Reduce the step's loss, report the step to the plugins and advance the step count.
+
+        `attention_squares` is Σ nᵢ² over the documents of this rank's packed rows (`None`: rows
+        of one sequence each, whose attention the per-token formula counts)."""
         loss = self._mean_loss(losses, weights)
         end_ns = time.time_ns()
         if data_start_ns is not None:
             spans.insert(0, PhaseSpan(name="data", start_ns=data_start_ns, end_ns=start_ns))
-        tokens *= self.mesh.size("dp")
+        model_flops = self.flops_per_token * tokens
+        if attention_squares is not None and self._attention_flops_per_square:
+            # Packed rows: each document attends only to itself, Σ nᵢ² instead of rows · T².
+            seq_len = self.config.data.seq_len
+            model_flops += self._attention_flops_per_square * (attention_squares - tokens * seq_len)
+        dp = self.mesh.size("dp")
+        tokens *= dp
+        model_flops *= dp  # every data-parallel rank's rows counted like this rank's
         report = StepReport(
             step=self.global_step,
             loss=loss,
             tokens=tokens,
             step_seconds=(end_ns - (data_start_ns or start_ns)) / 1e9,
             data_wait_seconds=(start_ns - data_start_ns) / 1e9 if data_start_ns else 0.0,
-            model_flops=self.flops_per_token * tokens,
+            model_flops=model_flops,
             lr=lr,
             grad_norm=float(self._last_grad_norm),
             skipped=self._skipped,
@@ -675,3 +695,20 @@ def _loss_counting(model: nn.Module, documents_input: str) -> LossCounting:
         own_causal_lm_loss = getattr(loss, "__name__", "") == "ForCausalLMLoss"
         return "shifted_labels" if own_causal_lm_loss else None
     return "targets" if documents_input == "documents" else None
+
+
+def _attention_squares(inputs: Sequence[Any]) -> int | None:
+    """Σ nᵢ² over every document of a step's micro-batches (a row of one sequence counts T²),
+    or `None` when no micro-batch holds packed rows."""
+    squares, packed = 0, False
+    for microbatch in inputs:
+        documents = microbatch.get("documents") if isinstance(microbatch, Mapping) else None
+        if documents is None:
+            documents = documents_of(microbatch)
+        if documents is None:
+            tokens = input_tokens(microbatch)
+            squares += tokens.shape[0] * tokens.shape[-1] ** 2
+        else:
+            packed = True
+            squares += int((documents.lengths() ** 2).sum())
+    return squares if packed else None
