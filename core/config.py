@@ -41,8 +41,29 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
+    """Where training tokens come from and how documents are laid into rows.
+
+    `packing` and `document_mask` apply to a token directory with document offsets (what
+    `plait data prepare` writes); a directory without them (format version 1, or the bundled
+    corpus) is read as one stream cut into windows, and only the default `packing` is accepted.
+    """
+
     path: str = Field("", description="directory of prepared token files; '' = bundled corpus")
     seq_len: int = Field(128, gt=1, description="tokens per training sequence")
+    packing: Literal["concat_split", "first_fit", "none"] = Field(
+        "concat_split",
+        description="how documents fill rows of seq_len tokens: 'concat_split' lays them end to "
+        "end in a shuffled order and cuts rows (no padding but the last row's), 'first_fit' "
+        "bin-packs them first-fit-decreasing and pads each row, 'none' puts one document per "
+        "row and pads it; a document longer than a row is cut into pieces that count as "
+        "documents",
+    )
+    document_mask: bool = Field(
+        True,
+        description="positions restart at 0 at every document of a packed row, so attention "
+        "stays inside a document; false = positions 0..seq_len-1 across the whole row (targets "
+        "never cross a document boundary either way)",
+    )
 
 
 class OptimizerSection(Section):

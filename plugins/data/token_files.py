@@ -1,15 +1,22 @@
-"""Memory-mapped token files: `prepare_token_files` writes them, `TokenFile` reads them.
+"""Memory-mapped token files: `TokenDirectoryWriter` writes them, `TokenFile` reads them.
 
-A prepared directory holds two files:
+A prepared directory holds:
 
-- `tokens.bin`: every token of every input file, concatenated in input order, as one flat
-  little-endian array of the smallest unsigned dtype that holds the vocabulary (uint8 up to 256
-  ids, uint16 up to 65,536, else uint32) — the layout nanoGPT and Megatron's `.bin` use, so
-  training reads it through `np.memmap` without loading it and ranks share the page cache;
-- `meta.json`: format version, dtype, token count, vocabulary size, tokenizer name, the source
-  files with their sizes, and the SHA-256 of `tokens.bin`.
+- `tokens.bin`: every token, in input order, as one flat little-endian array of the smallest
+  unsigned dtype that holds the vocabulary (uint8 up to 256 ids, uint16 up to 65,536, else
+  uint32) — the layout nanoGPT and Megatron's `.bin` use, so training reads it through
+  `np.memmap` without loading it and ranks share the page cache;
+- `documents.bin` (format version 2, when the tokens are documents): the int64 start offset of
+  every document (`documents_file.py`); each document ends with the EOS token `eos_id`;
+- `meta.json`: format version, dtype, token count, vocabulary size, tokenizer name, EOS id, the
+  number of documents, the sources with their sizes, rows skipped by reason, and the SHA-256 of
+  the binary files.
 
-`meta.json` is written last and both files are renamed into place, so a directory with a
+`prepare_token_files` writes text files as one stream with no boundaries and no EOS (the bundled
+corpus); `plait.plugins.data.prepare_documents` writes documents. A version-1 directory (written
+before documents existed) is still read, as one stream with no boundaries.
+
+`meta.json` is written last and every file is renamed into place, so a directory with a
 `meta.json` is complete; a crash mid-way leaves only hidden temporary files.
 """
 
@@ -19,17 +26,26 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-from plait.core.errors import PlaitError
+from plait.plugins.data.documents_file import (
+    DOCUMENTS_FILE,
+    OFFSET_DTYPE,
+    DocumentIndex,
+    read_documents,
+)
+from plait.plugins.data.errors import DataError, TokenFileError
 from plait.plugins.data.tokenizer import ByteTokenizer, Tokenizer, token_dtype
 
 FORMAT = "plait-tokens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 had no documents.bin and no EOS: it reads as one stream.
+READABLE_VERSIONS = (1, 2)
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
 
@@ -39,12 +55,7 @@ READ_CHUNK_CHARS = 1 << 24
 _HASH_CHUNK_BYTES = 1 << 24
 
 
-class DataError(PlaitError, ValueError):
-    """Training data cannot be prepared or sampled as configured."""
-
-
-class TokenFileError(DataError):
-    """A token-file directory is missing, corrupt, truncated or inconsistent with its meta."""
+__all__ = ["DataError", "TokenFile", "TokenFileError", "TokenFileMeta", "prepare_token_files"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,11 +65,13 @@ class SourceFile:
     path: str
     bytes: int
     tokens: int
+    documents: int = 0
+    skipped_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TokenFileMeta:
-    """The contents of `meta.json`."""
+    """The contents of `meta.json`. `documents` is `None` for a stream with no boundaries."""
 
     dtype: str
     count: int
@@ -66,6 +79,10 @@ class TokenFileMeta:
     tokenizer: str
     sources: tuple[SourceFile, ...]
     sha256: str
+    documents: int | None = None
+    documents_sha256: str | None = None
+    eos_id: int | None = None
+    skipped_rows: dict[str, int] = field(default_factory=dict)  # reason -> rows
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -79,10 +96,12 @@ class TokenFileMeta:
             raise TokenFileError(f"{where}: expected a JSON object, got {type(raw).__name__}")
         if raw.get("format") != FORMAT:
             raise TokenFileError(f"{where}: not a plait token file (format={raw.get('format')!r})")
-        if raw.get("format_version") != FORMAT_VERSION:
+        version = raw.get("format_version")
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
+            readable = " and ".join(str(v) for v in READABLE_VERSIONS)
             raise TokenFileError(
-                f"{where}: format_version {raw.get('format_version')!r} is not supported "
-                f"(this plait reads version {FORMAT_VERSION}); prepare the files again"
+                f"{where}: format_version {version!r} is not supported "
+                f"(this plait reads versions {readable}); prepare the files again"
             )
         expected = {"dtype": str, "count": int, "vocab_size": int, "tokenizer": str, "sha256": str}
         for name, kind in expected.items():
@@ -106,6 +125,21 @@ class TokenFileMeta:
             sources = tuple(SourceFile(**source) for source in raw.get("sources", []))
         except TypeError as exc:
             raise TokenFileError(f"{where}: malformed 'sources' entry: {exc}") from None
+        documents = _optional(raw, "documents", int, where)
+        if documents is not None and not 0 < documents <= max(raw["count"], 1):
+            raise TokenFileError(
+                f"{where}: documents must be in [1, count={raw['count']}], got {documents}"
+            )
+        eos_id = _optional(raw, "eos_id", int, where)
+        if eos_id is not None and not 0 <= eos_id < raw["vocab_size"]:
+            raise TokenFileError(
+                f"{where}: eos_id {eos_id} is outside the vocabulary [0, {raw['vocab_size']})"
+            )
+        skipped = raw.get("skipped_rows", {})
+        if not isinstance(skipped, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in skipped.items()
+        ):
+            raise TokenFileError(f"{where}: 'skipped_rows' must map reasons to counts")
         return cls(
             dtype=raw["dtype"],
             count=raw["count"],
@@ -113,7 +147,122 @@ class TokenFileMeta:
             tokenizer=raw["tokenizer"],
             sources=sources,
             sha256=raw["sha256"],
+            documents=documents,
+            documents_sha256=_optional(raw, "documents_sha256", str, where),
+            eos_id=eos_id,
+            skipped_rows=dict(skipped),
+            format_version=version,
         )
+
+
+def _optional(raw: dict[str, Any], name: str, kind: type, where: Path) -> Any:
+    value = raw.get(name)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise TokenFileError(
+            f"{where}: field {name!r} must be of type {kind.__name__} or null, got {value!r}"
+        )
+    return value
+
+
+class TokenDirectoryWriter:
+    """Writes one token directory atomically: tokens (and document starts) go to hidden
+    temporary files, `commit` renames them into place with `meta.json` last, and leaving the
+    `with` block without a commit removes them and any directory it created.
+
+        with TokenDirectoryWriter(out, dtype=np.dtype("<u2"), documents=True) as writer:
+            writer.write(ids, document_starts=np.array([0, 7]))  # two documents begin in ids
+            writer.commit(vocab_size=..., tokenizer=..., sources=...)
+    """
+
+    def __init__(self, output_dir: Path | str, *, dtype: np.dtype, documents: bool) -> None:
+        self.directory = Path(output_dir)
+        self.dtype = dtype.newbyteorder("<")
+        self.documents = documents
+        self.count = 0
+        self.document_count = 0
+        self._digest = hashlib.sha256()
+        self._starts: list[np.ndarray] = []
+        self._pending_starts = 0
+        self._starts_digest = hashlib.sha256()
+        suffix = f".tmp-{os.getpid()}"
+        self._tmp_tokens = self.directory / f".{TOKENS_FILE}{suffix}"
+        self._tmp_documents = self.directory / f".{DOCUMENTS_FILE}{suffix}"
+        self._tmp_meta = self.directory / f".{META_FILE}{suffix}"
+        self._created: list[Path] = []
+        self._committed = False
+
+    def __enter__(self) -> TokenDirectoryWriter:
+        self._created = [d for d in (self.directory, *self.directory.parents) if not d.exists()]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._tokens_sink = self._tmp_tokens.open("wb")
+        self._documents_sink = self._tmp_documents.open("wb") if self.documents else None
+        return self
+
+    def write(self, ids: np.ndarray, *, document_starts: np.ndarray | None = None) -> None:
+        """Append `ids`; `document_starts` are the offsets into `ids` where documents begin."""
+        if document_starts is not None and len(document_starts):
+            if not self.documents:
+                raise DataError("document starts given to a writer opened with documents=False")
+            self._starts.append(np.asarray(document_starts, dtype=OFFSET_DTYPE) + self.count)
+            self.document_count += len(document_starts)
+            self._pending_starts += len(document_starts)
+            # Starts are flushed in blocks so millions of documents stay off the heap.
+            if self._pending_starts >= 1 << 16:
+                self._flush_starts()
+        data = np.ascontiguousarray(ids, dtype=self.dtype).tobytes()
+        self._digest.update(data)
+        self._tokens_sink.write(data)
+        self.count += len(ids)
+
+    def _flush_starts(self) -> None:
+        assert self._documents_sink is not None
+        for block in self._starts:
+            data = block.tobytes()
+            self._starts_digest.update(data)
+            self._documents_sink.write(data)
+        self._starts.clear()
+        self._pending_starts = 0
+
+    def commit(self, **meta_fields: Any) -> TokenFileMeta:
+        """Write `meta.json` from `meta_fields` plus what was written, and rename into place."""
+        if self.documents:
+            self._flush_starts()
+            assert self._documents_sink is not None
+            self._documents_sink.close()
+        self._tokens_sink.close()
+        meta = TokenFileMeta(
+            dtype=self.dtype.name,
+            count=self.count,
+            sha256=self._digest.hexdigest(),
+            documents=self.document_count if self.documents else None,
+            documents_sha256=self._starts_digest.hexdigest() if self.documents else None,
+            **meta_fields,
+        )
+        self._tmp_meta.write_text(meta.to_json(), encoding="utf-8")
+        # Drop the old meta first so a reader never pairs it with the new tokens.
+        (self.directory / META_FILE).unlink(missing_ok=True)
+        os.replace(self._tmp_tokens, self.directory / TOKENS_FILE)
+        if self.documents:
+            os.replace(self._tmp_documents, self.directory / DOCUMENTS_FILE)
+        else:
+            (self.directory / DOCUMENTS_FILE).unlink(missing_ok=True)  # a stale one
+        os.replace(self._tmp_meta, self.directory / META_FILE)
+        self._committed = True
+        return meta
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._tokens_sink.close()
+        if self._documents_sink is not None:
+            self._documents_sink.close()
+        if not self._committed:
+            for path in (self._tmp_tokens, self._tmp_documents, self._tmp_meta):
+                path.unlink(missing_ok=True)
+            _remove_empty(self._created)
 
 
 def prepare_token_files(
@@ -122,7 +271,8 @@ def prepare_token_files(
     *,
     tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Tokenize `inputs` (UTF-8 text files) into `output_dir/tokens.bin` + `meta.json`.
+    """Tokenize `inputs` (UTF-8 text files) into one stream `output_dir/tokens.bin` +
+    `meta.json`, with no document boundaries and no EOS (documents: `prepare_documents`).
 
     Returns `output_dir`. The tokenizer defaults to `ByteTokenizer`. Existing files in
     `output_dir` are replaced atomically; a failure leaves no directory this call created.
@@ -134,51 +284,28 @@ def prepare_token_files(
     for path in paths:
         if not path.is_file():
             raise DataError(f"input {str(path)!r} is not a file")
-    dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
-    out = Path(output_dir)
-    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    suffix = f".tmp-{os.getpid()}"
-    tmp_tokens = out / f".{TOKENS_FILE}{suffix}"
-    tmp_meta = out / f".{META_FILE}{suffix}"
-    digest = hashlib.sha256()
+    dtype = token_dtype(tokenizer.vocab_size)
     sources: list[SourceFile] = []
-    try:
-        with tmp_tokens.open("wb") as sink:
-            for path in paths:
-                count = 0
-                for text in _text_chunks(path):
-                    ids = np.asarray(tokenizer.encode(text))
-                    _check_ids(ids, tokenizer, path)
-                    data = np.ascontiguousarray(ids, dtype=dtype).tobytes()
-                    digest.update(data)
-                    sink.write(data)
-                    count += ids.size
-                sources.append(
-                    SourceFile(path=str(path.resolve()), bytes=path.stat().st_size, tokens=count)
+    with TokenDirectoryWriter(output_dir, dtype=dtype, documents=False) as writer:
+        for path in paths:
+            before = writer.count
+            for text in text_chunks(path):
+                ids = np.asarray(tokenizer.encode(text))
+                check_ids(ids, tokenizer.vocab_size, tokenizer.name, path)
+                writer.write(ids)
+            sources.append(
+                SourceFile(
+                    path=str(path.resolve()),
+                    bytes=path.stat().st_size,
+                    tokens=writer.count - before,
                 )
-        total = sum(source.tokens for source in sources)
-        if total == 0:
+            )
+        if writer.count == 0:
             raise DataError(f"inputs {[str(p) for p in paths]} contain no text")
-        meta = TokenFileMeta(
-            dtype=dtype.name,
-            count=total,
-            vocab_size=tokenizer.vocab_size,
-            tokenizer=tokenizer.name,
-            sources=tuple(sources),
-            sha256=digest.hexdigest(),
+        writer.commit(
+            vocab_size=tokenizer.vocab_size, tokenizer=tokenizer.name, sources=tuple(sources)
         )
-        tmp_meta.write_text(meta.to_json(), encoding="utf-8")
-        # Drop the old meta first so a reader never pairs it with the new tokens.
-        (out / META_FILE).unlink(missing_ok=True)
-        os.replace(tmp_tokens, out / TOKENS_FILE)
-        os.replace(tmp_meta, out / META_FILE)
-    except BaseException:
-        tmp_tokens.unlink(missing_ok=True)
-        tmp_meta.unlink(missing_ok=True)
-        _remove_empty(created)
-        raise
-    return out
+    return Path(output_dir)
 
 
 def _remove_empty(directories: Sequence[Path]) -> None:
@@ -190,7 +317,7 @@ def _remove_empty(directories: Sequence[Path]) -> None:
             return  # not empty (someone else wrote there) or already gone
 
 
-def _text_chunks(path: Path) -> Iterator[str]:
+def text_chunks(path: Path) -> Iterator[str]:
     """The file's text in pieces of about `READ_CHUNK_CHARS`, each ending at a newline."""
     carry = ""
     try:
@@ -209,32 +336,34 @@ def _text_chunks(path: Path) -> Iterator[str]:
         yield carry
 
 
-def _check_ids(ids: np.ndarray, tokenizer: Tokenizer, path: Path) -> None:
+def check_ids(ids: np.ndarray, vocab_size: int, name: str, where: Path | str) -> None:
+    """A tokenizer's output must be a 1-D integer array of ids inside its vocabulary."""
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise DataError(
-            f"tokenizer {tokenizer.name!r} returned {ids.dtype} of shape {ids.shape} for "
-            f"{path}; expected a 1-D integer array"
+            f"tokenizer {name!r} returned {ids.dtype} of shape {ids.shape} for "
+            f"{where}; expected a 1-D integer array"
         )
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
-        raise DataError(
-            f"tokenizer {tokenizer.name!r} produced ids outside [0, {tokenizer.vocab_size}) "
-            f"for {path}"
-        )
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise DataError(f"tokenizer {name!r} produced ids outside [0, {vocab_size}) for {where}")
 
 
 class TokenFile:
     """A prepared token directory, opened read-only through `np.memmap`.
 
-    `path` may be the directory or either of its two files. Opening checks `meta.json` and that
-    `tokens.bin` has exactly `count × itemsize` bytes; `verify_checksum=True` (or `verify()`)
-    also re-hashes the tokens, which reads the whole file.
+    `path` may be the directory or any of its files. Opening checks `meta.json`, that
+    `tokens.bin` has exactly `count × itemsize` bytes and that `documents.bin`, if the meta
+    records documents, holds valid starts; `verify_checksum=True` (or `verify()`) also re-hashes
+    the files, which reads them whole. `documents` is `None` for a stream with no boundaries.
     """
 
     def __init__(self, path: Path | str, *, verify_checksum: bool = False) -> None:
         path = Path(path)
-        self.directory = path.parent if path.name in (TOKENS_FILE, META_FILE) else path
+        self.directory = (
+            path.parent if path.name in (TOKENS_FILE, META_FILE, DOCUMENTS_FILE) else path
+        )
         self.meta_path = self.directory / META_FILE
         self.tokens_path = self.directory / TOKENS_FILE
+        self.documents_path = self.directory / DOCUMENTS_FILE
         self.meta = self._read_meta()
         self.dtype = np.dtype(self.meta.dtype).newbyteorder("<")
         self._check_size()
@@ -243,6 +372,13 @@ class TokenFile:
             np.memmap(self.tokens_path, dtype=self.dtype, mode="r", shape=(self.meta.count,))
             if self.meta.count
             else np.empty(0, dtype=self.dtype)
+        )
+        self.documents: DocumentIndex | None = (
+            read_documents(
+                self.documents_path, documents=self.meta.documents, token_count=self.meta.count
+            )
+            if self.meta.documents is not None
+            else None
         )
         if verify_checksum:
             self.verify()
@@ -275,16 +411,21 @@ class TokenFile:
             )
 
     def verify(self) -> None:
-        """Re-hash `tokens.bin` and compare with `meta.json`; raise `TokenFileError` if unequal."""
-        digest = hashlib.sha256()
-        with self.tokens_path.open("rb") as source:
-            while block := source.read(_HASH_CHUNK_BYTES):
-                digest.update(block)
-        if digest.hexdigest() != self.meta.sha256:
-            raise TokenFileError(
-                f"{self.tokens_path}: corrupt: SHA-256 {digest.hexdigest()} does not match "
-                f"{self.meta.sha256} recorded in {META_FILE}"
-            )
+        """Re-hash the binary files and compare with `meta.json`; raise `TokenFileError` if
+        they differ."""
+        checks = [(self.tokens_path, self.meta.sha256)]
+        if self.meta.documents_sha256 is not None:
+            checks.append((self.documents_path, self.meta.documents_sha256))
+        for path, recorded in checks:
+            digest = hashlib.sha256()
+            with path.open("rb") as source:
+                while block := source.read(_HASH_CHUNK_BYTES):
+                    digest.update(block)
+            if digest.hexdigest() != recorded:
+                raise TokenFileError(
+                    f"{path}: corrupt: SHA-256 {digest.hexdigest()} does not match "
+                    f"{recorded} recorded in {META_FILE}"
+                )
 
     @property
     def count(self) -> int:
@@ -293,6 +434,10 @@ class TokenFile:
     @property
     def vocab_size(self) -> int:
         return self.meta.vocab_size
+
+    @property
+    def has_documents(self) -> bool:
+        return self.documents is not None
 
     @property
     def nbytes(self) -> int:
@@ -304,5 +449,6 @@ class TokenFile:
     def __repr__(self) -> str:
         return (
             f"TokenFile({str(self.directory)!r}, count={self.count:,}, dtype={self.meta.dtype}, "
-            f"vocab_size={self.vocab_size}, tokenizer={self.meta.tokenizer!r})"
+            f"vocab_size={self.vocab_size}, tokenizer={self.meta.tokenizer!r}, "
+            f"documents={self.meta.documents})"
         )

@@ -5,11 +5,20 @@ no vocabulary file and no download, and every string round-trips. A Hugging Face
 file (`tokenizer.json`, as `Tokenizer.save` or `save_pretrained` writes it: BPE, WordPiece,
 Unigram, …) is read by `TokenizerFile`; `get_tokenizer` takes either a name or such a path. Any
 object with the same four members can be passed to `prepare_token_files` instead.
+
+Documents end with an end-of-sequence token (`document_eos`): the tokenizer's own when it has
+one (an `eos_id` attribute; a tokenizers file names it in a `tokenizer_config.json` beside it or
+as a special token such as `<|endoftext|>` or `</s>`), else one id plait appends after the
+vocabulary, which grows by one. For the byte tokenizer that is id 256 in a vocabulary of 257, so
+its documents are stored as uint16: no byte value is given up as a marker, and every text still
+round-trips.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -73,10 +82,38 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=256)"
 
 
+# Special tokens that end a document in common tokenizers (GPT-2/NeoX, Llama 3, SentencePiece
+# models, Gemma), looked for when no tokenizer_config.json names the EOS.
+EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DocumentEos:
+    """How documents end: token `eos_id`, in a vocabulary of `vocab_size` ids."""
+
+    eos_id: int
+    vocab_size: int
+    added: bool  # True: plait appended the id after the tokenizer's own vocabulary
+
+
+def document_eos(tokenizer: Tokenizer) -> DocumentEos:
+    """The token that ends every document: the tokenizer's `eos_id` if it has one, else a new
+    id equal to its vocabulary size (the vocabulary grows by one)."""
+    own = getattr(tokenizer, "eos_id", None)
+    if own is not None:
+        if not 0 <= own < tokenizer.vocab_size:
+            raise ValueError(
+                f"tokenizer {tokenizer.name!r} names eos_id {own}, outside its vocabulary "
+                f"[0, {tokenizer.vocab_size})"
+            )
+        return DocumentEos(eos_id=int(own), vocab_size=tokenizer.vocab_size, added=False)
+    return DocumentEos(eos_id=tokenizer.vocab_size, vocab_size=tokenizer.vocab_size + 1, added=True)
+
+
 class TokenizerFile:
     """A Hugging Face `tokenizers` file (`tokenizer.json`): its model, normalizer and
-    pre-tokenizer exactly as saved. Special tokens are not added around each chunk of text, since
-    the token stream is one long document; the vocabulary counts the added tokens too."""
+    pre-tokenizer exactly as saved. Special tokens are not added around each piece of text (plait
+    ends documents with `eos_id` itself); the vocabulary counts the added tokens too."""
 
     def __init__(self, path: Path | str) -> None:
         try:
@@ -94,6 +131,27 @@ class TokenizerFile:
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         model = type(self._tokenizer.model).__name__
         self.name = f"{self.path.name} ({model}, tokenizers)"
+        self.eos_id = self._find_eos()
+
+    def _find_eos(self) -> int | None:
+        """The EOS id: `eos_token` of a tokenizer_config.json beside the file (as
+        `save_pretrained` writes it), else the first special token named in `EOS_TOKENS`."""
+        config = self.path.with_name("tokenizer_config.json")
+        if config.is_file():
+            try:
+                eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                raise ValueError(f"{config} is not a JSON object: {exc}") from None
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str) and (token_id := self._tokenizer.token_to_id(eos)) is not None:
+                return token_id
+        special = {
+            token.content: token_id
+            for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
+            if token.special
+        }
+        return next((special[name] for name in EOS_TOKENS if name in special), None)
 
     def encode(self, text: str) -> np.ndarray:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -104,7 +162,9 @@ class TokenizerFile:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def __repr__(self) -> str:
-        return f"TokenizerFile({str(self.path)!r}, vocab_size={self.vocab_size})"
+        return (
+            f"TokenizerFile({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+        )
 
 
 TOKENIZERS: dict[str, type[ByteTokenizer]] = {"byte": ByteTokenizer}
