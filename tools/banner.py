@@ -26,6 +26,13 @@ def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> li
         f"{engine.device}",
         " · ".join(transform_names(engine, resolved_config(engine))),
         data_line(engine, batches),
+        microbatch_line(
+            rows=batches.local_batch_size,
+            micro_batch_size=engine.micro_batch_size(batches.local_batch_size),
+            configured=cfg.train.micro_batch_size,
+            schedule=cfg.schedule.name,
+            pp=mesh.size("pp"),
+        ),
     ]
     pipeline = engine.context.pipeline
     if pipeline is not None:
@@ -106,3 +113,21 @@ def data_line(engine: Engine, batches: TokenBatches) -> str:
             f"{cfg.train.eval_fraction:.0%} held out"
         )
     return line
+
+
+def microbatch_line(
+    *, rows: int, micro_batch_size: int, configured: int | None, schedule: str, pp: int
+) -> str:
+    """How each rank's batch is split, and who decided: `train.micro_batch_size`, or with it
+    unset the count chosen for the schedule (`plait.core.microbatch_count`). The dry run
+    prints the same line."""
+    count, each = max(1, rows // micro_batch_size), min(rows, micro_batch_size)
+    line = f"micro-batches: {count} of {each} row{'s' if each != 1 else ''} per rank per step"
+    if configured is not None:
+        return f"{line} (train.micro_batch_size = {configured})"
+    if pp <= 1:
+        return f"{line} (train.micro_batch_size unset: the whole batch, no pipeline to fill)"
+    return (
+        f"{line} (train.micro_batch_size unset: chosen for schedule {schedule} with pp={pp}, "
+        "at least 2 x pp when the rows allow)"
+    )

@@ -110,11 +110,41 @@ def estimate(config: PlaitConfig, *, world_size: int, per_node: int, model: Any)
     )
 
 
+def micro_batch_size(config: PlaitConfig, plugins: Plugins, degrees: dict[str, int]) -> int:
+    """Rows per micro-batch on each rank, decided as a rank decides it: `train.micro_batch_size`,
+    or with it unset the count chosen for the schedule, which is asked for its program as a rank
+    asks (`plait.core.microbatch_count`). A batch that cannot be split is refused here, before
+    anything is launched."""
+    from plait.core.microbatch_count import default_microbatch_count
+    from plait.core.schedule import ScheduleRequest
+
+    if config.train.micro_batch_size is not None:
+        return config.train.micro_batch_size
+    rows = config.train.global_batch_size // degrees["dp"]
+    schedule = config.schedule
+
+    def program(count: int) -> object:
+        request = ScheduleRequest(
+            name=schedule.name,
+            num_microbatches=count,
+            num_stages=degrees["pp"],
+            virtual_stages=schedule.virtual_stages,
+        )
+        return plugins.schedule(request)
+
+    count = default_microbatch_count(
+        rows, num_stages=degrees["pp"], schedule=schedule.name, program=program
+    )
+    return rows // count
+
+
 def print_dry_run(
     config: PlaitConfig, plugins: Plugins, *, world_size: int, per_node: int, console: Console
 ) -> None:
     """Print the mesh, its groups and the estimate for the rank with the most memory."""
     from rich.table import Table
+
+    from plait.tools.banner import microbatch_line
 
     par = config.parallel
     degrees = resolve_degrees(world_size, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
@@ -132,6 +162,20 @@ def print_dry_run(
     for axis, groups in mesh_groups(degrees).items():
         shown = " ".join(str(g) for g in groups[:8]) + (" …" if len(groups) > 8 else "")
         console.print(f"{axis} groups: {shown}", highlight=False, soft_wrap=True)
+    train = config.train
+    size = micro_batch_size(config, plugins, degrees)
+    line = microbatch_line(
+        rows=train.global_batch_size // degrees["dp"],
+        micro_batch_size=size,
+        configured=train.micro_batch_size,
+        schedule=config.schedule.name,
+        pp=degrees["pp"],
+    )
+    console.print(line, highlight=False, soft_wrap=True)
+    # The planner's activations are those of the micro-batch that runs.
+    config = config.model_copy(
+        update={"train": train.model_copy(update={"micro_batch_size": size})}
+    )
     rank = estimate(config, world_size=world_size, per_node=per_node, model=model)
     m = rank.memory
     table = Table(
