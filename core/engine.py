@@ -496,11 +496,11 @@ class Engine:
 
         def all_reduce_sum(totals: torch.Tensor) -> None:
             if group.size > 1:
-                on_device = totals.to(self.device)
-                self.comm.all_reduce(on_device, group=group, op="sum", purpose="metrics")
-                totals.copy_(on_device.cpu())
+                self.comm.all_reduce(totals, group=group, op="sum", purpose="metrics")
 
-        return token_weights(counts, all_reduce_sum=all_reduce_sum, replicas=group.size)
+        return token_weights(
+            counts, all_reduce_sum=all_reduce_sum, replicas=group.size, device=self.device
+        )
 
     @contextlib.contextmanager
     def _flop_counter(self, tokens: int) -> Iterator[None]:
@@ -588,19 +588,18 @@ class Engine:
         over every scored token of the global batch when the losses can be `weights`-weighed,
         else the mean of the micro-batch losses."""
         # One tensor on the compute device (NCCL reduces device tensors) and one host sync.
-        held = [
-            (loss.detach().float().reshape(()), weights.scored[i] if weights else 1.0)
-            for i, loss in enumerate(losses)
-            if loss is not None
-        ]
-        # A micro-batch that scores no token has a NaN mean and weighs nothing.
-        loss_sum = (
-            torch.stack([loss.nan_to_num() * weight for loss, weight in held]).sum()
-            if held
-            else torch.zeros((), device=self.device)
-        )
-        count = torch.tensor(sum(weight for _, weight in held), device=loss_sum.device)
-        totals = torch.stack([loss_sum, count.float()])
+        held = [i for i, loss in enumerate(losses) if loss is not None]
+        if not held:
+            totals = torch.zeros(2, device=self.device)
+        else:
+            means = torch.stack([losses[i].detach().float().reshape(()) for i in held])
+            if weights is None:
+                counts = torch.ones_like(means)
+            else:
+                counts = weights.scored[held].to(means.device)
+                # A micro-batch that scores no token has a NaN mean and weighs nothing.
+                means = torch.where(counts > 0, means, torch.zeros_like(means))
+            totals = torch.stack([(means * counts).sum(), counts.sum()])
         if self._loss_group.size > 1:
             self.comm.all_reduce(totals, group=self._loss_group, op="sum", purpose="metrics")
         return (totals[0] / totals[1]).item()

@@ -69,11 +69,8 @@ class MicrobatchRunner:
         state.losses[microbatch] = loss.detach()
         if self.weights is None:
             scaled = loss / self.num_microbatches
-        elif self.weights.scored[microbatch] == 0:
-            # No scored token: the mean is NaN (0 / 0); the micro-batch trains on nothing.
-            scaled = loss.nan_to_num() * 0.0
         else:
-            scaled = loss * self.weights.gradient_scale(microbatch)
+            scaled = self.weights.weigh(microbatch, loss)
         for runtime in self.runtimes:
             scaled = runtime.scale_loss(scaled)
         return scaled

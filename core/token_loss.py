@@ -59,18 +59,22 @@ def scored_tokens(inputs: Any, targets: Any, counting: LossCounting) -> torch.Te
 
 @dataclass(frozen=True, slots=True)
 class TokenWeights:
-    """How each micro-batch's mean loss enters one step's gradient and reported loss."""
+    """How each micro-batch's mean loss enters one step's gradient and reported loss.
 
-    scored: tuple[float, ...]  # this rank's scored tokens per micro-batch
-    global_scored: float  # N: scored tokens of the whole global batch
+    Counts stay tensors on the compute device: weighing a step costs one all-reduce and no
+    host synchronisation before the forward."""
+
+    scored: torch.Tensor  # (micro-batches,) float32: this rank's scored tokens of each
+    global_scored: torch.Tensor  # 0-d float32, N: scored tokens of the whole global batch
     replicas: int  # R: ranks whose gradients are averaged (dp × cp)
 
-    def gradient_scale(self, microbatch: int) -> float:
-        """The factor on micro-batch `microbatch`'s mean loss before backward: c_m · R / N.
-        A step that scores no token at all trains on nothing (factor 0)."""
-        if self.global_scored <= 0:
-            return 0.0
-        return self.scored[microbatch] * self.replicas / self.global_scored
+    def weigh(self, microbatch: int, loss: torch.Tensor) -> torch.Tensor:
+        """Micro-batch `microbatch`'s mean loss weighted for backward: loss · c_m · R / N. A
+        micro-batch that scores no token (its mean is 0 / 0) trains on nothing."""
+        count = self.scored[microbatch]
+        scale = count * self.replicas / self.global_scored.clamp(min=1.0)
+        # `where`, not nan_to_num: a loss that diverged on scored tokens must still show NaN.
+        return torch.where(count > 0, loss, torch.zeros_like(loss)) * scale.to(loss.dtype)
 
 
 def token_weights(
@@ -78,14 +82,20 @@ def token_weights(
     *,
     all_reduce_sum: Callable[[torch.Tensor], None],
     replicas: int,
+    device: torch.device,
 ) -> TokenWeights | None:
-    """The step's weights from each micro-batch's count (`scored_tokens`), or `None` when the
-    loss of any micro-batch on any of the R ranks cannot be weighed (every rank then falls back
-    together). `all_reduce_sum(tensor)` sums a float64 tensor over the R ranks."""
-    unweighable = any(count is None for count in counts)
-    local = [float(count) for count in counts if count is not None]
-    totals = torch.tensor([sum(local), float(unweighable)], dtype=torch.float64)
-    all_reduce_sum(totals)
-    if unweighable or totals[1].item() > 0:
+    """The step's weights from each micro-batch's count (`scored_tokens`), or `None` when this
+    rank's losses cannot be weighed. `all_reduce_sum(tensor)` sums a tensor over the R ranks;
+    every rank calls it, so that a rank that cannot weigh never leaves the others waiting (it
+    adds no tokens; ranks of one job see batches of one kind)."""
+    weighable = bool(counts) and all(count is not None for count in counts)
+    scored = (
+        torch.stack([count.to(device, torch.float32) for count in counts if count is not None])
+        if weighable
+        else torch.zeros(len(counts), device=device)
+    )
+    total = scored.sum().reshape(1)
+    all_reduce_sum(total)
+    if not weighable:
         return None
-    return TokenWeights(scored=tuple(local), global_scored=totals[0].item(), replicas=replicas)
+    return TokenWeights(scored=scored, global_scored=total[0], replicas=replicas)
