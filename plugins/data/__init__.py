@@ -1,9 +1,13 @@
-"""Training data: byte tokenizer, memory-mapped token files, the bundled corpus and the sampler.
+"""Training data: tokenizers, corpus readers, memory-mapped token files, the bundled corpus, and
+the samplers (a token stream cut into windows, or documents packed into rows).
 
-    from plait.plugins.data import build_batches
+    from plait.plugins.data import build_batches, prepare_documents
+    prepare_documents(["corpus.jsonl.gz"], "tokens/", workers=4)    # plait data prepare
     batches = build_batches(config.data, seq_len=128, global_batch_size=8,
                             dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=config.train.seed)
-    inputs, targets = batches.next_batch()   # LongTensor[G/dp, seq_len] each
+    inputs, targets = batches.next_batch()
+    # documents: inputs = {"tokens": LongTensor[G/dp, seq_len], "positions": …}, targets -100
+    # where nothing is scored; a stream (bundled corpus): inputs = LongTensor[G/dp, seq_len]
 
 This package implements no hook: it is a library the engine calls, kept under `plugins/` so a
 project with its own data pipeline can ignore it entirely.
@@ -16,30 +20,31 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from plait.plugins.data.corpus import bundled_corpus_dir, bundled_corpus_file
+    from plait.plugins.data.errors import DataError, TokenFileError
+    from plait.plugins.data.packed_sampler import PackedBatch, PackedBatches
+    from plait.plugins.data.prepare_documents import PrepareReport, prepare_documents
     from plait.plugins.data.sampler import Batch, TokenBatches, build_batches
-    from plait.plugins.data.token_files import (
-        DataError,
-        TokenFile,
-        TokenFileError,
-        TokenFileMeta,
-        prepare_token_files,
-    )
+    from plait.plugins.data.token_files import TokenFile, TokenFileMeta, prepare_token_files
     from plait.plugins.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer, token_dtype
 
 # Resolved on first use so `plait data prepare` and `plait --help` do not import torch.
 _EXPORTS = {
     "Batch": "sampler",
     "ByteTokenizer": "tokenizer",
-    "DataError": "token_files",
+    "DataError": "errors",
+    "PackedBatch": "packed_sampler",
+    "PackedBatches": "packed_sampler",
+    "PrepareReport": "prepare_documents",
     "TokenBatches": "sampler",
     "TokenFile": "token_files",
-    "TokenFileError": "token_files",
+    "TokenFileError": "errors",
     "TokenFileMeta": "token_files",
     "Tokenizer": "tokenizer",
     "build_batches": "sampler",
     "bundled_corpus_dir": "corpus",
     "bundled_corpus_file": "corpus",
     "get_tokenizer": "tokenizer",
+    "prepare_documents": "prepare_documents",
     "prepare_token_files": "token_files",
     "token_dtype": "tokenizer",
 }
@@ -47,6 +52,9 @@ __all__ = [
     "Batch",
     "ByteTokenizer",
     "DataError",
+    "PackedBatch",
+    "PackedBatches",
+    "PrepareReport",
     "TokenBatches",
     "TokenFile",
     "TokenFileError",
@@ -56,6 +64,7 @@ __all__ = [
     "bundled_corpus_dir",
     "bundled_corpus_file",
     "get_tokenizer",
+    "prepare_documents",
     "prepare_token_files",
     "token_dtype",
 ]

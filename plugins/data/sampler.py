@@ -1,4 +1,7 @@
-"""The training sampler: deterministic, data-parallel-rank-aware and resumable batches of tokens.
+"""The stream sampler: deterministic, data-parallel-rank-aware and resumable batches of tokens.
+
+It reads a token directory without document offsets (format version 1, the bundled corpus);
+`build_batches` picks it, or `PackedBatches` (`packed_sampler.py`) for a directory of documents.
 
 The token stream is cut into non-overlapping windows: window `w` starts at token `w · seq_len`
 and holds `seq_len + 1` tokens, the first `seq_len` being the inputs and the last `seq_len` the
@@ -29,10 +32,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from plait.plugins.data.documents_file import DOCUMENTS_FILE
 from plait.plugins.data.token_files import DataError, TokenFile
 
 if TYPE_CHECKING:
     from plait.core.config import DataSection
+    from plait.plugins.data.packed_sampler import PackedBatches
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -246,11 +251,15 @@ def build_batches(
     cache_dir: Path | str | None = None,
     holdout: float = 0.0,
     split: Literal["train", "validation"] = "train",
-) -> TokenBatches:
+) -> TokenBatches | PackedBatches:
     """The sampler a config's `[data]` section describes; `path = ''` is the bundled corpus.
 
-    `holdout` (a fraction in [0, 1)) keeps the last windows for validation; `split` picks the
-    training windows or the held-out ones. `holdout = 0` is every window, for training only.
+    A directory with document offsets gets `PackedBatches` with `data.packing` and
+    `data.document_mask` (`packing = "none"`: one document per row, padded); a stream (format
+    version 1, or the bundled corpus) gets `TokenBatches`, where only the default packing is
+    accepted. `holdout` (a fraction in [0, 1)) keeps the last windows (of a stream) or documents
+    for validation; `split` picks the training part or the held-out one. `holdout = 0` is
+    everything, for training only.
     """
     if data_config.path:
         directory = Path(data_config.path).expanduser()
@@ -259,11 +268,31 @@ def build_batches(
 
         directory = bundled_corpus_dir(cache_dir)
     token_file = TokenFile(directory)
-    windows = None
-    if holdout:
-        windows = split_windows(token_file.count, seq_len, holdout)[split]
-    elif split != "train":
+    if not holdout and split != "train":
         raise DataError("a validation split needs holdout > 0 (train.eval_fraction)")
+    if token_file.documents is not None:
+        from plait.plugins.data.packed_sampler import PackedBatches, split_documents
+
+        documents = split_documents(token_file.documents.count, holdout)[split] if holdout else None
+        return PackedBatches(
+            token_file,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            packing=data_config.packing,
+            document_mask=data_config.document_mask,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+            documents=documents,
+        )
+    if "packing" in data_config.model_fields_set and data_config.packing != "concat_split":
+        raise DataError(
+            f"data.packing = {data_config.packing!r} needs document offsets, but "
+            f"{token_file.directory} is one token stream (format version "
+            f"{token_file.meta.format_version}, no {DOCUMENTS_FILE}); prepare it again with "
+            "`plait data prepare`, or leave data.packing unset"
+        )
+    windows = split_windows(token_file.count, seq_len, holdout)[split] if holdout else None
     return TokenBatches(
         token_file,
         seq_len=seq_len,
