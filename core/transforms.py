@@ -116,7 +116,7 @@ class ContextParallelism:
     # What the model needs of a micro-batch that only the whole sequence shows, added before it
     # is cut: `prepare(inputs, targets, seq_len) -> (inputs, targets)`. A `transformers` causal
     # LM takes its labels shifted over the whole sequence (the label at a piece's last position
-    # is the first token of the next piece), its position ids and its loss's token count.
+    # is the first token of the next piece), its position ids and its packed rows' documents.
     prepare: Callable[[Any, Any, int], tuple[Any, Any]] | None = None
 
     @property
@@ -147,16 +147,23 @@ class ContextParallelism:
                 f"use a data.seq_len that is a multiple of {pieces}"
             )
 
-    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """The global positions (ascending) this rank holds of a `seq_len`-token sequence."""
+    def ring_positions(
+        self, ring_rank: int, seq_len: int, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """The global positions (ascending) ring position `ring_rank` holds of a `seq_len`-token
+        sequence, its Ulysses ranks together: what each of them holds after the all-to-all."""
         self.check_length(seq_len)
         chunk = seq_len // self.num_chunks
-        portion = torch.cat(
+        return torch.cat(
             [
                 torch.arange(c * chunk, (c + 1) * chunk, device=device)
-                for c in self.ring_chunks(self.ring_rank)
+                for c in self.ring_chunks(ring_rank)
             ]
         )
+
+    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The global positions (ascending) this rank holds of a `seq_len`-token sequence."""
+        portion = self.ring_positions(self.ring_rank, seq_len, device)
         piece = portion.numel() // self.ulysses_degree
         return portion[self.ulysses_rank * piece : (self.ulysses_rank + 1) * piece]
 

@@ -25,9 +25,19 @@ module's `attend` and a pre-hook passing the rank's global positions to the mode
 (RoPE, learned positions). A `transformers` model takes part through its own attention
 interface instead (`hf_attention`): the attention above becomes its `attn_implementation`,
 and each micro-batch gets its position ids and its labels shifted over the whole sequence
-before it is cut (`hf_batches`). The loss is the mean over the rank's tokens, equal in number on
-every rank, so averaging gradients over dp × cp (`Mesh.gradient_group`, which DDP and ZeRO
-use) and the reported loss over the cp ranks gives the mean over all tokens. cp holds no
+before it is cut (`hf_batches`).
+
+Packed rows (several documents per row, `plait.core.documents`): the `Documents` of each
+micro-batch are computed on the whole rows before the cut (by the engine for plait's models, by
+`hf_batches` for a `transformers` model, whose attention function receives them as a keyword
+argument) and every strategy masks with them: the ring gives each block the ids of its query and
+key chunks and skips blocks that share no document, Ulysses attends with the ids of the portion
+it gathered (`ring.py` says why the zig-zag layout stays, with measured balance).
+
+The loss is the core's token-weighted mean over the whole global batch (`plait.core.
+token_loss`): each rank's loss is the mean over its own scored tokens, weighed by their count,
+so averaging gradients over dp × cp (`Mesh.gradient_group`, which DDP and ZeRO use) gives the
+mean over every scored token however unevenly padding and packing spread them. cp holds no
 parameter shards: every parameter is replicated over cp in the state layout, so checkpoints
 move between cp degrees freely.
 """
@@ -169,11 +179,19 @@ def apply_context_parallel(
         if exchange_group is not None
         else None
     )
-    attend = ContextParallelAttention(kernels=context.kernels, ring=ring, exchange=exchange)
+    attend = ContextParallelAttention(
+        kernels=context.kernels, ring=ring, exchange=exchange, layout=layout
+    )
     transformers_model = _transformers_model(model, context)
     if transformers_model is not None:
         install_transformers_attention(transformers_model, attend, layout)
-        layout = replace(layout, prepare=_transformers_batches(transformers_model, degree))
+        # Pipeline stages call the blocks themselves and hand them no extra keyword argument:
+        # the documents of packed rows would not reach attention.
+        documents_reach_attention = context.pipeline is None
+        layout = replace(
+            layout,
+            prepare=_transformers_batches(transformers_model, degree, documents_reach_attention),
+        )
     else:
         install(model, attend, layout)
     context.context_parallel = layout
@@ -189,7 +207,7 @@ def _transformers_model(model: nn.Module, context: ShardContext) -> nn.Module | 
     return source if source is not None and is_transformers_model(source) else None
 
 
-def _transformers_batches(model: nn.Module, degree: int) -> Any:
+def _transformers_batches(model: nn.Module, degree: int, documents_reach_attention: bool) -> Any:
     """`ContextParallelism.prepare` for a `transformers` model (see `hf_batches`)."""
     loss = getattr(model, "loss_function", None)
     transformers_loss = getattr(loss, "__name__", "") == "ForCausalLMLoss"
@@ -198,6 +216,7 @@ def _transformers_batches(model: nn.Module, degree: int) -> Any:
         degree=degree,
         model_name=model_kind(model),
         loss_reads_shift_labels=transformers_loss,
+        documents_reach_attention=documents_reach_attention,
     )
 
 

@@ -8,7 +8,13 @@ is patched. The registered function runs the strategy's `ContextParallelAttentio
 Ulysses or both) on this rank's positions; transformers' mask builders make no mask for an
 implementation they do not know, so the function receives `attention_mask=None` and attends
 causally over the whole sequence (padding is checked when the batch is prepared,
-`hf_batches`). Position ids, the shifted labels and the loss's token count come with the batch.
+`hf_batches`). Position ids and the shifted labels come with the batch.
+
+Packed rows: `hf_batches` puts the micro-batch's `Documents` in the batch under
+`DOCUMENTS_KEY`; the model's forward hands its keyword arguments down to the attention function
+(checked in transformers 5.x for Llama, Mistral, Qwen2 and GPT-2), which masks with them. A
+model that drops them on the way would attend across documents: a forward given documents in
+which the attention function is called without them fails, naming the model.
 
 One name is registered per model (`plait_cp_<strategy>_<n>`, removed when the model is
 garbage-collected), so several models in one process each reach their own groups.
@@ -34,6 +40,7 @@ from plait.core.errors import ConfigError, PlaitError
 from plait.core.transformers_models import model_kind, transformers_package
 from plait.core.transforms import ContextParallelism
 from plait.plugins.context_parallel.attention import ContextParallelAttention
+from plait.plugins.context_parallel.hf_batches import DOCUMENTS_KEY
 
 _names = itertools.count()
 
@@ -49,6 +56,8 @@ class TransformersAttention:
     layout: ContextParallelism
     model_name: str
     calls: int = 0
+    # Set by `AttentionWatch` while a forward given packed rows' documents runs.
+    documents_expected: bool = False
 
     def __call__(
         self,
@@ -68,11 +77,21 @@ class TransformersAttention:
         self._check(module, query, attention_mask, dropout, sliding_window, softcap, is_causal)
         if kwargs.get("s_aux") is not None:
             self._refuse("attention sinks (s_aux)")
+        documents = kwargs.get(DOCUMENTS_KEY)
+        if documents is None and self.documents_expected:
+            self._refuse(
+                f"packed rows: {type(module).__name__} does not hand the forward's keyword "
+                f"arguments ({DOCUMENTS_KEY}) on to its attention function, so attention "
+                "cannot be masked to each document"
+            )
         head_dim = query.shape[-1]
         if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0):
             # The kernels scale scores by head_dim^-½: fold the model's own scale into q.
             query = query * (scaling * math.sqrt(head_dim))
-        out = self.attend(query, key, value)
+        if documents is None:
+            out = self.attend(query, key, value)
+        else:
+            out = self.attend(query, key, value, documents=documents)
         return out.transpose(1, 2), None
 
     def _check(
@@ -150,7 +169,7 @@ def install_transformers_attention(
             f"implementation {chosen!r} when asked for {name!r}"
         )
     watch = AttentionWatch(function)
-    model.register_forward_pre_hook(watch.before)
+    model.register_forward_pre_hook(watch.before, with_kwargs=True)
     model.register_forward_hook(watch.after)
     return function
 
@@ -161,18 +180,22 @@ def _unregister(interface: Any, name: str) -> None:
 
 class AttentionWatch:
     """Fails a forward of the model in which the attention function never ran: the model
-    computes attention some other way, and each rank would attend over its own positions."""
+    computes attention some other way, and each rank would attend over its own positions. Tells
+    the function whether the forward was given packed rows' documents, so that attention
+    called without them fails rather than crossing documents."""
 
     def __init__(self, function: TransformersAttention) -> None:
         self.function = function
         self.calls_before = 0
 
-    def before(self, module: nn.Module, args: Any) -> None:
+    def before(self, module: nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -> None:
         del module, args
         self.calls_before = self.function.calls
+        self.function.documents_expected = (kwargs or {}).get(DOCUMENTS_KEY) is not None
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         del args, output
+        self.function.documents_expected = False
         if self.function.calls == self.calls_before:
             raise PlaitError(
                 f"context parallelism: a forward of {type(module).__name__} never called its "

@@ -1,5 +1,5 @@
 """Context and expert parallelism for `transformers` models, the parts one process can check:
-a micro-batch prepared whole (labels shifted across piece boundaries, the loss's token count,
+a micro-batch prepared whole (labels shifted across piece boundaries, the pieces' weighed loss,
 padding accepted or refused by name), the attention function transformers calls (scale,
 refusals), models that cannot take part refused by name, and the schedule `parallel.pp > 1`
 picks when none is named."""
@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -64,9 +63,9 @@ def test_each_position_is_scored_against_the_next_token_even_across_pieces() -> 
             assert inputs["shift_labels"][row].tolist() == want.tolist()
         assert torch.equal(targets, inputs["shift_labels"])
         assert inputs["position_ids"][0].tolist() == positions.tolist()
-        # Every rank divides its summed loss by half the micro-batch's scored tokens, so the
-        # mean of the two ranks' losses is the whole sequence's.
-        assert float(inputs["num_items_in_batch"]) == 2 * (SEQ - 1) / 2
+        # The core weighs each rank's mean loss by its scored tokens (plait.core.token_loss):
+        # no token count of plait's own goes to the model's loss.
+        assert "num_items_in_batch" not in inputs
 
 
 def test_the_loss_of_the_pieces_is_the_loss_of_the_sequence() -> None:
@@ -80,12 +79,12 @@ def test_the_loss_of_the_pieces_is_the_loss_of_the_sequence() -> None:
         layout = _layout(rank)
         inputs, _ = layout.shard_microbatch(batch, batch["labels"], SEQ)
         mine = logits.index_select(1, layout.positions(SEQ))
-        pieces.append(ForCausalLMLoss(mine, inputs["labels"], 4000, **_loss_kwargs(inputs)))
-    assert torch.stack(pieces).mean().item() == pytest.approx(whole.item(), abs=1e-6)
-
-
-def _loss_kwargs(inputs: dict[str, Any]) -> dict[str, Any]:
-    return {k: inputs[k] for k in ("shift_labels", "num_items_in_batch")}
+        loss = ForCausalLMLoss(mine, inputs["labels"], 4000, shift_labels=inputs["shift_labels"])
+        scored = (inputs["shift_labels"] != -100).sum()
+        pieces.append((loss * scored, scored))
+    # Each piece's mean weighed by its scored tokens, as the core does, is the whole mean.
+    total = sum(loss for loss, _ in pieces) / sum(scored for _, scored in pieces)
+    assert total.item() == pytest.approx(whole.item(), abs=1e-6)
 
 
 def test_a_given_token_count_is_shared_out_over_the_cp_ranks() -> None:
@@ -105,7 +104,6 @@ def test_right_padding_is_taken_and_other_padding_is_refused_by_name() -> None:
     }
     inputs, _ = _layout(0).shard_microbatch(padded, padded["labels"], SEQ)
     assert inputs["attention_mask"].shape == (2, SEQ // 2)
-    assert float(inputs["num_items_in_batch"]) == (SEQ - 1 + 9) / 2
 
     scored = {**batch, "attention_mask": mask}  # labels still set on the padding
     with pytest.raises(PlaitError, match="scores padded positions"):
@@ -116,9 +114,6 @@ def test_right_padding_is_taken_and_other_padding_is_refused_by_name() -> None:
     four_d = {**batch, "attention_mask": torch.ones(2, 1, SEQ, SEQ)}
     with pytest.raises(PlaitError, match="4-D"):
         _layout(0).shard_microbatch(four_d, None, SEQ)
-    packed = {**batch, "position_ids": torch.arange(SEQ).remainder(8).expand(2, SEQ)}
-    with pytest.raises(PlaitError, match="packed sequences"):
-        _layout(0).shard_microbatch(packed, None, SEQ)
     with pytest.raises(PlaitError, match="dict batches"):
         _layout(0).shard_microbatch(batch["input_ids"], batch["labels"], SEQ)
 
