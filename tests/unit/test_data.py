@@ -347,9 +347,9 @@ def test_cli_prepare_writes_token_files_and_prints_summary(tmp_path: Path) -> No
     runner = CliRunner()
     result = runner.invoke(app, ["prepare", str(source), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    count = len((TEXT * 3).encode("utf-8"))
+    count = len((TEXT * 3).encode("utf-8")) + 1  # one document, ended by EOS = 256
     assert TokenFile(out, verify_checksum=True).count == count
-    assert f"{count:,}" in result.output and "uint8" in _unwrapped(result.output)
+    assert f"{count:,}" in result.output and "uint16" in _unwrapped(result.output)
     info = runner.invoke(app, ["info", str(out), "--verify"])
     assert info.exit_code == 0 and "(verified)" in _unwrapped(info.output)
     missing = runner.invoke(app, ["prepare", str(tmp_path / "nope.txt"), "-o", str(out)])
@@ -417,14 +417,16 @@ def test_prepare_with_a_tokenizers_file(tmp_path: Path, bpe_file: Path) -> None:
     assert result.exit_code == 0, result.output
     token_file = TokenFile(out, verify_checksum=True)
     reference = HFTokenizer.from_file(str(bpe_file))
-    expected = reference.encode(text, add_special_tokens=False).ids
-    assert token_file.tokens.tolist() == expected  # the library's own ids, in order
+    # The library's own ids, in order, then the file's own EOS ending the one document.
+    expected = [*reference.encode(text, add_special_tokens=False).ids]
+    eos = reference.token_to_id("<|endoftext|>")
+    assert token_file.meta.eos_id == eos and token_file.tokens.tolist() == [*expected, eos]
     assert token_file.vocab_size == reference.get_vocab_size(with_added_tokens=True) == 401
     assert 400 in expected  # the added token is counted in the vocabulary
     assert token_file.meta.dtype == "uint16"  # 401 ids do not fit a byte
     assert token_file.meta.tokenizer.startswith("tokenizer.json (BPE")
     assert token_file.count < len(text.encode("utf-8")) / 1.5  # merges learned on the corpus
-    assert reference.decode(token_file.tokens.tolist()) == text  # byte-level BPE is lossless
+    assert reference.decode(token_file.tokens[:-1].tolist()) == text  # byte-level BPE is lossless
     # The sampler reads it like any token file.
     inputs, targets = TokenBatches(token_file, seq_len=8, global_batch_size=2).next_batch()
     assert int(inputs.max()) < 401 and torch.equal(inputs[:, 1:], targets[:, :-1])
