@@ -92,6 +92,7 @@ def _check(
     query_ids: torch.Tensor | None,
     key_ids: torch.Tensor | None = None,
     *,
+    blocks: tuple[int, int] = (BLOCK, BLOCK),
     kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """The kernel's output, lse and gradients against the float64 reference; returns them."""
@@ -99,7 +100,7 @@ def _check(
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return attention(
-            q, k, v, causal, block_m=BLOCK, block_n=BLOCK, return_lse=True,
+            q, k, v, causal, block_m=blocks[0], block_n=blocks[1], return_lse=True,
             document_ids=query_ids, key_document_ids=key_ids,
         )  # fmt: skip
 
@@ -135,6 +136,14 @@ def test_self_attention_matches_the_masked_softmax(
 ) -> None:
     ids = _document_ids(lengths)
     _check(_inputs(2, heads, kv_heads, ids.shape[1]), causal, ids)
+
+
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 32)], ids=["tall-queries", "tall-keys"])
+def test_unequal_tiles_plan_each_side_by_its_own_block(blocks: tuple[int, int]) -> None:
+    """Query blocks and key blocks of different sizes: the forward and dQ plan key ranges per
+    query block, dK/dV query ranges per key block, each by its own size."""
+    ids = _document_ids(SHORT_DOCUMENTS)
+    _check(_inputs(2, 2, 1, ids.shape[1], seed=9), True, ids, blocks=blocks)
 
 
 def test_documents_change_the_result() -> None:
