@@ -44,7 +44,8 @@ _DESCRIPTIONS: dict[str, str] = {
     "bias_gelu": "fused bias + tanh-GELU, forward and backward",
     "rope": "rotary embedding (rotate_half), forward and inverse-rotation backward",
     "softmax_cross_entropy": "cross-entropy chunked over the vocabulary, gradient in forward",
-    "attention": "FlashAttention-2 style causal attention with GQA, forward and backward",
+    "attention": "FlashAttention-2 style causal attention with GQA and document masking "
+    "(walks only each document's tiles), forward and backward",
     "adamw_step": "fused AdamW update, fp32 math, in place",
     "grouped_mm": "grouped GEMM over variable-sized row groups (experts), forward and backward",
 }

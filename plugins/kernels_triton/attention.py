@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +41,12 @@ import triton.language as tl
 
 from plait.plugins.kernels_triton.launch import dot_precision
 from plait.plugins.kernels_triton.tuning import Tile, TileTuner, power_of_two_class, tile
+from plait.plugins.kernels_triton.varlen_attention import (
+    BlockRanges,
+    DocumentIds,
+    document_ids_of,
+    ids_from_cu_seqlens,
+)
 
 LOG2_E = 1.4426950408889634
 DEFAULT_BLOCK = 64
@@ -84,7 +89,7 @@ def _attn_fwd(
     lo = 0
     hi = tl.minimum((start_m + 1) * BLOCK_M + diagonal, seq_k) if CAUSAL else seq_k
     if DOCUMENTS:
-        # The keys of this block's documents, planned on the host side (`_document_ranges`):
+        # The keys of this block's documents, searched before the launch (`document_ranges`):
         # tiles outside [lo, hi) hold no key any of these queries may see, and are never loaded.
         lo = tl.load(key_lo_ptr + batch * n_blocks + start_m)
         hi = tl.minimum(hi, tl.load(key_hi_ptr + batch * n_blocks + start_m))
@@ -268,7 +273,7 @@ def _attn_bwd_dkdv(
     lo = tl.maximum(start_n * BLOCK_N - diagonal, 0) if CAUSAL else 0
     hi = seq_q
     if DOCUMENTS:
-        # The queries of this key block's documents (`_document_ranges`, roles swapped).
+        # The queries of this key block's documents (`document_ranges`, roles swapped).
         lo = tl.maximum(lo, tl.load(query_lo_ptr + batch * n_blocks + start_n))
         hi = tl.load(query_hi_ptr + batch * n_blocks + start_n)
         k_docs = tl.load(k_doc_ptr + batch * seq_k + cols, mask=col_ok, other=-2)
@@ -382,91 +387,6 @@ def _problem(
             power_of_two_class(seq_len), n_heads // n_kv_heads, documents)  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class DocumentIds:
-    """The document of every query and every key, validated, as the kernels read them."""
-
-    queries: torch.Tensor  # (batch, seq_q), contiguous
-    keys: torch.Tensor  # (batch, seq_k), contiguous, of the queries' dtype
-    in_order: torch.Tensor  # (batch,) bool: both rows' ids never decrease
-
-    @classmethod
-    def of(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        document_ids: torch.Tensor,
-        key_document_ids: torch.Tensor | None,
-    ) -> DocumentIds:
-        keys = document_ids if key_document_ids is None else key_document_ids
-        for name, ids, of in (("document_ids", document_ids, q), ("key_document_ids", keys, k)):
-            expected = (of.shape[0], of.shape[2])
-            if tuple(ids.shape) != expected or ids.is_floating_point() or ids.is_complex():
-                raise ValueError(
-                    f"attention: {name} must be an integer tensor (batch, seq) = {expected}; "
-                    f"got {ids.dtype} of shape {tuple(ids.shape)}"
-                )
-            if ids.device != of.device:
-                raise ValueError(f"attention: {name} is on {ids.device}, the inputs on {of.device}")
-        dtype = torch.promote_types(document_ids.dtype, keys.dtype)  # searchsorted wants one
-        queries = document_ids.to(dtype).contiguous()
-        keys = keys.to(dtype).contiguous()
-        in_order = _non_decreasing(queries) & _non_decreasing(keys)
-        return cls(queries, keys, in_order)
-
-
-def _non_decreasing(ids: torch.Tensor) -> torch.Tensor:
-    return (ids[:, 1:] >= ids[:, :-1]).all(dim=1)
-
-
-def document_ranges(
-    block_ids: torch.Tensor, other_ids: torch.Tensor, block: int, in_order: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every block of `block` positions of `block_ids` (batch, n), the positions [lo, hi) of
-    `other_ids` (batch, m) whose document lies between the block's first and last: the only
-    keys a query block may see (or, roles swapped, the only queries that see a key block).
-
-    Ids never decrease along a row, so a block's documents run from its first id to its last
-    and the other side's positions of those documents are one contiguous range, found by a
-    binary search per block (as FlashAttention's varlen kernels walk only a document's own
-    keys). Nothing is read back to the host. A row whose ids are out of order gets the whole
-    range: the kernels' element mask keeps it exact, only slower.
-    """
-    seq = block_ids.shape[1]
-    starts = torch.arange(0, seq, block, device=block_ids.device)
-    ends = (starts + block).clamp(max=seq) - 1
-    lo = torch.searchsorted(other_ids, block_ids[:, starts].contiguous(), out_int32=True)
-    hi = torch.searchsorted(other_ids, block_ids[:, ends].contiguous(), right=True, out_int32=True)
-    lo = torch.where(in_order[:, None], lo, 0)
-    hi = torch.where(in_order[:, None], hi, other_ids.shape[1])
-    return lo.contiguous(), hi.contiguous()
-
-
-class _Ranges:
-    """`document_ranges` of one call, computed once per block size (a tuned launch tries
-    several) and shared by the forward and the backward."""
-
-    def __init__(self, documents: DocumentIds | None) -> None:
-        self.documents = documents
-        self._memo: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def pointers(self, side: str, block: int) -> tuple[torch.Tensor | None, ...]:
-        """(query ids, key ids, lo, hi) for the kernels, or Nones without documents. `side` is
-        "keys" (the key range of each query block) or "queries" (of each key block)."""
-        documents = self.documents
-        if documents is None:
-            return None, None, None, None
-        memo = (side, block)
-        if memo not in self._memo:
-            blocks, other = (
-                (documents.queries, documents.keys)
-                if side == "keys"
-                else (documents.keys, documents.queries)
-            )
-            self._memo[memo] = document_ranges(blocks, other, block, documents.in_order)
-        return documents.queries, documents.keys, *self._memo[memo]
-
-
 class AttentionFunction(torch.autograd.Function):
     """softmax(Q·Kᵀ/√d [+ causal mask] [+ document mask]) · V with K/V heads shared by groups
     of query heads."""
@@ -498,7 +418,7 @@ class AttentionFunction(torch.autograd.Function):
         sm_scale = 1.0 / math.sqrt(head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(batch, n_heads, seq_q, dtype=torch.float32, device=q.device)
-        ranges = _Ranges(documents)
+        ranges = BlockRanges(documents)
 
         def launch(chosen: Tile) -> None:
             n_blocks = triton.cdiv(seq_q, chosen["BLOCK_M"])
@@ -530,7 +450,7 @@ class AttentionFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         given: Tile | None = ctx.given_tile
-        ranges: _Ranges = ctx.ranges
+        ranges: BlockRanges = ctx.ranges
         visits: dict[str, torch.Tensor] | None = ctx.visits
         documents = ranges.documents is not None
         batch, n_heads, seq_q, head_dim = q.shape
@@ -599,19 +519,6 @@ def _check_blocks(block_m: int | None, block_n: int | None) -> None:
             raise ValueError(f"{name} must be a power of two of at least 16, got {block}")
 
 
-def _document_ids(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    document_ids: torch.Tensor | None,
-    key_document_ids: torch.Tensor | None,
-) -> DocumentIds | None:
-    if document_ids is None:
-        if key_document_ids is not None:
-            raise ValueError("attention: key_document_ids given without document_ids")
-        return None
-    return DocumentIds.of(q, k, document_ids, key_document_ids)
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -637,8 +544,30 @@ def attention(
     A query that sees no key has output 0 and lse -inf, and passes no gradient.
     """
     _check_blocks(block_m, block_n)
-    documents = _document_ids(q, k, document_ids, key_document_ids)
+    documents = document_ids_of(q, k, document_ids, key_document_ids)
     return AttentionFunction.apply(q, k, v, causal, block_m, block_n, return_lse, documents)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool = True,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`attention` over packed rows given by varlen offsets rather than ids: `cu_seqlens` holds
+    each document's start in the flattened batch·seq tokens and then their total, as
+    FlashAttention's varlen functions and `plait.core.documents.Documents` keep them. Keys are
+    the queries' own rows (self-attention)."""
+    ids = ids_from_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2])
+    return attention(
+        q, k, v, causal, block_m=block_m, block_n=block_n, return_lse=return_lse,
+        document_ids=ids,
+    )  # fmt: skip
 
 
 def tiles_visited(
@@ -656,7 +585,7 @@ def tiles_visited(
     "backward_dkdv"), how many key (or query) tiles each program walked: (programs, blocks)
     int32. For tests and benchmarks of the tile skipping; the kernels count only when asked."""
     _check_blocks(block_m, block_n)
-    documents = _document_ids(q, k, document_ids, key_document_ids)
+    documents = document_ids_of(q, k, document_ids, key_document_ids)
     visits: dict[str, torch.Tensor] = {}
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = AttentionFunction.apply(q, k, v, causal, block_m, block_n, False, documents, visits)

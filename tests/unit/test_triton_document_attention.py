@@ -321,3 +321,27 @@ def test_the_provider_takes_document_ids_and_checks_them() -> None:
         kernel(q, k, v, document_ids=ids[:, :-1])
     with pytest.raises(ValueError, match=r"key_document_ids must be an integer tensor"):
         kernel(q, k, v, document_ids=ids, key_document_ids=ids.float())
+
+
+def test_cu_seqlens_name_the_same_documents_as_ids() -> None:
+    """The varlen entry point: offsets over the flattened rows, as `Documents` keeps them."""
+    from plait.core.documents import Documents
+    from plait.plugins.kernels_triton.attention import varlen_attention
+    from plait.plugins.kernels_triton.varlen_attention import ids_from_cu_seqlens
+
+    documents = Documents.from_positions(
+        torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3], [4, 5, 0, 1, 2, 3, 4, 5, 6, 0]])
+    )
+    ids = ids_from_cu_seqlens(documents.cu_seqlens, 2, 10)
+    assert ids.dtype == torch.int32
+    assert torch.equal(ids, documents.document_ids)
+    ids = _document_ids(SHORT_DOCUMENTS)
+    starts = [0] + [int(i) for i in (ids.flatten()[1:] != ids.flatten()[:-1]).nonzero() + 1]
+    cu_seqlens = torch.tensor([*starts, ids.numel()], dtype=torch.int32)
+    inputs = _inputs(2, 2, 1, ids.shape[1], seed=10)
+    _check(
+        inputs, True, ids,
+        kernel=lambda q, k, v: varlen_attention(
+            q, k, v, cu_seqlens, block_m=BLOCK, block_n=BLOCK, return_lse=True
+        ),
+    )  # fmt: skip
