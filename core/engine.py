@@ -24,7 +24,7 @@ from plait.core.batches import batch_rows, call_model, default_loss, input_token
 from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
-from plait.core.documents import documents_of
+from plait.core.documents import Documents, documents_of
 from plait.core.errors import InertSelection, PlaitError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
@@ -54,7 +54,7 @@ from plait.core.selection_check import FALLBACK_SCHEDULE, SelectionCheck
 from plait.core.sharding import ParallelRuntime, ShardContext, StepState
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 from plait.core.token_loss import LossCounting, TokenWeights, scored_tokens, token_weights
-from plait.core.transformers_models import is_transformers_model
+from plait.core.transformers_models import is_transformers_model, model_kind
 
 OptimizerArg = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -138,6 +138,8 @@ class Engine:
         )
         self.runtimes: list[ParallelRuntime] = []
         self._documents_input = _documents_input(model)
+        # Read before the shard transforms (context parallelism installs its own attention).
+        self._attention = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
         if is_transformers_model(model):
             # A training step never wants a KV cache; holding one, transformers also skips the
             # block-diagonal mask of packed rows (their restarting position ids).
@@ -472,16 +474,21 @@ class Engine:
         """A micro-batch of packed rows (position ids that restart) with its `Documents` added
         for a model that takes them; a model that cannot honour them is refused by name."""
         documents = documents_of(inputs)
-        if documents is None or self._documents_input == "masks_itself":
+        if documents is None:
             return inputs
         if self._documents_input == "documents":
             return {**inputs, "documents": documents}
+        problem = self._documents_input
+        if problem == "masks_itself":
+            problem = _transformers_batch_problem(inputs, documents, self._attention)
+            if problem is None:
+                return inputs
         raise PlaitError(
             f"the batch holds packed documents (position ids that restart at 0 inside a row), "
-            f"but {self._documents_input} cannot mask attention between them: it would train "
-            "every token on the documents before it. Give the model a `documents=` argument "
-            "(plait.core.documents.Documents) and pass it to its attention, use a transformers "
-            "model, or send one document per row"
+            f"but {problem}: it would train every token on the documents before it. Give the "
+            "model a `documents=` argument (plait.core.documents.Documents) and pass it to its "
+            f"attention, use a transformers model of the {', '.join(PACKED_FAMILIES)} families, "
+            "or send one document per row"
         )
 
     def _token_weights(self, inputs: Sequence[Any], targets: Sequence[Any]) -> TokenWeights | None:
@@ -666,14 +673,36 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
+# transformers families whose forward hands restarting `position_ids` (and no cache) to
+# `masking_utils.create_causal_mask` / `create_sliding_window_causal_mask`, which then find the
+# documents (`find_packed_sequence_indices`) and mask between them. Checked in their modeling
+# files and, document by document, in tests/unit/test_packed_hf.py; many other families build
+# their mask without the position ids (or have none) and would attend across documents.
+PACKED_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+# Attention implementations whose mask transformers builds with the packed-sequence mask.
+# flash-attention builds none: it finds varlen offsets in the position ids of one row only.
+MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
 def _documents_input(model: nn.Module) -> str:
     """How `model` takes the document structure of packed rows: `"documents"` (its forward has
-    a `documents=` argument, as plait's models do), `"masks_itself"` (a transformers model
-    builds the block-diagonal mask from restarting position ids), or the model's name (it
-    cannot: packed rows are refused)."""
+    a `documents=` argument, as plait's models do), `"masks_itself"` (a transformers model of a
+    family that builds the block-diagonal mask from restarting position ids), or why it cannot
+    (packed rows are then refused)."""
     import inspect
 
     if is_transformers_model(model):
+        config = model.config
+        kind = model_kind(model)
+        if getattr(config, "model_type", None) not in PACKED_FAMILIES:
+            return f"{kind} is not of a family whose forward masks packed rows"
+        attention = getattr(config, "_attn_implementation", None)
+        if attention not in (*MASKED_ATTENTION, *FLASH_ATTENTION):
+            return (
+                f"{kind} uses attention implementation {attention!r}, for which transformers "
+                f"builds no packed-sequence mask (it does for {', '.join(MASKED_ATTENTION)})"
+            )
         return "masks_itself"
     try:
         parameters = inspect.signature(model.forward).parameters
@@ -681,7 +710,27 @@ def _documents_input(model: nn.Module) -> str:
         parameters = {}
     if "documents" in parameters:
         return "documents"
-    return f"{type(model).__name__}.forward (it takes no documents= argument)"
+    return f"{type(model).__name__}.forward takes no documents= argument to mask attention with"
+
+
+def _transformers_batch_problem(inputs: Any, documents: Documents, attention: str) -> str | None:
+    """Why a transformers model would not mask this packed micro-batch, or `None`. transformers
+    looks for documents in the position ids only when no 2-D `attention_mask` is given, and
+    its flash-attention path only in a micro-batch of one row."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        return (
+            "it also carries a 2-D attention_mask, and transformers then ignores the documents "
+            "its position ids show (leave attention_mask out of packed batches, as "
+            "DataCollatorWithFlattening does)"
+        )
+    if attention in FLASH_ATTENTION and documents.rows > 1:
+        return (
+            f"transformers' {attention} finds documents in the position ids of a micro-batch "
+            f"of one row only, and this one has {documents.rows} (set train.micro_batch_size = 1 "
+            "or pack each micro-batch into one row)"
+        )
+    return None
 
 
 def _loss_counting(model: nn.Module, documents_input: str) -> LossCounting:
