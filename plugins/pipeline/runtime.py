@@ -11,11 +11,13 @@ known in advance — `[micro_batch, seq, dim]` in the parameters' dtype — so n
 exchanged.
 
 A rank's first global stage consumes the micro-batch's inputs, its last computes the loss with
-the engine's loss function. A built-in model's chunk is called as `chunk(tokens_or_hidden)`; a
-stage of any other model (`stages.ModelStage`) as `stage(hidden_or_None, batch)`, so it can read
-positions, masks and labels from the micro-batch. Parameters that two stages on different ranks
-share (tied input and output embeddings) get their gradients summed over the pipeline ranks at
-`SyncGradients`, so every copy takes the same optimizer step.
+the engine's loss function. A built-in model's chunk is called as `chunk(tokens_or_hidden,
+positions=…, documents=…)` with the micro-batch's positions and documents of packed rows on
+every stage (`stages.ChunkInputs`); a stage of any other model (`stages.ModelStage`) as
+`stage(hidden_or_None, batch)`, so it can read positions, masks and labels from the
+micro-batch. Parameters that two stages on different ranks share (tied input and output
+embeddings) get their gradients summed over the pipeline ranks at `SyncGradients`, so every
+copy takes the same optimizer step.
 
 Zero-bubble schedules split the backward: the input gradient (`Backward(kind=
 "input")`) runs autograd only towards the stage input and keeps the gradients of the
@@ -60,7 +62,7 @@ from plait.core.state_layout import StateLayout
 from plait.core.step import PhaseSpan
 from plait.plugins.pipeline.layout import pipeline_layout
 from plait.plugins.pipeline.split import StagePlan
-from plait.plugins.pipeline.stages import ModelStage
+from plait.plugins.pipeline.stages import ChunkInputs, ModelStage
 from plait.plugins.pipeline.topology import Layout
 
 MessageKey = tuple[str, int, int]  # ("activation" | "grad", micro-batch, local chunk)
@@ -329,7 +331,9 @@ class PipelineRuntime(ParallelRuntime):
         if isinstance(module, ModelStage):
             output = module(None if self._is_first(chunk) else stage_input, batch)
         else:
-            output = module(stage_input)
+            inputs = ChunkInputs.of(batch)
+            hidden = inputs.tokens if self._is_first(chunk) else stage_input
+            output = module(hidden, **inputs.keywords())
         if self._is_last(chunk):
             output = run.state.runner.loss(run.state, mb, output)
         else:

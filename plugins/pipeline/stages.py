@@ -9,16 +9,26 @@ names, checkpoints and HF export stay the model's own. The runtime calls it as
 `batch` the micro-batch's model inputs (`StepState.inputs[mb]`), from which every stage
 recomputes what the model's top-level forward derives for its blocks (positions, masks) and the
 last stage reads its labels.
+
+A built-in model's chunk is called as `chunk(tokens_or_hidden, positions=…, documents=…)`:
+`ChunkInputs` reads a micro-batch's inputs once, so that packed rows' positions and `Documents`
+(computed on whole rows by the engine) reach the attention of every stage, not the first alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from plait.core.documents import Documents
+from plait.core.errors import PlaitError
+
+# The keyword inputs of a built-in model's forward (`tokens`, `positions`, `documents`).
+CHUNK_INPUT_KEYS = ("tokens", "positions", "documents")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +41,40 @@ class StageParts:
     shared: tuple[tuple[str, nn.Module], ...] = ()  # parameter-free helpers every stage needs
     first: bool  # global stage 0: its input is the micro-batch
     last: bool  # the last global stage: it returns the model's output
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkInputs:
+    """A micro-batch's inputs as every chunk of a built-in model takes them: the token ids
+    (the first stage's input), and the positions and documents of packed rows, which each
+    stage's attention needs while only hidden states cross a stage boundary."""
+
+    tokens: Any  # token ids [micro_batch, seq], or the micro-batch itself when not a dict
+    positions: torch.Tensor | None = None  # (rows, seq), restarting per document
+    documents: Documents | None = None
+
+    @classmethod
+    def of(cls, batch: Any) -> ChunkInputs:
+        """From the engine's micro-batch inputs: a tensor of token ids, or a dict of
+        `CHUNK_INPUT_KEYS` (what the engine makes of a packed batch)."""
+        if not isinstance(batch, Mapping):
+            return cls(tokens=batch)
+        unknown = sorted(set(batch) - set(CHUNK_INPUT_KEYS))
+        if unknown or "tokens" not in batch:
+            raise PlaitError(
+                f"a pipelined built-in model takes micro-batch inputs {list(CHUNK_INPUT_KEYS)} "
+                f"(tokens required); got {sorted(batch)}"
+            )
+        return cls(
+            tokens=batch["tokens"],
+            positions=batch.get("positions"),
+            documents=batch.get("documents"),
+        )
+
+    def keywords(self) -> dict[str, Any]:
+        """`positions=` / `documents=` for a chunk's forward, those the micro-batch has."""
+        given = {"positions": self.positions, "documents": self.documents}
+        return {key: value for key, value in given.items() if value is not None}
 
 
 def attach(root: nn.Module, path: str, module: nn.Module) -> None:
