@@ -27,23 +27,26 @@ such a block weight 0, and two −inf operands merge to −inf with output 0, ne
 
 The layout. Document masking removes the pairs across documents, and what is left depends on the
 lengths: with documents much shorter than a chunk nearly all the work is on the diagonal blocks
-and any layout is balanced; with documents as long as the row it is plain causal attention,
-which the zig-zag balances exactly. Measured on a realistic mix (document lengths log-normal
-around T/4, σ = 1, drawn until the row is full: `python -m plait.tools.bench.cp_documents`;
-ratio of the busiest ring position's unmasked score entries to the mean, over 64 rows):
+and any layout is balanced; with one document per row it is plain causal attention, which the
+zig-zag balances exactly. Measured with the ring's own `AttentionWork` and `block_pairs` on a
+realistic mix, `python -m plait.tools.bench.cp_documents` (T = 4096, 32 rows, document lengths
+log-normal with median T/4, σ = 1, 3.7 documents per row): the busiest ring position's work over
+the mean, for one micro-batch of all 32 rows, for micro-batches of one row, and summed per ring
+step (positions wait for each other's blocks at every step), one row:
 
-    ring positions     zig-zag (2·R chunks)   contiguous (R chunks)
-    2                  1.01                   1.40
-    4                  1.03                   1.66
-    8                  1.06                   1.81
+    ring   zig-zag: 32 rows / 1 row / per step    contiguous: 32 rows / 1 row / per step
+    2               1.03  /  1.21 /  1.27                     1.35  /  1.33 /  1.39
+    4               1.04  /  1.38 /  1.71                     1.51  /  1.72 /  1.89
+    8               1.06  /  1.50 /  1.98                     1.64  /  2.07 /  2.22
 
-so the zig-zag stays, for three reasons: it is within a few percent of even on such rows, it is
-exact for rows of one document (where contiguous shards cost the last rank R times the first),
-and its cut is the same for every batch, so the engine cuts tensors and the model reads RoPE
-positions without knowing the documents. A per-document zig-zag (every document cut into 2·R
-chunks) would be even on every row, but needs each document padded to a multiple of 2·R and a
-cut that changes per batch; contiguous shards with gathered K/V trade the ring's overlap of
-transfer and compute for an all-gather and are the less balanced of the two.
+The zig-zag is the better of the two on every measure and stays: it is exact for rows of one
+document, within 6 % of even once a micro-batch holds many rows, and its cut is the same for
+every batch, so the engine cuts tensors and the model reads positions without knowing the
+documents. Contiguous shards with gathered K/V would also lose the ring's overlap of transfer and
+compute. What is left is the imbalance of a micro-batch of one long packed row (1.2–1.5×): a
+per-document zig-zag (every document cut into 2·R chunks, each padded to a multiple of 2·R, which
+costs 0.1–0.7 % padding on this mix) would remove it, at the price of a cut that changes per
+batch and per row, which the engine's cut and the data pipeline's padding do not offer yet.
 
 Backward (a custom autograd function, as in Liu et al. 2023 and ring-flash-attention): the
 key/value blocks go round again, and with them the partial dK/dV of each block, accumulated by
