@@ -82,7 +82,8 @@ class TrainSection(Section):
         None,
         gt=0,
         description="sequences per forward pass on one rank; unset = the whole batch a rank is "
-        "given is one micro-batch",
+        "given is one micro-batch, or under a pipeline enough micro-batches for the schedule "
+        "(at least 2 x pp where the rows allow)",
     )
     gradient_accumulation_steps: int = Field(
         1,

@@ -25,7 +25,7 @@ from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
 from plait.core.documents import Documents, documents_of
-from plait.core.errors import InertSelection, PlaitError
+from plait.core.errors import ConfigError, InertSelection, PlaitError, ScheduleError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
 from plait.core.grad_norm import clip_grads_, global_grad_norm
@@ -402,8 +402,19 @@ class Engine:
         """Rows per micro-batch of a batch of `rows` on this rank: `train.micro_batch_size`, or
         with it unset as many micro-batches as the schedule wants (`plait.core.microbatch_count`:
         one without a pipeline)."""
-        if self.config.train.micro_batch_size is not None:
-            return self.config.train.micro_batch_size
+        size = self.config.train.micro_batch_size
+        if size is not None:
+            if self.mesh.size("pp") > 1 and rows % size == 0:
+                try:
+                    self.actions(rows // size)
+                except ScheduleError as exc:
+                    raise ConfigError(
+                        f"train.micro_batch_size = {size} splits this rank's {rows} rows into "
+                        f"{rows // size} micro-batches, which the schedule cannot run: {exc}. "
+                        "Choose another train.micro_batch_size, or leave it unset and plait "
+                        "splits the batch for the schedule"
+                    ) from None
+            return size
         count = default_microbatch_count(
             rows,
             num_stages=self.mesh.size("pp"),

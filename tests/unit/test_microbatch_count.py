@@ -89,3 +89,26 @@ def test_rows_no_runnable_count_divides_are_refused_with_the_numbers() -> None:
 def test_a_single_row_is_refused_for_two_stages() -> None:
     with pytest.raises(ConfigError, match=r"batch of 1 row into .* give each rank 2 rows"):
         choose(1, "1f1b", 2)
+
+
+def test_a_set_micro_batch_size_the_schedule_cannot_run_names_the_field() -> None:
+    """train.micro_batch_size = 8 of 8 rows is one micro-batch, fewer than 1F1B's two stages."""
+    from types import SimpleNamespace
+
+    from plait.core.engine import Engine
+    from plait.core.errors import ConfigError, ScheduleError
+
+    def one_f_one_b(count: int) -> list[str]:
+        if count < 2:
+            raise ScheduleError("schedule '1f1b' with pp=2 needs at least 2 micro-batches")
+        return []
+
+    engine = SimpleNamespace(
+        config=SimpleNamespace(train=SimpleNamespace(micro_batch_size=8)),
+        mesh=SimpleNamespace(size=lambda axis: 2 if axis == "pp" else 1),
+        actions=one_f_one_b,
+    )
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size = 8 splits this rank's 8 rows"):
+        Engine.micro_batch_size(engine, 8)  # type: ignore[arg-type]
+    engine.config.train.micro_batch_size = 4
+    assert Engine.micro_batch_size(engine, 8) == 4  # type: ignore[arg-type]
