@@ -29,7 +29,8 @@ from triton.compiler import ASTSource
 from triton.compiler.errors import CompilationError
 from plait.plugins.kernels_triton import attention
 
-CONSTEXPRS = {"CAUSAL": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 64, "PRECISION": "ieee"}
+CONSTEXPRS = {"CAUSAL": True, "DOCUMENTS": False, "COUNT_VISITS": False, "BLOCK_M": 64,
+              "BLOCK_N": 64, "BLOCK_D": 64, "PRECISION": "ieee"}
 found = {}
 for name in sys.argv[1:]:
     kernel = getattr(attention, name)
