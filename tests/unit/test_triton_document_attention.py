@@ -345,3 +345,67 @@ def test_cu_seqlens_name_the_same_documents_as_ids() -> None:
             q, k, v, cu_seqlens, block_m=BLOCK, block_n=BLOCK, return_lse=True
         ),
     )  # fmt: skip
+
+
+# The document walks compiled for a Hopper GPU without one: Triton's front end and the CUDA back
+# end run on a CPU, in a process of its own with the interpreter off (as
+# tests/unit/test_triton_float_scalars.py does for the plain kernels). The scale arrives as
+# float64, as torch.compile hands it over; pointers the launch leaves out are None constexprs.
+COMPILE_WITH_DOCUMENTS = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.errors import CompilationError
+from plait.plugins.kernels_triton import attention
+
+CONSTEXPRS = {"CAUSAL": True, "DOCUMENTS": True, "COUNT_VISITS": False, "BLOCK_M": 64,
+              "BLOCK_N": 64, "BLOCK_D": 64, "PRECISION": "tf32", "visits_ptr": None}
+IDS = ("q_doc_ptr", "k_doc_ptr", "key_lo_ptr", "key_hi_ptr", "query_lo_ptr", "query_hi_ptr")
+found = {}
+for name in sys.argv[1:]:
+    kernel = getattr(attention, name)
+    signature, constexprs = {}, {}
+    for index, arg in enumerate(kernel.arg_names):
+        if arg in CONSTEXPRS:
+            signature[arg], constexprs[(index,)] = "constexpr", CONSTEXPRS[arg]
+        elif arg.endswith("_ptr"):
+            signature[arg] = ("*i32" if arg in IDS else
+                              "*fp32" if arg in ("lse_ptr", "delta_ptr") else "*bf16")
+        else:
+            signature[arg] = "fp64" if arg in ("qk_scale", "sm_scale") else "i32"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    try:
+        triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        found[name] = "compiled"
+    except CompilationError as error:
+        found[name] = "refused: " + str(error)[-600:]
+    except Exception as error:  # the CUDA back end's tools missing from this Triton install
+        found[name] = f"unavailable: {type(error).__name__}: {error}"[:400]
+print("RESULT " + json.dumps(found))
+"""
+KERNELS = ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv")
+
+
+@pytest.fixture(scope="module")
+def compiled_with_documents() -> dict[str, str]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_WITH_DOCUMENTS, *KERNELS],
+        capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
+        timeout=240, check=True,
+    )  # fmt: skip
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_document_walks_compile_for_hopper(kernel: str, compiled_with_documents) -> None:
+    outcome = compiled_with_documents[kernel]
+    if outcome.startswith("unavailable"):
+        pytest.skip(f"Triton cannot compile for cuda:90 here: {outcome}")
+    assert outcome == "compiled", f"{kernel} with documents: {outcome}"
