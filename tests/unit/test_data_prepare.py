@@ -314,14 +314,17 @@ def test_a_version_1_directory_reads_as_one_stream(tmp_path: Path) -> None:
 
 
 def test_a_corrupt_documents_file_is_an_error(tmp_path: Path) -> None:
-    source = write_jsonl(tmp_path / "c.jsonl", [{"text": "one"}, {"text": "two"}])
-    out = prepare_documents([source], tmp_path / "out").directory
+    rows = [{"text": "one"}, {"text": "two"}, {"text": "three"}]
+    out = prepare_documents([write_jsonl(tmp_path / "c.jsonl", rows)], tmp_path / "out").directory
     starts = np.fromfile(out / "documents.bin", dtype="<i8")
-    starts[::-1].tofile(out / "documents.bin")  # out of order
-    with pytest.raises(DataError, match=r"documents\.bin: the first document starts at 4"):
+    starts[::-1].tofile(out / "documents.bin")
+    with pytest.raises(DataError, match=r"documents\.bin: the first document starts at 8"):
+        TokenFile(out)
+    starts[[0, 2, 1]].tofile(out / "documents.bin")  # out of order
+    with pytest.raises(DataError, match=r"documents\.bin: document 1 starts at 8 and is empty"):
         TokenFile(out)
     (out / "documents.bin").write_bytes(b"\x00" * 8)
     with pytest.raises(
-        DataError, match=r"documents\.bin: 8 bytes on disk, but meta\.json records 2"
+        DataError, match=r"documents\.bin: 8 bytes on disk, but meta\.json records 3"
     ):
         TokenFile(out)

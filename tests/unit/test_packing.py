@@ -323,6 +323,11 @@ def test_epochs_reshuffle_into_as_many_rows(documents_file: TokenFile, packing: 
     second = batches.row_plan(1)
     assert second.rows == first.rows
     assert not np.array_equal(first_starts, second.token_starts)
+    if packing == "first_fit":
+        # First fit opens rows from the longest pieces to the shortest: the sampler shuffles
+        # them, or every epoch would begin with its longest documents.
+        leading = first.lengths[first.row_starts[:-1]]
+        assert (np.diff(leading) > 0).any()
 
 
 def test_eos_documents_score_the_eos_and_not_after_it(tmp_path: Path) -> None:
@@ -367,6 +372,14 @@ def test_build_batches_picks_the_sampler_by_directory(
     assert isinstance(packed, PackedBatches) and packed.packing == "first_fit"
     default = build_batches(DataSection(path=str(documents_file.directory)), **common)
     assert isinstance(default, PackedBatches) and default.packing == "concat_split"
+    assert default.document_mask and (default.batch_at(0)[0]["positions"] == 0).sum() > 4
+    unmasked = build_batches(
+        DataSection(path=str(documents_file.directory), document_mask=False), **common
+    )
+    inputs, targets = unmasked.batch_at(0)
+    assert (inputs["positions"] == torch.arange(16)).all()
+    assert torch.equal(inputs["tokens"], default.batch_at(0)[0]["tokens"])
+    assert torch.equal(targets, default.batch_at(0)[1])  # still nothing across documents
     # A held-out split packs the last documents only.
     train = build_batches(config, **common, holdout=0.2)
     validation = build_batches(config, **common, holdout=0.2, split="validation")
