@@ -10,11 +10,13 @@ this notice.
 This folder is a package (rather than a `corpus.py` beside a data folder) so setuptools ships the
 text file as package data through the `*.txt` pattern in pyproject.toml.
 
-`bundled_corpus_dir()` is what a config with `data.path = ''` trains on. The cache key is the
-SHA-256 of the corpus text plus the tokenizer name, so editing the corpus or changing the
-tokenizer prepares a new directory instead of reusing a stale one. Several ranks of one node may
-call it at the same time: each prepares into a private temporary directory and renames it into
-place, and whoever loses the race discards its copy and uses the winner's.
+`bundled_corpus_dir()` is what a config with `data.path = ''` trains on. It is prepared as one
+token stream (no documents.bin, no EOS, vocab 256), so it keeps the byte-level models' vocabulary
+and the stream sampler reads it in windows; `data.packing` applies to prepared documents only.
+The cache key is the SHA-256 of the corpus text plus the tokenizer name, so editing the corpus or
+changing the tokenizer prepares a new directory instead of reusing a stale one. Several ranks of
+one node may call it at the same time: each prepares into a private temporary directory and
+renames it into place, and whoever loses the race discards its copy and uses the winner's.
 """
 
 from __future__ import annotations
