@@ -91,7 +91,7 @@ def prepare_documents(
         raise DataError("prepare_documents needs at least one input")
     for path in paths:
         if not path.exists():
-            raise DataError(f"input {str(path)!r} is not a file")
+            raise DataError(f"input {str(path)!r} is not a file or folder")
     if workers < 1:
         raise DataError(f"workers must be >= 1, got {workers}")
     eos = document_eos(tokenizer)
@@ -201,11 +201,6 @@ def _encode_in_worker(texts: list[str], dtype: str, where: str) -> tuple[np.ndar
     return _encode(_worker_tokenizer, texts, np.dtype(dtype), where)
 
 
-def _where(batch: ReadBatch) -> str:
-    first, last = batch.records[0], batch.records[-1]
-    return f"{first.source} rows {first.row}-{last.row}"
-
-
 def _tokenized(
     read: Iterator[tuple[int, ReadBatch]], tokenizer: Tokenizer, dtype: np.dtype, workers: int
 ) -> Iterator[tuple[int, ReadBatch, np.ndarray, np.ndarray]]:
@@ -237,4 +232,8 @@ def _tokenized(
 
 
 def _where_or_empty(batch: ReadBatch) -> str:
-    return _where(batch) if batch.records else "no rows"
+    """Where a batch's rows come from, for a tokenizer's error."""
+    if not batch.records:
+        return "no rows"
+    first, last = batch.records[0], batch.records[-1]
+    return f"{first.source} rows {first.row}-{last.row}"
