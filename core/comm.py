@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 # `CommRequest.attributes` keys of an all-to-all with variable blocks (rows per rank, dim 0).
 INPUT_SPLIT_SIZES = "input_split_sizes"
 OUTPUT_SPLIT_SIZES = "output_split_sizes"
+# `CommRequest.attributes` key naming what carried the op out, written while the hook runs:
+# BACKEND when the default implementation did, else the algorithm that took it over
+# (`plait.core.comm_algorithms.mark_carried_by`). Telemetry reads it to know whose byte model
+# applies and which ops put bytes on the wire themselves (plait.core.link_bytes).
+CARRIED_BY = "carried_by"
+BACKEND = "torch"
 
 
 class Work(Protocol):
@@ -117,7 +123,8 @@ def _weakly(process_group: Any) -> Any:
 def reached_default(request: CommRequest) -> None:
     """The default implementation (torch.distributed) says it carries `request` out: no
     algorithm took it over. What the selected algorithm's check counts
-    (`plait.core.selection_check`); a no-op unless one watches."""
+    (`plait.core.selection_check`), and what telemetry reads as `CARRIED_BY`."""
+    request.attributes[CARRIED_BY] = BACKEND
     issuer = request.issuer
     watch = getattr(issuer, "watch", None)
     if watch is not None:
@@ -163,7 +170,8 @@ class Comm:
             peer=peer,
             async_op=async_op,
             purpose=purpose,
-            attributes=attributes or {},
+            # The request's own dict: the hook chain writes CARRIED_BY into it.
+            attributes=dict(attributes) if attributes else {},
             issuer=self,
         )
         if self.watch is not None:

@@ -19,6 +19,15 @@ a process group is collective over the whole world, so `AlgorithmRunner.dedicate
 `plait_configure`, on every rank, in the same order. A request on a group without a dedicated
 mirror runs on the calling thread and is complete when the hook returns.
 
+Carried by. An algorithm that takes a request over says so with `mark_carried_by(request,
+name)` before it returns from the hook (the default implementation marks what reaches it), so
+telemetry can apply the algorithm's byte model (`plait.core.link_bytes`) to the op's span and
+count the bytes of the ops that reached the backend as the bytes on the wire.
+
+Hierarchical by default. With `comm.algorithm` left unset, a world whose host map has several
+nodes holding several ranks each runs the "hierarchical" algorithm (`chosen_algorithm`); a
+named algorithm, "torch" included, is always taken as named.
+
 Completion rule: a request with `async_op=True` may return unfinished work whose `wait()`
 completes it; a request with `async_op=False` is complete when the hook returns.
 """
@@ -36,9 +45,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.core.comm import Comm, CompletedWork, Group, Work
+from plait.core.comm import CARRIED_BY, Comm, CompletedWork, Group, Work
 from plait.core.config import PlaitConfig
 from plait.core.errors import PluginError
+from plait.core.host_map import HostMap
 from plait.core.mesh import MESH_AXES, resolve_degrees
 from plait.core.records import CommRequest
 
@@ -53,6 +63,7 @@ __all__ = [
     "GRAD_BUCKET",
     "GRAD_NORM",
     "GRAD_SHARD",
+    "HIERARCHICAL",
     "LOSS_SCALE",
     "METRICS",
     "MOE_AUX_LOSS",
@@ -65,13 +76,16 @@ __all__ = [
     "PURPOSES",
     "TP_ACTIVATION",
     "TP_GRAD",
+    "AlgorithmChoice",
     "AlgorithmRunner",
     "AlgorithmWork",
     "CommBinding",
     "axis_rank_sets",
+    "chosen_algorithm",
     "group_of",
     "is_sub_op",
     "issuer_of",
+    "mark_carried_by",
     "reduce_scatter_by_all_reduce",
     "sub_purpose",
 ]
@@ -136,6 +150,40 @@ def sub_purpose(algorithm: str, parent: str) -> str:
 def is_sub_op(purpose: str) -> bool:
     """Whether `purpose` tags a sub-op some algorithm issued (never to be taken over again)."""
     return "/" in purpose
+
+
+def mark_carried_by(request: CommRequest, algorithm: str) -> None:
+    """Record that `algorithm` carries `request` out (call it when taking the request over)."""
+    request.attributes[CARRIED_BY] = algorithm
+
+
+# -- which algorithm runs -------------------------------------------------------------------------
+
+HIERARCHICAL = "hierarchical"
+
+
+@dataclass(frozen=True, slots=True)
+class AlgorithmChoice:
+    """The communication algorithm a job runs, and why (what the banner says)."""
+
+    name: str
+    reason: str  # "comm.algorithm" or how the default was chosen
+
+
+def chosen_algorithm(config: PlaitConfig, host_map: HostMap | None) -> AlgorithmChoice:
+    """`comm.algorithm` when the config names one; otherwise "hierarchical" when the host map
+    has several nodes with several ranks each (and "torch", the flat op, when it has not)."""
+    if "algorithm" in config.comm.model_fields_set:
+        return AlgorithmChoice(config.comm.algorithm, "comm.algorithm")
+    if host_map is not None and host_map.num_nodes > 1:
+        per_node = {len(r) for r in host_map.ranks_of_node}
+        if min(per_node) > 1:
+            return AlgorithmChoice(
+                HIERARCHICAL,
+                f"default for {host_map.num_nodes} nodes with several ranks each; "
+                'comm.algorithm = "torch" for the flat ops',
+            )
+    return AlgorithmChoice(config.comm.algorithm, "default")
 
 
 # -- binding a request back to a group and an issuer ----------------------------------------------

@@ -445,6 +445,8 @@ def load_config(
         data = source.model_dump()
         if source.schedule.chosen_by_default:
             data["schedule"]["name"] = ""  # still the default: chosen again for these degrees
+        if "algorithm" not in source.comm.model_fields_set:
+            del data["comm"]["algorithm"]  # still unset: chosen again from the host map
     elif source is None:
         data = {}
     elif isinstance(source, Mapping):

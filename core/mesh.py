@@ -6,6 +6,12 @@ between DP and TP (as in torchtitan: its ring/all-to-all traffic is heavier than
 lighter than TP's); DP and PP span nodes. Vocabulary: an *axis* is a mesh axis, a *dim* is a
 tensor dimension.
 
+The mesh also carries the host map (`plait.core.host_map`): which node each rank runs on,
+learned from torchrun's node rank and the host name. TP's placement is an assumption about
+rank numbering, so it is checked against the map at start: a group of an axis in
+`NODE_LOCAL_AXES` (or one a later strategy declares with `require_inside_nodes`) that spans two
+nodes is an error naming its ranks and hosts.
+
 Gradients of replicated parameters are reduced over DP and CP together: the CP ranks of one
 replica hold the same parameters and see different tokens of the same sequences, so they are
 data parallel as far as gradients go (Megatron's "dp × cp" gradient group).
@@ -24,10 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from plait.core import process_groups
 from plait.core.comm import Group
 from plait.core.errors import MeshError
+from plait.core.host_map import HostMap, check_inside_nodes, learn_host_map
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 # The axes over which replicated parameters' gradients are averaged (and ZeRO shards).
 GRADIENT_AXES: tuple[str, ...] = ("dp", "cp")
+# Axes whose groups must stay inside one node (their collectives run every layer).
+NODE_LOCAL_AXES: tuple[str, ...] = ("tp",)
 
 
 def resolve_device(choice: str = "auto") -> torch.device:
@@ -110,6 +119,7 @@ class Mesh:
     device_mesh: DeviceMesh
     rank: int
     world_size: int
+    host_map: HostMap | None = None
     _groups: dict[tuple[str, ...], Group] = field(default_factory=dict)
     _split_groups: dict[tuple[str, int], tuple[Group, Group]] = field(default_factory=dict)
 
@@ -128,6 +138,7 @@ class Mesh:
         init_distributed(torch_device, timeout_seconds=timeout_seconds)
         world_size = dist.get_world_size()
         degrees = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
+        host_map = learn_host_map()  # collective: before any group is built
         device_mesh = init_device_mesh(
             torch_device.type,
             tuple(degrees[a] for a in MESH_AXES),
@@ -139,9 +150,32 @@ class Mesh:
             device_mesh=device_mesh,
             rank=dist.get_rank(),
             world_size=world_size,
+            host_map=host_map,
         )
         process_groups.track_mesh(mesh)
+        for axis in NODE_LOCAL_AXES:
+            mesh.require_inside_nodes(axis, mesh.axis_rank_sets(axis))
         return mesh
+
+    def axis_rank_sets(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group of mesh axis `axis` (not only this rank's), as global ranks."""
+        position = MESH_AXES.index(axis)
+        rows = self.device_mesh.mesh.movedim(position, -1).reshape(-1, self.size(axis))
+        return [tuple(int(r) for r in row) for row in rows.tolist()]
+
+    def require_inside_nodes(self, name: str, rank_sets: list[tuple[int, ...]]) -> None:
+        """Refuse groups meant to stay inside a node (a strategy's own, named `name`) that span
+        several: a `HostMapError` naming the group's ranks and hosts. Every rank raises alike
+        (the map is the world's)."""
+        if self.host_map is None:
+            return
+        per_node = self.host_map.ranks_per_node
+        hint = (
+            f"set parallel.{name} to at most {per_node} (the ranks of one node)"
+            if name in self.degrees and per_node
+            else ""
+        )
+        check_inside_nodes(self.host_map, name, rank_sets, hint)
 
     def release(self) -> None:
         """Drop this mesh's process groups (its device mesh holds them) so that destroying

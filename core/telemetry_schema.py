@@ -61,6 +61,16 @@ SPAN_COMM_SEQ = "plait.comm.seq"  # int >= 0: per-group sequence number
 SPAN_COMM_PURPOSE = "plait.comm.purpose"  # str: "grad_bucket", "tp_activation", ...
 SPAN_COMM_PEER = "plait.comm.peer"  # int >= 0: point-to-point peer
 SPAN_COMM_ASYNC = "plait.comm.async"  # bool: issued with async_op (overlappable)
+# What carried the op out: "torch" for the backend's own op (its bytes went on the wire as
+# counted here), else the algorithm that took it over and issued sub-ops of its own.
+SPAN_COMM_ALGORITHM = "plait.comm.algorithm"  # str
+# Bytes this rank sent for the op inside its node and across nodes, by the byte model of the
+# algorithm that carried it out (plait.core.link_bytes); absent when it has none or the host
+# map is unknown. Summed per step over the spans carried by COMM_ALGORITHM_BACKEND only, so
+# an algorithm's op and its sub-ops are not counted twice.
+SPAN_COMM_BYTES_INTRA_NODE = "plait.comm.bytes.intra_node"  # int By >= 0
+SPAN_COMM_BYTES_INTER_NODE = "plait.comm.bytes.inter_node"  # int By >= 0
+COMM_ALGORITHM_BACKEND = "torch"
 # Prefix of the free-form attributes a phase carries (`plait.` + the phase's own key).
 SPAN_PHASE_ATTRIBUTE_PREFIX = "plait."
 # The end of a rank's run (one span, sent as the rank shuts its telemetry down).

@@ -1,11 +1,16 @@
-"""Collective algorithms over point-to-point ops: ring and recursive halving-doubling all-reduce.
+"""Collective algorithms: ring and recursive halving-doubling all-reduce over point-to-point ops,
+and hierarchical collectives over intra- and cross-node groups.
 
-Selected with `[comm] algorithm = "ring"` or `"tree"`, options in `[comm.ring]` / `[comm.tree]`
+Selected with `[comm] algorithm = "ring"`, `"tree"` or `"hierarchical"` (the default on a host
+map of several nodes with several ranks each: `plait.core.comm_algorithms.chosen_algorithm`),
+options in `[comm.ring]` / `[comm.tree]` / `[comm.hierarchical]`
 (`plait.plugins.collectives.config`). When selected, the plugin takes over every `all_reduce`
 and every gradient `reduce_scatter` (ZeRO-2/3's path on GPU) — or only those whose purpose is
 listed in `purposes` — and carries it out as send/recv steps through the issuing `Comm`, which
 is how a third party can swap the backend's collective for its own algorithm without touching
-any strategy.
+any strategy. The hierarchical algorithm takes over all-reduces, reduce-scatters and all-gathers
+of the dp groups that span nodes (`plait.plugins.collectives.hierarchical`), whose sub-groups it
+creates at configure time.
 
 Asynchronous requests (gradient buckets) return at once: the steps run on the group's worker
 thread over a dedicated process group (`plait.core.comm_algorithms.AlgorithmRunner`), so the
@@ -25,52 +30,75 @@ from pydantic import BaseModel
 from plait.core.comm import Comm, Group, Work
 from plait.core.comm_algorithms import (
     GRADIENT_PURPOSES,
+    HIERARCHICAL,
     AlgorithmRunner,
     CommBinding,
+    Steps,
+    chosen_algorithm,
+    config_rank_sets,
     is_sub_op,
+    mark_carried_by,
     reduce_scatter_by_all_reduce,
     sub_purpose,
 )
 from plait.core.config import PlaitConfig
 from plait.core.hookspecs import hookimpl
+from plait.core.host_map import learn_host_map
 from plait.core.records import CommAlgorithmRecord, CommRequest
-from plait.plugins.collectives.config import RingConfig, TreeConfig
+from plait.plugins.collectives.config import HierarchicalConfig, RingConfig, TreeConfig
+from plait.plugins.collectives.hierarchical import (
+    HierarchyGroups,
+    create_hierarchies,
+    hierarchical_all_gather,
+    hierarchical_all_reduce,
+    hierarchical_reduce_scatter,
+)
 from plait.plugins.collectives.ring import ring_all_reduce, ring_reduce_scatter
 from plait.plugins.collectives.tree import halving_doubling_all_reduce
 
-__all__ = ["CollectivesPlugin", "RingConfig", "TreeConfig", "make_plugin"]
+__all__ = ["CollectivesPlugin", "HierarchicalConfig", "RingConfig", "TreeConfig", "make_plugin"]
 
-CONFIG_CLASSES: dict[str, type[RingConfig] | type[TreeConfig]] = {
+Options = RingConfig | TreeConfig | HierarchicalConfig
+CONFIG_CLASSES: dict[str, type[Options]] = {
     "ring": RingConfig,
     "tree": TreeConfig,
+    HIERARCHICAL: HierarchicalConfig,
 }
+HIERARCHICAL_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 class CollectivesPlugin(CommBinding):
     """Answers `plait_communicate` for all-reduces (and gradient reduce-scatters) when
-    `comm.algorithm` is ring or tree."""
+    `comm.algorithm` is ring or tree, and for the collectives of groups spanning nodes when it
+    is hierarchical."""
 
     plugin_name = "collectives"
 
     def __init__(self, algorithm: str = "torch", options: BaseModel | None = None) -> None:
         super().__init__()
         self.algorithm = algorithm
-        self.options: RingConfig | TreeConfig = (
-            options if isinstance(options, RingConfig | TreeConfig) else self._defaults()
-        )
+        self.options: Options = options if isinstance(options, Options) else self._defaults()
         self.runner = AlgorithmRunner(algorithm)
+        # Hierarchical: the sub-groups of each group that spans nodes, by the group's ranks.
+        self.hierarchies: dict[tuple[int, ...], HierarchyGroups] = {}
 
-    def _defaults(self) -> RingConfig | TreeConfig:
+    def _defaults(self) -> Options:
         return CONFIG_CLASSES.get(self.algorithm, RingConfig)()
 
     @hookimpl
     def plait_configure(self, config: PlaitConfig) -> None:
-        self.algorithm = config.comm.algorithm
+        # Learning the host map is collective on first use (every rank configures at the same
+        # point); the mesh has learned it already when an engine runs.
+        named = "algorithm" in config.comm.model_fields_set
+        host_map = None if named and config.comm.algorithm != HIERARCHICAL else learn_host_map()
+        self.algorithm = chosen_algorithm(config, host_map).name
         if self.algorithm not in CONFIG_CLASSES:
             return
         self.options = config.comm.options(self.algorithm, CONFIG_CLASSES[self.algorithm])
         self.runner = AlgorithmRunner(self.algorithm)
         self.runner.dedicate_for(config)
+        if host_map is not None and self.algorithm == HIERARCHICAL and dist.is_initialized():
+            self.hierarchies = create_hierarchies(config_rank_sets(config), host_map)
 
     @hookimpl
     def plait_register_comm_algorithms(self) -> Sequence[CommAlgorithmRecord]:
@@ -87,12 +115,20 @@ class CollectivesPlugin(CommBinding):
                 config_cls=TreeConfig,
                 description="recursive halving-doubling (Rabenseifner) over send/recv",
             ),
+            CommAlgorithmRecord(
+                name=HIERARCHICAL,
+                ops=HIERARCHICAL_OPS,
+                config_cls=HierarchicalConfig,
+                description="inside the node, across nodes, inside again (host map)",
+            ),
         ]
 
     def takes_over(self, request: CommRequest) -> bool:
         if self.algorithm not in CONFIG_CLASSES or is_sub_op(request.purpose):
             return False
-        if request.op == "reduce_scatter":
+        if self.algorithm == HIERARCHICAL:
+            wanted = request.op in HIERARCHICAL_OPS and request.group_ranks in self.hierarchies
+        elif request.op == "reduce_scatter":
             wanted = request.purpose in GRADIENT_PURPOSES
         else:
             wanted = request.op == "all_reduce"
@@ -104,7 +140,10 @@ class CollectivesPlugin(CommBinding):
         if not self.takes_over(request):
             return None
         comm = self.comm_for(request)
+        mark_carried_by(request, self.algorithm)
         purpose = sub_purpose(self.algorithm, request.purpose)
+        if self.algorithm == HIERARCHICAL:
+            return self.runner.run(request, self._hierarchical_steps(request, purpose), comm)
         rank = dist.get_rank()
 
         def all_reduce(comm: Comm, group: Group, tensor: torch.Tensor) -> None:
@@ -137,6 +176,30 @@ class CollectivesPlugin(CommBinding):
                 )  # fmt: skip
 
         return self.runner.run(request, steps, comm)
+
+    def _hierarchical_steps(self, request: CommRequest, purpose: str) -> Steps:
+        groups = self.hierarchies[request.group_ranks]
+
+        # The runner's mirror group goes unused: the steps run on their own sub-groups, which
+        # only this group's worker (or, without one, the calling thread) ever issues on.
+        def steps(comm: Comm, group: Group) -> None:
+            del group
+            if request.op == "all_reduce":
+                hierarchical_all_reduce(
+                    comm, request.tensors[0], groups=groups, reduce_op=request.reduce_op,
+                    purpose=purpose,
+                )  # fmt: skip
+            elif request.op == "reduce_scatter":
+                output, source = request.tensors
+                hierarchical_reduce_scatter(
+                    comm, output, source, groups=groups, reduce_op=request.reduce_op,
+                    purpose=purpose,
+                )  # fmt: skip
+            else:
+                output, source = request.tensors
+                hierarchical_all_gather(comm, output, source, groups=groups, purpose=purpose)
+
+        return steps
 
     @hookimpl
     def plait_job_end(self) -> None:

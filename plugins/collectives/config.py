@@ -1,4 +1,5 @@
-"""Options of the ring and tree algorithms: the `[comm.ring]` and `[comm.tree]` tables.
+"""Options of the ring, tree and hierarchical algorithms: the `[comm.ring]`, `[comm.tree]` and
+`[comm.hierarchical]` tables.
 
 Each is the `config_cls` of its `CommAlgorithmRecord`, so the engine validates the table (unknown
 keys are errors) and the plugin reads it with `config.comm.options(name, cls)`::
@@ -41,4 +42,15 @@ class TreeConfig(Section):
         16 * 1024,
         ge=0,
         description="below this size exchange whole vectors (log2 p steps, latency-bound)",
+    )
+
+
+class HierarchicalConfig(Section):
+    """Reduce-scatter inside the node, the op across nodes, all-gather inside (all-reduce); the
+    same split for reduce-scatter and all-gather of groups that span nodes."""
+
+    purposes: list[str] = Field(
+        default_factory=list,
+        description="take over ops with these purposes only; empty = every all-reduce, "
+        "reduce-scatter and all-gather of a group that spans nodes with several ranks each",
     )

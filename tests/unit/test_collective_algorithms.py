@@ -347,8 +347,9 @@ def test_config_errors_name_the_field_and_the_alternatives() -> None:
 
 def test_registered_records_name_their_config_classes() -> None:
     records = {r.name: r for r in CollectivesPlugin().plait_register_comm_algorithms()}
-    assert set(records) == {"ring", "tree"}
+    assert set(records) == {"ring", "tree", "hierarchical"}
     assert records["ring"].ops == ("all_reduce", "reduce_scatter")
+    assert records["hierarchical"].ops == ("all_reduce", "reduce_scatter", "all_gather")
     assert records["tree"].config_cls is TreeConfig
 
 
