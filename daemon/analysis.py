@@ -26,6 +26,7 @@ a rank sends as `plait.step` (0-based) plus one, i.e. steps completed; 0 means n
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -249,6 +250,12 @@ class RankFigures:
     device_memory_bytes: int
     usage: ProcessUsage
     otel_metrics: Mapping[str, float]
+    # Bytes this rank sent per step inside its node and across nodes (mean over the window).
+    comm_bytes_intra_node: int = 0
+    comm_bytes_inter_node: int = 0
+    # Bytes sent since the daemon first heard the rank (what Prometheus counts).
+    comm_bytes_intra_node_total: int = 0
+    comm_bytes_inter_node_total: int = 0
 
 
 def device_index(device: str) -> int | None:
@@ -279,6 +286,7 @@ def rank_figures(state: RankState, window_steps: int, usage: ProcessUsage) -> Ra
     rate = mfu.rank_throughput(window.samples(window_steps), identity.peak_flops)
     comm = sum(window.comm_seconds(s.step) for s in steps) / len(steps) if steps else 0.0
     last = steps[-1] if steps else None
+    intra, inter = window.comm_link_bytes(window_steps)
     return RankFigures(
         job_id=identity.job_id,
         rank=identity.rank,
@@ -301,6 +309,10 @@ def rank_figures(state: RankState, window_steps: int, usage: ProcessUsage) -> Ra
         device_memory_bytes=int(window.metrics.get(schema.METRIC_DEVICE_MEMORY_USED, -1)),
         usage=usage,
         otel_metrics=dict(window.metrics),
+        comm_bytes_intra_node=intra,
+        comm_bytes_inter_node=inter,
+        comm_bytes_intra_node_total=window.comm_bytes_intra_node_total,
+        comm_bytes_inter_node_total=window.comm_bytes_inter_node_total,
     )
 
 
@@ -380,6 +392,9 @@ class JobFigures:
     peak_flops: float
     mfu: float
     expert_load: tuple[ExpertLayerFigures, ...] = ()
+    # Bytes the reporting ranks sent per step inside their nodes and across nodes (sums).
+    comm_bytes_intra_node: int = 0
+    comm_bytes_inter_node: int = 0
 
 
 def job_figures(job: JobState, window_steps: int) -> JobFigures:
@@ -390,6 +405,7 @@ def job_figures(job: JobState, window_steps: int) -> JobFigures:
         window_steps=window_steps,
     )
     last = [w.last_steps(1)[0].step for w in windows if w.steps]
+    link_bytes = [w.comm_link_bytes(window_steps) for w in windows]
     return JobFigures(
         job_id=job.job_id,
         state=job.state,
@@ -404,6 +420,8 @@ def job_figures(job: JobState, window_steps: int) -> JobFigures:
         peak_flops=rate.peak_flops,
         mfu=rate.mfu,
         expert_load=tuple(expert_load_figures(windows, window_steps)),
+        comm_bytes_intra_node=sum(links[0] for links in link_bytes),
+        comm_bytes_inter_node=sum(links[1] for links in link_bytes),
     )
 
 
@@ -488,6 +506,7 @@ def analyse(jobs: Sequence[JobState], window_steps: int) -> list[RankAnalysis]:
                         comm_bytes_by_purpose=w.comm_volume(window_steps),
                         device=w.identity.device,
                         compute_dtype=w.identity.compute_dtype,
+                        comm_link_bytes=w.comm_link_bytes(window_steps),
                         **moe,  # type: ignore[arg-type]
                     ),
                 )
@@ -528,5 +547,11 @@ def bottleneck_view(
     dominant = text = ""
     if overall.steps:
         context = analyses[0].context if analyses else RankContext()
+        # The job's traffic, not rank 0's: in a flat ring some ranks send only inside a node.
+        job_bytes = (
+            sum(a.context.comm_link_bytes[0] for a in analyses),
+            sum(a.context.comm_link_bytes[1] for a in analyses),
+        )
+        context = dataclasses.replace(context, comm_link_bytes=job_bytes)
         dominant, text = overall.dominant, full_advice(overall, context)
     return BottleneckView(analyses, dominant, text, straggler_scores(analyses, threshold))

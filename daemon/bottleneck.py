@@ -97,6 +97,9 @@ class StepSpan:
     purpose: str = ""
     blocking: bool = False  # a synchronous collective
     nbytes: int = 0
+    # Bytes this op put on the wire inside the node and across nodes (backend-carried ops only).
+    intra_node: int = 0
+    inter_node: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +211,8 @@ class RankContext:
     expert_imbalance: float = 0.0
     expert_layer: str = ""
     expert_dropped_fraction: float = 0.0
+    # Bytes sent per step inside the node and across nodes (the job's sum for job advice).
+    comm_link_bytes: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +341,25 @@ def _join(items: Sequence[str]) -> str:
     return ", ".join(items[:-1]) + " or " + items[-1]
 
 
+def _cross_node(context: RankContext, facts: RunFacts) -> str:
+    """When most bytes crossed nodes: say so, and what moves traffic off the slow link."""
+    intra, inter = context.comm_link_bytes
+    if inter <= intra:
+        return ""
+    remedies = ["keep tp, cp and ep groups inside a node"]
+    if facts.grad_sync_algorithm != "hierarchical":
+        remedies.insert(
+            0,
+            'comm.algorithm = "hierarchical" (each rank then sends 1/ranks-per-node of the '
+            "gradient bytes across nodes)",
+        )
+    return (
+        f"; cross-node traffic: {inter / (intra + inter):.0%} of the bytes cross nodes "
+        f"({_mib(inter)} of {_mib(intra + inter)} per step), so the inter-node link sets the "
+        f"pace — {_join(remedies)}"
+    )
+
+
 def _comm_advice(breakdown: RankBreakdown, context: RankContext, facts: RunFacts) -> str:
     by_purpose = breakdown.exposed_comm_by_purpose
     purpose = max(by_purpose, key=by_purpose.__getitem__, default="generic")
@@ -346,6 +370,7 @@ def _comm_advice(breakdown: RankBreakdown, context: RankContext, facts: RunFacts
         f"exposed communication ({exposed * 1e3:.1f} ms/step per rank, mostly {purpose!r}; "
         f"{hidden:.0%} of all communication overlaps compute)"
     )
+    head += _cross_node(context, facts)
     base = purpose.rsplit("/", 1)[-1]
     if base == "grad_bucket":
         sizes = f"{ops} buckets of ~{_mib(mean_bytes)} per step" if ops else "the gradient buckets"

@@ -294,6 +294,15 @@ class CommFigures:
     blocking: bool
     nbytes: int
     group: str
+    algorithm: str = ""  # what carried the op out ("torch": the backend), "" unknown
+    bytes_intra_node: int = 0  # sent inside the rank's node (0 when the span says nothing)
+    bytes_inter_node: int = 0  # sent across nodes
+
+    @property
+    def on_the_wire(self) -> bool:
+        """The backend carried the op out: its link bytes are bytes on the wire, counted once
+        (an algorithm's own op is not: its sub-ops are)."""
+        return self.algorithm == schema.COMM_ALGORITHM_BACKEND
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +354,7 @@ class SpanStatics:
 
     kind: str
     comm: tuple[str, str, bool, str] | None = None  # op, purpose, blocking, group
+    algorithm: str = ""  # a comm span's plait.comm.algorithm
     phase: str = ""
     outcome: str = ""
     expert_layer: str = ""
@@ -362,7 +372,8 @@ def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
             read_str(attributes, schema.SPAN_COMM_GROUP),
         )
         read_int_list(attributes, schema.SPAN_COMM_GROUP_RANKS)
-        return SpanStatics(kind, comm=comm)
+        algorithm = read_str(attributes, schema.SPAN_COMM_ALGORITHM)
+        return SpanStatics(kind, comm=comm, algorithm=algorithm)
     if kind == schema.SPAN_KIND_PHASE:
         return SpanStatics(kind, phase=read_str(attributes, schema.SPAN_PHASE))
     if kind == schema.SPAN_KIND_JOB_END:
@@ -421,7 +432,16 @@ def decode_span_fields(
         )
     elif statics.comm is not None:
         op, purpose, blocking, group = statics.comm
-        comm = (op, purpose, blocking, read_int(attributes, schema.SPAN_COMM_BYTES, 0), group)
+        comm = (  # CommFigures
+            op,
+            purpose,
+            blocking,
+            read_int(attributes, schema.SPAN_COMM_BYTES, 0),
+            group,
+            statics.algorithm,
+            read_int(attributes, schema.SPAN_COMM_BYTES_INTRA_NODE, 0),
+            read_int(attributes, schema.SPAN_COMM_BYTES_INTER_NODE, 0),
+        )
         read_int(attributes, schema.SPAN_COMM_SEQ, 0)
         read_int(attributes, schema.SPAN_COMM_PEER, 0, high=INT32_MAX)
     elif kind == schema.SPAN_KIND_EXPERT_LOAD:

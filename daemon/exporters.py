@@ -312,6 +312,8 @@ KNOWN_POINTS: dict[str, tuple[bool, str]] = {
     "plait.rank.tokens_per_second": (False, "{token}/s"),
     "plait.rank.bottleneck.seconds": (False, "s"),
     "plait.rank.straggler.score": (False, "1"),
+    # Bytes a rank sent since the daemon first heard it, by link class (label plait.comm.link).
+    "plait.rank.comm.bytes": (True, "By"),
     "plait.job.mfu": (False, "1"),
     "plait.job.tokens_per_second": (False, "{token}/s"),
     "plait.job.step.duration": (False, "s"),
@@ -319,6 +321,7 @@ KNOWN_POINTS: dict[str, tuple[bool, str]] = {
     "plait.job.ranks.stale": (False, "{rank}"),
     "plait.job.world.size": (False, "{rank}"),
     "plait.job.restarts": (False, "{restart}"),
+    "plait.job.comm.bytes": (True, "By"),
     "plait.moe.expert.imbalance": (False, "1"),
     "plait.moe.tokens.dropped": (False, "{token}"),
     "plait.collective.hangs": (False, "{hang}"),

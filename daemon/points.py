@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from plait.daemon.service import DaemonService
 
 GAUGE_COUNTERS = frozenset({"hw.energy", "hw.errors"})
+# The link-class label of the comm byte counters, and its values.
+LINK_LABEL = "plait.comm.link"
+LINK_INTRA_NODE = "intra_node"
+LINK_INTER_NODE = "inter_node"
 
 
 def _rank_attributes(job_id: str, rank: int, host: str) -> dict[str, object]:
@@ -41,6 +45,7 @@ def daemon_points(
             for name, value, attrs in metric_points(nvml.latest)
         )
     metrics = service.metrics_view(window_steps=window_steps)
+    job_totals: dict[tuple[str, str], int] = {}
     for r in metrics.ranks:
         attrs = _rank_attributes(r.job_id, r.rank, r.host)
         if r.status not in (RANK_LIVE, RANK_ENDED):
@@ -49,6 +54,13 @@ def daemon_points(
             points.append(DaemonPoint("plait.rank.mfu", r.mfu, attrs))
         points.append(DaemonPoint("plait.rank.step.duration", r.step_seconds, attrs))
         points.append(DaemonPoint("plait.rank.tokens_per_second", r.tokens_per_second, attrs))
+        for link, total in (
+            (LINK_INTRA_NODE, r.comm_bytes_intra_node_total),
+            (LINK_INTER_NODE, r.comm_bytes_inter_node_total),
+        ):
+            link_attrs = {**attrs, LINK_LABEL: link}
+            points.append(DaemonPoint("plait.rank.comm.bytes", total, link_attrs, counter=True))
+            job_totals[(r.job_id, link)] = job_totals.get((r.job_id, link), 0) + total
     for j in metrics.jobs:
         attrs = {schema.RESOURCE_JOB_ID: j.job_id}
         if not mfu.is_calibration_error(j.mfu):
@@ -59,6 +71,10 @@ def daemon_points(
         points.append(DaemonPoint("plait.job.ranks.stale", j.ranks_stale, attrs))
         points.append(DaemonPoint("plait.job.world.size", j.world.current_size, attrs))
         points.append(DaemonPoint("plait.job.restarts", j.world.restarts, attrs))
+        for link in (LINK_INTRA_NODE, LINK_INTER_NODE):
+            total = job_totals.get((j.job_id, link), 0)
+            link_attrs = {**attrs, LINK_LABEL: link}
+            points.append(DaemonPoint("plait.job.comm.bytes", total, link_attrs, counter=True))
         for layer in j.expert_load:
             layer_attrs = {**attrs, schema.SPAN_MOE_LAYER: layer.layer}
             points.append(DaemonPoint("plait.moe.expert.imbalance", layer.imbalance, layer_attrs))

@@ -110,6 +110,9 @@ def rank_metrics(r: RankFigures) -> metrics_pb2.RankMetrics:
         status=r.status,
         silent_seconds=r.silent_seconds,
         restart_attempt=r.restart_attempt,
+        comm_bytes_per_step=metrics_pb2.CommBytes(
+            intra_node=r.comm_bytes_intra_node, inter_node=r.comm_bytes_inter_node
+        ),
     )
 
 
@@ -149,6 +152,9 @@ def job_metrics(j: JobFigures) -> metrics_pb2.JobMetrics:
         expert_load=[expert_layer_load(f) for f in j.expert_load],
         world_started_unix_nano=j.world.started_ns,
         last_heard_unix_nano=j.world.last_heard_ns,
+        comm_bytes_per_step=metrics_pb2.CommBytes(
+            intra_node=j.comm_bytes_intra_node, inter_node=j.comm_bytes_inter_node
+        ),
     )
 
 

@@ -112,6 +112,10 @@ class RankWindow:
     heartbeat: Heartbeat | None = None
     spans_received: int = 0
     steps_received: int = 0
+    # Bytes sent inside the node and across nodes since the daemon first heard the rank
+    # (backend-carried comm spans: plait.daemon.decoder.CommFigures.on_the_wire).
+    comm_bytes_intra_node_total: int = 0
+    comm_bytes_inter_node_total: int = 0
     last_seen_ns: int = 0
     first_seen_ns: int = 0
     first_step: int | None = None  # the first step this rank reported (wire numbering)
@@ -150,6 +154,9 @@ class RankWindow:
                     self._analysed.pop(old_step, None)
         elif span.kind in ("comm", "phase") and span.step is not None:
             comm = span.comm
+            if comm is not None and comm.on_the_wire:
+                self.comm_bytes_intra_node_total += comm.bytes_intra_node
+                self.comm_bytes_inter_node_total += comm.bytes_inter_node
             if comm is not None:
                 step_span = StepSpan(
                     kind="comm",
@@ -159,6 +166,8 @@ class RankWindow:
                     purpose=comm.purpose,
                     blocking=comm.blocking,
                     nbytes=comm.nbytes,
+                    intra_node=comm.bytes_intra_node if comm.on_the_wire else 0,
+                    inter_node=comm.bytes_inter_node if comm.on_the_wire else 0,
                 )
             else:
                 step_span = StepSpan(
@@ -249,6 +258,18 @@ class RankWindow:
             purpose: (round(len(sizes) / max(len(steps), 1)), sum(sizes) // len(sizes))
             for purpose, sizes in ops.items()
         }
+
+    def comm_link_bytes(self, count: int) -> tuple[int, int]:
+        """(inside the node, across nodes): bytes this rank sent per step, the mean over the
+        last `count` steps (0: the whole window), in whole bytes (floor)."""
+        steps = self.last_steps(count)
+        intra = inter = 0
+        for record in steps:
+            for span in self.step_spans.get(record.step, ()):
+                intra += span.intra_node
+                inter += span.inter_node
+        n = max(len(steps), 1)
+        return intra // n, inter // n
 
 
 @dataclass

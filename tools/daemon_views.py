@@ -255,6 +255,10 @@ class JobSummary:
     peak_flops: float
     step_seconds: float
     world: JobWorld = field(default_factory=JobWorld)  # state, worlds, restarts
+    # Bytes the job's ranks sent per step inside their nodes and across nodes (summed).
+    comm_bytes_per_step: dict[str, int] = field(
+        default_factory=lambda: {"intra_node": 0, "inter_node": 0}
+    )
 
     @property
     def mfu(self) -> float:
@@ -283,6 +287,10 @@ def aggregate_jobs(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[J
                 peak_flops=sum(j.peak_flops for j in jobs),
                 step_seconds=max(j.step_seconds for j in jobs),
                 world=job_world(split),
+                comm_bytes_per_step={
+                    "intra_node": sum(j.comm_bytes_per_step.intra_node for j in jobs),
+                    "inter_node": sum(j.comm_bytes_per_step.inter_node for j in jobs),
+                },
             )
         )
     return summaries

@@ -65,6 +65,8 @@ class CommRecord:
     cuda_end: Any = None
     anchor: CudaAnchor | None = None
     work: Any = None  # an async op's handle until it finishes, to ask whether it completed
+    algorithm: str = ""  # what carried the op out (plait.core.comm.CARRIED_BY), "" unknown
+    links: Any = None  # plait.core.link_bytes.LinkBytes this rank sent, None when unknown
 
     @classmethod
     def begin(cls, request: CommRequest, step: int | None) -> CommRecord:

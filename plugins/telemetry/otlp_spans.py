@@ -27,7 +27,8 @@ def new_span_id() -> bytes:
 def comm_static_key(record: CommRecord) -> tuple[Any, ...]:
     """What `comm_static_attributes` depends on: equal keys, equal attributes."""
     return (record.op, record.nbytes, record.dtype, record.group_name, record.group_ranks,
-            record.purpose, record.async_op, record.peer)  # fmt: skip
+            record.purpose, record.async_op, record.peer, record.algorithm,
+            record.links)  # fmt: skip
 
 
 def comm_static_attributes(record: CommRecord) -> dict[str, Any]:
@@ -51,6 +52,11 @@ def comm_attributes(record: CommRecord) -> dict[str, Any]:
     }
     if record.peer is not None:
         attributes[names.SPAN_COMM_PEER] = record.peer
+    if record.algorithm:
+        attributes[names.SPAN_COMM_ALGORITHM] = record.algorithm
+    if record.links is not None:
+        attributes[names.SPAN_COMM_BYTES_INTRA_NODE] = record.links.intra_node
+        attributes[names.SPAN_COMM_BYTES_INTER_NODE] = record.links.inter_node
     if record.step is not None:
         attributes[names.SPAN_STEP] = record.step
     return attributes

@@ -7,7 +7,8 @@ Hooks:
   exporter thread and the metric providers, with the `JobInfo` as resource attributes; no
   daemon → one warning and every other hook is a no-op.
 * `plait_communicate` (`wrapper=True`) records every op the comm facade issues: op, bytes,
-  dtype, group name and ranks, sequence number, purpose, start and end.
+  dtype, group name and ranks, sequence number, purpose, start and end, what carried it out
+  and the bytes it sent inside and across nodes (`comm_links`, from the world's host map).
 * `plait_step_end` queues the step's report (its phase spans inside) and its finished comm
   records to the exporter (`plait.plugins.telemetry.exporter`), which builds the step span, the
   phase spans and the comm spans as its children, sends them and records the step metrics,
@@ -33,6 +34,8 @@ from plait.core.comm import CompletedWork
 from plait.core.daemon_address import resolve_daemon_address
 from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.hookspecs import hookimpl
+from plait.core.host_map import known_host_map
+from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor, track_async_completion
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.plugins.telemetry.otlp_spans import comm_attributes
@@ -72,6 +75,7 @@ class TelemetryPlugin:
         self.entered: dict[tuple[str, tuple[int, ...]], int] = {}
         # Host-timed async ops not yet waited on: each op issued asks them whether they are done.
         self._unwaited: list[CommRecord] = []
+        self.links: CommLinks | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -84,6 +88,7 @@ class TelemetryPlugin:
         if self.telemetry is not None:
             return
         self._uses_cuda = info.device.startswith("cuda")
+        self.links = CommLinks(info.rank, known_host_map())
         telemetry = RankTelemetry.start(info, resolve_daemon_address(self.configured_address))
         if telemetry is None:
             return
@@ -164,6 +169,8 @@ class TelemetryPlugin:
             record.error = f"{type(exc).__name__}: {exc}"
             record.finish()
             raise
+        if self.links is not None:
+            self.links.note(request, record)
         if request.async_op and not isinstance(work, CompletedWork):
             if record.cuda_start is None:
                 self._unwaited.append(record)

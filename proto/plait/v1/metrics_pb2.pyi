@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CommBytes(_message.Message):
+    __slots__ = ("intra_node", "inter_node")
+    INTRA_NODE_FIELD_NUMBER: _ClassVar[int]
+    INTER_NODE_FIELD_NUMBER: _ClassVar[int]
+    intra_node: int
+    inter_node: int
+    def __init__(self, intra_node: _Optional[int] = ..., inter_node: _Optional[int] = ...) -> None: ...
+
 class RankInfo(_message.Message):
     __slots__ = ("job_id", "rank", "local_rank", "world_size", "host", "pid", "device", "device_name", "compute_dtype", "peak_flops", "peak_flops_source", "model_name", "num_params", "coordinates", "degrees", "last_seen_unix_nano", "spans_received", "steps_received", "status", "restart_attempt", "silent_seconds", "stale_after_seconds")
     class CoordinatesEntry(_message.Message):
@@ -70,7 +78,7 @@ class RankInfo(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., peak_flops: _Optional[float] = ..., peak_flops_source: _Optional[str] = ..., model_name: _Optional[str] = ..., num_params: _Optional[int] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., degrees: _Optional[_Mapping[str, int]] = ..., last_seen_unix_nano: _Optional[int] = ..., spans_received: _Optional[int] = ..., steps_received: _Optional[int] = ..., status: _Optional[str] = ..., restart_attempt: _Optional[int] = ..., silent_seconds: _Optional[float] = ..., stale_after_seconds: _Optional[float] = ...) -> None: ...
 
 class RankMetrics(_message.Message):
-    __slots__ = ("job_id", "rank", "host", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "data_wait_seconds", "comm_seconds", "comm_share", "loss", "cpu_percent", "memory_rss_bytes", "device_memory_bytes", "device_utilization", "otel_metrics", "status", "silent_seconds", "restart_attempt")
+    __slots__ = ("job_id", "rank", "host", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "data_wait_seconds", "comm_seconds", "comm_share", "loss", "cpu_percent", "memory_rss_bytes", "device_memory_bytes", "device_utilization", "otel_metrics", "status", "silent_seconds", "restart_attempt", "comm_bytes_per_step")
     class OtelMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +108,7 @@ class RankMetrics(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SILENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTART_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    COMM_BYTES_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     host: str
@@ -122,7 +131,8 @@ class RankMetrics(_message.Message):
     status: str
     silent_seconds: float
     restart_attempt: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., comm_seconds: _Optional[float] = ..., comm_share: _Optional[float] = ..., loss: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device_utilization: _Optional[float] = ..., otel_metrics: _Optional[_Mapping[str, float]] = ..., status: _Optional[str] = ..., silent_seconds: _Optional[float] = ..., restart_attempt: _Optional[int] = ...) -> None: ...
+    comm_bytes_per_step: CommBytes
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., comm_seconds: _Optional[float] = ..., comm_share: _Optional[float] = ..., loss: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device_utilization: _Optional[float] = ..., otel_metrics: _Optional[_Mapping[str, float]] = ..., status: _Optional[str] = ..., silent_seconds: _Optional[float] = ..., restart_attempt: _Optional[int] = ..., comm_bytes_per_step: _Optional[_Union[CommBytes, _Mapping]] = ...) -> None: ...
 
 class ExpertLayerLoad(_message.Message):
     __slots__ = ("layer", "experts", "step", "tokens", "max_tokens", "mean_tokens", "imbalance", "dropped", "dropped_fraction", "mean_imbalance", "steps")
@@ -151,7 +161,7 @@ class ExpertLayerLoad(_message.Message):
     def __init__(self, layer: _Optional[str] = ..., experts: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mean_tokens: _Optional[float] = ..., imbalance: _Optional[float] = ..., dropped: _Optional[int] = ..., dropped_fraction: _Optional[float] = ..., mean_imbalance: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class JobMetrics(_message.Message):
-    __slots__ = ("job_id", "world_size", "ranks_reporting", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "state", "restarts", "world_sizes", "world_started_step", "ranks_stale", "expert_load", "world_started_unix_nano", "last_heard_unix_nano")
+    __slots__ = ("job_id", "world_size", "ranks_reporting", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "state", "restarts", "world_sizes", "world_started_step", "ranks_stale", "expert_load", "world_started_unix_nano", "last_heard_unix_nano", "comm_bytes_per_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_REPORTING_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +180,7 @@ class JobMetrics(_message.Message):
     EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     WORLD_STARTED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARD_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    COMM_BYTES_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     ranks_reporting: int
@@ -188,7 +199,8 @@ class JobMetrics(_message.Message):
     expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLayerLoad]
     world_started_unix_nano: int
     last_heard_unix_nano: int
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_reporting: _Optional[int] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., world_sizes: _Optional[_Iterable[int]] = ..., world_started_step: _Optional[int] = ..., ranks_stale: _Optional[int] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLayerLoad, _Mapping]]] = ..., world_started_unix_nano: _Optional[int] = ..., last_heard_unix_nano: _Optional[int] = ...) -> None: ...
+    comm_bytes_per_step: CommBytes
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_reporting: _Optional[int] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., world_sizes: _Optional[_Iterable[int]] = ..., world_started_step: _Optional[int] = ..., ranks_stale: _Optional[int] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLayerLoad, _Mapping]]] = ..., world_started_unix_nano: _Optional[int] = ..., last_heard_unix_nano: _Optional[int] = ..., comm_bytes_per_step: _Optional[_Union[CommBytes, _Mapping]] = ...) -> None: ...
 
 class HostMetrics(_message.Message):
     __slots__ = ("hostname", "cpu_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes", "net_bytes_sent", "net_bytes_recv", "net_sent_bytes_per_second", "net_recv_bytes_per_second", "sampled_unix_nano")
