@@ -486,6 +486,11 @@ class Engine:
         for a model that takes them; a model that cannot honour them is refused by name."""
         documents = documents_of(inputs)
         if documents is None:
+            if self._documents_input == "documents" and _plain_positions(inputs):
+                # Rows of one sequence each (a packed sampler's row inside one document): their
+                # positions are the default ones, dropped so that the piece context parallelism
+                # cuts from them is not read as documents restarting.
+                return {key: value for key, value in inputs.items() if key != "positions"}
             return inputs
         if self._documents_input == "documents":
             return {**inputs, "documents": documents}
@@ -754,6 +759,12 @@ def _loss_counting(model: nn.Module, documents_input: str) -> LossCounting:
         own_causal_lm_loss = getattr(loss, "__name__", "") == "ForCausalLMLoss"
         return "shifted_labels" if own_causal_lm_loss else None
     return "targets" if documents_input == "documents" else None
+
+
+def _plain_positions(inputs: Any) -> bool:
+    """Whether a micro-batch carries `positions` (rows, seq) that are 0 … seq − 1 on every row."""
+    positions = inputs.get("positions") if isinstance(inputs, Mapping) else None
+    return isinstance(positions, torch.Tensor) and positions.ndim == 2
 
 
 def _attention_squares(inputs: Sequence[Any]) -> int | None:

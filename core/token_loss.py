@@ -64,8 +64,8 @@ class TokenWeights:
     Counts stay tensors on the compute device: weighing a step costs one all-reduce and no
     host synchronisation before the forward."""
 
-    scored: torch.Tensor  # (micro-batches,) float32: this rank's scored tokens of each
-    global_scored: torch.Tensor  # 0-d float32, N: scored tokens of the whole global batch
+    scored: torch.Tensor  # (micro-batches,) float64: this rank's scored tokens of each
+    global_scored: torch.Tensor  # 0-d float64 (exact to 2⁵³), N: scored tokens of the global batch
     replicas: int  # R: ranks whose gradients are averaged (dp × cp)
 
     def weigh(self, microbatch: int, loss: torch.Tensor) -> torch.Tensor:
@@ -90,9 +90,9 @@ def token_weights(
     adds no tokens; ranks of one job see batches of one kind)."""
     weighable = bool(counts) and all(count is not None for count in counts)
     scored = (
-        torch.stack([count.to(device, torch.float32) for count in counts if count is not None])
+        torch.stack([count.to(device, torch.float64) for count in counts if count is not None])
         if weighable
-        else torch.zeros(len(counts), device=device)
+        else torch.zeros(len(counts), device=device, dtype=torch.float64)
     )
     total = scored.sum().reshape(1)
     all_reduce_sum(total)
