@@ -103,10 +103,17 @@ def data_line(engine: Engine, batches: TokenBatches) -> str:
     source = (
         "bundled corpus" if not cfg.data.path else f"{token_file.directory}"
     ) + f" ({token_file.count:,} tokens, {token_file.meta.tokenizer} tokenizer)"
-    line = (
-        f"data {source} · seq_len {batches.seq_len} · global batch {batches.global_batch_size} · "
-        f"{batches.num_windows:,} training windows"
-    )
+    line = f"data {source} · seq_len {batches.seq_len} · "
+    line += f"global batch {batches.global_batch_size} · "
+    packing = getattr(batches, "packing", None)
+    if packing is None:
+        line += f"{batches.num_windows:,} training windows (one token stream, no documents)"
+    else:
+        masked = "documents masked" if batches.document_mask else "documents NOT masked"
+        line += (
+            f"{token_file.meta.documents:,} documents packed {packing} into "
+            f"{batches.num_windows:,} rows ({batches.padding_fraction:.1%} padding, {masked})"
+        )
     if cfg.train.eval_every:
         line += (
             f" · validation every {cfg.train.eval_every} steps on the last "

@@ -57,6 +57,9 @@ def _train(tmp_path: Path, run: str, *settings: str) -> list[float]:
         cwd=tmp_path,
     )  # fmt: skip
     assert trained.returncode == 0, trained.stdout + trained.stderr
+    banner = " ".join(trained.stdout.split())
+    assert "158 documents packed concat_split into" in banner, banner
+    assert "padding, documents masked)" in banner, banner
     lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines]
 
