@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from plait.core.comm_algorithms import chosen_algorithm
 from plait.core.peak_flops import PeakFlops
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> li
             pp=mesh.size("pp"),
         ),
     ]
+    if mesh.host_map is not None:
+        lines.append(f"nodes: {mesh.host_map.describe()}")
     pipeline = engine.context.pipeline
     if pipeline is not None:
         lines.append(f"pipeline stages: {pipeline.summary}")
@@ -68,7 +71,10 @@ def transform_names(engine: Engine, resolved: dict[str, Any]) -> list[str]:
         parts[-1] += " (the default with parallel.pp > 1)"
     if cfg.schedule.virtual_stages > 1:
         parts[-1] += f" ({cfg.schedule.virtual_stages} virtual stages)"
-    parts.append(f"comm {cfg.comm.algorithm}")
+    comm = chosen_algorithm(cfg, engine.mesh.host_map)
+    parts.append(
+        f"comm {comm.name}" + (f" ({comm.reason})" if comm.reason.startswith("default for") else "")
+    )
     if cfg.train.max_grad_norm:
         parts.append(f"grad-norm clip {cfg.train.max_grad_norm:g}")
     return parts

@@ -144,6 +144,8 @@ def print_dry_run(
     """Print the mesh, its groups and the estimate for the rank with the most memory."""
     from rich.table import Table
 
+    from plait.core.comm_algorithms import chosen_algorithm
+    from plait.core.host_map import HostMap
     from plait.tools.banner import microbatch_line
 
     par = config.parallel
@@ -159,6 +161,8 @@ def print_dry_run(
         highlight=False,
         soft_wrap=True,
     )
+    nodes = HostMap.assumed(max(1, world_size // per_node), per_node)
+    console.print(f"nodes: {nodes.describe()} · comm {chosen_algorithm(config, nodes).name}")
     for axis, groups in mesh_groups(degrees).items():
         shown = " ".join(str(g) for g in groups[:8]) + (" …" if len(groups) > 8 else "")
         console.print(f"{axis} groups: {shown}", highlight=False, soft_wrap=True)

@@ -159,3 +159,16 @@ __all__ = [
     "host_map_of_world",
     "torchrun_env",
 ]
+
+
+def mesh_with_tp(rank: int, world_size: int, nnodes: int, tp: int) -> str:
+    """Build the mesh with `tp` on `nnodes` torchrun nodes; the refusal's text, or "ok"."""
+    from plait.core.host_map import HostMapError
+    from plait.core.mesh import Mesh
+
+    as_nodes(rank, world_size, nnodes, host="hostA")
+    try:
+        Mesh.from_env(tp=tp, device="cpu")
+    except HostMapError as exc:
+        return str(exc)
+    return "ok"

@@ -63,3 +63,13 @@ def test_one_rank_per_node_is_the_flat_op() -> None:
         assert r["mismatches"] == []
         assert r["hierarchies"] == []
         assert r["marks"] == ["all_reduce|grad_bucket|[0, 1]|torch"]
+
+
+def test_a_tp_group_across_nodes_is_refused_by_name() -> None:
+    inside = run_distributed(host_workers.mesh_with_tp, 4, 2, 2, timeout=TIMEOUT)
+    assert inside == ["ok"] * 4
+    refused = run_distributed(host_workers.mesh_with_tp, 4, 2, 4, timeout=TIMEOUT)
+    for text in refused:  # every rank refuses alike
+        assert "tp group [0, 1, 2, 3] spans 2 nodes" in text
+        assert "ranks 0-1 on node0 (hostA), ranks 2-3 on node1 (hostA)" in text
+        assert "set parallel.tp to at most 2" in text
