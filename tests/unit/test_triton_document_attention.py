@@ -225,8 +225,8 @@ def _planned_tiles(lengths: list[int], causal: bool, block: int = BLOCK) -> tupl
     for first in range(0, seq, block):
         last = min(first + block, seq) - 1
         lo, hi = span(first)[0], span(last)[1]
-        forward += -(-((min(hi, last + 1) if causal else hi) - lo) // block)
-        backward += -(-(hi - (max(lo, first) if causal else lo)) // block)
+        forward += triton.cdiv((min(hi, last + 1) if causal else hi) - lo, block)
+        backward += triton.cdiv(hi - (max(lo, first) if causal else lo), block)
     return forward, backward
 
 
@@ -271,10 +271,8 @@ class _Prefer:
 
     def __init__(self, wanted: dict[str, Tile]) -> None:
         self.wanted = wanted
-        self.asked: list[str] = []
 
     def __call__(self, kernel: str, candidate: Tile, run: Callable[[], object]) -> float:
-        self.asked.append(kernel)
         if candidate != self.wanted[kernel]:
             return 1.0
         run()
