@@ -40,9 +40,21 @@ class Microbatches:
         return len(self.inputs)
 
 
+# transformers' varlen metadata of a flattened batch (`DataCollatorWithFlattening(
+# return_flash_attn_kwargs=True)`): offsets over the one row's tokens, not per-row tensors.
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _row_tensors(batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return {key: value for key, value in batch.items() if key not in VARLEN_KEYS}
+    return batch
+
+
 def batch_rows(batch: Any) -> int:
-    """The batch dimension shared by every tensor of `batch`."""
-    rows = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.ndim}
+    """The batch dimension shared by every tensor of `batch` (varlen offsets aside)."""
+    tensors = tree_flatten(_row_tensors(batch))[0]
+    rows = {t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.ndim}
     if len(rows) != 1:
         raise PlaitError(
             "every tensor of a batch must have the same size along dim 0 (the samples); got "
@@ -65,12 +77,20 @@ def split_batch(batch: Any, *, micro_batch_size: int | None, device: torch.devic
         lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch
     )
     count = max(1, rows // micro)
+    if count > 1 and isinstance(batch, Mapping) and any(key in batch for key in VARLEN_KEYS):
+        raise PlaitError(
+            f"the batch carries varlen offsets ({', '.join(k for k in VARLEN_KEYS if k in batch)}) "
+            f"over its {rows} rows, which cannot be split into {count} micro-batches; leave "
+            "train.micro_batch_size unset for such a batch"
+        )
     pieces = [_take_rows(batch, i * micro, min(rows, (i + 1) * micro)) for i in range(count)]
     inputs, targets = zip(*(split_inputs_and_targets(p) for p in pieces), strict=True)
     return Microbatches(inputs=list(inputs), targets=list(targets), samples=rows)
 
 
 def _take_rows(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, Mapping) and any(key in batch for key in VARLEN_KEYS):
+        return dict(batch)  # one micro-batch: the offsets stay with their row (checked above)
     return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.ndim else t, batch)
 
 

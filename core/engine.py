@@ -24,7 +24,7 @@ from plait.core.batches import batch_rows, call_model, default_loss, input_token
 from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
-from plait.core.documents import Documents, documents_of
+from plait.core.documents import Documents, documents_of, restarting_positions
 from plait.core.errors import ConfigError, InertSelection, PlaitError, ScheduleError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
@@ -739,6 +739,12 @@ def _transformers_batch_problem(inputs: Any, documents: Documents, attention: st
             "it also carries a 2-D attention_mask, and transformers then ignores the documents "
             "its position ids show (leave attention_mask out of packed batches, as "
             "DataCollatorWithFlattening does)"
+        )
+    if restarting_positions(inputs) is None and attention not in FLASH_ATTENTION:
+        return (
+            f"its documents are given only as cu_seq_lens_q/k, which transformers' {attention} "
+            "attention does not read (flash-attention does); give restarting position_ids "
+            "as well, as DataCollatorWithFlattening does"
         )
     if attention in FLASH_ATTENTION and documents.rows > 1:
         return (

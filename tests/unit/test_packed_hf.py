@@ -249,3 +249,40 @@ def test_flash_attention_takes_packed_micro_batches_of_one_row_only() -> None:
     engine = plait.initialize(model, config=CONFIG)
     with pytest.raises(PlaitError, match="of one row only, and this one has 4"):
         engine.train_step(packed_batch(documents(LAYOUTS["rows"][0])))
+
+
+def test_varlen_offsets_alone_are_refused_where_the_attention_ignores_them() -> None:
+    """sdpa attention never reads cu_seq_lens_q/k: documents given only that way would mix."""
+    rows = documents([[5, 11]])
+    batch = packed_batch(rows)
+    positions = batch.pop("position_ids")
+    starts = (positions.flatten() == 0).nonzero().flatten()
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.cat(
+        [starts, torch.tensor([positions.numel()])]
+    ).int()
+    model = build("llama")
+    with torch.no_grad():
+        mixed = model(**batch, use_cache=False).loss
+    assert abs(mixed.item() - alone(model, rows).item()) > 1e-4, "sdpa read the offsets after all"
+
+    engine = plait.initialize(model, config=CONFIG)
+    with pytest.raises(PlaitError, match="given only as cu_seq_lens_q/k"):
+        engine.train_step(batch)
+
+
+def test_flattened_batch_with_varlen_offsets_and_positions_trains_as_documents_alone() -> None:
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True): one row, restarting
+    position_ids and the varlen offsets beside them — one micro-batch, masked by its positions."""
+    rows = documents([[5, 1, 3, 7]])
+    batch = packed_batch(rows)
+    starts = (batch["position_ids"].flatten() == 0).nonzero().flatten()
+    offsets = torch.cat([starts, torch.tensor([batch["position_ids"].numel()])]).int()
+    batch.update(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=7, max_length_k=7)
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    loss, _ = train_step(model, batch)
+    assert loss == pytest.approx(alone(reference, rows).item(), abs=TOLERANCE)
+    with pytest.raises(PlaitError, match="cannot be split into 2 micro-batches"):
+        two_rows = packed_batch(documents([[5, 11], [16]]))
+        two_rows.update(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
+        train_step(build("llama"), two_rows, micro_batch_size=1)
