@@ -25,26 +25,24 @@ packs only the documents before them, the validation sampler only those.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 
 from plait.plugins.data.errors import DataError
 from plait.plugins.data.packing import PLANNERS, RowPlan, fill_rows
+from plait.plugins.data.step_sampler import StepSampler, check_sampling
 from plait.plugins.data.token_files import TokenFile
 
 Packing = Literal["concat_split", "first_fit", "none"]
 PackedBatch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
-# Fields of `state_dict()` that fix the layout: resuming with other values would silently read
-# other rows, so `load_state_dict` refuses.
-_LAYOUT_FIELDS = ("seq_len", "global_batch_size", "num_windows", "packing", "num_documents")
 
-
-class PackedBatches:
+class PackedBatches(StepSampler):
     """An endless iterator of packed `(inputs, targets)` batches of `G/dp` rows."""
+
+    layout_fields = ("seq_len", "global_batch_size", "num_windows", "packing", "num_documents")
 
     def __init__(
         self,
@@ -68,20 +66,13 @@ class PackedBatches:
             )
         if packing not in PLANNERS:
             raise DataError(f"packing must be one of {sorted(PLANNERS)}, got {packing!r}")
-        if seq_len < 1:
-            raise DataError(f"seq_len must be >= 1, got {seq_len}")
-        if global_batch_size < 1:
-            raise DataError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise DataError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
-        if global_batch_size % dp_size:
-            raise DataError(
-                f"global_batch_size={global_batch_size} is not divisible by "
-                f"dp_size={dp_size}: every data-parallel rank must get the same number of "
-                "sequences per step"
-            )
-        if seed < 0:
-            raise DataError(f"seed must be >= 0, got {seed}")
+        check_sampling(
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+        )
         index = token_file.documents
         first, count = documents if documents is not None else (0, index.count)
         if first < 0 or count < 1 or first + count > index.count:
@@ -119,27 +110,8 @@ class PackedBatches:
         self.steps_per_epoch = self.num_windows // global_batch_size
 
     # ---------------------------------------------------------------------------------------
-    # position and sizes
+    # sizes
     # ---------------------------------------------------------------------------------------
-
-    @property
-    def step(self) -> int:
-        """Steps consumed so far (the index of the step `next_batch` returns next)."""
-        return self._step
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next batch comes from."""
-        return self._step // self.steps_per_epoch
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Input tokens of one global batch, all ranks together, padding included."""
-        return self.global_batch_size * self.seq_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.token_file.vocab_size
 
     @property
     def num_rows(self) -> int:
@@ -200,66 +172,8 @@ class PackedBatches:
         inputs = {"tokens": torch.from_numpy(tokens), "positions": torch.from_numpy(positions)}
         return inputs, torch.from_numpy(targets)
 
-    def next_batch(self) -> PackedBatch:
-        """This rank's `(inputs, targets)` for the current step, then advance one step."""
-        batch = self.batch_at(self._step)
-        self._step += 1
-        return batch
-
-    def __iter__(self) -> Iterator[PackedBatch]:
-        return self
-
-    def __next__(self) -> PackedBatch:
-        return self.next_batch()
-
-    # ---------------------------------------------------------------------------------------
-    # checkpointing
-    # ---------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position to resume from; independent of dp, so it resumes on any dp degree."""
-        return {
-            "step": self._step,
-            "epoch": self.epoch,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch_size": self.global_batch_size,
-            "num_windows": self.num_windows,
-            "packing": self.packing,
-            "num_documents": self.num_documents,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where `state` was saved: the next batches are the same.
-
-        The saved seed wins over the constructor's; the layout (seq_len, global batch, rows,
-        packing, documents) must match.
-        """
-        missing = [key for key in ("step", "seed", *_LAYOUT_FIELDS) if key not in state]
-        if missing:
-            raise DataError(
-                f"packed sampler state is missing {missing}; got keys {sorted(state)} (a state "
-                "saved by the stream sampler cannot resume a packed run)"
-            )
-        for key in _LAYOUT_FIELDS:
-            saved, mine = state[key], getattr(self, key)
-            if (str(saved) if isinstance(mine, str) else int(saved)) != mine:
-                raise DataError(
-                    f"sampler state was saved with {key}={saved!r}, but this sampler has "
-                    f"{key}={mine!r}; resuming would read different data"
-                )
-        step, seed = int(state["step"]), int(state["seed"])
-        if step < 0 or seed < 0:
-            raise DataError(f"sampler state has negative step={step} or seed={seed}")
-        if "epoch" in state and int(state["epoch"]) != step // self.steps_per_epoch:
-            raise DataError(
-                f"sampler state is inconsistent: epoch={int(state['epoch'])} but step={step} is "
-                f"in epoch {step // self.steps_per_epoch} ({self.steps_per_epoch} steps/epoch)"
-            )
-        if seed != self.seed:
-            self.seed = seed
-            self._plan_epoch = -1
-        self._step = step
+    def _forget_order(self) -> None:
+        self._plan_epoch = -1
 
     def __repr__(self) -> str:
         return (

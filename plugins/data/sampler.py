@@ -25,14 +25,14 @@ those (a contiguous tail of the token stream, so no validation window is also a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 
 from plait.plugins.data.documents_file import DOCUMENTS_FILE
+from plait.plugins.data.step_sampler import StepSampler, check_sampling
 from plait.plugins.data.token_files import DataError, TokenFile
 
 if TYPE_CHECKING:
@@ -41,12 +41,8 @@ if TYPE_CHECKING:
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
-# Fields of `state_dict()` that fix the permutation layout: resuming with different values would
-# silently read other windows, so `load_state_dict` refuses.
-_LAYOUT_FIELDS = ("seq_len", "global_batch_size", "num_windows")
 
-
-class TokenBatches:
+class TokenBatches(StepSampler):
     """An endless iterator of `(inputs, targets)` int64 tensors of shape `[G/dp, seq_len]`."""
 
     def __init__(
@@ -62,20 +58,13 @@ class TokenBatches:
     ) -> None:
         """`windows = (first, count)` restricts sampling to those windows of the file (a split);
         `None` = every window."""
-        if seq_len < 1:
-            raise DataError(f"seq_len must be >= 1, got {seq_len}")
-        if global_batch_size < 1:
-            raise DataError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise DataError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
-        if global_batch_size % dp_size:
-            raise DataError(
-                f"global_batch_size={global_batch_size} is not divisible by "
-                f"dp_size={dp_size}: every data-parallel rank must get the same number of "
-                "sequences per step"
-            )
-        if seed < 0:
-            raise DataError(f"seed must be >= 0, got {seed}")
+        check_sampling(
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+        )
         self.token_file = token_file if isinstance(token_file, TokenFile) else TokenFile(token_file)
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
@@ -106,29 +95,6 @@ class TokenBatches:
         self._step = 0
         self._permutation_epoch = -1
         self._permutation: np.ndarray = np.empty(0, dtype=np.uint32)
-
-    # ---------------------------------------------------------------------------------------
-    # position
-    # ---------------------------------------------------------------------------------------
-
-    @property
-    def step(self) -> int:
-        """Steps consumed so far (the index of the step `next_batch` returns next)."""
-        return self._step
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next batch comes from."""
-        return self._step // self.steps_per_epoch
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Input tokens of one global batch, all ranks together."""
-        return self.global_batch_size * self.seq_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.token_file.vocab_size
 
     # ---------------------------------------------------------------------------------------
     # sampling
@@ -177,60 +143,8 @@ class TokenBatches:
         inputs, targets = torch.from_numpy(buffer).unbind(0)
         return inputs, targets
 
-    def next_batch(self) -> Batch:
-        """This rank's `(inputs, targets)` for the current step, then advance one step."""
-        batch = self.batch_at(self._step)
-        self._step += 1
-        return batch
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        return self.next_batch()
-
-    # ---------------------------------------------------------------------------------------
-    # checkpointing
-    # ---------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, int]:
-        """The position to resume from; independent of dp, so it resumes on any dp degree."""
-        return {
-            "step": self._step,
-            "epoch": self.epoch,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch_size": self.global_batch_size,
-            "num_windows": self.num_windows,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where `state` was saved: the next batches are the same.
-
-        The saved seed wins over the constructor's, since resuming means continuing that run's
-        data order. The layout (seq_len, global batch, number of windows) must match.
-        """
-        missing = [key for key in ("step", "seed", *_LAYOUT_FIELDS) if key not in state]
-        if missing:
-            raise DataError(f"sampler state is missing {missing}; got keys {sorted(state)}")
-        for key in _LAYOUT_FIELDS:
-            if int(state[key]) != getattr(self, key):
-                raise DataError(
-                    f"sampler state was saved with {key}={int(state[key])}, but this sampler has "
-                    f"{key}={getattr(self, key)}; resuming would read different data"
-                )
-        step, seed = int(state["step"]), int(state["seed"])
-        if step < 0 or seed < 0:
-            raise DataError(f"sampler state has negative step={step} or seed={seed}")
-        if "epoch" in state and int(state["epoch"]) != step // self.steps_per_epoch:
-            raise DataError(
-                f"sampler state is inconsistent: epoch={int(state['epoch'])} but step={step} is "
-                f"in epoch {step // self.steps_per_epoch} ({self.steps_per_epoch} steps/epoch)"
-            )
-        if seed != self.seed:
-            self.seed = seed
-            self._permutation_epoch = -1
-        self._step = step
+    def _forget_order(self) -> None:
+        self._permutation_epoch = -1
 
     def __repr__(self) -> str:
         return (
