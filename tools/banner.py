@@ -10,6 +10,7 @@ from plait.core.peak_flops import PeakFlops
 
 if TYPE_CHECKING:
     from plait.core.engine import Engine
+    from plait.core.state_layout import StateLayout
     from plait.plugins.data import TokenBatches
 
 
@@ -19,10 +20,12 @@ def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> li
 
     cfg = engine.config
     mesh = engine.mesh
-    num_params = sum(p.numel() for p in engine.module.parameters())
+    from plait.core.state_chunks import layout_for
+
     degrees = " ".join(f"{k}={v}" for k, v in mesh.degrees.items())
     lines = [
-        f"plait {cfg.model.name}/{cfg.model.size} · {num_params:,} parameters per rank · "
+        f"plait {cfg.model.name}/{cfg.model.size} · "
+        f"{parameters_text(layout_for(engine), pp=mesh.size('pp'))} · "
         f"{mesh.world_size} rank{'s' if mesh.world_size > 1 else ''} ({degrees}) on "
         f"{engine.device}",
         " · ".join(transform_names(engine, resolved_config(engine))),
@@ -51,6 +54,22 @@ def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> li
 
         lines.append(f"CPU peak cached in {calibration_path()}")
     return lines
+
+
+def parameters_text(layout: StateLayout, *, pp: int = 1) -> str:
+    """The model's parameter count and, where a strategy shards them, what this rank holds.
+
+    Read from the state layout the strategies declare (the source checkpoints and memory
+    reports use): under ZeRO-3 `module.parameters()` still has every global shape, so counting
+    it would label the model's total as the rank's.
+    """
+    total = sum(entry.value.global_shape.numel() for entry in layout.parameters)
+    held = sum(entry.value.numel() for entry in layout.parameters)
+    # A pipeline rank's layout lists its own stage's parameters only.
+    scope = " in this stage" if pp > 1 else ""
+    if held == total:
+        return f"{total:,} parameters{scope}, all on this rank"
+    return f"{total:,} parameters{scope}, {held:,} on this rank"
 
 
 def transform_names(engine: Engine, resolved: dict[str, Any]) -> list[str]:
