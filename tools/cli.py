@@ -267,10 +267,15 @@ def config_show(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of TOML")] = False,
 ) -> None:
     """Print the fully resolved config (defaults filled in, overrides applied)."""
+    from plait.core.checks import check_config
     from plait.core.config import dump_toml, load_config
+    from plait.core.plugins import Plugins
 
     try:
         cfg = load_config(file, overrides or [])
+        # The checks `plait train` runs before it launches (less the layout, which needs the
+        # number of ranks): a config train would refuse is refused here, not shown as valid.
+        check_config(cfg, Plugins.create(blocked=cfg.plugins.disable))
     except PlaitError as exc:
         _fail(exc)
     data = cfg.model_dump(mode="json")
