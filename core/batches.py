@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from plait.core.documents import Documents
 from plait.core.errors import PlaitError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -63,9 +64,18 @@ def batch_rows(batch: Any) -> int:
     return rows.pop()
 
 
-def split_batch(batch: Any, *, micro_batch_size: int | None, device: torch.device) -> Microbatches:
-    """Move `batch` to `device` and split every tensor along dim 0 into micro-batches of
-    `micro_batch_size` rows (`None`: the whole batch is one micro-batch)."""
+def split_batch(
+    batch: Any,
+    *,
+    micro_batch_size: int | None,
+    device: torch.device,
+    prepare_inputs: Callable[[Any], Any] | None = None,
+) -> Microbatches:
+    """Split every tensor of `batch` along dim 0 into micro-batches of `micro_batch_size` rows
+    (`None`: the whole batch is one micro-batch), and move them to `device`.
+
+    `prepare_inputs(inputs)` sees each micro-batch's inputs before the move, where the batch
+    was made (a sampler's batch on the host: reading its positions costs no device sync)."""
     rows = batch_rows(batch)
     micro = micro_batch_size or rows
     if rows % micro and rows > micro:
@@ -73,9 +83,6 @@ def split_batch(batch: Any, *, micro_batch_size: int | None, device: torch.devic
             f"the batch on this rank has {rows} samples, not a multiple of "
             f"train.micro_batch_size = {micro}"
         )
-    batch = tree_map(
-        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch
-    )
     count = max(1, rows // micro)
     if count > 1 and isinstance(batch, Mapping) and any(key in batch for key in VARLEN_KEYS):
         raise PlaitError(
@@ -85,7 +92,21 @@ def split_batch(batch: Any, *, micro_batch_size: int | None, device: torch.devic
         )
     pieces = [_take_rows(batch, i * micro, min(rows, (i + 1) * micro)) for i in range(count)]
     inputs, targets = zip(*(split_inputs_and_targets(p) for p in pieces), strict=True)
-    return Microbatches(inputs=list(inputs), targets=list(targets), samples=rows)
+    if prepare_inputs is not None:
+        inputs = tuple(prepare_inputs(x) for x in inputs)
+    return Microbatches(
+        inputs=[to_device(x, device) for x in inputs],
+        targets=[to_device(y, device) for y in targets],
+        samples=rows,
+    )
+
+
+def to_device(data: Any, device: torch.device) -> Any:
+    """`data` with every tensor (and every `Documents`) moved to `device`, without waiting."""
+    return tree_map(
+        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor | Documents) else t,
+        data,
+    )
 
 
 def _take_rows(batch: Any, start: int, stop: int) -> Any:

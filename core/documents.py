@@ -131,11 +131,11 @@ class Documents:
         """The document ids of the tokens at `global_positions` of every row (a shard's)."""
         return self.document_ids.index_select(1, global_positions.to(self.document_ids.device))
 
-    def to(self, device: torch.device | str) -> Documents:
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Documents:
         return Documents(
-            document_ids=self.document_ids.to(device),
-            positions=self.positions.to(device),
-            cu_seqlens=self.cu_seqlens.to(device),
+            document_ids=self.document_ids.to(device, non_blocking=non_blocking),
+            positions=self.positions.to(device, non_blocking=non_blocking),
+            cu_seqlens=self.cu_seqlens.to(device, non_blocking=non_blocking),
             max_seqlen=self.max_seqlen,
         )
 

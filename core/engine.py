@@ -17,10 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from plait.core.batches import batch_rows, call_model, default_loss, input_tokens, split_batch
+from plait.core.batches import (
+    batch_rows,
+    call_model,
+    default_loss,
+    input_tokens,
+    split_batch,
+    to_device,
+)
 from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
@@ -434,14 +440,26 @@ class Engine:
         """
         start_ns = time.time_ns()
         self.begin_step()
+        # Document structure is read from whole rows, before context parallelism cuts them (and
+        # before the move to the device, where the batch was made: no device sync).
+        squares: list[tuple[int, bool]] = []
+
+        def prepare(inputs: Any) -> Any:
+            inputs = self._with_documents(inputs)
+            squares.append(_attention_square(inputs))
+            return inputs
+
         microbatches = split_batch(
-            batch, micro_batch_size=self.micro_batch_size(batch_rows(batch)), device=self.device
+            batch,
+            micro_batch_size=self.micro_batch_size(batch_rows(batch)),
+            device=self.device,
+            prepare_inputs=prepare,
         )
         inputs, targets, n = microbatches.inputs, microbatches.targets, len(microbatches)
         tokens = sum(input_tokens(x).numel() for x in inputs)
-        # Document structure is read from whole rows, before context parallelism cuts them.
-        inputs = [self._with_documents(x) for x in inputs]
-        attention_squares = _attention_squares(inputs)
+        # Σ nᵢ² over the step's documents, when any micro-batch holds packed rows.
+        packed = any(is_packed for _, is_packed in squares)
+        attention_squares = sum(square for square, _ in squares) if packed else None
         if self.context.context_parallel is not None:
             # Context parallelism: this rank keeps its positions of every sequence, inputs and
             # targets alike (`ContextParallelism.shard_microbatch`); `tokens` counts them all.
@@ -612,10 +630,11 @@ class Engine:
         else the mean of the micro-batch losses."""
         # One tensor on the compute device (NCCL reduces device tensors) and one host sync.
         held = [i for i, loss in enumerate(losses) if loss is not None]
+        # float64 on every rank: a stage holding no loss must send what the last stage sends.
         if not held:
-            totals = torch.zeros(2, device=self.device)
+            totals = torch.zeros(2, device=self.device, dtype=torch.float64)
         else:
-            means = torch.stack([losses[i].detach().float().reshape(()) for i in held])
+            means = torch.stack([losses[i].detach().double().reshape(()) for i in held])
             if weights is None:
                 counts = torch.ones_like(means)
             else:
@@ -636,10 +655,7 @@ class Engine:
 
     def to_device(self, data: Any) -> Any:
         """`data` with every tensor moved to this rank's device."""
-        return tree_map(
-            lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
-            data,
-        )
+        return to_device(data, self.device)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward one micro-batch, for loops that do more than `train_step` allows: returns the
@@ -773,18 +789,13 @@ def _plain_positions(inputs: Any) -> bool:
     return isinstance(positions, torch.Tensor) and positions.ndim == 2
 
 
-def _attention_squares(inputs: Sequence[Any]) -> int | None:
-    """Σ nᵢ² over every document of a step's micro-batches (a row of one sequence counts T²),
-    or `None` when no micro-batch holds packed rows."""
-    squares, packed = 0, False
-    for microbatch in inputs:
-        documents = microbatch.get("documents") if isinstance(microbatch, Mapping) else None
-        if documents is None:
-            documents = documents_of(microbatch)
-        if documents is None:
-            tokens = input_tokens(microbatch)
-            squares += tokens.shape[0] * tokens.shape[-1] ** 2
-        else:
-            packed = True
-            squares += int((documents.lengths() ** 2).sum())
-    return squares if packed else None
+def _attention_square(microbatch: Any) -> tuple[int, bool]:
+    """Σ nᵢ² over a micro-batch's documents (a row of one sequence counts T²), and whether it
+    holds packed rows."""
+    documents = microbatch.get("documents") if isinstance(microbatch, Mapping) else None
+    if documents is None:
+        documents = documents_of(microbatch)
+    if documents is None:
+        tokens = input_tokens(microbatch)
+        return tokens.shape[0] * tokens.shape[-1] ** 2, False
+    return int((documents.lengths() ** 2).sum()), True
