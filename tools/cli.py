@@ -260,6 +260,17 @@ def train(
         raise typer.Exit(1) from None
 
 
+@app.command("grafana-dashboard")
+def grafana_dashboard(
+    title: Annotated[str, typer.Option(help="the dashboard's title in Grafana")] = "plait",
+) -> None:
+    """Print a Grafana dashboard (JSON) over the daemons' Prometheus metrics: `> plait.json`,
+    then Grafana → Dashboards → New → Import."""
+    from plait.daemon.grafana import dashboard
+
+    print(json.dumps(dashboard(title), indent=2))
+
+
 @config_app.command("show")
 def config_show(
     file: Annotated[Path, typer.Argument(help="TOML config file")],
