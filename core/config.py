@@ -148,6 +148,12 @@ class ParallelSection(Section):
         description="expert-parallel degree, carved out of dp (it must divide dp); above 1 it "
         "selects the ep transform, transforms.ep (default 'ep')",
     )
+    dp_shard: int | Literal["node"] | None = Field(
+        None,
+        description="sharded data parallelism (HSDP): the dp ranks ZeRO shards over, "
+        "dp_replicate = dp / dp_shard copies of them; 'node' = the dp ranks of one node; "
+        "unset = every dp rank (plain ZeRO)",
+    )
     dp_strategy: str = Field("ddp", description="strategy for the dp axis: ddp, zero1, …")
     tp_strategy: str = "megatron"
     pp_strategy: str = "pipeline"
@@ -172,6 +178,8 @@ class ParallelSection(Section):
     def _dp_positive_or_auto(self) -> ParallelSection:
         if self.dp == 0 or self.dp < -1:
             raise ValueError(f"dp must be -1 (auto) or a positive degree, got {self.dp}")
+        if isinstance(self.dp_shard, int) and self.dp_shard < 1:
+            raise ValueError(f"dp_shard must be a positive degree or 'node', got {self.dp_shard}")
         return self
 
 

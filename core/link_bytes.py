@@ -41,6 +41,23 @@ rank sends `B/2` inside (reduce-scatter) + `(B/2)·2·(2−1)/2 = B/2` across + 
 carries more than `B/2` of it. In general the busiest cross-node link carries `2·(n−1)/n·B`
 flat and `2·(m−1)/(m·k)·B` hierarchical: `k` times less, at the price of `2·(k−1)/k·B` more
 bytes inside each node.
+
+Sharded data parallelism, one optimizer step (`sharded_step_bytes`, `sharded_step_inter_node`).
+ZeRO-3 all-gathers the parameters twice per micro-batch (forward, backward) and reduce-scatters
+the gradients once, over its shard group. Flat ZeRO-3 shards over all `n = m·k` ranks, so every
+micro-batch pays three ring ops across the nodes. HSDP (`parallel.dp_shard = k`) keeps those
+three inside a node and adds, once per step, an all-reduce of each rank's gradient shard
+(`B/k`) over its replica group (the `m` ranks of the same local index, one per node). For a
+model of `B` bytes and `M` micro-batches, cross-node bytes per step, summed over the ranks:
+
+    flat ZeRO-3 (ring)       M · 3 · m·(n−1)/n · B      (the ring crosses nodes on m hops)
+    ZeRO-3, hierarchical     M · 3 · (m−1)·B            (each rank sends (m−1)/n·B across per op)
+    HSDP                     n · 2·(m−1)/m · B/k = 2·(m−1)·B, independent of M
+
+On 2 nodes × 2: flat `4.5·B·M`, hierarchical `3·B·M`, HSDP `2·B`: with 4 micro-batches `18·B`,
+`12·B` and still `2·B`. (ZeRO-3 keeps the root unit and the last block gathered from forward to
+backward, so its second all-gather is smaller than `B` by those units: the formulas per op
+below count what it really gathers.)
 """
 
 from __future__ import annotations
@@ -70,6 +87,8 @@ __all__ = [
     "ring_all_reduce",
     "ring_broadcast",
     "ring_reduce_scatter",
+    "sharded_step_bytes",
+    "sharded_step_inter_node",
 ]
 
 FLAT = "flat"
@@ -288,3 +307,63 @@ def request_peer_bytes(request: CommRequest) -> tuple[int, ...] | None:
     source = request.tensors[1]
     row = source[0].numel() * source.element_size() if source.shape[0] else 0
     return tuple(int(s) * row for s in splits)
+
+
+# -- sharded data parallelism, one optimizer step ---------------------------------------------
+
+
+def sharded_step_bytes(
+    rank: int,
+    *,
+    shard_group: Sequence[int],
+    replica_group: Sequence[int],
+    host_map: HostMap,
+    gathers: Sequence[int],
+    reductions: Sequence[int],
+    itemsize: int,
+    microbatches: int = 1,
+    algorithm: str = "torch",
+) -> LinkBytes:
+    """What `rank` sends in one step of ZeRO-3 / HSDP: every micro-batch all-gathers each numel
+    of `gathers` (outputs) and reduce-scatters each numel of `reductions` (inputs) over
+    `shard_group`; once per step each reduced shard (`numel / len(shard_group)`) is
+    all-reduced over `replica_group` (one rank for flat ZeRO-3: nothing)."""
+
+    def ops(op: str, group: Sequence[int], numels: Sequence[int]) -> LinkBytes:
+        total = NONE
+        for numel in numels:
+            sent = op_link_bytes(
+                op, group, rank, numel=numel, itemsize=itemsize, host_map=host_map,
+                algorithm=algorithm,
+            )  # fmt: skip
+            total += sent if sent is not None else NONE
+        return total
+
+    per_microbatch = ops("all_gather", shard_group, gathers) + ops(
+        "reduce_scatter", shard_group, reductions
+    )
+    shards = [numel // len(shard_group) for numel in reductions]
+    across = ops("all_reduce", replica_group, shards)
+    return LinkBytes(
+        microbatches * per_microbatch.intra_node + across.intra_node,
+        microbatches * per_microbatch.inter_node + across.inter_node,
+    )
+
+
+def sharded_step_inter_node(
+    model_bytes: float, *, nodes: int, ranks_per_node: int, microbatches: int, layout: str
+) -> float:
+    """Cross-node bytes of one step summed over all ranks, for a model of `model_bytes` whose
+    every tensor divides evenly (module doc): `layout` is "flat" (ZeRO-3, ring over every
+    rank), "hierarchical" (ZeRO-3 with hierarchical collectives) or "hsdp" (dp_shard = the
+    ranks of a node). Two all-gathers and one reduce-scatter of the whole model per
+    micro-batch."""
+    m, k = nodes, ranks_per_node
+    n = m * k
+    if layout == FLAT:
+        return microbatches * 3 * m * (n - 1) / n * model_bytes
+    if layout == HIERARCHICAL:
+        return microbatches * 3 * (m - 1) * model_bytes
+    if layout == "hsdp":
+        return n * 2 * (m - 1) / m * model_bytes / k
+    raise ValueError(f"layout must be flat, hierarchical or hsdp, got {layout!r}")

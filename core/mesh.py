@@ -15,6 +15,13 @@ nodes is an error naming its ranks and hosts.
 Gradients of replicated parameters are reduced over DP and CP together: the CP ranks of one
 replica hold the same parameters and see different tokens of the same sequences, so they are
 data parallel as far as gradients go (Megatron's "dp × cp" gradient group).
+
+Sharded data parallelism may split DP in two (`parallel.dp_shard`, HSDP): `dp = dp_replicate ×
+dp_shard`, ranks ordered `pp, dp_replicate, dp_shard, cp, tp` (torchtitan's `ParallelDims`), so a
+shard group is `dp_shard × cp × tp` consecutive ranks and can stay inside a node while the
+replica groups cross nodes. The device mesh keeps its `dp` axis (every strategy that does not
+shard reads it as before); `shard_data_parallel` adds the two named sub-axes, their groups and
+coordinates.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ from plait.core.errors import MeshError
 from plait.core.host_map import HostMap, check_inside_nodes, learn_host_map
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+# The two sub-axes `dp` splits into under sharded data parallelism (outer, inner).
+DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
+# `parallel.dp_shard = "node"`: as many dp ranks as one node holds.
+DP_SHARD_NODE = "node"
 # The axes over which replicated parameters' gradients are averaged (and ZeRO shards).
 GRADIENT_AXES: tuple[str, ...] = ("dp", "cp")
 # Axes whose groups must stay inside one node (their collectives run every layer).
@@ -120,8 +131,12 @@ class Mesh:
     rank: int
     world_size: int
     host_map: HostMap | None = None
+    # The dp ranks that shard (HSDP's inner sub-axis); None: dp is not split (every dp rank
+    # shards, as plain ZeRO does).
+    dp_shard: int | None = None
     _groups: dict[tuple[str, ...], Group] = field(default_factory=dict)
     _split_groups: dict[tuple[str, int], tuple[Group, Group]] = field(default_factory=dict)
+    _data_parallel_groups: tuple[Group, Group] | None = None
 
     @classmethod
     def from_env(
@@ -133,6 +148,7 @@ class Mesh:
         cp: int = 1,
         device: str = "auto",
         timeout_seconds: float = 600.0,
+        dp_shard: int | str | None = None,
     ) -> Mesh:
         torch_device = resolve_device(device)
         init_distributed(torch_device, timeout_seconds=timeout_seconds)
@@ -155,6 +171,8 @@ class Mesh:
         process_groups.track_mesh(mesh)
         for axis in NODE_LOCAL_AXES:
             mesh.require_inside_nodes(axis, mesh.axis_rank_sets(axis))
+        if dp_shard is not None:
+            mesh.shard_data_parallel(dp_shard)
         return mesh
 
     def axis_rank_sets(self, axis: str) -> list[tuple[int, ...]]:
@@ -175,6 +193,12 @@ class Mesh:
             if name in self.degrees and per_node
             else ""
         )
+        if name == DP_SHARD and per_node:
+            inner = self.degrees["cp"] * self.degrees["tp"]
+            hint = (
+                f"set parallel.dp_shard to at most {max(per_node // inner, 1)} or to "
+                f"'{DP_SHARD_NODE}' (one node's {per_node} ranks hold dp_shard × cp × tp)"
+            )
         check_inside_nodes(self.host_map, name, rank_sets, hint)
 
     def release(self) -> None:
@@ -182,6 +206,7 @@ class Mesh:
         them frees them; the mesh issues nothing afterwards. Called at interpreter exit."""
         self._groups.clear()
         self._split_groups.clear()
+        self._data_parallel_groups = None
         # A DeviceMesh keeps its (and its flattened meshes') groups in its root's registry,
         # inside reference cycles: emptied here, the groups need no garbage collection.
         registry = getattr(self.device_mesh, "_pg_registry", None)
@@ -190,14 +215,25 @@ class Mesh:
         self.device_mesh = None  # type: ignore[assignment]
 
     def size(self, axis: str) -> int:
+        """The degree of a mesh axis, or of `dp_shard` / `dp_replicate` (dp and 1 when dp is
+        not split)."""
+        if axis == DP_SHARD:
+            return self.dp_shard or self.degrees["dp"]
+        if axis == DP_REPLICATE:
+            return self.degrees["dp"] // self.size(DP_SHARD)
         return self.degrees[axis]
 
     def coordinate(self, axis: str) -> int:
-        """This rank's index along `axis`."""
+        """This rank's index along `axis` (a mesh axis, or a dp sub-axis)."""
+        if axis in (DP_SHARD, DP_REPLICATE):
+            replica, shard = divmod(self.device_mesh.get_local_rank("dp"), self.size(DP_SHARD))
+            return shard if axis == DP_SHARD else replica
         return self.device_mesh.get_local_rank(axis)
 
     def coordinates(self) -> dict[str, int]:
-        return {axis: self.coordinate(axis) for axis in MESH_AXES}
+        """Coordinates on every mesh axis, and on dp's sub-axes once dp is split."""
+        axes = MESH_AXES + ((DP_REPLICATE, DP_SHARD) if self.is_hybrid_sharded else ())
+        return {axis: self.coordinate(axis) for axis in axes}
 
     def group(self, *axes: str) -> Group:
         """The group of ranks that differ from this one only along `axes`.
@@ -229,6 +265,85 @@ class Mesh:
     def gradient_group(self) -> Group:
         """The dp × cp group of `gradient_axes` (created on first use: collective)."""
         return self.group(*self.gradient_axes())
+
+    # -- sharded data parallelism: dp = dp_replicate × dp_shard ------------------------------------
+
+    @property
+    def is_hybrid_sharded(self) -> bool:
+        """Whether dp is split into replicas of smaller shard groups (HSDP)."""
+        return self.dp_shard is not None and self.dp_shard < self.degrees["dp"]
+
+    def resolve_dp_shard(self, value: int | str | None) -> int:
+        """`parallel.dp_shard` as a degree: None = dp (shard over every dp rank), "node" = the dp
+        ranks one node holds (its ranks over cp × tp), an integer must divide dp."""
+        dp, inner = self.degrees["dp"], self.degrees["cp"] * self.degrees["tp"]
+        if value is None:
+            return dp
+        if value == DP_SHARD_NODE:
+            per_node = self.host_map.ranks_per_node if self.host_map is not None else 0
+            if not per_node:
+                raise MeshError(
+                    "parallel.dp_shard = 'node' needs nodes of equal size; the host map is "
+                    f"{self.host_map.describe() if self.host_map else 'unknown'}"
+                )
+            if per_node % inner:
+                raise MeshError(
+                    f"parallel.dp_shard = 'node': a node's {per_node} ranks are not a whole "
+                    f"number of cp × tp = {inner} groups"
+                )
+            value = max(per_node // inner, 1)
+            value = min(value, dp)
+        if not isinstance(value, int) or value < 1 or dp % value:
+            raise MeshError(
+                f"parallel.dp_shard = {value!r} must divide dp = {dp} (dp_replicate = "
+                f"dp / dp_shard), or be '{DP_SHARD_NODE}'"
+            )
+        return value
+
+    def shard_data_parallel(self, value: int | str | None) -> tuple[Group, Group]:
+        """Split dp into `dp_replicate × dp_shard` and return this rank's (shard group,
+        replica group): the shard group is dp_shard × cp (what ZeRO shards over and reduces
+        gradients in every micro-batch), the replica group the dp_replicate ranks that hold the
+        same shard. A split shard group must stay inside a node (`require_inside_nodes`).
+        Collective on first call; later calls with the same degree return the same groups."""
+        dp_shard = self.resolve_dp_shard(value)
+        if self._data_parallel_groups is not None:
+            if dp_shard != self.size(DP_SHARD):
+                raise MeshError(
+                    f"dp is already split with dp_shard = {self.size(DP_SHARD)}, not {dp_shard}"
+                )
+            return self._data_parallel_groups
+        self.dp_shard = dp_shard
+        if not self.is_hybrid_sharded:
+            self._data_parallel_groups = (self.gradient_group(), self._subgroup(DP_REPLICATE, []))
+            return self._data_parallel_groups
+        shard_sets, replica_sets = self._hybrid_rank_sets(dp_shard)
+        self.require_inside_nodes(DP_SHARD, [tuple(s) for s in shard_sets])
+        shard_name = "_".join((DP_SHARD, *self.gradient_axes()[1:]))
+        self._data_parallel_groups = (
+            self._subgroup(shard_name, shard_sets),
+            self._subgroup(DP_REPLICATE, replica_sets),
+        )
+        return self._data_parallel_groups
+
+    def _hybrid_rank_sets(self, dp_shard: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Every shard group (dp_shard × cp, in that order) and replica group, as global ranks."""
+        pp, dp, cp, tp = (self.degrees[a] for a in MESH_AXES)
+        grid = self.device_mesh.mesh.reshape(pp, dp // dp_shard, dp_shard, cp, tp)
+        shard_sets = grid.permute(0, 1, 4, 2, 3).reshape(-1, dp_shard * cp).tolist()
+        replica_sets = grid.permute(0, 2, 3, 4, 1).reshape(-1, dp // dp_shard).tolist()
+        return shard_sets, replica_sets
+
+    def shard_axes(self) -> tuple[str, ...]:
+        """The axes a sharded strategy's state is split over: dp_shard (× cp) once dp is
+        split, else the gradient axes."""
+        if not self.is_hybrid_sharded:
+            return self.gradient_axes()
+        return (DP_SHARD, *self.gradient_axes()[1:])
+
+    def replica_axes(self) -> tuple[str, ...]:
+        """The axes along which shard groups hold identical copies: dp_replicate, or none."""
+        return (DP_REPLICATE,) if self.is_hybrid_sharded else ()
 
     def split_group(self, axis: str, inner: int) -> tuple[Group, Group]:
         """Split `axis` into `inner` consecutive coordinates × `size / inner` strided ones.

@@ -6,6 +6,12 @@
   rank's chunk is kept.
 - `zero3` also shards parameters, FSDP-style, one unit per transformer block by default.
 
+`parallel.dp_shard` (HSDP) shards over a `dp_shard` group only and replicates across the
+`dp_replicate = dp / dp_shard` groups: stage 3 gathers parameters and reduces gradients inside
+its shard group every micro-batch (inside a node with `dp_shard = "node"`) and all-reduces its
+gradient shard across the replicas once per optimizer step (FSDP2's HSDP, torchtitan's
+`dp_replicate × dp_shard`).
+
 All three read the `[zero]` section (`plait.plugins.zero.config.ZeroConfig`): bucket size,
 stage 3 prefetch depth and unit rule, and offload of the optimizer state to CPU memory or to
 files (`offload = {device = "nvme", path = "/local/nvme"}`).
@@ -23,6 +29,7 @@ from functools import partial
 
 from torch import nn
 
+from plait.core.errors import ConfigError
 from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
 from plait.core.strategy import Strategies
 from plait.plugins.zero.config import OffloadConfig, ZeroConfig
@@ -47,10 +54,17 @@ def shard_zero(
 ) -> Sharded:
     if config.offload.device == "nvme":
         check_writable(config.offload.path)
-    group = context.mesh.gradient_group()  # dp, times cp under context parallelism
+    # The shard group: dp (times cp under context parallelism), or its dp_shard part under
+    # HSDP; the replica group holds the other copies of this rank's shard (one rank if none).
+    group, replicas = context.mesh.shard_data_parallel(context.config.parallel.dp_shard)
     # With ep > 1 expert parameters are reduced and sharded over the expert-dp group
     # (`plait.plugins.zero.groups`), in segments of their own.
     experts = context.expert_parallel
+    if replicas.size > 1 and (stage != 3 or (experts is not None and experts.degree > 1)):
+        raise ConfigError(
+            f"parallel.dp_shard = {context.config.parallel.dp_shard!r} (HSDP) is supported by "
+            "zero3 without expert parallelism; unset it for zero1/zero2 and for parallel.ep > 1"
+        )
     runtime: ParallelRuntime
     if stage == 3:
         from plait.plugins.zero.stage3 import FullyShardedRuntime
@@ -62,6 +76,7 @@ def shard_zero(
             mesh=context.mesh,
             config=config,
             experts=experts,
+            replicas=replicas,
         )
     else:
         from plait.plugins.zero.stage12 import ShardedOptimizerRuntime

@@ -74,14 +74,24 @@ def _held_pieces(master: ShardedMaster) -> dict[int, list[_HeldPiece]]:
 
 
 def _sharded(
-    previous: TensorLayout, pieces: tuple[LocalPiece, ...], axes: tuple[str, ...] = (DP_AXIS,)
+    previous: TensorLayout,
+    pieces: tuple[LocalPiece, ...],
+    axes: tuple[str, ...] = (DP_AXIS,),
+    replica_axes: tuple[str, ...] = (),
 ) -> TensorLayout:
-    """`axes`: the gradient axes ZeRO shards over (dp, and cp under context parallelism)."""
+    """`axes`: the axes ZeRO shards over (dp, and cp under context parallelism; dp_shard
+    instead of dp under HSDP, whose `replica_axes`, dp_replicate, hold identical copies: the
+    first replica alone writes them to a checkpoint)."""
+    split = (DP_AXIS,) if replica_axes else ()  # dp is described by its two sub-axes
     return replace(
         previous,
         pieces=pieces,
         sharded_over=tuple(dict.fromkeys((*previous.sharded_over, *axes))),
-        replicated_over=tuple(a for a in previous.replicated_over if a not in axes),
+        replicated_over=tuple(
+            dict.fromkeys(
+                (*(a for a in previous.replicated_over if a not in (*axes, *split)), *replica_axes)
+            )
+        ),
     )
 
 
@@ -124,11 +134,13 @@ def _refine(
                 set_step_count(state, value)
 
         step = StepCount(get=lambda: first["step"], set=set_step)
-    axes = master.mesh.gradient_axes()
+    axes, replicas = master.mesh.shard_axes(), master.mesh.replica_axes()
     return replace(
         entry,
-        value=_sharded(entry.value, tuple(values), axes),
-        optimizer_state={key: _sharded(entry.value, tuple(p), axes) for key, p in states.items()},
+        value=_sharded(entry.value, tuple(values), axes, replicas),
+        optimizer_state={
+            key: _sharded(entry.value, tuple(p), axes, replicas) for key, p in states.items()
+        },
         step=step,
     )
 

@@ -136,8 +136,9 @@ class ShardedMaster:
         for seg, gc in zip(self.segments, self.grad_chunks, strict=True):
             for piece in seg.pieces():
                 shards = 1
-                gradient_axes = self.mesh.gradient_axes()  # dp (× cp): the ranks sharing it
-                for axis in dict.fromkeys((*sharded_axes(piece.slot.param), *gradient_axes)):
+                # dp (× cp) share it, or under HSDP dp_shard (× cp): each replica holds a copy.
+                shard_axes = self.mesh.shard_axes()
+                for axis in dict.fromkeys((*sharded_axes(piece.slot.param), *shard_axes)):
                     shards *= self.mesh.size(axis)
                 view = gc[piece.chunk_start : piece.chunk_start + piece.numel]
                 pieces.append((view, shards / self.mesh.world_size))

@@ -18,6 +18,10 @@ what the user built while holding no memory.
 - Gradient accumulation is sharded: every micro-batch's gradients are reduce-scattered and summed
   into the chunks, so no full gradient outlives its unit's backward. The chunks themselves are
   released after the optimizer step and exist again from the next backward.
+- HSDP (`parallel.dp_shard`): the units are sharded over the shard group, and the other
+  replicas hold the same shards; the summed chunks are averaged across the replica group once,
+  at the gradient-sync boundary, so the slow cross-node link carries `B / dp_shard` per step
+  whatever the number of micro-batches.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from plait.core.blocks import find_block_container
 from plait.core.comm import Comm, Group, Work
-from plait.core.comm_algorithms import PARAM_GATHER
+from plait.core.comm_algorithms import GRAD_SHARD, PARAM_GATHER
 from plait.core.errors import ConfigError
 from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
@@ -170,14 +174,19 @@ class FullyShardedRuntime(ParallelRuntime):
         mesh: Mesh,
         config: ZeroConfig,
         experts: ExpertParallelism | None = None,
+        replicas: Group | None = None,
     ) -> None:
         self.comm, self.group = comm, group
+        self.replicas = replicas
         self.gradient_reduction = config.gradient_reduction
         self.prefetch = config.prefetch_count
         selected = find_units(model, config.unit)
         by_unit = unit_parameters(model, selected)
-        if group.size > 1 and config.broadcast_parameters:
-            broadcast_module(model, comm, group, experts)
+        if config.broadcast_parameters:
+            # Every replica starts from the same values: copy over all of dp (× cp).
+            everyone = mesh.gradient_group()
+            if everyone.size > 1:
+                broadcast_module(model, comm, everyone, experts)
         device = next(p for params in by_unit.values() for _, p in params).device
         shard_device = master_device(config.offload.device, device)
         modules = {**dict(selected), ROOT: model}
@@ -421,7 +430,28 @@ class FullyShardedRuntime(ParallelRuntime):
 
     def sync_gradients(self) -> None:
         self._finish_backward()
+        self._average_across_replicas()
         self._gradient_bytes_at_step = self.master.gradient_bytes()
+
+    def _average_across_replicas(self) -> None:
+        """HSDP: the shard groups' chunks hold the mean over their own ranks' micro-batches;
+        their mean across the replicas is the gradient of the global loss. Once per step (the
+        micro-batches already summed into the chunks), all units in flight together."""
+        replicas = self.replicas
+        if replicas is None or replicas.size == 1:
+            return
+        pending = [
+            (
+                unit.grad_chunk,
+                self.comm.all_reduce(
+                    unit.grad_chunk, group=replicas, op="sum", async_op=True, purpose=GRAD_SHARD
+                ),
+            )
+            for unit in self.units
+        ]
+        for chunk, work in pending:
+            work.wait()
+            chunk.mul_(1 / replicas.size)
 
     def build_optimizer(
         self, module: nn.Module, factory: OptimizerFactory

@@ -1,0 +1,108 @@
+"""Rank functions for HSDP (`parallel.dp_shard`) on 2 nodes x 2 ranks (torchrun's environment,
+Gloo): the tiny Llama under ZeRO-3 flat and hybrid-sharded, exporting spans to a daemon."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait.core.engine import Engine
+from plait.core.errors import PlaitError
+from plait.core.link_bytes import sharded_step_bytes
+from plait.core.plugins import Plugins
+from plait.core.testing import VOCAB_SIZE, merged_config
+from plait.plugins.zero.stage3 import FullyShardedRuntime
+from tests.dist.host_workers import as_nodes
+
+STEPS = 3
+GLOBAL_BATCH = 8
+MICRO_BATCH = 1  # 2 micro-batches per rank on 4 ranks: the replica all-reduce must stay once
+
+
+def _tokens() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, VOCAB_SIZE, (STEPS, GLOBAL_BATCH, 17), generator=generator)
+
+
+def train_jobs(
+    rank: int, world_size: int, nnodes: int, jobs: dict[str, dict[str, Any]], address: str
+) -> dict[str, Any]:
+    """Train each job (job id -> config overrides); return losses, parameters, the formulas'
+    bytes per step for this rank and the mesh's view of the split."""
+    if nnodes:
+        as_nodes(rank, world_size, nnodes)
+    out: dict[str, Any] = {}
+    for job_id, job in jobs.items():
+        overrides: dict[str, Any] = {
+            "train": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH},
+            "telemetry": {"enabled": bool(address), "daemon": address, "job_id": job_id},
+            **job,
+        }
+        engine = Engine(config=merged_config(overrides), plugins=Plugins.create(autoload=False))
+        mesh = engine.mesh
+        dp, dp_size = mesh.coordinate("dp"), mesh.size("dp")
+        share = GLOBAL_BATCH // dp_size
+        tokens = _tokens()
+        losses = []
+        for step in range(STEPS):
+            batch = tokens[step, dp * share : (dp + 1) * share]
+            losses.append(engine.train_step((batch[:, :-1], batch[:, 1:])))
+        runtime = next((r for r in engine.runtimes if isinstance(r, FullyShardedRuntime)), None)
+        result: dict[str, Any] = {"losses": losses}
+        if runtime is not None:
+            with runtime.full_parameters():
+                params = [p for p in engine.module.parameters() if p.requires_grad]
+                result["parameters"] = torch.cat([p.detach().reshape(-1) for p in params])
+            result.update(_expected_bytes(engine, runtime, share // MICRO_BATCH))
+        else:
+            params = [p for p in engine.module.parameters() if p.requires_grad]
+            result["parameters"] = torch.cat([p.detach().reshape(-1) for p in params])
+        result["coordinates"] = mesh.coordinates()
+        result["shard_group"] = runtime.group.ranks if runtime else ()
+        result["replica_group"] = runtime.replicas.ranks if runtime and runtime.replicas else ()
+        out[job_id] = result
+        del runtime  # holds the process groups that closing the engine destroys
+        engine.close()
+    return out
+
+
+def _expected_bytes(engine: Engine, runtime: FullyShardedRuntime, microbatches: int) -> dict:
+    """This rank's bytes per step by `plait.core.link_bytes.sharded_step_bytes`: forward
+    gathers every unit, backward every unit but the root and the last block (kept gathered)."""
+    units = runtime.units
+    kept = {id(units[0]), id(units[-1])} if runtime.root is not None else {id(units[-1])}
+    padded = [u.segment.padded_numel for u in units]
+    gathers = padded + [u.segment.padded_numel for u in units if id(u) not in kept]
+    algorithm = engine.config.comm.algorithm or "torch"
+    host_map = engine.mesh.host_map
+    assert host_map is not None
+    expected = sharded_step_bytes(
+        engine.mesh.rank,
+        shard_group=runtime.group.ranks,
+        replica_group=runtime.replicas.ranks if runtime.replicas else (engine.mesh.rank,),
+        host_map=host_map,
+        gathers=gathers,
+        reductions=padded,
+        itemsize=4,
+        microbatches=microbatches,
+        algorithm=algorithm,
+    )
+    return {
+        "expected": (expected.intra_node, expected.inter_node),
+        "units": len(units),
+        "model_bytes": sum(padded) * 4,
+        "microbatches": microbatches,
+    }
+
+
+def refused_split(rank: int, world_size: int, nnodes: int, dp_shard: int | str) -> str:
+    """Build a zero3 engine with `dp_shard` on `nnodes` nodes; return the error it raised."""
+    as_nodes(rank, world_size, nnodes)
+    parallel = {"dp_strategy": "zero3", "dp_shard": dp_shard}
+    config = merged_config({"parallel": parallel, "telemetry": {"enabled": False}})
+    try:
+        Engine(config=config, plugins=Plugins.create(autoload=False)).close()
+    except PlaitError as error:
+        return str(error)
+    return ""

@@ -1,0 +1,139 @@
+"""HSDP (`parallel.dp_shard`) on 2 nodes x 2 ranks: ZeRO-3 sharded inside each node and
+replicated across trains as one process does; the bytes each rank sends inside and across
+nodes are `plait.core.link_bytes.sharded_step_bytes`' in the spans; the replica all-reduce runs
+once per step, not per micro-batch; a shard group that spans nodes is refused by name."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import torch
+
+from plait.core import telemetry_schema as names
+from plait.core.link_bytes import sharded_step_inter_node
+from plait.core.testing import run_distributed
+from plait.daemon.server import DaemonServer
+from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from tests.dist import hsdp_workers
+from tests.dist.hsdp_workers import STEPS
+
+pytestmark = pytest.mark.dist
+
+LOSS_TOL = 1e-5
+PARAM_TOL = 2e-5
+SHARDED = ("param_gather", "grad_bucket", "grad_shard")
+RS = {"gradient_reduction": "reduce_scatter"}  # the GPU path, the formulas' reduce-scatter
+JOBS: dict[str, dict[str, Any]] = {
+    "flat": {"parallel": {"dp_strategy": "zero3"}, "zero": RS, "comm": {"algorithm": "torch"}},
+    "hierarchical": {
+        "parallel": {"dp_strategy": "zero3"},
+        "zero": RS,
+        "comm": {"algorithm": "hierarchical"},
+    },
+    "hsdp": {"parallel": {"dp_strategy": "zero3", "dp_shard": 2}, "zero": RS},
+    # Gloo's default reduction (a summing all-reduce inside the node) with dp_shard = "node".
+    "hsdp_node": {"parallel": {"dp_strategy": "zero3", "dp_shard": "node"}},
+}
+
+
+def comm_spans(address: str, job_id: str) -> dict[tuple[int, int, str], list[int]]:
+    """(rank, step, purpose) -> [intra, inter, count] over the backend-carried comm spans; a
+    purpose is named without the algorithm that issued it ("hierarchical/grad_bucket")."""
+    import grpc
+
+    stub = daemon_pb2_grpc.DaemonStub(grpc.insecure_channel(address))
+    trace = stub.CaptureTrace(daemon_pb2.CaptureTraceRequest(seconds=0, job_id=job_id))
+    sums: dict[tuple[int, int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for event in json.loads(trace.chrome_trace_json)["traceEvents"]:
+        args = event.get("args", {})
+        if event.get("ph") != "X" or names.SPAN_COMM_OP not in args:
+            continue
+        if args.get(names.SPAN_COMM_ALGORITHM) != names.COMM_ALGORITHM_BACKEND:
+            continue
+        if names.SPAN_STEP not in args:  # the start's parameter broadcast
+            continue
+        purpose = args[names.SPAN_COMM_PURPOSE].split("/")[-1]
+        key = (event["pid"], args[names.SPAN_STEP], purpose)
+        sums[key][0] += args[names.SPAN_COMM_BYTES_INTRA_NODE]
+        sums[key][1] += args[names.SPAN_COMM_BYTES_INTER_NODE]
+        sums[key][2] += 1
+    return sums
+
+
+@pytest.mark.timeout(500)
+def test_hsdp_on_two_nodes_trains_as_one_process_and_sends_the_formulas_bytes() -> None:
+    with DaemonServer("127.0.0.1:0", host_interval=0.2) as daemon:
+        ranks = run_distributed(hsdp_workers.train_jobs, 4, 2, JOBS, daemon.address, timeout=400)
+        (single,) = run_distributed(hsdp_workers.train_jobs, 1, 0, {"one": {}}, "", timeout=120)
+        reference = single["one"]
+        for rank, result in enumerate(ranks):
+            for job in JOBS:
+                got = result[job]
+                torch.testing.assert_close(
+                    torch.tensor(got["losses"]), torch.tensor(reference["losses"]),
+                    rtol=0, atol=LOSS_TOL, msg=lambda m, j=job: f"{j} losses: {m}",
+                )  # fmt: skip
+                torch.testing.assert_close(
+                    got["parameters"], reference["parameters"], rtol=0, atol=PARAM_TOL,
+                    msg=lambda m, j=job, r=rank: f"{j} parameters, rank {r}: {m}",
+                )  # fmt: skip
+            # dp_shard = 2 and "node" split dp alike: shard inside the node, replicas across.
+            for job in ("hsdp", "hsdp_node"):
+                got = result[job]
+                node_first = rank - rank % 2
+                assert got["shard_group"] == (node_first, node_first + 1), (job, rank)
+                assert got["replica_group"] == (rank % 2, rank % 2 + 2), (job, rank)
+                assert got["coordinates"]["dp_replicate"] == rank // 2
+                assert got["coordinates"]["dp_shard"] == rank % 2
+            assert result["flat"]["shard_group"] == (0, 1, 2, 3)
+            assert "dp_shard" not in result["flat"]["coordinates"]  # unset: as before
+
+        job_inter: dict[str, int] = {}
+        for job in JOBS:
+            sums = comm_spans(daemon.address, job)
+            job_inter[job] = 0
+            for rank, result in enumerate(ranks):
+                got = result[job]
+                for step in range(STEPS):
+                    spans = [sums.get((rank, step, p), [0, 0, 0]) for p in SHARDED]
+                    intra, inter = (sum(s[i] for s in spans) for i in (0, 1))
+                    if job != "hsdp_node":
+                        assert (intra, inter) == tuple(got["expected"]), (job, rank, step)
+                    else:
+                        # The all-reduce path stays inside the node: only the replicas cross.
+                        assert inter == got["expected"][1], (job, rank, step)
+                    _, shard_inter, shard_ops = spans[2]
+                    if job.startswith("hsdp"):
+                        # Once per step (2 micro-batches), one all-reduce per unit, all across.
+                        assert shard_ops == got["units"], (job, rank, step)
+                        assert shard_inter == inter > 0
+                    else:
+                        assert shard_ops == 0
+                    job_inter[job] += inter
+        B, M = ranks[0]["flat"]["model_bytes"], ranks[0]["flat"]["microbatches"]
+        assert M == 2
+        per_step = {job: total // STEPS for job, total in job_inter.items()}
+        # HSDP: 2·B per step across nodes on 2 x 2, whatever the micro-batch count.
+        assert per_step["hsdp"] == per_step["hsdp_node"] == 2 * B
+        assert per_step["hsdp"] == sharded_step_inter_node(
+            B, nodes=2, ranks_per_node=2, microbatches=M, layout="hsdp"
+        )
+        # Flat ZeRO-3 pays 4.5·B per micro-batch (3·B hierarchically), less the second gather
+        # of the units kept gathered from forward to backward.
+        for job, layout in (("flat", "flat"), ("hierarchical", "hierarchical")):
+            bound = sharded_step_inter_node(
+                B, nodes=2, ranks_per_node=2, microbatches=M, layout=layout
+            )
+            assert bound * 2 / 3 < per_step[job] < bound, (job, per_step[job], bound)
+        print("cross-node bytes per step:", per_step, "B =", B)
+
+
+@pytest.mark.timeout(200)
+def test_a_shard_group_across_nodes_is_refused_by_name() -> None:
+    # 4 nodes of one rank: dp_shard = 2 would shard across two nodes.
+    errors = run_distributed(hsdp_workers.refused_split, 4, 4, 2, timeout=150)
+    for error in errors:
+        assert "dp_shard" in error and "set parallel.dp_shard to at most 1" in error, error
