@@ -106,3 +106,44 @@ def refused_split(rank: int, world_size: int, nnodes: int, dp_shard: int | str) 
     except PlaitError as error:
         return str(error)
     return ""
+
+
+def checkpoint_round(
+    rank: int,
+    world_size: int,
+    ckpt_dir: str,
+    stop_at: int,
+    save_at: tuple[int, ...],
+    resume: bool,
+    parallel: dict[str, Any],
+) -> dict[str, Any]:
+    """`checkpoint_workers.train_and_checkpoint` under zero3 with `parallel` (dp_shard or not),
+    also returning what this rank writes: the chunks of every tensor the checkpoint takes
+    from it, and the axes the parameters are declared replicated over."""
+    from plait.core.state_chunks import first_replica, layout_for, tensor_pieces
+    from tests.dist.checkpoint_workers import train_and_checkpoint
+
+    result = train_and_checkpoint(
+        rank, world_size, ckpt_dir, stop_at, save_at, resume, False, parallel, "zero3"
+    )
+    config = merged_config(
+        {
+            "parallel": {"dp_strategy": "zero3", **parallel},
+            "train": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
+            "telemetry": {"enabled": False},
+        }
+    )
+    engine = Engine(config=config, plugins=Plugins.create(autoload=False))
+    rows = _tokens()[0, :2]
+    engine.train_step((rows[:, :-1], rows[:, 1:]))  # so that optimizer state exists
+    layout, is_writer = layout_for(engine), first_replica(engine)
+    written = 0
+    replicated: set[tuple[str, ...]] = set()
+    for entry in layout.parameters:
+        replicated.add(entry.value.replicated_over)
+        tensors = [entry.value, *entry.optimizer_state.values()]
+        for tensor in tensors:
+            pieces = tensor_pieces(tensor, is_writer=is_writer)
+            written += sum(chunk.tensor.numel() for chunk in pieces.chunks)
+    engine.close()
+    return {**result, "written": written, "replicated_over": sorted(replicated)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from plait.core.testing import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.dist import hsdp_workers
+from tests.dist.checkpoint_workers import train_and_checkpoint
 from tests.dist.hsdp_workers import STEPS
 
 pytestmark = pytest.mark.dist
@@ -137,3 +139,22 @@ def test_a_shard_group_across_nodes_is_refused_by_name() -> None:
     errors = run_distributed(hsdp_workers.refused_split, 4, 4, 2, timeout=150)
     for error in errors:
         assert "dp_shard" in error and "set parallel.dp_shard to at most 1" in error, error
+
+
+@pytest.mark.timeout(400)
+def test_hsdp_checkpoint_is_written_by_one_replica_and_resumes_flat_and_in_one_process(
+    tmp_path: Path,
+) -> None:
+    round_ = hsdp_workers.checkpoint_round
+    hsdp = run_distributed(round_, 4, str(tmp_path), 5, (3,), False, {"dp_shard": 2}, timeout=200)
+    flat = run_distributed(round_, 4, str(tmp_path), 5, (), True, {}, timeout=200)
+    (one,) = run_distributed(train_and_checkpoint, 1, str(tmp_path), 5, (), True, timeout=120)
+    # The first replica (ranks 0 and 1, one node) writes the shards; the second writes nothing.
+    assert [r["replicated_over"] for r in hsdp] == [[("dp_replicate",)]] * 4
+    assert hsdp[0]["written"] > 0 and hsdp[1]["written"] > 0
+    assert hsdp[2]["written"] == hsdp[3]["written"] == 0
+    assert all(r["written"] > 0 for r in flat)  # flat ZeRO-3: every rank holds its own shard
+    for resumed in (*flat, one):
+        assert resumed["start"] == 3
+        for step in (3, 4):
+            assert resumed["losses"][step] == pytest.approx(hsdp[0]["losses"][step], abs=LOSS_TOL)
