@@ -44,12 +44,14 @@ def train_jobs(
         dp, dp_size = mesh.coordinate("dp"), mesh.size("dp")
         share = GLOBAL_BATCH // dp_size
         tokens = _tokens()
-        losses = []
+        losses, grad_norms = [], []
         for step in range(STEPS):
             batch = tokens[step, dp * share : (dp + 1) * share]
             losses.append(engine.train_step((batch[:, :-1], batch[:, 1:])))
+            report = engine.last_report
+            grad_norms.append(float("nan") if report is None else report.grad_norm)
         runtime = next((r for r in engine.runtimes if isinstance(r, FullyShardedRuntime)), None)
-        result: dict[str, Any] = {"losses": losses}
+        result: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms}
         if runtime is not None:
             with runtime.full_parameters():
                 params = [p for p in engine.module.parameters() if p.requires_grad]

@@ -78,6 +78,11 @@ def test_hsdp_on_two_nodes_trains_as_one_process_and_sends_the_formulas_bytes() 
                     torch.tensor(got["losses"]), torch.tensor(reference["losses"]),
                     rtol=0, atol=LOSS_TOL, msg=lambda m, j=job: f"{j} losses: {m}",
                 )  # fmt: skip
+                # The norm counts each shard once although every replica holds it.
+                torch.testing.assert_close(
+                    torch.tensor(got["grad_norms"]), torch.tensor(reference["grad_norms"]),
+                    rtol=1e-5, atol=0, msg=lambda m, j=job: f"{j} gradient norms: {m}",
+                )  # fmt: skip
                 torch.testing.assert_close(
                     got["parameters"], reference["parameters"], rtol=0, atol=PARAM_TOL,
                     msg=lambda m, j=job, r=rank: f"{j} parameters, rank {r}: {m}",
