@@ -7,10 +7,10 @@
 - `zero3` also shards parameters, FSDP-style, one unit per transformer block by default.
 
 `parallel.dp_shard` (HSDP) shards over a `dp_shard` group only and replicates across the
-`dp_replicate = dp / dp_shard` groups: stage 3 gathers parameters and reduces gradients inside
-its shard group every micro-batch (inside a node with `dp_shard = "node"`) and all-reduces its
-gradient shard across the replicas once per optimizer step (FSDP2's HSDP, torchtitan's
-`dp_replicate × dp_shard`).
+`dp_replicate = dp / dp_shard` groups. Stages 1 and 2 reduce buckets and shard the optimizer
+state inside the shard group; stage 3 also gathers parameters there, every micro-batch (inside
+a node with `dp_shard = "node"`). All three average the gradient chunks across the replicas
+once per optimizer step (FSDP2's HSDP, torchtitan's `dp_replicate × dp_shard`).
 
 All three read the `[zero]` section (`plait.plugins.zero.config.ZeroConfig`): bucket size,
 stage 3 prefetch depth and unit rule, and offload of the optimizer state to CPU memory or to
@@ -60,10 +60,10 @@ def shard_zero(
     # With ep > 1 expert parameters are reduced and sharded over the expert-dp group
     # (`plait.plugins.zero.groups`), in segments of their own.
     experts = context.expert_parallel
-    if replicas.size > 1 and (stage != 3 or (experts is not None and experts.degree > 1)):
+    if replicas.size > 1 and experts is not None and experts.degree > 1:
         raise ConfigError(
-            f"parallel.dp_shard = {context.config.parallel.dp_shard!r} (HSDP) is supported by "
-            "zero3 without expert parallelism; unset it for zero1/zero2 and for parallel.ep > 1"
+            f"parallel.dp_shard = {context.config.parallel.dp_shard!r} (HSDP) with "
+            "parallel.ep > 1 is not supported yet; unset one of them"
         )
     runtime: ParallelRuntime
     if stage == 3:
@@ -89,6 +89,7 @@ def shard_zero(
             mesh=context.mesh,
             config=config,
             experts=experts,
+            replicas=replicas,
         )
     return Sharded(module=model, runtime=runtime)
 

@@ -16,6 +16,9 @@ keeps per-bucket state (PowerSGD, top-k, a parameter server) tells the buckets a
 
 Gradient accumulation is sharded: the first micro-batch's reduction writes the chunk, later
 ones are added to it.
+
+Under HSDP (`parallel.dp_shard`) the chunks so reduced are the mean over the shard group only;
+`average_across_replicas` makes them the mean over all of dp, once per optimizer step.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.core.comm import Comm, Group, Work
-from plait.core.comm_algorithms import GRAD_BUCKET
+from plait.core.comm_algorithms import GRAD_BUCKET, GRAD_SHARD
 from plait.plugins.zero.flat_buffer import Segment
 
 
@@ -117,3 +120,19 @@ def release(chunk: torch.Tensor) -> None:
     """Free `chunk`'s memory while keeping the tensor (and every view of it, such as the
     optimizer parameters' `.grad`) valid for `ensure_allocated`."""
     chunk.untyped_storage().resize_(0)
+
+
+def average_across_replicas(comm: Comm, replicas: Group | None, chunks: list[torch.Tensor]) -> None:
+    """HSDP: average each gradient chunk (the mean over its shard group, summed over the
+    step's micro-batches) with the other replicas' copies of the same chunk, so that it is the
+    gradient of the global loss. Once per step, all chunks in flight together; nothing to do
+    without replicas."""
+    if replicas is None or replicas.size == 1:
+        return
+    pending = [
+        (chunk, comm.all_reduce(chunk, group=replicas, op="sum", async_op=True, purpose=GRAD_SHARD))
+        for chunk in chunks
+    ]
+    for chunk, work in pending:
+        work.wait()
+        chunk.mul_(1 / replicas.size)

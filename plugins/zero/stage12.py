@@ -15,6 +15,9 @@ strictly in bucket order so every rank issues the same collective sequence.
   The chunks are released after the optimizer step, until the next backward.
 
 After the optimizer step each segment's updated chunks are all-gathered into the flat buffers.
+
+Under HSDP (`parallel.dp_shard`) buckets are reduced, and the optimizer state sharded, over the
+shard group; the reduced chunks are averaged across the replica group once per step.
 """
 
 from __future__ import annotations
@@ -39,7 +42,12 @@ from plait.plugins.zero.flat_buffer import Segment
 from plait.plugins.zero.groups import broadcast_module, runs_by_group
 from plait.plugins.zero.layout import sharded_master_layout
 from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
-from plait.plugins.zero.reduction import PendingReduction, ensure_allocated, launch_reduction
+from plait.plugins.zero.reduction import (
+    PendingReduction,
+    average_across_replicas,
+    ensure_allocated,
+    launch_reduction,
+)
 
 # Stage 2: buckets whose full gradient buffer may be alive at once (being reduce-scattered).
 MAX_IN_FLIGHT = 2
@@ -76,18 +84,23 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         mesh: Mesh,
         config: ZeroConfig,
         experts: ExpertParallelism | None = None,
+        replicas: Group | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizerRuntime implements stages 1 and 2, not {stage}")
         self.name = f"zero{stage}"
         self.gradients_consumed_each_microbatch = stage == 2
         self.stage, self.comm, self.group = stage, comm, group
+        self.replicas = replicas
         self.gradient_reduction = config.gradient_reduction
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
         if not named:
             raise ValueError(f"{self.name}: the module has no trainable parameters")
-        if group.size > 1 and config.broadcast_parameters:
-            broadcast_module(module, comm, group, experts)
+        if config.broadcast_parameters:
+            # Every replica starts from the same values: copy over all of dp (× cp).
+            everyone = mesh.gradient_group()
+            if everyone.size > 1:
+                broadcast_module(module, comm, everyone, experts)
         name_of = {id(p): n for n, p in named}
         # Expert parameters (ep > 1) are bucketed apart: their segments use the expert-dp group.
         buckets = [
@@ -279,6 +292,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
 
     def sync_gradients(self) -> None:
         self._finish_backward()
+        average_across_replicas(self.comm, self.replicas, self.grad_chunks)
         self._reduce_this_backward = True
         self._gradient_bytes_at_step = self._gradient_bytes()
 

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from plait.core.blocks import find_block_container
 from plait.core.comm import Comm, Group, Work
-from plait.core.comm_algorithms import GRAD_SHARD, PARAM_GATHER
+from plait.core.comm_algorithms import PARAM_GATHER
 from plait.core.errors import ConfigError
 from plait.core.memory import storage_bytes
 from plait.core.mesh import Mesh
@@ -51,7 +51,12 @@ from plait.plugins.zero.groups import split_by_group
 from plait.plugins.zero.layout import regather_units, sharded_master_layout
 from plait.plugins.zero.offload import master_device
 from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
-from plait.plugins.zero.reduction import PendingReduction, ensure_allocated, launch_reduction
+from plait.plugins.zero.reduction import (
+    PendingReduction,
+    average_across_replicas,
+    ensure_allocated,
+    launch_reduction,
+)
 from plait.plugins.zero.stage12 import MAX_IN_FLIGHT, broadcast_module
 
 ROOT = "<root>"
@@ -434,24 +439,8 @@ class FullyShardedRuntime(ParallelRuntime):
         self._gradient_bytes_at_step = self.master.gradient_bytes()
 
     def _average_across_replicas(self) -> None:
-        """HSDP: the shard groups' chunks hold the mean over their own ranks' micro-batches;
-        their mean across the replicas is the gradient of the global loss. Once per step (the
-        micro-batches already summed into the chunks), all units in flight together."""
-        replicas = self.replicas
-        if replicas is None or replicas.size == 1:
-            return
-        pending = [
-            (
-                unit.grad_chunk,
-                self.comm.all_reduce(
-                    unit.grad_chunk, group=replicas, op="sum", async_op=True, purpose=GRAD_SHARD
-                ),
-            )
-            for unit in self.units
-        ]
-        for chunk, work in pending:
-            work.wait()
-            chunk.mul_(1 / replicas.size)
+        # HSDP: once per step, the micro-batches already summed into the chunks.
+        average_across_replicas(self.comm, self.replicas, [u.grad_chunk for u in self.units])
 
     def build_optimizer(
         self, module: nn.Module, factory: OptimizerFactory

@@ -1,22 +1,25 @@
 """Rank functions for HSDP (`parallel.dp_shard`) on 2 nodes x 2 ranks (torchrun's environment,
-Gloo): the tiny Llama under ZeRO-3 flat and hybrid-sharded, exporting spans to a daemon."""
+Gloo): the tiny Llama under ZeRO-1/2/3, flat and hybrid-sharded, exporting spans to a daemon."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from plait.core.engine import Engine
 from plait.core.errors import PlaitError
-from plait.core.link_bytes import sharded_step_bytes
+from plait.core.link_bytes import ring_all_reduce, sharded_step_bytes
 from plait.core.plugins import Plugins
 from plait.core.testing import VOCAB_SIZE, merged_config
 from plait.plugins.zero.stage3 import FullyShardedRuntime
+from plait.plugins.zero.stage12 import ShardedOptimizerRuntime
 from tests.dist.host_workers import as_nodes
 
 STEPS = 3
 GLOBAL_BATCH = 8
+ZERO_RUNTIMES = (FullyShardedRuntime, ShardedOptimizerRuntime)
 MICRO_BATCH = 1  # 2 micro-batches per rank on 4 ranks: the replica all-reduce must stay once
 
 
@@ -50,16 +53,20 @@ def train_jobs(
             losses.append(engine.train_step((batch[:, :-1], batch[:, 1:])))
             report = engine.last_report
             grad_norms.append(float("nan") if report is None else report.grad_norm)
-        runtime = next((r for r in engine.runtimes if isinstance(r, FullyShardedRuntime)), None)
+        runtime = next((r for r in engine.runtimes if isinstance(r, ZERO_RUNTIMES)), None)
         result: dict[str, Any] = {"losses": losses, "grad_norms": grad_norms}
-        if runtime is not None:
-            with runtime.full_parameters():
-                params = [p for p in engine.module.parameters() if p.requires_grad]
-                result["parameters"] = torch.cat([p.detach().reshape(-1) for p in params])
-            result.update(_expected_bytes(engine, runtime, share // MICRO_BATCH))
-        else:
+        gathered = (
+            runtime.full_parameters()
+            if isinstance(runtime, FullyShardedRuntime)
+            else contextlib.nullcontext()
+        )
+        with gathered:
             params = [p for p in engine.module.parameters() if p.requires_grad]
             result["parameters"] = torch.cat([p.detach().reshape(-1) for p in params])
+        if isinstance(runtime, FullyShardedRuntime):
+            result.update(_expected_bytes(engine, runtime, share // MICRO_BATCH))
+        elif isinstance(runtime, ShardedOptimizerRuntime):
+            result.update(_expected_replica_bytes(engine, runtime))
         result["coordinates"] = mesh.coordinates()
         result["shard_group"] = runtime.group.ranks if runtime else ()
         result["replica_group"] = runtime.replicas.ranks if runtime and runtime.replicas else ()
@@ -95,6 +102,21 @@ def _expected_bytes(engine: Engine, runtime: FullyShardedRuntime, microbatches: 
         "units": len(units),
         "model_bytes": sum(padded) * 4,
         "microbatches": microbatches,
+    }
+
+
+def _expected_replica_bytes(engine: Engine, runtime: ShardedOptimizerRuntime) -> dict:
+    """Stages 1 and 2 with the shard group inside a node: only the once-per-step all-reduce of
+    each bucket's gradient chunk across the replicas leaves it."""
+    host_map = engine.mesh.host_map
+    assert host_map is not None and runtime.replicas is not None
+    rank, replicas = engine.mesh.rank, runtime.replicas.ranks
+    sent = [
+        ring_all_reduce(replicas, rank, b.segment.chunk_numel, 4, host_map) for b in runtime.buckets
+    ]
+    return {
+        "expected": (None, sum(s.inter_node for s in sent)),
+        "units": len(runtime.buckets),
     }
 
 
