@@ -152,6 +152,13 @@ class Engine:
             model.config.use_cache = False
         model_counting = _loss_counting(model, self._documents_input)
         self.module = self._shard(model)
+        if cfg.parallel.dp_shard is not None and not self.mesh.data_parallel_split:
+            raise ConfigError(
+                f"parallel.dp_shard = {cfg.parallel.dp_shard!r} splits data parallelism into "
+                f"shard and replica groups, but dp strategy {cfg.parallel.dp_strategy!r} does "
+                "not shard: it would be ignored. Use zero1, zero2 or zero3, or leave dp_shard "
+                "unset"
+            )
         self.loss_fn = self._choose_loss_fn(loss_fn)
         self._loss_counting: LossCounting = (
             "targets" if self._loss_replaced else None if loss_fn is not None else model_counting

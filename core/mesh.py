@@ -300,6 +300,11 @@ class Mesh:
             )
         return value
 
+    @property
+    def data_parallel_split(self) -> bool:
+        """Whether a strategy has split dp into shard and replica groups (`shard_data_parallel`)."""
+        return self._data_parallel_groups is not None
+
     def shard_data_parallel(self, value: int | str | None) -> tuple[Group, Group]:
         """Split dp into `dp_replicate × dp_shard` and return this rank's (shard group,
         replica group): the shard group is dp_shard × cp (what ZeRO shards over and reduces
