@@ -221,6 +221,22 @@ class KernelsSection(Section):
     overrides: dict[str, str] = Field(
         default_factory=dict, description="provider per op, e.g. {attention = 'torch'}"
     )
+    provider: Literal["auto", "prefer"] | None = Field(
+        None,
+        description="'auto': time every provider of an op at its first call's shapes and use "
+        "the fastest (cached per machine); 'prefer': the preference order only; unset: 'auto' "
+        "on CUDA when prefer is empty. overrides win over 'auto'",
+    )
+
+    @model_validator(mode="after")
+    def _auto_or_prefer(self) -> KernelsSection:
+        # Measuring among providers while also ranking them by hand: one of the two is ignored.
+        if self.provider == "auto" and self.prefer:
+            raise ValueError(
+                f"kernels.provider = 'auto' chooses by measurement, kernels.prefer = "
+                f"{self.prefer} by order; set one (overrides combine with either)"
+            )
+        return self
 
 
 class TelemetrySection(Section):

@@ -3,7 +3,9 @@
 `Kernels.get(name, device, dtype)` asks `plait_kernel` once per (op, device type, dtype) and
 caches the callable. Preference (`kernels.prefer = ["triton", "torch"]`) and per-op overrides
 (`kernels.overrides = {attention = "torch"}`) choose between providers; the torch reference
-plugin answers `trylast` for everything.
+plugin answers `trylast` for everything. With `kernels.provider = "auto"` (the default on CUDA
+when `prefer` is empty) an op without an override is chosen by measurement at its first call
+instead (`plait.core.kernel_selection`); overrides and a `prefer` list win over it.
 
 Op signatures every provider implements (all autograd-correct):
 
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.core.errors import PluginError
+from plait.core.kernel_selection import IN_PLACE_OPS, KernelSelector, MeasuredOp
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
@@ -67,10 +70,17 @@ class Kernels:
         *,
         prefer: Sequence[str] = (),
         overrides: Mapping[str, str] | None = None,
+        provider: str | None = None,
+        selector: KernelSelector | None = None,
     ) -> None:
         self.plugins = plugins
         self.prefer = tuple(prefer)
         self.overrides = dict(overrides or {})
+        # "auto": measure on every device; "prefer": never; None: measure on CUDA only, and
+        # only when no preference order is given (a `prefer` list is an explicit choice).
+        self.provider = provider
+        self.selector = selector or KernelSelector(plugins)
+        self._measured: dict[tuple[str, str, str], MeasuredOp] = {}
         self._cache: dict[tuple[str, str, str], Callable[..., Any]] = {}
         self._by_given: dict[tuple[Any, Any, Any], Callable[..., Any]] = {}
         self._chosen: dict[tuple[str, str, str], str] = {}
@@ -93,9 +103,27 @@ class Kernels:
         """Which provider answered (after `get`), for `plait kernels` and logs."""
         key = (name, _device_type(device), _dtype_name(dtype))
         self.get(name, device, dtype)
-        return self._chosen[key]
+        return self.chosen_providers()[key]
+
+    def measures(self, name: str, device: str) -> bool:
+        """Whether `name` on `device` is chosen by measurement rather than by preference."""
+        if name in self.overrides or name in IN_PLACE_OPS:
+            return False
+        if self.provider is None:
+            return device == "cuda" and not self.prefer
+        return self.provider == "auto"
 
     def _resolve(self, name: str, device: str, dtype: str) -> tuple[Callable[..., Any], str]:
+        if self.measures(name, device):
+            measured = MeasuredOp(
+                self.selector, name, device, dtype,
+                fallback=lambda: self._preferred(name, device, dtype)[0],
+            )  # fmt: skip
+            self._measured[(name, device, dtype)] = measured
+            return measured, "auto"
+        return self._preferred(name, device, dtype)
+
+    def _preferred(self, name: str, device: str, dtype: str) -> tuple[Callable[..., Any], str]:
         if name in self.overrides:
             forced = self.overrides[name]
             impl = self.plugins.kernel(name=name, device=device, dtype=dtype, provider=forced)
@@ -119,8 +147,12 @@ class Kernels:
         return impl, getattr(impl, "plait_provider", "unknown")
 
     def chosen_providers(self) -> dict[tuple[str, str, str], str]:
-        """(op, device type, dtype) -> the provider that answered, for every op resolved."""
-        return dict(self._chosen)
+        """(op, device type, dtype) -> the provider that answered, for every op resolved
+        ("auto" for a measured op not called yet)."""
+        chosen = dict(self._chosen)
+        for key, measured in self._measured.items():
+            chosen[key] = measured.plait_provider
+        return chosen
 
     def providers_for(self, name: str) -> list[str]:
         return sorted(

@@ -4,18 +4,24 @@ Resolution is exactly the runtime's: the plugin manager is built the way a rank 
 (built-ins, the `plait` entry-point group, `plugins.disable`), then `plait.core.kernels.Kernels`
 walks the config's `kernels.prefer` and `kernels.overrides` for every op in `KERNEL_OPS`. A cell
 that cannot be resolved (an override naming a provider that does not answer) shows the error.
+An op chosen by measurement (`kernels.provider = "auto"`) shows `auto`; what the runs on this
+host measured — per op and shape the chosen provider, every provider's time and the providers
+skipped with their reasons — is read from the choices file and listed below the table.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from plait.core.errors import PlaitError
 from plait.tools.output import make_console
+
+if TYPE_CHECKING:
+    from plait.core.kernel_selection import ChoiceStore
 
 app = typer.Typer(
     name="kernels",
@@ -55,7 +61,12 @@ def resolve_providers(
         import plait.plugins.kernels_triton as kernels_triton
 
         plugins.register(kernels_triton, "kernels_triton")
-    kernels = Kernels(plugins, prefer=config.kernels.prefer, overrides=config.kernels.overrides)
+    kernels = Kernels(
+        plugins,
+        prefer=config.kernels.prefer,
+        overrides=config.kernels.overrides,
+        provider=config.kernels.provider,
+    )
     chosen: dict[str, dict[str, str]] = {}
     installed: dict[str, list[str]] = {}
     for op in KERNEL_OPS:
@@ -109,8 +120,45 @@ def kernels_table(
     console.print(table)
     for number, error in enumerate(errors, start=1):
         console.print(f"[red]({number})[/red] {error}", highlight=False)
+    print_measured_choices()
     console.print(
         "[dim]Triton answers CPU only under TRITON_INTERPRET=1 and only when asked by name "
         "(kernels.prefer or kernels.overrides); the interpreter checks correctness, not "
         "speed.[/dim]"
     )
+
+
+def _format_seconds(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+def print_measured_choices(store: ChoiceStore | None = None) -> None:
+    """The choices `kernels.provider = "auto"` measured on this host, one table per machine key
+    (hardware, driver and library versions: a run under other versions measures again)."""
+    from plait.core.kernel_selection import default_store
+
+    store = store or default_store()
+    by_machine = store.choices()
+    if not by_machine:
+        console.print(f"[dim]no measured kernel choices in {store.path}[/dim]", highlight=False)
+        return
+    for machine, choices in sorted(by_machine.items()):
+        table = Table(title=f"measured kernel choices: {machine}", title_justify="left")
+        table.add_column("op", style="bold", no_wrap=True)
+        table.add_column("device/dtype", no_wrap=True)
+        table.add_column("first-call shapes")
+        table.add_column("chosen", style="green")
+        table.add_column("timed (median per run)")
+        table.add_column("skipped (why)", style="yellow")
+        for choice in sorted(choices, key=lambda c: (c.op, c.device, c.dtype, c.shapes)):
+            timings = ", ".join(
+                f"{provider} {_format_seconds(seconds)}"
+                for provider, seconds in sorted(choice.timings.items(), key=lambda t: t[1])
+            )
+            skipped = "; ".join(f"{provider}: {why}" for provider, why in choice.skipped.items())
+            table.add_row(
+                choice.op, f"{choice.device}/{choice.dtype}", choice.shapes, choice.provider,
+                f"{choice.timed}: {timings}", skipped or "-",
+            )  # fmt: skip
+        console.print(table)
+    console.print(f"[dim]from {store.path}[/dim]", highlight=False)
