@@ -33,6 +33,10 @@ from typing import Any
 from plait.plugins.telemetry.heartbeat import InflightComm
 
 MAX_FRAMES = 256  # innermost frames kept per thread
+# A thread's outermost frame is its bootstrap or a module, never a generator expression: one
+# there is the gap described above. Both walks are retaken this many times at most.
+GAP = "<genexpr>"
+SNAPSHOT_TRIES = 5
 
 
 def describe_inflight(op: InflightComm) -> str:
@@ -76,14 +80,7 @@ def _walked(frame: Any) -> list[dict[str, Any]]:
     ]
 
 
-def thread_stacks(
-    *,
-    training_thread: int | None,
-    step: int,
-    inflight: Callable[[], Sequence[InflightComm]] | None = None,
-) -> dict[str, Any]:
-    """The document a rank delivers for `plait stacks` (`plait.daemon.deliveries.read_stacks`):
-    every thread's frames, outermost first, the training thread marked."""
+def _snapshot(training_thread: int | None) -> list[dict[str, Any]]:
     frames = sys._current_frames()
     checked = faulthandler_stacks()
     by_id = {t.ident: t for t in threading.enumerate()}
@@ -105,6 +102,24 @@ def thread_stacks(
             }
         )
     del frames  # frames hold every local of every thread: let them go now
+    return threads
+
+
+def thread_stacks(
+    *,
+    training_thread: int | None,
+    step: int,
+    inflight: Callable[[], Sequence[InflightComm]] | None = None,
+) -> dict[str, Any]:
+    """The document a rank delivers for `plait stacks` (`plait.daemon.deliveries.read_stacks`):
+    every thread's frames, outermost first, the training thread marked."""
+    for _ in range(SNAPSHOT_TRIES):
+        threads = _snapshot(training_thread)
+        # The two walks are taken a moment apart while the threads run on: when a chain
+        # stopped at a generator expression's gap and faulthandler's walk (taken elsewhere in
+        # the thread's run) was no longer, take both again.
+        if not any(t["frames"] and t["frames"][0]["function"] == GAP for t in threads):
+            break
     threads.sort(key=lambda t: (not t["training"], t["name"]))
     ops = inflight() if inflight is not None else ()
     return {

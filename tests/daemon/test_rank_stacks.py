@@ -67,3 +67,29 @@ def test_faulthandler_stacks_name_threads_by_their_id(blocked: threading.Thread)
     frames = found[blocked.ident]
     assert [f["function"] for f in frames][-3:-1] == ["wait_here", "wait"]
     assert frames[-3]["code"] == "release.wait()"
+
+
+def test_a_chain_cut_at_a_generator_expression_is_taken_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The two walks race the running thread: a chain cut at a generator expression's gap
+    (and no longer in faulthandler's walk) is retaken until it reaches the thread's start."""
+
+    def chain(*functions: str) -> list[dict[str, object]]:
+        return [{"file": "f.py", "line": 1, "function": f, "code": ""} for f in functions]
+
+    cut = [{"thread_id": 1, "name": "t", "training": True, "daemon": False,
+            "frames": chain("<genexpr>", "skip_step", "all_reduce")}]  # fmt: skip
+    whole = [{**cut[0], "frames": chain("<module>", "run_training", "<genexpr>", "skip_step")}]
+    snapshots = iter([cut, cut, whole])
+    monkeypatch.setattr(stacks, "_snapshot", lambda training_thread: next(snapshots))
+    taken = stacks.thread_stacks(training_thread=1, step=0)
+    assert [f["function"] for f in taken["threads"][0]["frames"]][:2] == [
+        "<module>",
+        "run_training",
+    ]
+
+    calls = []
+    monkeypatch.setattr(stacks, "_snapshot", lambda training_thread: calls.append(1) or cut)
+    stacks.thread_stacks(training_thread=1, step=0)
+    assert len(calls) == stacks.SNAPSHOT_TRIES  # bounded: a thread stuck in the gap still answers

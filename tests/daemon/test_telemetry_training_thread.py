@@ -38,8 +38,9 @@ JOB = JobInfo(
 )  # fmt: skip
 OPS_PER_STEP = 12
 # Calls the training thread may make per comm op inside telemetry's own files (the wrapper
-# generator's two resumptions, the record, the wait wrapper, finishing); measured 7.
-MAX_TELEMETRY_CALLS_PER_OP = 10
+# generator's two resumptions, the record, the wait wrapper, finishing, and the link-bytes note,
+# a cache hit after an op's first call); measured 131 over 12 ops = 10.9.
+MAX_TELEMETRY_CALLS_PER_OP = 11
 
 
 class CountingFuture:

@@ -251,7 +251,9 @@ def test_pipeline_parallelism_picks_1f1b_when_no_schedule_is_named() -> None:
     assert plain.schedule.name == "accumulate"
 
     sizes = {"tp": 1, "cp": 1, "pp": 2}
-    engine = SimpleNamespace(config=chosen, mesh=SimpleNamespace(size=lambda a: sizes[a]))
+    engine = SimpleNamespace(
+        config=chosen, mesh=SimpleNamespace(size=lambda a: sizes[a], host_map=None)
+    )
     banner = " · ".join(transform_names(engine, {}))  # type: ignore[arg-type]
     assert "schedule 1f1b (the default with parallel.pp > 1)" in banner
     engine.config = named

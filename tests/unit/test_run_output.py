@@ -65,7 +65,8 @@ def test_banner_names_every_transform_and_its_options() -> None:
         ],
     )
     sizes = {"tp": 2, "cp": 1, "pp": 1}
-    engine = SimpleNamespace(config=config, mesh=SimpleNamespace(size=lambda a: sizes[a]))
+    mesh = SimpleNamespace(size=lambda a: sizes[a], host_map=None)
+    engine = SimpleNamespace(config=config, mesh=mesh)
     resolved = {
         "zero3": {"offload": {"device": "cpu"}},
         "megatron": {"sequence_parallel": True},
