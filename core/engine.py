@@ -111,7 +111,10 @@ class Engine:
         )
         self.device = self.mesh.device
         self.kernels = Kernels(
-            self.plugins, prefer=cfg.kernels.prefer, overrides=cfg.kernels.overrides
+            self.plugins,
+            prefer=cfg.kernels.prefer,
+            overrides=cfg.kernels.overrides,
+            provider=cfg.kernels.provider,
         )
         self.comm = Comm(self.plugins)
         self._drop_disabled_telemetry()

@@ -247,3 +247,14 @@ def test_the_timer_is_the_median_of_repeats_after_warm_up() -> None:
         lambda: runs.append(1), lambda: next(ticks), lambda: None, warmup=2, repeats=3
     )
     assert seconds == 2.0 and len(runs) == 5
+
+
+def test_the_engine_passes_kernels_provider_to_the_facade() -> None:
+    from plait.core.engine import Engine
+
+    config = {
+        "telemetry": {"enabled": False},
+        "train": {"device": "cpu", "global_batch_size": 1},
+        "kernels": {"provider": "auto"},
+    }
+    assert Engine(config=config).kernels.provider == "auto"
