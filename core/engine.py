@@ -535,15 +535,18 @@ class Engine:
             "or send one document per row"
         )
 
+    def scored_tokens(self, inputs: Any, targets: Any) -> torch.Tensor | None:
+        """The tokens a micro-batch's loss is the mean over (0-d tensor), or `None` when this
+        model's loss is not one plait can weigh (`plait.core.token_loss`)."""
+        return scored_tokens(inputs, targets, self._loss_counting)
+
     def _token_weights(self, inputs: Sequence[Any], targets: Sequence[Any]) -> TokenWeights | None:
         """Each micro-batch's share of the step's token-weighted mean (`plait.core.token_loss`):
         scored tokens counted on this rank's pieces, summed over the ranks averaging gradients."""
         if self._loss_counting is None:
             return None
         group = self.mesh.gradient_group()
-        counts = [
-            scored_tokens(x, y, self._loss_counting) for x, y in zip(inputs, targets, strict=True)
-        ]
+        counts = [self.scored_tokens(x, y) for x, y in zip(inputs, targets, strict=True)]
 
         def all_reduce_sum(totals: torch.Tensor) -> None:
             if group.size > 1:

@@ -3,8 +3,9 @@
 The held-out windows are the end of the token stream (`build_batches(..., split="validation")`);
 each validation reads the same first `train.eval_batches` global batches of them, so successive
 figures compare the model, not the sample. Forward only, under `torch.no_grad()`, micro-batch by
-micro-batch as training splits them; the mean is taken over micro-batches and data-parallel
-ranks, like the training loss.
+micro-batch as training splits them; like the training loss, the figure is the mean over every
+scored token of the held-out batches on all data-parallel ranks (packed rows and padding score
+different numbers of tokens), or the mean of micro-batch losses for a loss plait cannot weigh.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Validation:
         was_training = module.training
         module.eval()
         try:
-            losses = []
+            losses, counts = [], []
             for batch in self.batches:
                 micro = split_batch(
                     batch,
@@ -62,11 +63,18 @@ class Validation:
                 )
                 for inputs, targets in zip(micro.inputs, micro.targets, strict=True):
                     output = call_model(module, inputs)
-                    losses.append(engine.loss_fn(output, targets).detach().float().reshape(()))
+                    losses.append(engine.loss_fn(output, targets).detach().double().reshape(()))
+                    counts.append(engine.scored_tokens(inputs, targets))
         finally:
             module.train(was_training)
-        totals = torch.stack([torch.stack(losses).sum(), torch.tensor(float(len(losses)))])
-        totals = totals.to(engine.device)
+        means = torch.stack(losses).to(engine.device)
+        if all(count is not None for count in counts):
+            weights = torch.stack([c.to(engine.device, torch.float64) for c in counts])
+            # A micro-batch that scores no token has a NaN mean and weighs nothing.
+            means = torch.where(weights > 0, means, torch.zeros_like(means))
+        else:
+            weights = torch.ones_like(means)
+        totals = torch.stack([(means * weights).sum(), weights.sum()])
         if self._group.size > 1:
             engine.comm.all_reduce(totals, group=self._group, op="sum", purpose="metrics")
         return (totals[0] / totals[1]).item()
