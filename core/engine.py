@@ -30,7 +30,7 @@ from plait.core.batches import (
 from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
-from plait.core.documents import Documents, documents_of, restarting_positions
+from plait.core.document_inputs import DocumentInputs, attention_square
 from plait.core.errors import ConfigError, InertSelection, PlaitError, ScheduleError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
@@ -60,7 +60,7 @@ from plait.core.selection_check import FALLBACK_SCHEDULE, SelectionCheck
 from plait.core.sharding import ParallelRuntime, ShardContext, StepState
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 from plait.core.token_loss import LossCounting, TokenWeights, scored_tokens, token_weights
-from plait.core.transformers_models import is_transformers_model, model_kind
+from plait.core.transformers_models import is_transformers_model
 
 OptimizerArg = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -146,14 +146,13 @@ class Engine:
             model_config=self.model_config,
         )
         self.runtimes: list[ParallelRuntime] = []
-        self._documents_input = _documents_input(model)
         # Read before the shard transforms (context parallelism installs its own attention).
-        self._attention = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+        self.document_inputs = DocumentInputs.of(model)
         if is_transformers_model(model):
             # A training step never wants a KV cache; holding one, transformers also skips the
             # block-diagonal mask of packed rows (their restarting position ids).
             model.config.use_cache = False
-        model_counting = _loss_counting(model, self._documents_input)
+        model_counting = self.document_inputs.loss_counting(model)
         self.module = self._shard(model)
         if cfg.parallel.dp_shard is not None and not self.mesh.data_parallel_split:
             raise ConfigError(
@@ -163,9 +162,13 @@ class Engine:
                 "unset"
             )
         self.loss_fn = self._choose_loss_fn(loss_fn)
-        self._loss_counting: LossCounting = (
-            "targets" if self._loss_replaced else None if loss_fn is not None else model_counting
-        )
+        # Which tokens a step's losses are means over (`plait.core.token_loss`): a replacement
+        # loss is a token cross-entropy; a user's loss_fn is opaque; else the model's default.
+        self._loss_counting: LossCounting = model_counting
+        if self._loss_replaced:
+            self._loss_counting = "targets"
+        elif loss_fn is not None:
+            self._loss_counting = None
         self.optimizer = self._build_optimizer(optimizer)
         self.lr_scheduler = (
             torch.optim.lr_scheduler.LambdaLR(
@@ -455,8 +458,8 @@ class Engine:
         squares: list[tuple[int, bool]] = []
 
         def prepare(inputs: Any) -> Any:
-            inputs = self._with_documents(inputs)
-            squares.append(_attention_square(inputs))
+            inputs = self.document_inputs.prepare(inputs)
+            squares.append(attention_square(inputs))
             return inputs
 
         microbatches = split_batch(
@@ -507,32 +510,6 @@ class Engine:
             start_ns=start_ns,
             data_start_ns=data_start_ns,
             attention_squares=attention_squares,
-        )
-
-    def _with_documents(self, inputs: Any) -> Any:
-        """A micro-batch of packed rows (position ids that restart) with its `Documents` added
-        for a model that takes them; a model that cannot honour them is refused by name."""
-        documents = documents_of(inputs)
-        if documents is None:
-            if self._documents_input == "documents" and _plain_positions(inputs):
-                # Rows of one sequence each (a packed sampler's row inside one document): their
-                # positions are the default ones, dropped so that the piece context parallelism
-                # cuts from them is not read as documents restarting.
-                return {key: value for key, value in inputs.items() if key != "positions"}
-            return inputs
-        if self._documents_input == "documents":
-            return {**inputs, "documents": documents}
-        problem = self._documents_input
-        if problem == "masks_itself":
-            problem = _transformers_batch_problem(inputs, documents, self._attention)
-            if problem is None:
-                return inputs
-        raise PlaitError(
-            f"the batch holds packed documents (position ids that restart at 0 inside a row), "
-            f"but {problem}: it would train every token on the documents before it. Give the "
-            "model a `documents=` argument (plait.core.documents.Documents) and pass it to its "
-            f"attention, use a transformers model of the {', '.join(PACKED_FAMILIES)} families, "
-            "or send one document per row"
         )
 
     def scored_tokens(self, inputs: Any, targets: Any) -> torch.Tensor | None:
@@ -716,99 +693,3 @@ def _cpu_name() -> str:
     import platform
 
     return platform.processor() or "cpu"
-
-
-# transformers families whose forward hands restarting `position_ids` (and no cache) to
-# `masking_utils.create_causal_mask` / `create_sliding_window_causal_mask`, which then find the
-# documents (`find_packed_sequence_indices`) and mask between them. Checked in their modeling
-# files and, document by document, in tests/unit/test_packed_hf.py; many other families build
-# their mask without the position ids (or have none) and would attend across documents.
-PACKED_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
-# Attention implementations whose mask transformers builds with the packed-sequence mask.
-# flash-attention builds none: it finds varlen offsets in the position ids of one row only.
-MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
-FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-
-
-def _documents_input(model: nn.Module) -> str:
-    """How `model` takes the document structure of packed rows: `"documents"` (its forward has
-    a `documents=` argument, as plait's models do), `"masks_itself"` (a transformers model of a
-    family that builds the block-diagonal mask from restarting position ids), or why it cannot
-    (packed rows are then refused)."""
-    import inspect
-
-    if is_transformers_model(model):
-        config = model.config
-        kind = model_kind(model)
-        if getattr(config, "model_type", None) not in PACKED_FAMILIES:
-            return f"{kind} is not of a family whose forward masks packed rows"
-        attention = getattr(config, "_attn_implementation", None)
-        if attention not in (*MASKED_ATTENTION, *FLASH_ATTENTION):
-            return (
-                f"{kind} uses attention implementation {attention!r}, for which transformers "
-                f"builds no packed-sequence mask (it does for {', '.join(MASKED_ATTENTION)})"
-            )
-        return "masks_itself"
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        parameters = {}
-    if "documents" in parameters:
-        return "documents"
-    return f"{type(model).__name__}.forward takes no documents= argument to mask attention with"
-
-
-def _transformers_batch_problem(inputs: Any, documents: Documents, attention: str) -> str | None:
-    """Why a transformers model would not mask this packed micro-batch, or `None`. transformers
-    looks for documents in the position ids only when no 2-D `attention_mask` is given, and
-    its flash-attention path only in a micro-batch of one row."""
-    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-        return (
-            "it also carries a 2-D attention_mask, and transformers then ignores the documents "
-            "its position ids show (leave attention_mask out of packed batches, as "
-            "DataCollatorWithFlattening does)"
-        )
-    if restarting_positions(inputs) is None and attention not in FLASH_ATTENTION:
-        return (
-            f"its documents are given only as cu_seq_lens_q/k, which transformers' {attention} "
-            "attention does not read (flash-attention does); give restarting position_ids "
-            "as well, as DataCollatorWithFlattening does"
-        )
-    if attention in FLASH_ATTENTION and documents.rows > 1:
-        return (
-            f"transformers' {attention} finds documents in the position ids of a micro-batch "
-            f"of one row only, and this one has {documents.rows} (set train.micro_batch_size = 1 "
-            "or pack each micro-batch into one row)"
-        )
-    return None
-
-
-def _loss_counting(model: nn.Module, documents_input: str) -> LossCounting:
-    """Which tokens the model's default loss is a mean over (`plait.core.token_loss`), known
-    before the first step: a transformers causal LM's own loss over its shifted labels, plait's
-    token cross-entropy against the targets for plait's models (they return logits). Any other
-    model may return a loss of its own kind: its steps stay a mean of micro-batch losses."""
-    if is_transformers_model(model):
-        loss = getattr(model, "loss_function", None)
-        own_causal_lm_loss = getattr(loss, "__name__", "") == "ForCausalLMLoss"
-        return "shifted_labels" if own_causal_lm_loss else None
-    return "targets" if documents_input == "documents" else None
-
-
-def _plain_positions(inputs: Any) -> bool:
-    """Whether a micro-batch carries `positions` (rows, seq) that are 0 … seq − 1 on every row."""
-    positions = inputs.get("positions") if isinstance(inputs, Mapping) else None
-    return isinstance(positions, torch.Tensor) and positions.ndim == 2
-
-
-def _attention_square(microbatch: Any) -> tuple[int, bool]:
-    """Σ nᵢ² over a micro-batch's documents (a row of one sequence counts T²), and whether it
-    holds packed rows."""
-    documents = microbatch.get("documents") if isinstance(microbatch, Mapping) else None
-    if documents is None:
-        documents = documents_of(microbatch)
-    if documents is None:
-        tokens = input_tokens(microbatch)
-        return tokens.shape[0] * tokens.shape[-1] ** 2, False
-    return int((documents.lengths() ** 2).sum()), True
