@@ -82,6 +82,10 @@ class ManualLoop:
         position = self._position(self.forwards, backward=False)
         for runtime in engine.runtimes:
             runtime.before_forward(position)
+        if kwargs and not args:
+            # A packed batch gets its documents, or is refused for a model that cannot mask them,
+            # as in `train_step` (read before the move: no device sync).
+            kwargs = engine.document_inputs.prepare(kwargs)
         args, kwargs = engine.to_device((args, kwargs))
         self.tokens += input_tokens((args, kwargs)).numel()
         start = time.time_ns()

@@ -286,3 +286,14 @@ def test_flattened_batch_with_varlen_offsets_and_positions_trains_as_documents_a
         two_rows = packed_batch(documents([[5, 11], [16]]))
         two_rows.update(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
         train_step(build("llama"), two_rows, micro_batch_size=1)
+
+
+def test_the_manual_loop_refuses_what_train_step_refuses() -> None:
+    """`engine(**batch)` / `backward` / `step` takes the same packed-batch check as train_step."""
+    batch = packed_batch(documents([[5, 11]]))
+    engine = plait.initialize(_bloom(), config=CONFIG)
+    with pytest.raises(PlaitError, match=r"BloomForCausalLM \(transformers model_type 'bloom'\)"):
+        engine(**batch)
+    llama = plait.initialize(build("llama"), config=CONFIG)
+    engine_loss = llama(**batch).loss
+    assert torch.isfinite(engine_loss)
