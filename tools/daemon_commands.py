@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -469,8 +470,37 @@ def bottleneck(
             ),
         )
 
+    view, metrics = bottleneck_view(call_all(resolve_hosts(hosts), query), threshold)
+    ranks = view.ranks
+    if png is not None and ranks:
+        summaries = {
+            j.job_id: JobFigures(
+                mfu=j.mfu if j.peak_flops > 0 else None, step_seconds=j.step_seconds
+            )
+            for j in aggregate_jobs(metrics)
+        }
+        write_bottleneck_png(ranks, png, summaries)
+    if as_json:
+        _emit_json("bottleneck", bottleneck_document(view, png if ranks else None))
+    else:
+        console.print(view.render(console.width))
+        if png is not None and ranks:
+            console.print(f"wrote {png}", highlight=False)
+    if view.errors:
+        raise typer.Exit(1)
+
+
+BottleneckAnswers = tuple[
+    daemon_pb2.GetBottleneckResponse, daemon_pb2.ListRanksResponse, daemon_pb2.GetMetricsResponse
+]
+
+
+def bottleneck_view(
+    results: Mapping[str, BottleneckAnswers | grpc.RpcError], threshold: float
+) -> tuple[BottleneckView, list[daemon_pb2.GetMetricsResponse]]:
+    """The breakdown of every host's answers (and their metrics, for the figures' titles);
+    the daemon's web page builds its panels with this too."""
     responses, infos, metrics, errors = [], [], [], []
-    results = call_all(resolve_hosts(hosts), query)
     answered = {h: r for h, r in results.items() if not isinstance(r, grpc.RpcError)}
     # A host's ranks of a world another host's superseded are no part of the breakdown.
     superseded = superseded_jobs({host: result[2] for host, result in answered.items()})
@@ -490,22 +520,7 @@ def bottleneck(
         verdicts=job_verdicts(ranks, infos),
         errors=errors,
     )
-    if png is not None and ranks:
-        summaries = {
-            j.job_id: JobFigures(
-                mfu=j.mfu if j.peak_flops > 0 else None, step_seconds=j.step_seconds
-            )
-            for j in aggregate_jobs(metrics)
-        }
-        write_bottleneck_png(ranks, png, summaries)
-    if as_json:
-        _emit_json("bottleneck", bottleneck_document(view, png if ranks else None))
-    else:
-        console.print(view.render(console.width))
-        if png is not None and ranks:
-            console.print(f"wrote {png}", highlight=False)
-    if errors:
-        raise typer.Exit(1)
+    return view, metrics
 
 
 def bottleneck_document(view: BottleneckView, png: Path | None) -> dict:
