@@ -63,6 +63,30 @@ def test_layers_that_do_not_fit_or_are_skipped_stay_linear() -> None:
     assert type(model["odd"]) is nn.Linear and type(model["output"]) is nn.Linear
 
 
+def _scaled_mm_in_fp32(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """What `torch._scaled_mm` computes (fp8 operands, fp32 accumulation, both scales), through
+    fp32 matmuls: its CPU kernel takes ~40 ms per call at these sizes, two orders of magnitude
+    slower, and would make the training comparison below take minutes."""
+    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+
+
+def test_the_fp32_emulation_computes_what_scaled_mm_computes() -> None:
+    torch.manual_seed(0)
+    a, b = torch.randn(48, 64) * 30, torch.randn(32, 64) * 0.02
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    scale_a, scale_b = torch.tensor(0.5), torch.tensor(3.0)
+    expected = torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    got = _scaled_mm_in_fp32(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def _train(fp8: bool, steps: int) -> list[float]:
     torch.manual_seed(0)
     overrides = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32}
@@ -70,7 +94,10 @@ def _train(fp8: bool, steps: int) -> list[float]:
     model = build_llama(config, Kernels(Plugins.create(autoload=False), prefer=["torch"]))
     if fp8:
         assert len(convert_to_float8(model, skip=["output"])) == 2 * 7  # q k v o, w1 w2 w3
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # The embedding and the output head stay frozen: alone they learn this stream's bigrams, so
+    # the loss falls only as far as the fp8 layers between them learn.
+    blocks = [p for name, p in model.named_parameters() if name.startswith("layers.")]
+    optimizer = torch.optim.AdamW(blocks, lr=3e-3)
     generator = torch.Generator().manual_seed(1)
     # A learnable stream: each token's successor is fixed, with a little noise.
     successor = torch.randperm(256, generator=generator)
@@ -90,10 +117,11 @@ def _train(fp8: bool, steps: int) -> list[float]:
     return losses
 
 
-def test_a_tiny_llama_trains_to_the_same_loss_in_fp8() -> None:
+def test_a_tiny_llama_trains_to_the_same_loss_in_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_in_fp32)
     full, fp8 = _train(False, 60), _train(True, 60)
-    assert fp8[-1] < 0.5 * fp8[0], fp8
     mean_full, mean_fp8 = sum(full[-10:]) / 10, sum(fp8[-10:]) / 10
+    assert mean_fp8 < 0.8 * fp8[0], fp8
     assert abs(mean_fp8 - mean_full) / mean_full < 0.05, (mean_full, mean_fp8)
 
 
