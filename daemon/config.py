@@ -63,6 +63,8 @@ class DaemonConfig:
     otlp_insecure: bool | None = None
     otlp_queue_bytes: int | None = None
     prometheus: str | None = None  # "host:port" serving /metrics; None: not served
+    web: str | None = None  # "host:port" serving the live web page; None: not served
+    web_interval: float = 1.0  # seconds between the page's live updates
     # What the control channel allows (capture sizes, durations, concurrency); None: defaults.
     control: ControlLimits | None = None
 
@@ -70,7 +72,13 @@ class DaemonConfig:
         for name in ("window_steps", "window_spans", "max_workers", "ingest_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"daemon {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("host_interval", "gpu_interval", "hang_timeout", "stale_floor"):
+        for name in (
+            "host_interval",
+            "gpu_interval",
+            "hang_timeout",
+            "stale_floor",
+            "web_interval",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"daemon {name} must be > 0 seconds, got {getattr(self, name)}")
         if self.stale_ceiling < self.stale_floor:

@@ -17,6 +17,7 @@ import time
 from concurrent import futures
 from dataclasses import replace
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,6 +41,9 @@ from plait.daemon.security import OVERSIZE_HEADROOM, CallCounters, CallGuard, Se
 from plait.daemon.service import DaemonExtras, DaemonService, daemon_points
 from plait.daemon.store import TelemetryStore
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
+
+if TYPE_CHECKING:
+    from plait.daemon.web.page import WebPage
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,8 @@ class DaemonServer:
         self.security.check_bind(bind)
         if config.prometheus is not None:
             self.security.check_bind(config.prometheus)
+        if config.web is not None:
+            self.security.check_bind(config.web)
         self.store = TelemetryStore(
             window_steps=config.window_steps, window_spans=config.window_spans
         )
@@ -185,10 +191,26 @@ class DaemonServer:
         self.control_service = ControlService(self.control, self.store, stopping=self.stopping)
         self.extras.control_stats = self._control_stats
         control_pb2_grpc.add_ControlServicer_to_server(self.control_service, self.server)
+        # Bound here, so a taken port fails the daemon's start as the gRPC bind does.
+        self.web = self._web_page(config.web) if config.web is not None else None
         if config.reflection_enabled:
             reflection.enable_server_reflection(
                 (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
             )
+
+    def _web_page(self, bind: str) -> WebPage:
+        """The live page (`plait.daemon.web`): another translation of the same services."""
+        from plait.daemon.web.page import WebPage
+        from plait.daemon.web.page_data import PageSource
+
+        source = PageSource(self.service, self.address, self.config.straggler_threshold)
+        return WebPage(
+            bind,
+            source=source,
+            control=self.control_service,
+            security=self.security,
+            interval=self.config.web_interval,
+        )
 
     def _control_stats(self) -> dict[str, int]:
         endpoints = self.control.endpoints(now_ns=time.time_ns())
@@ -208,12 +230,16 @@ class DaemonServer:
                 keyfile=str(tls.tls_key) if tls.tls_key else None,
             )
             self.extras.exporters.append(self.prometheus.describe())
+        if self.web is not None:
+            self.extras.exporters.append(f"web page {self.web.url}")
         if self.upstream is not None:
             self.upstream.start()
         self.server.start()
         self.host.start()
         self.nvml.start()
         self._hang_thread.start()
+        if self.web is not None:
+            self.web.start()
         for name in ("", *SERVICE_NAMES):  # "" is the whole server
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("plait daemon listening on %s", self.address)
@@ -223,6 +249,8 @@ class DaemonServer:
         """NOT_SERVING first, then stop with `grace` seconds for in-flight calls, then flush."""
         self.health.enter_graceful_shutdown()
         self.stopping.set()  # ends StreamMetrics and CaptureTrace waits promptly
+        if self.web is not None:
+            self.web.stop()  # its open event streams end before the services do
         self.server.stop(grace).wait()
         if self.ingest_pool is not None:
             self.ingest_pool.close()

@@ -138,6 +138,13 @@ def daemon(
     prometheus: Annotated[
         str | None, typer.Option(help="serve Prometheus /metrics on host:port, e.g. 127.0.0.1:9464")
     ] = None,
+    web: Annotated[
+        str | None,
+        typer.Option(
+            help="serve the live web page on host:port, e.g. 127.0.0.1:8080 (TLS and token "
+            "as the daemon's)"
+        ),
+    ] = None,
     calibrate: Annotated[
         bool,
         typer.Option(help="measure this host's CPU peak FLOP/s at start unless it is cached"),
@@ -192,6 +199,7 @@ def daemon(
             straggler_threshold=straggler_threshold,
             otlp_endpoint=otlp_endpoint,
             prometheus=prometheus,
+            web=web,
             stale_floor=stale_floor,
             stale_step_multiple=stale_steps,
             stale_ceiling=stale_ceiling,
@@ -216,6 +224,8 @@ def daemon(
         f"{server.nvml.status}",
         highlight=False,
     )
+    if server.web is not None:
+        console.print(f"live web page on [bold]{server.web.url}[/bold]", highlight=False)
     serve(server, grace=grace)
     console.print("plait daemon stopped")
 

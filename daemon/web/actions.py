@@ -1,0 +1,149 @@
+"""The page's buttons: `plait profile`, `plait memory` and a hung rank's stacks, in-process.
+
+Each asks this daemon's control service the way the CLI command asks it over gRPC, and answers
+with the document that command's `--json` prints (`profile_document`, the memory and stacks
+documents), the files it would write kept in `Captures` for the browser to download. The trace
+is the merged, gzip-compressed Perfetto trace the daemon assembled; the page opens it in
+Perfetto's UI from the browser's memory, so it is never uploaded anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from plait.daemon.control_service import ControlService
+from plait.daemon.web.page_data import LocalCallError, LocalContext
+from plait.proto.plait.v1 import control_pb2
+from plait.tools import daemon_json
+from plait.tools.control_views import profile_document
+
+KEPT_CAPTURES = 8  # the oldest capture's files go when a ninth arrives
+PROFILE_TIMEOUT_SECONDS = 120.0
+STACKS_TIMEOUT_SECONDS = 5.0  # as `plait status` waits for a hung job's stacks
+MEMORY_WAIT_SECONDS = 10.0  # `plait memory`'s default --wait
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class Captures:
+    """Files the page's actions produced, each capture in a folder of its own, by id."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="plait-web-"))
+        self._kept: OrderedDict[str, Path] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def new(self) -> tuple[str, Path]:
+        capture = secrets.token_hex(8)
+        folder = self.root / capture
+        folder.mkdir()
+        with self._lock:
+            self._kept[capture] = folder
+            while len(self._kept) > KEPT_CAPTURES:
+                _, oldest = self._kept.popitem(last=False)
+                shutil.rmtree(oldest, ignore_errors=True)
+        return capture, folder
+
+    def file(self, capture: str, name: str) -> Path | None:
+        """The file `name` of `capture`, or None (never a path outside the capture's folder)."""
+        with self._lock:
+            folder = self._kept.get(capture)
+        if folder is None or name != _safe(name):
+            return None
+        path = folder / name
+        return path if path.is_file() else None
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _safe(name: str) -> str:
+    return _SAFE_NAME.sub("_", name).lstrip(".") or "file"
+
+
+def _errors(exc: LocalCallError, address: str) -> list[dict[str, str]]:
+    return [{"host": address, "error": str(exc)}]
+
+
+class Actions:
+    def __init__(self, control: ControlService, address: str) -> None:
+        self.control = control
+        self.address = address
+        self.captures = Captures()
+
+    def profile(self, job_id: str, steps: int) -> dict[str, Any]:
+        """`plait profile --job JOB --steps N --json`, the trace kept for download."""
+        context: Any = LocalContext()
+        request = control_pb2.ProfileRequest(
+            job_id=job_id, steps=steps, timeout_seconds=PROFILE_TIMEOUT_SECONDS
+        )
+        try:
+            prepared = self.control.PrepareProfile(request, context)
+            collected = self.control.CollectProfile(
+                control_pb2.CollectProfileRequest(
+                    request_id=prepared.request_id, timeout_seconds=PROFILE_TIMEOUT_SECONDS
+                ),
+                context,
+            )
+        except LocalCallError as exc:
+            return {"file": None, "errors": _errors(exc, self.address)}
+        capture, folder = self.captures.new()
+        name = _safe(f"{job_id}-profile-step{collected.start_step}.json.gz")
+        (folder / name).write_bytes(collected.trace_json_gz)
+        return profile_document(
+            output=f"files/{capture}/{name}",
+            response=collected,
+            analysis=collected.analysis,
+            outcomes=[*prepared.outcomes, *collected.outcomes],
+            errors=[],
+        )
+
+    def memory(self, job_id: str) -> dict[str, Any]:
+        """`plait memory --job JOB --json`, each rank's files kept for download."""
+        context: Any = LocalContext()
+        request = control_pb2.MemoryRequest(job_id=job_id, step_wait_seconds=MEMORY_WAIT_SECONDS)
+        try:
+            response = self.control.Memory(request, context)
+        except LocalCallError as exc:
+            return {"files": [], "ranks": [], "outcomes": [], "errors": _errors(exc, self.address)}
+        capture, folder = self.captures.new()
+        written, reports = [], []
+        for file in response.files:
+            name = _safe(f"rank{file.rank}.{file.name}")
+            (folder / name).write_bytes(file.data)
+            written.append(f"files/{capture}/{name}")
+            if file.name == "memory.json":
+                reports.append((file.rank, json.loads(file.data)))
+        reports.sort(key=lambda r: r[0])
+        return {
+            "files": written,
+            "ranks": [{"rank": rank, **report} for rank, report in reports],
+            "outcomes": [daemon_json.message_dict(o) for o in response.outcomes],
+            "errors": [],
+        }
+
+    def stacks(self, job_id: str, ranks: list[int]) -> dict[str, Any]:
+        """`plait stacks --job JOB --ranks … --json`: every thread's stack of each rank."""
+        context: Any = LocalContext()
+        request = control_pb2.StacksRequest(
+            job_id=job_id, ranks=ranks, timeout_seconds=STACKS_TIMEOUT_SECONDS
+        )
+        try:
+            response = self.control.Stacks(request, context)
+        except LocalCallError as exc:
+            return {"ranks": [], "outcomes": [], "errors": _errors(exc, self.address)}
+        return {
+            "ranks": [daemon_json.message_dict(s) for s in response.ranks],
+            "outcomes": [daemon_json.message_dict(o) for o in response.outcomes],
+            "errors": [],
+        }
+
+    def close(self) -> None:
+        self.captures.close()
