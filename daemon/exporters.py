@@ -307,6 +307,13 @@ KNOWN_POINTS: dict[str, tuple[bool, str]] = {
     "plait.gpu.throttle_reason": (False, "{reason}"),
     "plait.gpu.pcie.throughput": (False, "By/s"),
     "plait.gpu.nvlink.throughput": (False, "By/s"),
+    # The host collector's figures (OpenTelemetry's system and process semantic conventions).
+    "system.cpu.utilization": (False, "1"),
+    "system.memory.usage": (False, "By"),
+    "system.memory.limit": (False, "By"),
+    "system.network.io": (True, "By"),
+    "process.cpu.utilization": (False, "1"),
+    "process.memory.usage": (False, "By"),
     "plait.rank.mfu": (False, "1"),
     "plait.rank.step.duration": (False, "s"),
     "plait.rank.tokens_per_second": (False, "{token}/s"),

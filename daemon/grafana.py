@@ -399,6 +399,47 @@ ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "Hosts (host collector)",
+        (
+            _ts(
+                "CPU utilization per node",
+                "Share of the node's cores busy: a node near 1 starves its data loaders.",
+                Query(expr=f"system_cpu_utilization_ratio{{{INSTANCE}}}", legend="{{host_name}}"),
+                unit="percentunit",
+            ),
+            _ts(
+                "Memory used per node",
+                "Host memory in use against the node's total.",
+                Query(expr=f"system_memory_usage_bytes{{{INSTANCE}}}", legend="{{host_name}} used"),
+                Query(
+                    expr=f"system_memory_limit_bytes{{{INSTANCE}}}", legend="{{host_name}} total"
+                ),
+                unit="bytes",
+            ),
+            _ts(
+                "Network bytes per second per node",
+                "Host network traffic by direction (all interfaces).",
+                Query(
+                    expr=f"rate(system_network_io_bytes_total{{{INSTANCE}}}[$__rate_interval])",
+                    legend="{{host_name}} {{network_io_direction}}",
+                ),
+                unit="Bps",
+            ),
+            _ts(
+                "CPU utilization per rank process",
+                "Each local rank's share of its node's cores.",
+                Query(expr=f"process_cpu_utilization_ratio{{{RANK}}}", legend=RANK_LEGEND),
+                unit="percentunit",
+            ),
+            _ts(
+                "Resident memory per rank process",
+                "Each local rank's host memory: a steady climb is a leak.",
+                Query(expr=f"process_memory_usage_bytes{{{RANK}}}", legend=RANK_LEGEND),
+                unit="bytes",
+            ),
+        ),
+    ),
+    Row(
         "Daemon",
         (
             _ts(

@@ -13,6 +13,7 @@ from plait.core import telemetry_schema as schema
 from plait.daemon.analysis import DEFAULT_METRICS_WINDOW_STEPS, RANK_ENDED, RANK_LIVE
 from plait.daemon.bottleneck import CLASSES
 from plait.daemon.exporters import DaemonPoint
+from plait.daemon.host import HostSample
 from plait.daemon.nvml import metric_points
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ GAUGE_COUNTERS = frozenset({"hw.energy", "hw.errors"})
 LINK_LABEL = "plait.comm.link"
 LINK_INTRA_NODE = "intra_node"
 LINK_INTER_NODE = "inter_node"
+NETWORK_DIRECTION_LABEL = "network.io.direction"
 
 
 def _rank_attributes(job_id: str, rank: int, host: str) -> dict[str, object]:
@@ -31,6 +33,28 @@ def _rank_attributes(job_id: str, rank: int, host: str) -> dict[str, object]:
         schema.RESOURCE_RANK: rank,
         schema.RESOURCE_HOST_NAME: host,
     }
+
+
+def host_points(host: HostSample) -> list[DaemonPoint]:
+    """The node's CPU, memory and network, and each local rank process's CPU and memory."""
+    node = {schema.RESOURCE_HOST_NAME: host.hostname}
+    points = [
+        DaemonPoint("system.cpu.utilization", host.cpu_percent / 100, node),
+        DaemonPoint("system.memory.usage", host.memory_used_bytes, node),
+        DaemonPoint("system.memory.limit", host.memory_total_bytes, node),
+    ]
+    for direction, total in (("transmit", host.net_bytes_sent), ("receive", host.net_bytes_recv)):
+        attrs = {**node, NETWORK_DIRECTION_LABEL: direction}
+        points.append(DaemonPoint("system.network.io", total, attrs, counter=True))
+    # psutil gives a process's CPU as a percent of one core; the convention divides by the
+    # node's cores, so a rank using every core reads 1.
+    cores = max(host.cpu_count, 1)
+    for (job_id, rank), process in sorted(host.processes.items()):
+        attrs = _rank_attributes(job_id, rank, host.hostname)
+        utilization = process.cpu_percent / 100 / cores
+        points.append(DaemonPoint("process.cpu.utilization", utilization, attrs))
+        points.append(DaemonPoint("process.memory.usage", process.rss_bytes, attrs))
+    return points
 
 
 def daemon_points(
@@ -44,6 +68,7 @@ def daemon_points(
             DaemonPoint(name, value, attrs, counter=name in GAUGE_COUNTERS)
             for name, value, attrs in metric_points(nvml.latest)
         )
+    points.extend(host_points(service.host.latest))
     metrics = service.metrics_view(window_steps=window_steps)
     job_totals: dict[tuple[str, str], int] = {}
     for r in metrics.ranks:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from plait.core import telemetry_schema as schema
+from plait.core.host import host_name
 from plait.daemon.grafana import SCHEMA_VERSION, dashboard
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.server import DaemonServer
@@ -66,6 +68,14 @@ def _rank_spans(base_ns: int) -> list[SpanSpec]:
     return spans
 
 
+def _wait_for_rank_processes(server: DaemonServer, ranks: set[tuple[str, int]]) -> None:
+    """Until a host sample holds the ranks' processes (the collector's thread takes it)."""
+    deadline = time.monotonic() + 30
+    while not ranks <= set(server.host.latest.processes):
+        assert time.monotonic() < deadline, "the host collector never sampled the ranks"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def exported() -> Iterator[Exported]:
     """What `/metrics` of a daemon with a GPU and a two-rank MoE job serves."""
@@ -80,8 +90,18 @@ def exported() -> Iterator[Exported]:
         with grpc.insecure_channel(server.address) as channel:
             traces = trace_service_pb2_grpc.TraceServiceStub(channel)
             for rank in (0, 1):
-                request = trace_request(rank_resource("dash", rank), _rank_spans(base))
+                # This process stands for both ranks, on this host: the host collector samples it.
+                resource = rank_resource(
+                    "dash",
+                    rank,
+                    **{
+                        schema.RESOURCE_HOST_NAME: host_name(),
+                        schema.RESOURCE_PROCESS_PID: os.getpid(),
+                    },
+                )
+                request = trace_request(resource, _rank_spans(base))
                 assert not traces.Export(request, timeout=10).HasField("partial_success")
+        _wait_for_rank_processes(server, {("dash", 0), ("dash", 1)})
         assert server.prometheus is not None
         url = f"http://{server.prometheus.address}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
