@@ -51,11 +51,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocab_size {vocab_size} does not fit in 32-bit token ids")
 
 
+# How `ByteTokenizer.decode` shows the end of a document (GPT-2's name for its EOS token).
+END_OF_DOCUMENT_TEXT = "<|endoftext|>"
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: vocab 256, lossless for any text, nothing to download.
 
     `decode` replaces byte sequences that are not valid UTF-8 (a window cut in the middle of a
     multi-byte character) with U+FFFD instead of raising, since sampled windows start anywhere.
+    Id 256, the end of document that `plait data prepare` appends (`document_eos`), decodes to
+    `END_OF_DOCUMENT_TEXT`.
     """
 
     name = "byte"
@@ -73,10 +79,18 @@ class ByteTokenizer:
         if not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"byte tokens must be integers, got dtype {ids.dtype}")
         low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.vocab_size:
+        if low < 0 or high > self.vocab_size:
             bad = low if low < 0 else high
-            raise ValueError(f"byte token {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+            raise ValueError(
+                f"byte token {bad} is outside the vocabulary [0, {self.vocab_size}] "
+                f"({self.vocab_size}: the end of a document)"
+            )
+        ends = np.flatnonzero(ids == self.vocab_size)
+        pieces = np.split(ids, ends)
+        texts = [pieces[0], *(piece[1:] for piece in pieces[1:])]  # each after an end drops it
+        return END_OF_DOCUMENT_TEXT.join(
+            piece.astype(np.uint8).tobytes().decode("utf-8", errors="replace") for piece in texts
+        )
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=256)"

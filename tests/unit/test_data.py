@@ -24,6 +24,7 @@ from plait.plugins.data import (
     token_dtype,
 )
 from plait.plugins.data import token_files as token_files_module
+from plait.plugins.data.tokenizer import document_eos
 from plait.tools.data_commands import app
 
 TEXT = "The quick brown fox — naïve café, 日本語, emoji 🦊.\nSecond line.\n"
@@ -79,8 +80,13 @@ def test_byte_tokenizer_round_trips_non_ascii() -> None:
     assert tokenizer.decode(torch.from_numpy(ids.astype(np.int64))) == TEXT
     # A window cut inside a multi-byte character decodes with a replacement, not an exception.
     assert tokenizer.decode(tokenizer.encode("é")[:1]) == "\ufffd"
-    with pytest.raises(ValueError, match="256"):
-        tokenizer.decode([65, 256])
+    # The end of document `plait data prepare` appends is the one id past the bytes.
+    assert document_eos(tokenizer).eos_id == 256
+    assert tokenizer.decode([65, 256, 66, 67, 256]) == "A<|endoftext|>BC<|endoftext|>"
+    with pytest.raises(ValueError, match="257"):
+        tokenizer.decode([65, 257])
+    with pytest.raises(ValueError, match="-1"):
+        tokenizer.decode([-1, 65])
 
 
 def test_token_dtype_follows_vocab_size() -> None:
