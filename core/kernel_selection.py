@@ -26,7 +26,6 @@ state, or clone all of it. They stay on the configured preference order.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plait.core.atomic_files import write_json_atomically
 from plait.core.peak_flops import cache_dir, cpu_model
 
 if TYPE_CHECKING:
@@ -214,10 +214,7 @@ class ChoiceStore:
             machines.setdefault(machine, {})[choice.key] = choice.to_json()
             document = {"format": FORMAT_VERSION, "machines": machines}
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
-                partial.write_text(json.dumps(document, indent=1, sort_keys=True))
-                os.replace(partial, self.path)  # readers never see a half-written file
+                write_json_atomically(self.path, document)
             except OSError as exc:
                 warnings.warn(
                     f"could not save the measured kernel choices to {self.path}: {exc}; they "

@@ -45,6 +45,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from plait.core.atomic_files import write_json_atomically
+
 # Dense peak TFLOP/s per device and dtype, from the vendors' datasheets (sparsity figures
 # halved):
 #   H100 SXM / PCIe / NVL, H200, GH200: NVIDIA H100, H200 and GH200 datasheets (2023-2024)
@@ -356,9 +358,7 @@ def host_cpu_calibration(
                     if settled
                     else calibration.cpu_share,
                 )
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(asdict(calibration), indent=2))
-            os.replace(partial, path)  # readers never see a half-written file
+            write_json_atomically(path, asdict(calibration), indent=2)
             return calibration, path
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

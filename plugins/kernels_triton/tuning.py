@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from plait.core.atomic_files import write_json_atomically
 from plait.core.peak_flops import cache_dir
 from plait.plugins.kernels_triton.launch import interpreting
 
@@ -112,10 +113,7 @@ class TileStore:
             problems[key] = chosen.to_json()
             self._entries = entries
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
-                partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
-                os.replace(partial, self.path)  # readers never see a half-written file
+                write_json_atomically(self.path, entries)
             except OSError as exc:
                 warnings.warn(
                     f"could not save the tuned Triton tiles to {self.path}: {exc}; "
