@@ -131,6 +131,10 @@ def test_only_plait_lands_at_the_top_and_every_import_is_declared(installed: Ins
     site = _site_packages(installed)
     for name in ("core", "plugins", "daemon", "proto", "tools", "planner", "configs"):
         assert not (site / name).exists() and not (site / f"{name}.py").exists()
+    # The web page's assets are in the wheel: an offline node fetches nothing to draw it.
+    static = site / "plait" / "daemon" / "web" / "static"
+    for asset in ("index.html", "page.js", "page.css", "uPlot.iife.min.js", "uPlot.min.css"):
+        assert (static / asset).stat().st_size > 0, asset
     # The installed files' imports against the installed metadata (the checker imports only
     # plait, from the venv).
     checker = installed.work.parent / "dependency_imports.py"
