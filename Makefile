@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 
-.PHONY: demo test test-gpu wheelhouse lint format protos bench clean
+.PHONY: demo test test-gpu wheelhouse lint format protos bench docs clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,5 +50,9 @@ format: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python tools/gen_protos.py
 
+# The documentation site from docs/ (mkdocs-material, offline), into site/; a broken link fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site

@@ -2,7 +2,7 @@
 
 This module is the published contract between producers (plait's ranks, or any OpenTelemetry
 SDK configured by hand) and the node daemon. It imports nothing, so a producer can vendor it.
-The README's "Telemetry schema" section documents every constant here (a test checks it).
+docs/telemetry-schema.md documents every constant here (a test checks it).
 
 A rank is an OpenTelemetry *resource* carrying `RESOURCE_*` attributes; the daemon keys it by
 (`plait.job.id`, `plait.rank`). Spans carry `SPAN_*` attributes and are classified by

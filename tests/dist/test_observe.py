@@ -1,5 +1,5 @@
 """Jobs plait did not launch, on a real daemon: torchrun runs a user's script with two Gloo ranks
-(the README's DDP and `Trainer` examples as written, and an FSDP2 script), and the daemon's MFU,
+(docs/observe.md's DDP and `Trainer` examples as written, and an FSDP2 script), and the daemon's MFU,
 bottleneck split, comm spans, stragglers and hangs are checked against the script's own
 figures; `plait stacks`, `plait status` and `plait profile` are run on the DDP job while it is
 stuck, `plait memory` on the FSDP2 job. One torchrun launch per test."""
@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from plait.core.peak_flops import CpuCalibration, calibration_path, cpu_model, host_cores
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
-from tests.readme_blocks import write_files
+from tests.doc_blocks import write_files
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = Path(__file__).with_name("observed") / "launch.py"
@@ -250,7 +250,7 @@ def training_frames(stacks: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.mark.dist
 @pytest.mark.timeout(480)
 def test_a_plain_ddp_script_is_observed_like_a_plait_job(tmp_path: Path) -> None:
-    """The README's DDP example as written; rank 1's forwards take 10× as long, and its second
+    """docs/observe.md's DDP example as written; rank 1's forwards take 10× as long, and its second
     one stalls until rank 0 waits for it in the gradient all-reduce, the stacks of both ranks
     have been read, the daemon has shown the hang and a profile's start step is set."""
     (script,) = [p for p in write_files(tmp_path) if p.name == "train_ddp.py"]
@@ -407,7 +407,7 @@ def check_memory_of_the_sharded_job(answer: dict[str, Any], report: dict[str, An
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_a_transformers_trainer_with_the_callback(tmp_path: Path) -> None:
-    """The README's `Trainer` example as written: a tiny Llama from a config on two ranks."""
+    """docs/observe.md's `Trainer` example as written: a tiny Llama from a config on two ranks."""
     pytest.importorskip("accelerate")
     (script,) = [p for p in write_files(tmp_path) if p.name == "train_hf.py"]
     server = DaemonServer("127.0.0.1:0", host_interval=0.5).start()

@@ -1,7 +1,7 @@
-"""Three plugin distributions written only from the README, built and installed offline.
+"""Three plugin distributions written only from docs/plugins.md, built and installed offline.
 
 The int8 communication algorithm, the reverse-order accumulation schedule and the CPU kernel
-provider are written out from the README's file blocks, built with the environment's setuptools
+provider are written out from docs/plugins.md's file blocks, built with the environment's setuptools
 and installed with `pip --target` into a temporary folder on `PYTHONPATH` / `sys.path`, so the
 virtualenv is never modified. A fourth, test-only distribution (a probe) records what a run's
 hooks answered, so the test can tell that each plugin really ran.
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from plait.core.testing import TrainTrace, train_configs
-from tests.readme_blocks import write_files
+from tests.doc_blocks import write_files
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAIT = [sys.executable, "-m", "plait.tools.cli"]
@@ -113,11 +113,12 @@ def workdir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def site(workdir: Path) -> Path:
-    """The three README distributions and the probe, installed into a folder of their own."""
+    """docs/plugins.md's three distributions and the probe, installed in a folder of their own."""
     root = workdir
     sources = root / "src"
     for distribution in PACKAGES:
-        assert write_files(sources, f"{distribution}/"), f"README has no {distribution} files"
+        written = write_files(sources, f"{distribution}/")
+        assert written, f"docs/plugins.md has no {distribution} files"
     probe = sources / "plait-probe"
     probe.mkdir()
     (probe / "pyproject.toml").write_text(PROBE_PYPROJECT)
@@ -230,9 +231,9 @@ EXAMPLES = {
 
 @pytest.fixture(scope="module")
 def two_rank_traces(site: Path, workdir: Path) -> dict[str, TrainTrace]:
-    """Every layout with each schedule order, and the README examples, in one 2-rank spawn.
+    """Every layout with each schedule order, and the docs' plugin examples, in one 2-rank spawn.
 
-    The installed packages come in through the entry points (autoload on); the README's
+    The installed packages come in through the entry points (autoload on); the docs'
     strategy, which is not packaged, by module path.
     """
     strategy = workdir / "strategy"
@@ -274,7 +275,7 @@ def test_reverse_schedule_matches_the_default_order_under_every_layout(
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_readme_strategy_and_int8_train_like_ddp(two_rank_traces: dict[str, TrainTrace]) -> None:
+def test_docs_strategy_and_int8_train_like_ddp(two_rank_traces: dict[str, TrainTrace]) -> None:
     reference = two_rank_traces["ddp accumulate"].losses
     my_dp = two_rank_traces["my_dp"].losses
     assert max(abs(a - b) for a, b in zip(my_dp, reference, strict=True)) <= 1e-6
@@ -287,7 +288,7 @@ def test_readme_strategy_and_int8_train_like_ddp(two_rank_traces: dict[str, Trai
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_the_readme_test_suite_passes_in_the_package(site: Path, workdir: Path) -> None:
+def test_the_docs_test_suite_passes_in_the_package(site: Path, workdir: Path) -> None:
     package = workdir / "suite" / "plait-reverse-accumulate"
     write_files(workdir / "suite", "plait-reverse-accumulate/")
     (package / "plait_reverse_accumulate.py").unlink()  # tests run against the installed copy

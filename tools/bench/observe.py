@@ -3,7 +3,7 @@
     python tools/bench/observe.py [--rounds 5] [--steps 30] [--warmup 3] [--pairs 60]
                                   [--dim 256] [--bucket-mb 0.25]
 
-The script is the README's DDP example model (an embedding, four 256-wide blocks, a 512-token
+The script is docs/observe.md's DDP example model (an embedding, four 256-wide blocks, a 512-token
 head; 8 × 64 tokens per rank and step; 0.25 MB gradient buckets: six of them) on two Gloo
 ranks (`run_distributed`), each step timed around the loop body as the user's own code would
 (rank 0's times: the ranks wait for each other in every all-reduce). `--dim` widens the blocks

@@ -1,4 +1,6 @@
-"""The README's code runs: the `plait.initialize` loop and the plugin example, as written."""
+"""The docs' code runs as written: the `plait.initialize` loop and the `transformers` model
+(docs/your-own-model.md), the strategy example (docs/plugins.md), and the layout table
+(docs/layout.md) names the plugin folders as they are."""
 
 from __future__ import annotations
 
@@ -10,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_blocks import page, python_blocks
+
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
-
-
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
 
 
 def _run(code: str, tmp_path: Path) -> str:
@@ -50,7 +49,7 @@ SETUP = textwrap.dedent(
 
 @pytest.mark.timeout(150)
 def test_initialize_snippet_trains(tmp_path: Path) -> None:
-    snippet = next(b for b in _python_blocks() if "plait.initialize(" in b)
+    snippet = next(b for b in python_blocks(page("your-own-model.md")) if "my_loader" in b)
     code = SETUP + snippet + "\nprint('first', engine.global_step, 'loss', loss)\n"
     code = code.replace(
         "for inputs, targets in my_loader:", "losses = []\nfor inputs, targets in my_loader:"
@@ -65,7 +64,7 @@ def test_initialize_snippet_trains(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_plugin_example_is_a_working_strategy(tmp_path: Path) -> None:
-    plugin = next(b for b in _python_blocks() if "class MyRuntime" in b)
+    plugin = next(b for b in python_blocks(page("plugins.md")) if "class MyRuntime" in b)
     package = tmp_path / "my_package"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -93,17 +92,18 @@ def test_plugin_example_is_a_working_strategy(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_your_own_model_snippet_trains_a_transformers_model(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    snippet = next(b for b in _python_blocks() if b.startswith("# your_own_model.py"))
+    blocks = python_blocks(page("your-own-model.md"))
+    snippet = next(b for b in blocks if b.startswith("# your_own_model.py"))
     out = _run(snippet.replace('"zero3"', '"zero3"}, "telemetry": {"enabled": False'), tmp_path)
     assert "trained 6 steps" in out, out
 
 
 def test_the_layout_names_every_plugin_folder_and_no_other() -> None:
-    """The Layout section's `plugins/` row follows the folders as they are."""
-    layout = README.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    """The layout page's `plugins/` row follows the folders as they are."""
+    layout = page("layout.md")
     (row,) = [line for line in layout.splitlines() if line.startswith("| `plugins/` |")]
     named = set(re.findall(r"`([a-z_0-9]+)/`", row.split("|")[3]))
     folders = {p.parent.name for p in (ROOT / "plugins").glob("*/__init__.py")}
     assert named == folders, (
-        f"README layout lacks {sorted(folders - named)}, names missing {sorted(named - folders)}"
+        f"docs/layout.md lacks {sorted(folders - named)}, names missing {sorted(named - folders)}"
     )

@@ -1,4 +1,4 @@
-"""The README's "Writing a plugin" examples work as written: each file block is written out and
+"""docs/plugins.md's "Writing a plugin" examples work as written: each file block is written out and
 exercised in this process — records, selection by name, config validation, the int8 codec, the
 fused kernel. Two-rank training with them is in `tests/e2e/test_plugin_packages.py`."""
 
@@ -17,7 +17,7 @@ from plait.core.errors import ConfigError
 from plait.core.kernels import Kernels
 from plait.core.plugins import Plugins, plugin_object
 from plait.core.schedule import ScheduleRequest, format_action
-from tests.readme_blocks import readme_files, write_files
+from tests.doc_blocks import doc_files, page, write_files
 
 EXAMPLES = {
     "my_dp": ("my_package.my_dp", "my_package/my_dp.py"),
@@ -29,7 +29,7 @@ EXAMPLES = {
 
 @pytest.fixture
 def examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Plugins:
-    """The README's files on sys.path (inherited by spawned ranks), registered by name."""
+    """The docs' files on sys.path (inherited by spawned ranks), registered by name."""
     write_files(tmp_path)
     (tmp_path / "my_package" / "__init__.py").write_text("")
     for folder in ("", "plait-reverse-accumulate", "plait-cpu-kernels", "plait-int8"):
@@ -44,8 +44,8 @@ def examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Plugins:
     return Plugins.create(autoload=False, extra=extra)
 
 
-def test_every_example_file_is_in_the_readme() -> None:
-    files = readme_files()
+def test_every_example_file_is_in_the_plugins_page() -> None:
+    files = doc_files(page("plugins.md"))
     for _, prefix in EXAMPLES.values():
         assert any(name.startswith(prefix) for name in files), prefix
     for package in ("plait-int8", "plait-reverse-accumulate", "plait-cpu-kernels"):
