@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.dist,
     pytest.mark.skipif(
         not (os.path.exists(CHROMEDRIVER) and os.path.exists(CHROMIUM)),
-        reason="Debian's chromium and chromium-driver are not installed (make install-dev)",
+        reason="Debian's chromium and chromium-driver are not installed (make test's set-up)",
     ),
     pytest.mark.skipif(
         importlib.util.find_spec("selenium") is None, reason="selenium is not installed"
