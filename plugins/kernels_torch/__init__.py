@@ -1,4 +1,5 @@
-"""The torch reference kernel provider: every op in `KERNEL_OPS`, answering `trylast`.
+"""The torch reference kernel provider: every op in `KERNEL_OPS`, answering `trylast`; and,
+under the provider name "compiled", the same ops under `torch.compile` (`compiled.py`).
 
 Faster providers (Triton on CUDA, a vendor library, …) answer first when they can; these plain
 PyTorch implementations answer whatever is left, so every op always resolves. They are registered
@@ -14,6 +15,8 @@ from typing import Any
 from plait.core.hookspecs import hookimpl
 from plait.core.kernels import KERNEL_OPS
 from plait.core.records import KernelRecord
+from plait.plugins.kernels_torch.compiled import PROVIDER as COMPILED_PROVIDER
+from plait.plugins.kernels_torch.compiled import compiled_kernel, compiled_records
 from plait.plugins.kernels_torch.grouped_gemm import grouped_mm
 from plait.plugins.kernels_torch.ops import OPS, PROVIDER
 
@@ -37,7 +40,7 @@ def plait_register_kernels() -> Sequence[KernelRecord]:
             description=f"plain PyTorch reference {op}",
         )
         for op in KERNEL_OPS
-    ]
+    ] + compiled_records()
 
 
 # NOTE: not keyword-only: pluggy passes hook arguments without defaults positionally, so a
@@ -46,7 +49,8 @@ def plait_register_kernels() -> Sequence[KernelRecord]:
 def plait_kernel(
     name: str, device: str, dtype: str, provider: str | None
 ) -> Callable[..., Any] | None:
-    del device, dtype  # plain torch ops are device- and dtype-generic
+    if provider == COMPILED_PROVIDER:
+        return compiled_kernel(name, device, dtype)
     if provider not in (None, PROVIDER):
         return None
-    return OPS.get(name)
+    return OPS.get(name)  # plain torch ops are device- and dtype-generic

@@ -79,12 +79,28 @@ class FakeTimer:
         return self.seconds[provider]
 
 
+class TorchReference:
+    """The torch reference provider alone (the built-in plugin also serves "compiled", whose
+    first call compiles: `tests/unit/test_kernels_compiled.py` measures that one)."""
+
+    @hookimpl
+    def plait_register_kernels(self) -> Sequence[KernelRecord]:
+        return [
+            KernelRecord(op=op, provider=ops.PROVIDER, device_types=("cpu", "cuda"))
+            for op in ops.OPS
+        ]
+
+    @hookimpl(trylast=True)
+    def plait_kernel(self, name: str, device: str, dtype: str, provider: str | None) -> Any:
+        return ops.OPS.get(name) if provider in (None, ops.PROVIDER) else None
+
+
 def _plugins(*providers: FakeProvider) -> Plugins:
     # A fresh manager with the torch reference and the fakes only (no Triton interpreter).
     return Plugins.create(
         autoload=False,
-        builtins=(("kernels_torch", "plait.plugins.kernels_torch"),),
-        extra=[(p.name, p) for p in providers],
+        builtins=(),
+        extra=[("torch_reference", TorchReference()), *((p.name, p) for p in providers)],
     )
 
 
