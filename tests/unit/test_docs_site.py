@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from markdown.extensions.toc import slugify
 
-from plait.tools.docs_hooks import unescape_table_code_pipes
+from plait.tools.docs_hooks import pages_in_reading_order, unescape_table_code_pipes
 from tests.doc_blocks import DOCS, README, ROOT
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -30,6 +30,24 @@ def build_site(site: Path, config: Path = ROOT / "mkdocs.yml") -> subprocess.Com
         cwd=config.parent,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
+
+
+def small_site(root: Path, pages: dict[str, str]) -> Path:
+    """A docs/ of `pages` under `root`, with plait's mkdocs.yml (and hooks) beside it."""
+    for name, text in pages.items():
+        (root / "docs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "docs" / name).write_text(text)
+    hooks = str(ROOT / "tools" / "docs_hooks.py")
+    config = root / "mkdocs.yml"
+    config.write_text((ROOT / "mkdocs.yml").read_text().replace("tools/docs_hooks.py", hooks))
+    return config
+
+
+def nav_of(site: Path) -> list[str]:
+    """The page links of a built site's navigation, in order."""
+    html = (site / "index.html").read_text()
+    links = re.findall(r'<a href="([^"#]*)" class="md-nav__link', html)
+    return list(dict.fromkeys(links))
 
 
 def heading_slugs(text: str) -> set[str]:
@@ -81,21 +99,48 @@ def test_the_site_builds_strict_and_offline(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_broken_link_between_pages_fails_the_build(tmp_path: Path) -> None:
-    """The strict build is what catches broken links: a copy of the docs with one fails."""
+    """The strict build is what catches broken links: a page linking to a missing page, and one
+    linking to a missing heading, fail it."""
     pytest.importorskip("material", reason="mkdocs-material is in the docs and dev extras")
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "index.md").write_text("# Home\n\nSee [the missing page](missing.md).\n")
-    (docs / "other.md").write_text("# Other\n\nSee [a heading](index.md#no-such-heading).\n")
-    config = tmp_path / "mkdocs.yml"
-    config.write_text(
-        (ROOT / "mkdocs.yml")
-        .read_text()
-        .replace("tools/docs_hooks.py", str(ROOT / "tools" / "docs_hooks.py"))
+    config = small_site(
+        tmp_path,
+        {
+            "index.md": "# Home\n\nSee [the missing page](missing.md).\n",
+            "other.md": "# Other\n\nSee [a heading](index.md#no-such-heading).\n",
+        },
     )
     result = build_site(tmp_path / "site", config)
     assert result.returncode != 0
     assert "missing.md" in result.stderr and "no-such-heading" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_new_page_is_in_the_navigation_and_a_named_absent_one_is_not_needed(
+    tmp_path: Path,
+) -> None:
+    """No page is listed by hand: one nobody named joins the navigation after the named ones,
+    and the named pages that are absent (here all but two) do not fail the strict build."""
+    pytest.importorskip("material", reason="mkdocs-material is in the docs and dev extras")
+    config = small_site(
+        tmp_path,
+        {"index.md": "# Home\n", "a-new-topic.md": "# New\n", "training.md": "# Training\n"},
+    )
+    result = build_site(tmp_path / "site", config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert nav_of(tmp_path / "site") == [".", "training/", "a-new-topic/"]
+
+
+def test_the_navigation_follows_the_reading_order_then_the_file_names(tmp_path: Path) -> None:
+    for name in ("cli.md", "index.md", "zz.md", "training.md", "sub/page.md", ".draft.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("# x\n")
+    assert pages_in_reading_order(tmp_path) == [
+        "index.md",
+        "training.md",
+        "cli.md",
+        "sub/page.md",
+        "zz.md",
+    ]
 
 
 def test_every_relative_link_of_the_readme_and_the_pages_resolves() -> None:
