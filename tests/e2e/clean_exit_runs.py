@@ -7,7 +7,7 @@ Each rank is what a user's script is under torchrun: `Engine` + `Checkpointer` o
 Llama, a few steps with a save every two, then the end of the script — `sys.exit`, so Python
 runs its whole shutdown (atexit handlers, thread joins, finalization), where a C++ thread left
 running aborts the process. Even runs close the engine; odd ones leave it open, as the
-README's examples do; every second pair saves in the background, and every fifth run keeps
+docs' examples do; every second pair saves in the background, and every fifth run keeps
 the default telemetry with no daemon running.
 
 To pay for `import torch` once instead of 2 × RUNS times, the launcher imports everything and

@@ -123,7 +123,7 @@ def test_progress_is_published_to_the_store(store: dist.Store) -> None:
 
 
 def test_a_publisher_left_running_is_stopped_at_interpreter_exit(store: dist.Store) -> None:
-    # An engine never closed (the README's scripts): the daemon thread must not be inside a
+    # An engine never closed (the docs' scripts): the daemon thread must not be inside a
     # store call when Python finalizes, so the exit handler stops it and waits for it.
     comm, plugins = make_comm(store, 5, RuntimeError(GLOO_TIMEOUT))
     comm.all_reduce(torch.ones(2), group=GROUP, purpose="grad_bucket")
