@@ -15,7 +15,9 @@ drift hit all of them alike), each round `--steps` timed steps after warm-up:
 - `plain compiled`: the same loop on `torch.compile(model)`;
 - `plait torch`: `plait.core.engine.Engine`, one rank (NCCL), AMP bf16, torch kernels;
 - `plait torch compiled`: the same with every block compiled (`transforms.compile`);
-- `plait triton`: `plait torch` with `kernels.prefer = ["triton"]`.
+- `plait triton`: `plait torch` with `kernels.prefer = ["triton"]`;
+- `plait auto`: `plait torch` with `kernels.provider = "auto"`: each op's provider (torch,
+  triton, or `torch.compile` of the reference) timed at its first call, the fastest kept.
 
 Printed per variant: tokens/s, MFU against the GPU's bf16 dense peak (plait's peak table; the
 model's FLOPs per token from plait's formula, the same for every variant), peak memory
@@ -34,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,6 +68,9 @@ class Variant:
     close: Callable[[], None]
     seconds: list[float]
     peak_bytes: int = 0
+    # Which provider ran each op (op/device/dtype -> provider), read after the timed steps.
+    providers: Callable[[], dict[str, str]] = dict
+    chosen: dict[str, str] = field(default_factory=dict)
 
 
 def _tokens(setting: Setting, vocab: int, steps: int) -> list[torch.Tensor]:
@@ -108,7 +113,8 @@ def plait_variant(setting: Setting, *, kernels: str, compiled: bool = False) -> 
             "optimizer": {"lr": 1e-4, "warmup_steps": 0, "weight_decay": 0.1},
             "parallel": {"dp_strategy": "ddp", "transforms": transforms},
             "amp": {"dtype": dtype},
-            "kernels": {"prefer": [kernels]},
+            # "auto": each op's provider timed at its first call (torch, triton, compiled).
+            "kernels": {"provider": "auto"} if kernels == "auto" else {"prefer": [kernels]},
             "telemetry": {"enabled": False},
         }
     )
@@ -116,8 +122,12 @@ def plait_variant(setting: Setting, *, kernels: str, compiled: bool = False) -> 
     def step(batch: torch.Tensor) -> float:
         return engine.train_step((batch[:, :-1], batch[:, 1:]))
 
+    def providers() -> dict[str, str]:
+        chosen = engine.kernels.chosen_providers()
+        return {"/".join(key): provider for key, provider in sorted(chosen.items())}
+
     name = f"plait {kernels}" + (" compiled" if compiled else "")
-    return Variant(name, step, engine.close, [])
+    return Variant(name, step, engine.close, [], providers=providers)
 
 
 def _synchronize(device: str) -> None:
@@ -138,6 +148,7 @@ def _builders(setting: Setting) -> dict[str, Callable[[], Variant]]:
         builders["plait torch compiled"] = lambda: plait_variant(
             setting, kernels="torch", compiled=True
         )
+        builders["plait auto"] = lambda: plait_variant(setting, kernels="auto")
     # On CPU torch.compile measures the compiler, not the model, and Triton cannot compile.
     return builders
 
@@ -155,6 +166,7 @@ def _figures(
             "mfu": rate * flops_per_token / peak_flops if peak_flops > 0 else 0.0,
             "peak_memory_gib": record.peak_bytes / 2**30,
             "step_seconds": list(record.seconds),
+            "providers": dict(record.chosen),
         }
     return figures
 
@@ -196,7 +208,7 @@ def run(
     for _ in range(rounds):
         for name, build in builders.items():
             try:
-                seconds, peak_bytes = _time_variant(setting, build, batches, warmup=warmup)
+                seconds, peak_bytes, chosen = _time_variant(setting, build, batches, warmup=warmup)
             except Exception as exc:  # one variant failing must not lose the others' figures
                 failures[name] = f"{type(exc).__name__}: {exc}"
                 print(f"{name} failed: {failures[name]}", flush=True)
@@ -204,6 +216,7 @@ def run(
             record = results.setdefault(name, Variant(name, lambda _: 0.0, lambda: None, []))
             record.seconds.append(seconds)
             record.peak_bytes = max(record.peak_bytes, peak_bytes)
+            record.chosen = chosen
             save()
             print(f"{name}: {tokens / seconds:,.0f} tokens/s this round", flush=True)
     print(
@@ -227,6 +240,10 @@ def run(
             f"{name:20} {rate:10,.0f} {mfu:7.1%} {record.peak_bytes / 2**30:9.2f} "
             f"{baseline / median:18.3f}  {spread}"
         )
+    for name, record in results.items():
+        if name == "plait auto" and record.chosen:
+            picks = ", ".join(f"{op.split('/')[0]} {p}" for op, p in record.chosen.items())
+            print(f"plait auto chose: {picks}")
 
 
 def _time_variant(
@@ -235,9 +252,10 @@ def _time_variant(
     batches: list[torch.Tensor],
     *,
     warmup: int,
-) -> tuple[float, int]:
-    """Seconds per timed step and peak device memory of one fresh variant; it is closed and
-    freed before the next is built, so one variant is on the device at a time."""
+) -> tuple[float, int, dict[str, str]]:
+    """Seconds per timed step, peak device memory and the providers that ran of one fresh
+    variant; it is closed and freed before the next is built, so one variant is on the device
+    at a time."""
     variant = build()
     try:
         for batch in batches[:warmup]:
@@ -251,13 +269,14 @@ def _time_variant(
         _synchronize(setting.device)
         seconds = (time.perf_counter() - start) / (len(batches) - warmup)
         peak_bytes = torch.cuda.max_memory_allocated() if setting.device == "cuda" else 0
+        chosen = variant.providers()
     finally:
         variant.close()
         del variant
         gc.collect()
         if setting.device == "cuda":
             torch.cuda.empty_cache()
-    return seconds, peak_bytes
+    return seconds, peak_bytes, chosen
 
 
 def main(argv: list[str] | None = None) -> int:
