@@ -320,6 +320,68 @@ class CommSection(Section):
             ) from None
 
 
+class FaultToleranceSection(Section):
+    """`[fault_tolerance]`: this job is one of several replica groups kept by torchft's quorum.
+
+    Each group is one `plait train` (its own torchrun world, any inner layout); a lighthouse
+    (`plait daemon --lighthouse HOST:PORT`) forms a quorum of the live groups every step; a step
+    commits only where every rank of the group succeeded, and a group that joins late heals from
+    a live peer. See docs/fault-tolerance.md.
+    """
+
+    replica_group: int = Field(
+        -1, ge=-1, description="this group's index, 0 .. replica_groups-1; -1 = fault tolerance off"
+    )
+    replica_groups: int = Field(
+        1, gt=0, description="groups the job is made of; each reads its share of the global batch"
+    )
+    lighthouse: str = Field(
+        "",
+        description="HOST:PORT of the lighthouse that forms the quorum (plait daemon --lighthouse)",
+    )
+    min_replica_groups: int = Field(
+        1, gt=0, description="fewest live groups a step may commit with"
+    )
+    quorum_timeout_seconds: float = Field(
+        60.0, gt=0, description="how long a step waits for the lighthouse's quorum"
+    )
+    step_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="a cross-group all-reduce, commit vote or heal transfer that takes longer "
+        "fails the step (not committed, retried without the group that stopped answering)",
+    )
+    connect_timeout_seconds: float = Field(
+        10.0, gt=0, description="how long to wait to reach the lighthouse and peer managers"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.replica_group >= 0
+
+    @model_validator(mode="after")
+    def _group_and_lighthouse(self) -> FaultToleranceSection:
+        if not self.enabled:
+            return self
+        if self.replica_group >= self.replica_groups:
+            raise ValueError(
+                f"replica_group = {self.replica_group} is not one of the job's "
+                f"replica_groups = {self.replica_groups}; allowed: 0 .. {self.replica_groups - 1}"
+            )
+        if self.min_replica_groups > self.replica_groups:
+            raise ValueError(
+                f"min_replica_groups = {self.min_replica_groups} exceeds replica_groups = "
+                f"{self.replica_groups}; allowed: 1 .. {self.replica_groups}"
+            )
+        host, sep, port = self.lighthouse.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"lighthouse = {self.lighthouse!r} must be HOST:PORT (the address given to "
+                "plait daemon --lighthouse), e.g. '127.0.0.1:29510', when replica_group is set"
+            )
+        return self
+
+
 class PluginsSection(Section):
     disable: list[str] = Field(default_factory=list, description="plugin names to block")
     inert_selection: Literal["error", "warn"] = Field(
@@ -346,6 +408,7 @@ class PlaitConfig(BaseModel):
     plugins: PluginsSection = Field(default_factory=PluginsSection)
     checkpoint_io: CheckpointIOSection = Field(default_factory=CheckpointIOSection)
     comm: CommSection = Field(default_factory=CommSection)
+    fault_tolerance: FaultToleranceSection = Field(default_factory=FaultToleranceSection)
 
     @model_validator(mode="after")
     def _schedule_named(self) -> PlaitConfig:
