@@ -35,6 +35,8 @@ test-gpu: $(STAMP)
 WHEELHOUSE ?= wheelhouse
 WHEELHOUSE_PYTHON ?= 3.12
 WHEELHOUSE_PLATFORM ?= manylinux_2_28_x86_64
+# torchao: the fp8 peer that tools/gpu_check.py's fp8 stage measures plait against.
+WHEELHOUSE_ARGS ?= --extra fp8
 wheelhouse: $(STAMP)
 	$(BIN)/python tools/wheelhouse.py --out $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) \
 		--platform $(WHEELHOUSE_PLATFORM) $(WHEELHOUSE_ARGS)

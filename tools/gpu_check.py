@@ -15,13 +15,15 @@ stage — with its processes' output in `DIR/<stage>.log`:
    against a plain PyTorch loop eager and compiled: tokens/s, MFU, peak memory, the providers
    `auto` chose), then `tools/bench/kernels.py` (each Triton kernel against `torch.compile` of
    its reference).
-4. `training`: a node daemon with the real NVML collector and a 1-rank `plait train` exporting
+4. `fp8`: `tools/bench/fp8.py` (plait's fp8 linear layers against torchao's float8 training
+   and bf16 on the 1B Llama, compiled, 200 steps: tokens/s and the loss against bf16).
+5. `training`: a node daemon with the real NVML collector and a 1-rank `plait train` exporting
    to it; `plait top / bottleneck / status --json` and the daemon's `hw.*` metrics.
-5. `cpu`: the 8-rank layouts against one process (`tests/dist/test_eight_ranks.py` at a larger
+6. `cpu`: the 8-rank layouts against one process (`tests/dist/test_eight_ranks.py` at a larger
    size; started in the background after `environment`, on the upper half of the cores, since it
    needs no GPU) and `tools/bench/daemon_load.py --ingest-workers 4 --flooders 8
    --client-processes 4`.
-6. `profile`: `plait profile` of a GPU run, where this build has the command.
+7. `profile`: `plait profile` of a GPU run, where this build has the command.
 
 `--rehearse` runs every stage on a CPU machine at tiny sizes, so the plumbing is proven before a
 GPU minute is spent (the test suite runs it). Only the standard library is imported here: plait
@@ -247,7 +249,9 @@ def install(check: Check, wheelhouse: Path, deadline: float) -> dict[str, Any]:
     """plait from the wheelhouse, keeping every installed package that satisfies it; the plait
     wheel itself always replaces an installed one (it is the build under test)."""
     pip = [check.python, "-m", "pip", "install", "--no-index", "--no-cache-dir", "--no-compile"]
-    resolved = run(check, [*pip, "--find-links", str(wheelhouse), "plait"], "environment", deadline)
+    # With torchao in the wheelhouse (`make wheelhouse`, extra fp8), the fp8 stage's peer too.
+    wanted = "plait[fp8]" if any(wheelhouse.glob("torchao-*.whl")) else "plait"
+    resolved = run(check, [*pip, "--find-links", str(wheelhouse), wanted], "environment", deadline)
     outcome: dict[str, Any] = {"resolved_exit_code": resolved.code}
     if resolved.code != 0:  # the node's packages conflict: take every wheel as it is
         wheels = sorted(str(w) for w in wheelhouse.glob("*.whl"))
@@ -319,6 +323,20 @@ def bench(check: Check, deadline: float) -> dict[str, Any]:
     else:
         result["status"] = "passed"
     return result
+
+
+def fp8(check: Check, deadline: float) -> dict[str, Any]:
+    """`tools/bench/fp8.py`: plait fp8 against torchao float8 and bf16 (tokens/s, loss after
+    200 steps); the script saves its figures after every round, so a cut-off run keeps some."""
+    out = check.out / "fp8.json"
+    mode = ["--smoke"] if check.rehearse else ["--steps", "200", "--chunk", "20"]
+    command = [check.python, "-m", "plait.tools.bench.fp8", *mode, "--json", str(out)]
+    ran = run(check, command, "fp8", deadline)
+    figures = read_json(out) or {}
+    status = "timed_out" if ran.timed_out else ("passed" if ran.code == 0 else "failed")
+    if status == "passed" and not figures.get("variants"):
+        status = "failed"
+    return {"status": status, "exit_code": ran.code, "figures": figures}
 
 
 def kernel_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -449,9 +467,10 @@ class Stage:
 # step is timed, and at the earlier 0.36 they did not finish within an 8-minute check.
 STAGES = (
     Stage("environment", 0.06, environment),
-    Stage("gpu_tier", 0.24, gpu_tier),
-    Stage("bench", 0.44, bench),
-    Stage("training", 0.12, training),
+    Stage("gpu_tier", 0.20, gpu_tier),
+    Stage("bench", 0.40, bench),
+    Stage("fp8", 0.10, fp8),
+    Stage("training", 0.10, training),
     Stage("cpu", 0.12, cpu),
     Stage("profile", 0.02, profile),
 )

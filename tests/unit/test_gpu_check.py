@@ -125,13 +125,16 @@ def test_the_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     stages = summary["stages"]
     assert list(stages) == [s.name for s in gpu_check.STAGES]
-    for name in ("environment", "gpu_tier", "bench", "training", "cpu"):
+    for name in ("environment", "gpu_tier", "bench", "fp8", "training", "cpu"):
         assert stages[name]["status"] == "passed", (name, stages[name])
     assert stages["environment"]["plait"] not in ("", None)
     tier = stages["gpu_tier"]
     assert tier["counts"].get("skipped", 0) == len(tier["tests"]) > 30  # no GPU: all skip
     assert all("CUDA" in case["reason"] for case in tier["tests"])
     assert {"plain eager", "plait torch"} <= set(stages["bench"]["model"]["variants"])
+    fp8 = stages["fp8"]["figures"]["variants"]
+    assert set(fp8) == {"bf16", "plait fp8", "torchao fp8"}
+    assert all(len(row["losses"]) == 4 for row in fp8.values())
     training = stages["training"]
     # The stage stops the rank itself once the live views and the capture are in (SIGTERM:
     # the rank finishes its step and exits 143), whatever its pace.
