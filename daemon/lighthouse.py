@@ -1,0 +1,69 @@
+"""The torchft lighthouse a daemon hosts (`plait daemon --lighthouse HOST:PORT`).
+
+The lighthouse forms the quorum of a fault-tolerant job's replica groups every step (see
+`plait.plugins.fault_tolerance`). It is torchft's own server, run inside the daemon's process so
+one process per node answers operators and groups alike. It speaks plain gRPC with neither TLS
+nor a token, so it listens on loopback unless the operator says the network is trusted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from plait.daemon.security import SecurityError, bind_host, is_loopback
+
+DEFAULT_JOIN_TIMEOUT_SECONDS = 60.0
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LighthouseSettings:
+    """Where the lighthouse listens and how long it waits for groups.
+
+    `join_timeout_seconds`: how long a quorum waits for a live group that has not asked yet.
+    `heartbeat_timeout_seconds`: how long a group may stay silent before it is left out."""
+
+    bind: str
+    min_replicas: int = 1
+    join_timeout_seconds: float = DEFAULT_JOIN_TIMEOUT_SECONDS
+    heartbeat_timeout_seconds: float = DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"lighthouse min_replicas must be >= 1, got {self.min_replicas}")
+        for name in ("join_timeout_seconds", "heartbeat_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"lighthouse {name} must be > 0, got {getattr(self, name)}")
+        if not is_loopback(self.bind) and not self.insecure:
+            raise SecurityError(
+                f"lighthouse bind {self.bind!r} is not loopback, and torchft's lighthouse has "
+                "no TLS or token; pass --insecure to listen on a trusted network"
+            )
+
+
+class HostedLighthouse:
+    """torchft's `LighthouseServer`, started on `settings.bind`; `address` is HOST:PORT."""
+
+    def __init__(self, settings: LighthouseSettings) -> None:
+        try:
+            from torchft._torchft import LighthouseServer
+        except ImportError:
+            raise RuntimeError(
+                "--lighthouse needs torchft; install the extra: pip install 'plait[ft]'"
+            ) from None
+        self.settings = settings
+        self._server: Any = LighthouseServer(
+            bind=settings.bind,
+            min_replicas=settings.min_replicas,
+            join_timeout_ms=int(settings.join_timeout_seconds * 1000),
+            heartbeat_timeout_ms=int(settings.heartbeat_timeout_seconds * 1000),
+        )
+        # torchft reports the machine's name; groups dial the host the operator bound.
+        port = str(self._server.address()).rsplit(":", 1)[1]
+        host = bind_host(settings.bind)
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def stop(self) -> None:
+        self._server.shutdown()

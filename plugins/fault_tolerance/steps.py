@@ -1,0 +1,141 @@
+"""The training step of one replica group under torchft: quorum, step, commit or roll back.
+
+`FaultTolerantSteps.step()` asks the lighthouse for this step's quorum (healing first, from a
+live peer, when this group is behind), runs the engine's step on the next batch with the
+gradients averaged across the quorum, and keeps the step only when it commits. A step that does
+not commit (a peer died in it, or stopped answering within `step_timeout_seconds`) is undone
+where the engine advanced — learning-rate schedule, step count, data position — so the next call
+retries it with the groups still alive.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from plait.core.config import FaultToleranceSection
+from plait.plugins.fault_tolerance.commit import ReplicaGroupCommit
+from plait.plugins.fault_tolerance.healing import heal_state, load_heal_state
+from plait.plugins.fault_tolerance.quorum_events import QuorumEvent, QuorumWatch
+from plait.plugins.fault_tolerance.replica_group import open_manager
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepOutcome:
+    """What became of one try of a step."""
+
+    step: int  # the optimizer step tried (the engine's step count before it)
+    committed: bool
+    loss: float
+    quorum_id: int
+    participants: int  # replica groups in the quorum that tried it
+    events: tuple[QuorumEvent, ...]  # joins, leaves, heals, failed commits seen by this try
+
+
+@dataclass(frozen=True, slots=True)
+class _RewindPoint:
+    step: int
+    sampler: dict[str, Any]
+    lr_scheduler: dict[str, Any] | None
+    # The schedule sets each group's rate when it steps: its state alone does not undo that.
+    learning_rates: tuple[float, ...]
+
+
+class FaultTolerantSteps:
+    """Drive an engine's steps through torchft's manager; see the module docstring."""
+
+    def __init__(self, *, engine: Any, batches: Any, manager: Any, store: Any) -> None:
+        self.engine, self.batches = engine, batches
+        self.manager, self._store = manager, store
+        self.commit = ReplicaGroupCommit(manager=manager, optimizer=engine.optimizer)
+        engine.runtimes.append(self.commit)  # last: after the group's own gradient reduction
+        self.watch = QuorumWatch()
+
+    @classmethod
+    def attach(
+        cls, engine: Any, batches: Any, settings: FaultToleranceSection, *, job_id: str = ""
+    ) -> FaultTolerantSteps:
+        """Join the replica groups `settings` names (collective over the group's ranks)."""
+        holder: list[FaultTolerantSteps] = []
+
+        def load(state: dict[str, Any]) -> None:
+            load_heal_state(engine, batches, state)
+            holder[0].watch.healed_to(int(state["step"]))
+
+        manager, store = open_manager(
+            settings=settings,
+            job_id=job_id or engine._job_info().job_id,
+            device=engine.device,
+            state_dict=lambda: heal_state(engine, batches),
+            load_state_dict=load,
+        )
+        steps = cls(engine=engine, batches=batches, manager=manager, store=store)
+        holder.append(steps)
+        steps.resume_from(engine.global_step)
+        return steps
+
+    def resume_from(self, step: int) -> None:
+        """Start torchft's step count where the engine stands (after a disk checkpoint's
+        resume): a peer further on heals this group; one behind heals from it."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def step(self, *, data_start_ns: int | None = None) -> StepOutcome:
+        """One try of the next step; on failure everything is as before it, ready to retry."""
+        engine = self.engine
+        quorum_start = time.time_ns()
+        self.manager.start_quorum()  # blocks for the quorum; heals this group if behind
+        participants = self.manager.num_participants()
+        quorum_id = int(self.manager._quorum_id)
+        self.watch.quorum(
+            quorum_id=quorum_id,
+            participants=participants,
+            step=engine.global_step,
+            start_ns=quorum_start,
+            end_ns=time.time_ns(),
+        )
+        rewind = _RewindPoint(
+            step=engine.global_step,
+            sampler=copy.deepcopy(dict(self.batches.state_dict())),
+            lr_scheduler=(
+                copy.deepcopy(engine.lr_scheduler.state_dict())
+                if engine.lr_scheduler is not None
+                else None
+            ),
+            learning_rates=tuple(group["lr"] for group in engine.optimizer.param_groups),
+        )
+        batch = self.batches.next_batch()
+        step_start = time.time_ns()
+        loss = engine.train_step(batch, data_start_ns=data_start_ns)
+        committed = bool(self.commit.committed)
+        if not committed:
+            self._rewind(rewind)
+            self.watch.failed_commit(
+                step=rewind.step,
+                quorum_id=quorum_id,
+                participants=participants,
+                start_ns=step_start,
+                end_ns=time.time_ns(),
+                error=str(self.manager.errored() or "a rank of the group voted against"),
+            )
+        return StepOutcome(
+            step=rewind.step,
+            committed=committed,
+            loss=loss,
+            quorum_id=quorum_id,
+            participants=participants,
+            events=self.watch.take(),
+        )
+
+    def _rewind(self, point: _RewindPoint) -> None:
+        engine = self.engine
+        engine.global_step = point.step
+        self.batches.load_state_dict(point.sampler)
+        if engine.lr_scheduler is not None and point.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(point.lr_scheduler)
+        for group, rate in zip(engine.optimizer.param_groups, point.learning_rates, strict=True):
+            group["lr"] = rate
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,166 @@
+"""Replica-group ranks for the fault-tolerance tests, and the one-process replay they must equal.
+
+Group A trains the whole run; group B's last rank SIGKILLs itself inside the forward of step
+`KILL_STEP`; a replacement B' is started once A stands at step `REJOIN_STEP` and heals from A.
+Every ordering the test relies on is a marker file a rank writes and another waits for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.core.config import load_config
+from plait.core.engine import Engine
+from plait.core.testing import merged_config
+from plait.plugins.data import build_batches
+from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
+
+STEPS = 6
+KILL_STEP = 2  # k: B dies inside it; A retries it alone
+REJOIN_STEP = 4  # j + 1: the first step B' takes part in, healed from A
+GROUP_OF = {"A": 0, "B": 1, "B'": 1}
+MARKER_WAIT_SECONDS = 90.0
+
+
+def job_config(*, group: int, lighthouse: str, layout: dict[str, Any]) -> dict[str, Any]:
+    return merged_config(
+        {
+            "data": {"seq_len": 16},
+            "train": {
+                "global_batch_size": layout.get("global_batch_size", 4),
+                "micro_batch_size": None,
+                "steps": STEPS,
+                "collective_timeout_seconds": 30.0,
+            },
+            "parallel": {"dp_strategy": layout.get("dp_strategy", "ddp")},
+            "fault_tolerance": {
+                "replica_group": group,
+                "replica_groups": 2,
+                "lighthouse": lighthouse,
+                "step_timeout_seconds": 30.0,
+                "quorum_timeout_seconds": 60.0,
+            },
+        }
+    )
+
+
+def wait_for(path: Path, what: str) -> None:
+    """Block until another process wrote `path` (the ordering event), or fail naming it."""
+    deadline = time.monotonic() + MARKER_WAIT_SECONDS
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {path} never appeared")
+        time.sleep(0.02)
+
+
+def _kill_in_forward(module: torch.nn.Module, marker: Path) -> None:
+    def die(*_: Any) -> None:
+        marker.write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    module.register_forward_pre_hook(die)
+
+
+def replica_group_rank(
+    rank: int, world_size: int, role: str, lighthouse: str, markers: str, layout: dict[str, Any]
+) -> dict[str, Any]:
+    """One rank of group `role`; returns its PIDs, every try of every step and final weights."""
+    marker_dir = Path(markers)
+    pid_at_start = os.getpid()
+    config = load_config(job_config(group=GROUP_OF[role], lighthouse=lighthouse, layout=layout))
+    engine = Engine(config=config)
+    dp_rank, dp_size = replica_data_coordinates(
+        dp_rank=engine.mesh.coordinate("dp"),
+        dp_size=engine.mesh.size("dp"),
+        settings=config.fault_tolerance,
+    )
+    batches = build_batches(
+        config.data,
+        seq_len=config.data.seq_len,
+        global_batch_size=config.train.global_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=config.train.seed,
+    )
+    steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id="ft-job")
+    (marker_dir / f"manager-{role}-{rank}").write_text("up")
+    if role in ("A", "B"):
+        # Both groups' managers heartbeat before either asks for the first quorum: step 0 is
+        # taken by both, whatever the order the processes started in.
+        other = "B" if role == "A" else "A"
+        for peer in range(world_size):
+            wait_for(marker_dir / f"manager-{other}-{peer}", f"group {other} to start")
+    tries: list[dict[str, Any]] = []
+    while engine.global_step < STEPS:
+        step = engine.global_step
+        if role == "B" and step == KILL_STEP and rank == world_size - 1:
+            _kill_in_forward(engine.module, marker_dir / "B-killed")
+        if role == "A" and step == REJOIN_STEP and not (marker_dir / "A-at-rejoin").exists():
+            if rank == 0:
+                (marker_dir / "A-at-rejoin").write_text(str(step))
+            for peer in range(world_size):
+                wait_for(marker_dir / f"manager-B'-{peer}", "the replacement group to start")
+        outcome = steps.step()
+        tries.append(
+            {
+                "step": outcome.step,
+                "committed": outcome.committed,
+                "participants": outcome.participants,
+                "quorum_id": outcome.quorum_id,
+                "loss": outcome.loss,
+                "events": [(e.kind, e.step, e.participants, e.previous) for e in outcome.events],
+            }
+        )
+    weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    steps.close()
+    engine.close()
+    return {
+        "pid_at_start": pid_at_start,
+        "pid_at_end": os.getpid(),
+        "tries": tries,
+        "weights": weights,
+    }
+
+
+def participants_of(step: int) -> tuple[int, ...]:
+    """The groups whose gradients step `step` averages, in the schedule the test drives."""
+    return (0,) if KILL_STEP <= step < REJOIN_STEP else (0, 1)
+
+
+def replay(rank: int, world_size: int, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The same schedule in one process: each step the mean of the participating groups'
+    gradients, summed in one addition and divided by their count, as the quorum's all-reduce."""
+    del rank, world_size
+    config = load_config(job_config(group=0, lighthouse="127.0.0.1:1", layout=layout))
+    config.fault_tolerance.replica_group = -1
+    engine = Engine(config=config)
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    group_batches = [
+        build_batches(
+            config.data,
+            seq_len=config.data.seq_len,
+            global_batch_size=config.train.global_batch_size,
+            dp_rank=group,
+            dp_size=2,
+            seed=config.train.seed,
+        )
+        for group in (0, 1)
+    ]
+    for step in range(STEPS):
+        grads: list[list[torch.Tensor]] = []
+        for group in participants_of(step):
+            inputs, targets = group_batches[group].batch_at(step)
+            engine.optimizer.zero_grad(set_to_none=True)
+            engine.loss_fn(engine.module(inputs), targets).backward()
+            grads.append([p.grad.detach().clone() for p in params])
+        for index, param in enumerate(params):
+            total = grads[0][index] if len(grads) == 1 else grads[0][index] + grads[1][index]
+            param.grad = total / len(grads)
+        engine.optimizer_step()
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}

@@ -1,0 +1,108 @@
+"""A lost replica group costs a step, not a restart (torchft's quorum driven by plait).
+
+Two replica groups train under a lighthouse the daemon hosts; group B dies (SIGKILL) inside step
+k. Group A keeps its processes, reads no checkpoint, does not commit step k and retries it alone;
+a replacement B' heals from A and takes part from step j + 1. At the end A and B' hold the same
+weights, bit for bit, and both equal one process replaying the same schedule.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from plait.core.testing import RankFailure, run_distributed
+from plait.daemon.lighthouse import HostedLighthouse, LighthouseSettings
+from tests.dist import fault_tolerance_workers as workers
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT = 150.0
+
+
+class Group(threading.Thread):
+    """One replica group's ranks, run in the background; `result` or `error` when done."""
+
+    def __init__(self, role: str, ranks: int, lighthouse: str, markers: Path, layout: Any) -> None:
+        super().__init__(daemon=True)
+        self.args = (role, lighthouse, str(markers), layout)
+        self.ranks = ranks
+        self.result: list[Any] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = run_distributed(
+                workers.replica_group_rank, self.ranks, *self.args, timeout=TIMEOUT
+            )
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def _run_schedule(tmp_path: Path, *, ranks: int, layout: dict[str, Any]) -> dict[str, Any]:
+    lighthouse = HostedLighthouse(
+        LighthouseSettings(
+            bind="127.0.0.1:0", join_timeout_seconds=30.0, heartbeat_timeout_seconds=2.0
+        )
+    )
+    try:
+        group_a = Group("A", ranks, lighthouse.address, tmp_path, layout)
+        group_b = Group("B", ranks, lighthouse.address, tmp_path, layout)
+        group_a.start()
+        group_b.start()
+        group_b.join(TIMEOUT)
+        assert (tmp_path / "B-killed").exists(), group_b.error
+        workers.wait_for(tmp_path / "A-at-rejoin", "group A to reach the rejoin step")
+        replacement = Group("B'", ranks, lighthouse.address, tmp_path, layout)
+        replacement.start()
+        group_a.join(TIMEOUT)
+        replacement.join(TIMEOUT)
+    finally:
+        lighthouse.stop()
+    assert group_a.error is None, group_a.error
+    assert replacement.error is None, replacement.error
+    assert isinstance(group_b.error, RankFailure) and "code -9" in str(group_b.error)
+    return {"A": group_a.result, "B'": replacement.result}
+
+
+def _committed_steps(tries: list[dict[str, Any]]) -> list[int]:
+    return [t["step"] for t in tries if t["committed"]]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "layout"),
+    [pytest.param(1, {"dp_strategy": "ddp", "global_batch_size": 4}, id="2x1-ddp")],
+)
+def test_lost_group_costs_one_step_and_the_replacement_heals_bitwise(
+    tmp_path: Path, ranks: int, layout: dict[str, Any]
+) -> None:
+    results = _run_schedule(tmp_path, ranks=ranks, layout=layout)
+    k, rejoin = workers.KILL_STEP, workers.REJOIN_STEP
+    for rank_a in results["A"]:
+        # A never restarted and never healed (no checkpoint, no peer state).
+        assert rank_a["pid_at_start"] == rank_a["pid_at_end"]
+        tries = rank_a["tries"]
+        assert _committed_steps(tries) == list(range(workers.STEPS))
+        failed = [t for t in tries if not t["committed"]]
+        assert [t["step"] for t in failed] == [k]  # step k tried with B, not committed, retried
+        assert failed[0]["participants"] == 2
+        assert [t["participants"] for t in tries if t["committed"]] == [
+            len(workers.participants_of(s)) for s in range(workers.STEPS)
+        ]
+        kinds = [e[0] for t in tries for e in t["events"]]
+        assert "heal" not in kinds and "leave" in kinds and kinds.count("join") == 2
+    for rank_b in results["B'"]:
+        tries = rank_b["tries"]
+        # Healed from A at the quorum of step j + 1: never trained from its own start.
+        assert tries[0]["step"] == rejoin and ("heal", rejoin, 2, 0) in tries[0]["events"]
+        assert _committed_steps(tries) == list(range(rejoin, workers.STEPS))
+    replay = run_distributed(workers.replay, 1, layout, timeout=TIMEOUT)[0]
+    for rank, (rank_a, rank_b) in enumerate(zip(results["A"], results["B'"], strict=True)):
+        for name, value in rank_a["weights"].items():
+            assert torch.equal(value, rank_b["weights"][name]), f"rank {rank} {name}: A != B'"
+            if ranks == 1:
+                assert torch.equal(value, replay[name]), f"{name}: A != the replay"
