@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     if args.smoke:
-        device, size, seq, batch, steps, chunk, compiled = "cpu", "tiny", 32, 2, 4, 2, False
+        device, size, seq, batch, steps, chunk, compiled = "cpu", "tiny", 32, 2, 2, 1, False
         overrides = {"dim": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256}
     elif not torch.cuda.is_available():
         print("no CUDA device: this benchmark measures one GPU (try --smoke to check it runs)")
