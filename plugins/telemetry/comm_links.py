@@ -33,23 +33,45 @@ class CommLinks:
         record.algorithm = algorithm
         if self.host_map is None or not algorithm:
             return
-        peer_bytes = request_peer_bytes(request)
-        key = (request.op, record.nbytes, record.dtype, request.group_ranks, request.peer,
-               algorithm, peer_bytes)  # fmt: skip
+        first = request.tensors[0] if request.tensors else None
+        record.links = self.bytes_for(
+            request.op,
+            request.group_ranks,
+            numel=request_numel(request),
+            itemsize=first.element_size() if first is not None else 0,
+            algorithm=algorithm,
+            peer=request.peer,
+            peer_bytes=request_peer_bytes(request),
+        )
+
+    def bytes_for(
+        self,
+        op: str,
+        group_ranks: tuple[int, ...],
+        *,
+        numel: int,
+        itemsize: int,
+        algorithm: str,
+        peer: int | None = None,
+        peer_bytes: tuple[int, ...] | None = None,
+    ) -> LinkBytes | None:
+        """What this rank sends per link class for one op (cached by what decides it)."""
+        if self.host_map is None:
+            return None
+        key = (op, numel, itemsize, group_ranks, peer, algorithm, peer_bytes)
         links = self._cache.get(key, self)
         if links is self:
-            first = request.tensors[0] if request.tensors else None
             links = op_link_bytes(
-                request.op,
-                request.group_ranks,
+                op,
+                group_ranks,
                 self.rank,
-                numel=request_numel(request),
-                itemsize=first.element_size() if first is not None else 0,
+                numel=numel,
+                itemsize=itemsize,
                 host_map=self.host_map,
                 algorithm=algorithm,
-                peer=request.peer,
+                peer=peer,
                 bytes_per_peer=peer_bytes,
             )
             if len(self._cache) < MAX_CACHED:
                 self._cache[key] = links
-        record.links = links
+        return links

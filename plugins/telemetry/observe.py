@@ -50,11 +50,13 @@ from plait.core.daemon_address import resolve_daemon_address
 from plait.core.errors import PlaitError
 from plait.core.memory import memory_report
 from plait.core.step import PhaseSpan, StepReport
+from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CudaAnchor
 from plait.plugins.telemetry.control_client import ControlClient
 from plait.plugins.telemetry.observe_comm import CommLedger, install_ddp_hook, install_fsdp_comms
 from plait.plugins.telemetry.observe_flops import ModelFlops
 from plait.plugins.telemetry.observe_identity import (
+    launch_host_map,
     launch_identity,
     model_device,
     observed_job_info,
@@ -430,6 +432,8 @@ class Observer:
             self._timeline = None
             return
         self.telemetry, self.state = telemetry, "on"
+        host_map = launch_host_map(self.launch.world_size)
+        self.ledger.links = CommLinks(self.launch.rank, host_map) if host_map else None
         self.ledger.active = True
         telemetry.start_heartbeat(self.ledger.in_flight)
         self._control = telemetry.control

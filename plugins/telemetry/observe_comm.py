@@ -44,6 +44,8 @@ from torch import nn
 
 from plait.core.comm_algorithms import GRAD_BUCKET, PARAM_GATHER
 from plait.core.errors import PlaitError
+from plait.core.telemetry_schema import COMM_ALGORITHM_BACKEND
+from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor
 
 try:
@@ -71,6 +73,8 @@ class CommLedger:
         self._seq: dict[GroupKey, int] = {}
         self._groups: dict[Any, GroupKey] = {}
         self._unwaited: list[CommRecord] = []
+        # Bytes per link class of each op, under the backend's model (None: not counted).
+        self.links: CommLinks | None = None
 
     def group_key(self, group: Any) -> GroupKey:
         key = self._groups.get(group)
@@ -80,11 +84,19 @@ class CommLedger:
         return key
 
     def begin(
-        self, op: str, tensor: torch.Tensor, group: Any, *, purpose: str, overlappable: bool
+        self,
+        op: str,
+        tensor: torch.Tensor,
+        group: Any,
+        *,
+        purpose: str,
+        overlappable: bool,
+        whole: torch.Tensor | None = None,
     ) -> CommRecord:
         """A record for an op about to be issued (its start: now, and a CUDA event on GPU).
         `overlappable`: the op does not hold up the compute stream (sent as `plait.comm.async`,
-        which tells the bottleneck analysis not to cut it out of compute)."""
+        which tells the bottleneck analysis not to cut it out of compute). `whole`: the tensor
+        the link-byte formulas take when it is not `tensor` (an all-gather's output)."""
         if self._unwaited:
             self._stamp_completed()
         key = self.group_key(group)
@@ -93,6 +105,14 @@ class CommLedger:
         self.entered[key] = seq
         record = CommRecord(op, tensor.nbytes, tensor.dtype, key[0], key[1], seq, purpose,
                             None, overlappable, self.step, time.time_ns())  # fmt: skip
+        # The user's collectives reach the process group's backend directly.
+        record.algorithm = COMM_ALGORITHM_BACKEND
+        if self.links is not None:
+            counted = tensor if whole is None else whole
+            record.links = self.links.bytes_for(
+                op, key[1], numel=counted.numel(), itemsize=counted.element_size(),
+                algorithm=COMM_ALGORITHM_BACKEND,
+            )  # fmt: skip
         if tensor.is_cuda:
             if self.cuda_anchor is None:
                 self.cuda_anchor = CudaAnchor.now()
@@ -297,7 +317,7 @@ class TimedAllGather(AllGather):  # type: ignore[misc,valid-type]
         # synchronous there. On CPU a synchronous op holds the training thread.
         record = self.ledger.begin(
             "all_gather", input_tensor, group, purpose=PARAM_GATHER,
-            overlappable=async_op or input_tensor.is_cuda,
+            overlappable=async_op or input_tensor.is_cuda, whole=output_tensor,
         )  # fmt: skip
         work = self.inner(**call, async_op=async_op)
         self.ledger.issued(record, work, async_op=async_op)

@@ -22,6 +22,7 @@ from torch import nn
 
 from plait.core.errors import PlaitError
 from plait.core.host import host_name
+from plait.core.host_map import HostMap
 from plait.core.peak_flops import cpu_model
 from plait.core.step import JobInfo
 
@@ -82,6 +83,25 @@ def launch_identity(
     return LaunchIdentity(
         job_id=chosen, rank=rank, local_rank=local or 0, world_size=world, host=host_name(env)
     )
+
+
+def launch_host_map(world_size: int, env: Mapping[str, str] | None = None) -> HostMap | None:
+    """Which ranks share a node, from what the launcher says without asking the other ranks:
+    torchrun gives each of its `GROUP_WORLD_SIZE` agents `LOCAL_WORLD_SIZE` workers and numbers
+    them agent after agent; Slurm's `SLURM_NNODES` nodes run `SLURM_NTASKS_PER_NODE` tasks each,
+    numbered node after node under its default block distribution. None when the launcher does
+    not say, or its figures do not multiply to the world (uneven nodes): no link bytes then."""
+    env = os.environ if env is None else env
+    for nodes_name, per_node_name in (
+        ("GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+        ("SLURM_NNODES", "SLURM_NTASKS_PER_NODE"),
+    ):
+        nodes, per_node = env.get(nodes_name, "").strip(), env.get(per_node_name, "").strip()
+        if nodes.isdigit() and per_node.isdigit() and int(nodes) * int(per_node) == world_size:
+            # Only this rank's host is known; the others' names stay blank.
+            host = host_name(env) if int(nodes) == 1 else ""
+            return HostMap.assumed(int(nodes), int(per_node), host)
+    return None
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

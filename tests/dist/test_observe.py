@@ -291,6 +291,12 @@ def test_a_plain_ddp_script_is_observed_like_a_plait_job(tmp_path: Path) -> None
         assert job in result.output and "grad_bucket" in result.output
         top = CliRunner().invoke(app, ["top", "--json", "--all", "--host", server.address])
         assert top.exit_code == 0 and job in top.output, top.output
+        # One torchrun agent: one node, so every byte of the buckets' all-reduce stays inside.
+        rows = [r for r in json.loads(top.stdout)["ranks"] if r["job_id"] == job]
+        assert len(rows) == 2
+        for row in rows:
+            assert row["comm_bytes_per_step"]["intra_node"] > 0, row
+            assert row["comm_bytes_per_step"]["inter_node"] == 0, row
         check_stacks_of_the_stuck_job(stuck)
         check_profile_of_the_observed_job(answer_of(stuck.profile), stuck.trace)
     finally:
