@@ -8,6 +8,8 @@ nor a token, so it listens on loopback unless the operator says the network is t
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,3 +69,34 @@ class HostedLighthouse:
 
     def stop(self) -> None:
         self._server.shutdown()
+
+
+_HEARTBEAT_LINE = re.compile(r"^\s*(\S+): seen ([0-9.]+)(m?s) ago", re.MULTILINE)
+_QUORUM_ID_LINE = re.compile(r"Current quorum_id: (-?\d+)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LighthouseView:
+    """What a lighthouse reports of itself: the current quorum id, every replica group it hears
+    heartbeats from (replica id → seconds since the last one) and its next quorum's status."""
+
+    quorum_id: int
+    heartbeats: dict[str, float]
+    next_quorum: str
+
+
+def read_lighthouse(address: str, *, timeout: float = 5.0) -> LighthouseView:
+    """Ask the lighthouse at HOST:PORT for its status page and read it (torchft 0.2's format)."""
+    url = address if "://" in address else f"http://{address}"
+    with urllib.request.urlopen(f"{url}/status", timeout=timeout) as response:
+        page = response.read().decode("utf-8", "replace")
+    quorum = _QUORUM_ID_LINE.search(page)
+    status = re.search(r"Next quorum status: ([^<\n]*)", page)
+    return LighthouseView(
+        quorum_id=int(quorum.group(1)) if quorum else -1,
+        heartbeats={
+            replica: float(age) / (1000.0 if unit == "ms" else 1.0)
+            for replica, age, unit in _HEARTBEAT_LINE.findall(page)
+        },
+        next_quorum=status.group(1).strip() if status else "",
+    )

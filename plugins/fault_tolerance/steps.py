@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from torchft.manager import REPLICA_ID_KEY
+
 from plait.core.config import FaultToleranceSection
 from plait.plugins.fault_tolerance.commit import ReplicaGroupCommit
 from plait.plugins.fault_tolerance.healing import heal_state, load_heal_state
@@ -52,6 +54,12 @@ class FaultTolerantSteps:
         self.commit = ReplicaGroupCommit(manager=manager, optimizer=engine.optimizer)
         engine.runtimes.append(self.commit)  # last: after the group's own gradient reduction
         self.watch = QuorumWatch()
+
+    @property
+    def replica_id(self) -> str:
+        """This group's id at the lighthouse (`<job>-group<N>:<uuid>`, new for every start)."""
+        # torchft publishes it only in the group's store, under this key.
+        return self.manager._store.get(REPLICA_ID_KEY).decode("utf-8")
 
     @classmethod
     def attach(

@@ -18,6 +18,7 @@ import torch
 from plait.core.config import load_config
 from plait.core.engine import Engine
 from plait.core.testing import merged_config
+from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.data import build_batches
 from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
 
@@ -89,7 +90,7 @@ def replica_group_rank(
         seed=config.train.seed,
     )
     steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id="ft-job")
-    (marker_dir / f"manager-{role}-{rank}").write_text("up")
+    (marker_dir / f"manager-{role}-{rank}").write_text(steps.replica_id)
     if role in ("A", "B"):
         # Both groups' managers heartbeat before either asks for the first quorum: step 0 is
         # taken by both, whatever the order the processes started in.
@@ -106,6 +107,13 @@ def replica_group_rank(
                 (marker_dir / "A-at-rejoin").write_text(str(step))
             for peer in range(world_size):
                 wait_for(marker_dir / f"manager-B'-{peer}", "the replacement group to start")
+            # The lighthouse must hear B' before A asks: a quorum waits for every live group.
+            replacement = (marker_dir / "manager-B'-0").read_text()
+            deadline = time.monotonic() + MARKER_WAIT_SECONDS
+            while replacement not in read_lighthouse(lighthouse).heartbeats:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the lighthouse never heard {replacement}")
+                time.sleep(0.02)
         outcome = steps.step()
         tries.append(
             {
@@ -133,34 +141,46 @@ def participants_of(step: int) -> tuple[int, ...]:
     return (0,) if KILL_STEP <= step < REJOIN_STEP else (0, 1)
 
 
-def replay(rank: int, world_size: int, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The same schedule in one process: each step the mean of the participating groups'
-    gradients, summed in one addition and divided by their count, as the quorum's all-reduce."""
+def replay(
+    rank: int, world_size: int, ranks: int, layout: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The same schedule in one process: each group's gradient the mean of its `ranks` ranks'
+    (one addition, then the division), each step the mean of the participating groups'
+    gradients the same way, as the group's reduction and the quorum's all-reduce compute them."""
     del rank, world_size
-    config = load_config(job_config(group=0, lighthouse="127.0.0.1:1", layout=layout))
+    # One process holds every parameter whole: a plain optimizer over them, whatever the groups'
+    # inner layout.
+    single = {**layout, "dp_strategy": "ddp"}
+    config = load_config(job_config(group=0, lighthouse="127.0.0.1:1", layout=single))
     config.fault_tolerance.replica_group = -1
     engine = Engine(config=config)
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    group_batches = [
+    rank_batches = [
         build_batches(
             config.data,
             seq_len=config.data.seq_len,
             global_batch_size=config.train.global_batch_size,
-            dp_rank=group,
-            dp_size=2,
+            dp_rank=data_rank,
+            dp_size=2 * ranks,
             seed=config.train.seed,
         )
-        for group in (0, 1)
+        for data_rank in range(2 * ranks)
     ]
+
+    def mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return tensors[0] if len(tensors) == 1 else (tensors[0] + tensors[1]) / len(tensors)
+
     for step in range(STEPS):
-        grads: list[list[torch.Tensor]] = []
+        group_grads: list[list[torch.Tensor]] = []
         for group in participants_of(step):
-            inputs, targets = group_batches[group].batch_at(step)
-            engine.optimizer.zero_grad(set_to_none=True)
-            engine.loss_fn(engine.module(inputs), targets).backward()
-            grads.append([p.grad.detach().clone() for p in params])
-        for index, param in enumerate(params):
-            total = grads[0][index] if len(grads) == 1 else grads[0][index] + grads[1][index]
-            param.grad = total / len(grads)
+            rank_grads: list[list[torch.Tensor]] = []
+            for group_rank in range(ranks):
+                inputs, targets = rank_batches[group * ranks + group_rank].batch_at(step)
+                engine.optimizer.zero_grad(set_to_none=True)
+                engine.loss_fn(engine.module(inputs), targets).backward()
+                rank_grads.append([p.grad.detach().clone() for p in params])
+            group_grads.append([mean(list(g)) for g in zip(*rank_grads, strict=True)])
+        for param, grads in zip(params, zip(*group_grads, strict=True), strict=True):
+            param.grad = mean(list(grads))
         engine.optimizer_step()
     return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}

@@ -75,7 +75,10 @@ def _committed_steps(tries: list[dict[str, Any]]) -> list[int]:
 
 @pytest.mark.parametrize(
     ("ranks", "layout"),
-    [pytest.param(1, {"dp_strategy": "ddp", "global_batch_size": 4}, id="2x1-ddp")],
+    [
+        pytest.param(1, {"dp_strategy": "ddp", "global_batch_size": 4}, id="2x1-ddp"),
+        pytest.param(2, {"dp_strategy": "zero1", "global_batch_size": 8}, id="2x2-zero1"),
+    ],
 )
 def test_lost_group_costs_one_step_and_the_replacement_heals_bitwise(
     tmp_path: Path, ranks: int, layout: dict[str, Any]
@@ -100,9 +103,8 @@ def test_lost_group_costs_one_step_and_the_replacement_heals_bitwise(
         # Healed from A at the quorum of step j + 1: never trained from its own start.
         assert tries[0]["step"] == rejoin and ("heal", rejoin, 2, 0) in tries[0]["events"]
         assert _committed_steps(tries) == list(range(rejoin, workers.STEPS))
-    replay = run_distributed(workers.replay, 1, layout, timeout=TIMEOUT)[0]
+    replay = run_distributed(workers.replay, 1, ranks, layout, timeout=TIMEOUT)[0]
     for rank, (rank_a, rank_b) in enumerate(zip(results["A"], results["B'"], strict=True)):
         for name, value in rank_a["weights"].items():
             assert torch.equal(value, rank_b["weights"][name]), f"rank {rank} {name}: A != B'"
-            if ranks == 1:
-                assert torch.equal(value, replay[name]), f"{name}: A != the replay"
+            assert torch.equal(value, replay[name]), f"rank {rank} {name}: A != the replay"
