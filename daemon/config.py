@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from plait.daemon.control import ControlLimits
+    from plait.daemon.lighthouse import LighthouseSettings
     from plait.daemon.security import SecurityConfig
 
 DEFAULT_DAEMON_ADDRESS = "127.0.0.1:7461"  # as plait.core.daemon_address.DEFAULT_DAEMON_ADDRESS
@@ -67,6 +68,8 @@ class DaemonConfig:
     web_interval: float = 1.0  # seconds between the page's live updates
     # What the control channel allows (capture sizes, durations, concurrency); None: defaults.
     control: ControlLimits | None = None
+    # torchft's lighthouse for fault-tolerant jobs' replica groups; None: not hosted.
+    lighthouse: LighthouseSettings | None = None
 
     def __post_init__(self) -> None:
         for name in ("window_steps", "window_spans", "max_workers", "ingest_capacity"):

@@ -43,6 +43,7 @@ from plait.daemon.store import TelemetryStore
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
 
 if TYPE_CHECKING:
+    from plait.daemon.lighthouse import HostedLighthouse, LighthouseSettings
     from plait.daemon.web.page import WebPage
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class DaemonServer:
         control_pb2_grpc.add_ControlServicer_to_server(self.control_service, self.server)
         # Bound here, so a taken port fails the daemon's start as the gRPC bind does.
         self.web = self._web_page(config.web) if config.web is not None else None
+        self.lighthouse = self._lighthouse(config.lighthouse)
         if config.reflection_enabled:
             reflection.enable_server_reflection(
                 (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -211,6 +213,15 @@ class DaemonServer:
             security=self.security,
             interval=self.config.web_interval,
         )
+
+    @staticmethod
+    def _lighthouse(settings: LighthouseSettings | None) -> HostedLighthouse | None:
+        """torchft's lighthouse for fault-tolerant jobs, bound now like the gRPC port."""
+        if settings is None:
+            return None
+        from plait.daemon.lighthouse import HostedLighthouse
+
+        return HostedLighthouse(settings)
 
     def _control_stats(self) -> dict[str, int]:
         endpoints = self.control.endpoints(now_ns=time.time_ns())
@@ -232,6 +243,8 @@ class DaemonServer:
             self.extras.exporters.append(self.prometheus.describe())
         if self.web is not None:
             self.extras.exporters.append(f"web page {self.web.url}")
+        if self.lighthouse is not None:
+            self.extras.exporters.append(f"lighthouse {self.lighthouse.address}")
         if self.upstream is not None:
             self.upstream.start()
         self.server.start()
@@ -262,6 +275,8 @@ class DaemonServer:
             self.prometheus.stop()
         if self.upstream is not None:
             self.upstream.stop(flush_seconds=max(grace, 1.0))
+        if self.lighthouse is not None:
+            self.lighthouse.stop()
 
     def _watch_hangs(self) -> None:
         """Report each new hang once (log + OpenTelemetry event); forget it when it clears."""

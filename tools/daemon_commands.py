@@ -164,12 +164,29 @@ def daemon(
     max_captures: Annotated[
         int, typer.Option(help="profiles and memory captures in progress at once", min=1)
     ] = 2,
+    lighthouse: Annotated[
+        str | None,
+        typer.Option(
+            help="host torchft's lighthouse for fault-tolerant replica groups on host:port, e.g. "
+            "127.0.0.1:29510 (loopback unless --insecure: it has no TLS or token)"
+        ),
+    ] = None,
+    lighthouse_min_groups: Annotated[
+        int, typer.Option(help="fewest replica groups a quorum forms with", min=1)
+    ] = 1,
+    lighthouse_join_timeout: Annotated[
+        float, typer.Option(help="seconds a quorum waits for a live group to ask", min=0.1)
+    ] = 60.0,
+    lighthouse_heartbeat_timeout: Annotated[
+        float, typer.Option(help="seconds of silence before a group is left out", min=0.1)
+    ] = 5.0,
 ) -> None:
     """Run the node daemon (OTLP receiver, plait.v1, health) until SIGTERM or Ctrl-C."""
     import os
 
     from plait.daemon.config import DaemonConfig
     from plait.daemon.control_records import ControlLimits
+    from plait.daemon.lighthouse import LighthouseSettings
     from plait.daemon.security import SecurityConfig, SecurityError
     from plait.daemon.server import DaemonServer, serve
 
@@ -208,6 +225,17 @@ def daemon(
                 max_request_bytes=max(int(max_capture_mb * 2**20), 256 * 2**20),
                 max_captures=max_captures,
             ),
+            lighthouse=(
+                LighthouseSettings(
+                    bind=lighthouse,
+                    min_replicas=lighthouse_min_groups,
+                    join_timeout_seconds=lighthouse_join_timeout,
+                    heartbeat_timeout_seconds=lighthouse_heartbeat_timeout,
+                    insecure=insecure,
+                )
+                if lighthouse is not None
+                else None
+            ),
         )
         server = DaemonServer(config=config)
     except (OSError, RuntimeError, SecurityError, ValueError) as exc:
@@ -226,6 +254,12 @@ def daemon(
     )
     if server.web is not None:
         console.print(f"live web page on [bold]{server.web.url}[/bold]", highlight=False)
+    if server.lighthouse is not None:
+        console.print(
+            f"lighthouse on [bold]{server.lighthouse.address}[/bold] (replica groups set "
+            f"fault_tolerance.lighthouse = {server.lighthouse.address!r})",
+            highlight=False,
+        )
     serve(server, grace=grace)
     console.print("plait daemon stopped")
 

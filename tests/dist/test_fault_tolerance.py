@@ -1,9 +1,10 @@
 """A lost replica group costs a step, not a restart (torchft's quorum driven by plait).
 
-Two replica groups train under a lighthouse the daemon hosts; group B dies (SIGKILL) inside step
-k. Group A keeps its processes, reads no checkpoint, does not commit step k and retries it alone;
-a replacement B' heals from A and takes part from step j + 1. At the end A and B' hold the same
-weights, bit for bit, and both equal one process replaying the same schedule.
+Two replica groups train under the lighthouse a daemon hosts (`plait daemon --lighthouse`); group
+B dies (SIGKILL) inside step k. Group A keeps its processes, reads no checkpoint, does not commit
+step k and retries it alone; a replacement B' heals from A and takes part from step j + 1. At the
+end A and B' hold the same weights, bit for bit, and both equal one process replaying the same
+schedule.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from plait.core.testing import RankFailure, run_distributed
-from plait.daemon.lighthouse import HostedLighthouse, LighthouseSettings
+from plait.daemon.lighthouse import LighthouseSettings
+from plait.daemon.server import DaemonServer
 from tests.dist import fault_tolerance_workers as workers
 
 pytestmark = pytest.mark.dist
@@ -44,25 +46,28 @@ class Group(threading.Thread):
 
 
 def _run_schedule(tmp_path: Path, *, ranks: int, layout: dict[str, Any]) -> dict[str, Any]:
-    lighthouse = HostedLighthouse(
-        LighthouseSettings(
+    daemon = DaemonServer(
+        bind="127.0.0.1:0",
+        lighthouse=LighthouseSettings(
             bind="127.0.0.1:0", join_timeout_seconds=30.0, heartbeat_timeout_seconds=2.0
-        )
-    )
+        ),
+    ).start()
+    assert daemon.lighthouse is not None
+    address = daemon.lighthouse.address
     try:
-        group_a = Group("A", ranks, lighthouse.address, tmp_path, layout)
-        group_b = Group("B", ranks, lighthouse.address, tmp_path, layout)
+        group_a = Group("A", ranks, address, tmp_path, layout)
+        group_b = Group("B", ranks, address, tmp_path, layout)
         group_a.start()
         group_b.start()
         group_b.join(TIMEOUT)
         assert (tmp_path / "B-killed").exists(), group_b.error
         workers.wait_for(tmp_path / "A-at-rejoin", "group A to reach the rejoin step")
-        replacement = Group("B'", ranks, lighthouse.address, tmp_path, layout)
+        replacement = Group("B'", ranks, address, tmp_path, layout)
         replacement.start()
         group_a.join(TIMEOUT)
         replacement.join(TIMEOUT)
     finally:
-        lighthouse.stop()
+        daemon.stop(grace=0.5)
     assert group_a.error is None, group_a.error
     assert replacement.error is None, replacement.error
     assert isinstance(group_b.error, RankFailure) and "code -9" in str(group_b.error)
