@@ -58,6 +58,14 @@ On 2 nodes × 2: flat `4.5·B·M`, hierarchical `3·B·M`, HSDP `2·B`: with 4 m
 `12·B` and still `2·B`. (ZeRO-3 keeps the root unit and the last block gathered from forward to
 backward, so its second all-gather is smaller than `B` by those units: the formulas per op
 below count what it really gathers.)
+
+ZeRO-1/2 under HSDP reduce their buckets inside the shard group every micro-batch and cross nodes
+only in the replica exchange once per step (`replica_step_bytes`): each rank's gradient chunk of
+`c = ⌈P/k⌉` elements (P the padded bucket) is all-reduced over its `m` replicas, `2·(m−1)·⌈c/m⌉`
+elements. With `zero.shard_optimizer_across_replicas` the chunk is reduce-scattered over the
+replicas instead (`(m−1)·⌈c/m⌉`) and, after the optimizer step, the updated sub-chunks all-gathered
+back (`(m−1)·⌈c/m⌉`): the same bytes, so both are `2·(m−1)·B` per step summed over the ranks,
+independent of M, while the optimizer state per rank shrinks `m`-fold.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ __all__ = [
     "hierarchical_bytes",
     "op_link_bytes",
     "point_to_point",
+    "replica_step_bytes",
     "request_numel",
     "request_peer_bytes",
     "ring_all_gather",
@@ -348,6 +357,32 @@ def sharded_step_bytes(
         microbatches * per_microbatch.intra_node + across.intra_node,
         microbatches * per_microbatch.inter_node + across.inter_node,
     )
+
+
+def replica_step_bytes(
+    rank: int,
+    *,
+    replica_group: Sequence[int],
+    host_map: HostMap,
+    chunks: Sequence[int],
+    itemsize: int,
+    optimizer_across_replicas: bool,
+    algorithm: str = "torch",
+) -> LinkBytes:
+    """What `rank` sends over its HSDP replica group once per step of ZeRO-1/2, for gradient
+    chunks of `chunks` elements (one per bucket, the shard group's chunk): each all-reduced,
+    or, with the optimizer state sharded across the replicas, reduce-scattered and the
+    updated parameter chunk all-gathered back (module doc)."""
+    ops = ("reduce_scatter", "all_gather") if optimizer_across_replicas else ("all_reduce",)
+    total = NONE
+    for numel in chunks:
+        for op in ops:
+            sent = op_link_bytes(
+                op, replica_group, rank, numel=numel, itemsize=itemsize, host_map=host_map,
+                algorithm=algorithm,
+            )  # fmt: skip
+            total += sent if sent is not None else NONE
+    return total
 
 
 def sharded_step_inter_node(

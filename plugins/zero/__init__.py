@@ -10,7 +10,9 @@
 `dp_replicate = dp / dp_shard` groups. Stages 1 and 2 reduce buckets and shard the optimizer
 state inside the shard group; stage 3 also gathers parameters there, every micro-batch (inside
 a node with `dp_shard = "node"`). All three average the gradient chunks across the replicas
-once per optimizer step (FSDP2's HSDP, torchtitan's `dp_replicate × dp_shard`).
+once per optimizer step (FSDP2's HSDP, torchtitan's `dp_replicate × dp_shard`). With
+`[zero] shard_optimizer_across_replicas = true` stages 1 and 2 shard the optimizer state over
+every dp rank instead (`plait.plugins.zero.replica_shards`).
 
 All three read the `[zero]` section (`plait.plugins.zero.config.ZeroConfig`): bucket size,
 stage 3 prefetch depth and unit rule, and offload of the optimizer state to CPU memory or to
@@ -64,6 +66,13 @@ def shard_zero(
         raise ConfigError(
             f"parallel.dp_shard = {context.config.parallel.dp_shard!r} (HSDP) with "
             "parallel.ep > 1 is not supported yet; unset one of them"
+        )
+    if config.shard_optimizer_across_replicas and (stage == 3 or replicas.size == 1):
+        raise ConfigError(
+            "zero.shard_optimizer_across_replicas = true needs zero1 or zero2 with replicas "
+            f"(parallel.dp_shard below dp); got zero{stage} with "
+            f"parallel.dp_shard = {context.config.parallel.dp_shard!r} and "
+            f"{replicas.size} replica(s)"
         )
     runtime: ParallelRuntime
     if stage == 3:

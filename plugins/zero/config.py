@@ -45,6 +45,13 @@ class ZeroConfig(Section):
         "Gloo (faster there); reduce_scatter = always, e.g. to test the GPU path on CPU",
     )
 
+    shard_optimizer_across_replicas: bool = Field(
+        False,
+        description="stages 1 and 2 under HSDP (parallel.dp_shard): shard the optimizer state "
+        "over every dp rank, not only the shard group (same cross-node bytes, 1/dp_replicate "
+        "of the optimizer state)",
+    )
+
     @field_validator("prefetch")
     @classmethod
     def _prefetch_count(cls, value: bool | int) -> bool | int:

@@ -66,6 +66,7 @@ class Segment:
         world_size: int,
         rank: int,
         group: Group | None = None,
+        padding_multiple: int | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("a segment needs at least one parameter")
@@ -74,6 +75,10 @@ class Segment:
             raise ValueError(f"segment {index} mixes dtypes/devices: {sorted(map(str, kinds))}")
         if group is not None and group.size != world_size:
             raise ValueError(f"segment {index}: world_size {world_size} is not {group.name}'s size")
+        # A multiple of world_size: chunks that split evenly once more (across HSDP replicas).
+        multiple = padding_multiple or world_size
+        if multiple % world_size:
+            raise ValueError(f"segment {index}: padding {multiple} is no multiple of {world_size}")
         self.index = index
         # The group its gradients are reduced over and its chunks gathered over; None: the
         # runtime's data-parallel group (expert parameters have the expert-dp one).
@@ -87,7 +92,7 @@ class Segment:
             offset += p.numel()
         self.slots: list[Slot] = slots
         self.numel = offset
-        self.padded_numel = -(-offset // world_size) * world_size
+        self.padded_numel = -(-offset // multiple) * multiple
         self.chunk_numel = self.padded_numel // world_size
         self.chunk_start = rank * self.chunk_numel
         self.dtype = ordered[0][1].dtype

@@ -134,7 +134,7 @@ def _refine(
                 set_step_count(state, value)
 
         step = StepCount(get=lambda: first["step"], set=set_step)
-    axes, replicas = master.mesh.shard_axes(), master.mesh.replica_axes()
+    axes, replicas = master.shard_axes, master.replica_axes
     return replace(
         entry,
         value=_sharded(entry.value, tuple(values), axes, replicas),

@@ -10,7 +10,7 @@ parameter name (and scatters one back).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,8 +46,12 @@ class ShardedMaster:
         group: Group,
         mesh: Mesh,
         offload: OffloadConfig,
+        gather_state: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+        across_replicas: bool = False,
     ) -> None:
         self.segments = list(segments)
+        self.across_replicas = across_replicas
+        self._gather_state = gather_state
         self.param_chunks = list(param_chunks)
         self.grad_chunks = list(grad_chunks)
         self.comm, self.group, self.mesh = comm, group, mesh
@@ -77,6 +81,17 @@ class ShardedMaster:
             if offload.device == "nvme"
             else None
         )
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The axes the chunks split over: under HSDP dp_shard (× cp), unless the chunks are
+        shards over every dp rank although dp is split (`replica_shards`)."""
+        return self.mesh.gradient_axes() if self.across_replicas else self.mesh.shard_axes()
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The axes holding identical copies of the chunks (dp_replicate under HSDP)."""
+        return () if self.across_replicas else self.mesh.replica_axes()
 
     # -- optimizer -------------------------------------------------------------------------------
 
@@ -137,8 +152,7 @@ class ShardedMaster:
             for piece in seg.pieces():
                 shards = 1
                 # dp (× cp) share it, or under HSDP dp_shard (× cp): each replica holds a copy.
-                shard_axes = self.mesh.shard_axes()
-                for axis in dict.fromkeys((*sharded_axes(piece.slot.param), *shard_axes)):
+                for axis in dict.fromkeys((*sharded_axes(piece.slot.param), *self.shard_axes)):
                     shards *= self.mesh.size(axis)
                 view = gc[piece.chunk_start : piece.chunk_start + piece.numel]
                 pieces.append((view, shards / self.mesh.world_size))
@@ -212,7 +226,10 @@ class ShardedMaster:
                         value = opt_state[param][key].reshape(-1)
                         chunk[run.start : run.start + run.numel].copy_(value)
                 group = seg.group if seg.group is not None else self.group
-                if group.size == 1:  # a one-rank expert-dp group: the chunk is the segment
+                if self._gather_state is not None:
+                    whole = torch.empty(seg.padded_numel, dtype=torch.float32, device=comm_device)
+                    self._gather_state(k, whole, chunk)
+                elif group.size == 1:  # a one-rank expert-dp group: the chunk is the segment
                     whole = chunk
                 else:
                     whole = torch.empty(seg.padded_numel, dtype=torch.float32, device=comm_device)

@@ -17,7 +17,9 @@ strictly in bucket order so every rank issues the same collective sequence.
 After the optimizer step each segment's updated chunks are all-gathered into the flat buffers.
 
 Under HSDP (`parallel.dp_shard`) buckets are reduced, and the optimizer state sharded, over the
-shard group; the reduced chunks are averaged across the replica group once per step.
+shard group; the reduced chunks are averaged across the replica group once per step, or with
+`[zero] shard_optimizer_across_replicas` reduce-scattered across it, so that the optimizer
+state is sharded over every dp rank (`plait.plugins.zero.replica_shards`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ from plait.plugins.zero.reduction import (
     average_across_replicas,
     ensure_allocated,
     launch_reduction,
+    release,
 )
+from plait.plugins.zero.replica_shards import ReplicaShards
 
 # Stage 2: buckets whose full gradient buffer may be alive at once (being reduce-scattered).
 MAX_IN_FLIGHT = 2
@@ -102,6 +106,8 @@ class ShardedOptimizerRuntime(ParallelRuntime):
             if everyone.size > 1:
                 broadcast_module(module, comm, everyone, experts)
         name_of = {id(p): n for n, p in named}
+        across = config.shard_optimizer_across_replicas and replicas is not None
+        replica_count = replicas.size if across and replicas is not None else 1
         # Expert parameters (ep > 1) are bucketed apart: their segments use the expert-dp group.
         buckets = [
             (run_group, bucket)
@@ -116,6 +122,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                     world_size=g.size,
                     rank=g.rank_of(mesh.rank),
                     group=g,
+                    padding_multiple=g.size * replica_count,
                 )
             )
             for i, (g, b) in enumerate(buckets)
@@ -134,15 +141,34 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                 for b in self.buckets
             ]
         self.grad_chunks = grad_chunks
-        self.master = ShardedMaster(
-            [b.segment for b in self.buckets],
-            [b.segment.chunk_of(f) for b, f in zip(self.buckets, self.flat_params, strict=True)],
-            grad_chunks,
-            comm=comm,
-            group=group,
-            mesh=mesh,
-            offload=config.offload,
+        segments = [b.segment for b in self.buckets]
+        self.replica_shards = (
+            ReplicaShards(segments, comm=comm, replicas=replicas, rank=mesh.rank)
+            if across and replicas is not None
+            else None
         )
+        if self.replica_shards is None:
+            self.master = ShardedMaster(
+                segments,
+                [s.chunk_of(f) for s, f in zip(segments, self.flat_params, strict=True)],
+                grad_chunks,
+                comm=comm,
+                group=group,
+                mesh=mesh,
+                offload=config.offload,
+            )
+        else:
+            self.master = ShardedMaster(
+                self.replica_shards.segments,
+                self.replica_shards.param_chunks(self.flat_params),
+                self.replica_shards.grad_chunks,
+                comm=comm,
+                group=group,
+                mesh=mesh,
+                offload=config.offload,
+                gather_state=self.replica_shards.gather_state,
+                across_replicas=True,
+            )
         self._reduce_this_backward = True
         self._first_microbatch = True
         self._next_to_launch = 0
@@ -292,13 +318,17 @@ class ShardedOptimizerRuntime(ParallelRuntime):
 
     def sync_gradients(self) -> None:
         self._finish_backward()
-        average_across_replicas(self.comm, self.replicas, self.grad_chunks)
+        if self.replica_shards is not None:
+            self.replica_shards.reduce_scatter_gradients(self.grad_chunks)
+        else:
+            average_across_replicas(self.comm, self.replicas, self.grad_chunks)
         self._reduce_this_backward = True
         self._gradient_bytes_at_step = self._gradient_bytes()
 
     def _gradient_bytes(self) -> int:
         buffers = [b.buffer for b in self.buckets if b.buffer is not None]
-        return storage_bytes([*self.flat_grads, *self.grad_chunks, *buffers])
+        subs = self.replica_shards.grad_chunks if self.replica_shards is not None else []
+        return storage_bytes([*self.flat_grads, *self.grad_chunks, *subs, *buffers])
 
     def build_optimizer(
         self, module: nn.Module, factory: OptimizerFactory
@@ -310,6 +340,9 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         return self.master.clip_gradients(max_norm)
 
     def after_optimizer_step(self) -> None:
+        if self.replica_shards is not None:
+            self.replica_shards.gather_parameters(self.flat_params)
+            return
         if self.group.size == 1:
             return
         pending = []
@@ -334,6 +367,9 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                 self._restore_grad_views(bucket)
         else:
             self.master.release_gradients()
+            if self.replica_shards is not None:  # the shard-group chunks, reduced into them
+                for chunk in self.grad_chunks:
+                    release(chunk)
         return True
 
     def memory_report(self) -> dict[str, int] | None:

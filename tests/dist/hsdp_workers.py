@@ -10,7 +10,7 @@ import torch
 
 from plait.core.engine import Engine
 from plait.core.errors import PlaitError
-from plait.core.link_bytes import ring_all_reduce, sharded_step_bytes
+from plait.core.link_bytes import replica_step_bytes, sharded_step_bytes
 from plait.core.plugins import Plugins
 from plait.core.testing import VOCAB_SIZE, merged_config
 from plait.plugins.zero.stage3 import FullyShardedRuntime
@@ -106,17 +106,31 @@ def _expected_bytes(engine: Engine, runtime: FullyShardedRuntime, microbatches: 
 
 
 def _expected_replica_bytes(engine: Engine, runtime: ShardedOptimizerRuntime) -> dict:
-    """Stages 1 and 2 with the shard group inside a node: only the once-per-step all-reduce of
-    each bucket's gradient chunk across the replicas leaves it."""
+    """Stages 1 and 2 with the shard group inside a node: only the once-per-step exchange of
+    each bucket's gradient chunk across the replicas leaves it (an all-reduce, or a
+    reduce-scatter and an all-gather with the optimizer state sharded across them). Also the
+    optimizer state this rank holds and the full state gathered from every rank's shard."""
     host_map = engine.mesh.host_map
     assert host_map is not None and runtime.replicas is not None
-    rank, replicas = engine.mesh.rank, runtime.replicas.ranks
-    sent = [
-        ring_all_reduce(replicas, rank, b.segment.chunk_numel, 4, host_map) for b in runtime.buckets
-    ]
+    sent = replica_step_bytes(
+        engine.mesh.rank,
+        replica_group=runtime.replicas.ranks,
+        host_map=host_map,
+        chunks=[b.segment.chunk_numel for b in runtime.buckets],
+        itemsize=4,
+        optimizer_across_replicas=runtime.replica_shards is not None,
+    )
+    report = runtime.memory_report()
+    assert report is not None
+    state = runtime.state_dict()["state"]
+    keys = ("exp_avg", "exp_avg_sq")
+    moments = [state[name][key].reshape(-1) for name in sorted(state) for key in keys]
     return {
-        "expected": (None, sum(s.inter_node for s in sent)),
+        "expected": (None, sent.inter_node),
         "units": len(runtime.buckets),
+        "model_bytes": sum(b.segment.padded_numel for b in runtime.buckets) * 4,
+        "optimizer_state": report["optimizer_state"],
+        "moments": torch.cat(moments),
     }
 
 

@@ -40,8 +40,18 @@ JOBS: dict[str, dict[str, Any]] = {
     "hsdp_node": {"parallel": {"dp_strategy": "zero3", "dp_shard": "node"}},
     "zero1_node": {"parallel": {"dp_strategy": "zero1", "dp_shard": "node"}},
     "zero2_node": {"parallel": {"dp_strategy": "zero2", "dp_shard": "node"}},
+    # The optimizer state sharded over all four ranks (stage 2 on the reduce-scatter path).
+    "zero1_optim": {
+        "parallel": {"dp_strategy": "zero1", "dp_shard": "node"},
+        "zero": {"shard_optimizer_across_replicas": True},
+    },
+    "zero2_optim": {
+        "parallel": {"dp_strategy": "zero2", "dp_shard": "node"},
+        "zero": {**RS, "shard_optimizer_across_replicas": True},
+    },
 }
-SPLIT = ("hsdp", "hsdp_node", "zero1_node", "zero2_node")
+ACROSS = ("zero1_optim", "zero2_optim")
+SPLIT = ("hsdp", "hsdp_node", "zero1_node", "zero2_node", *ACROSS)
 
 
 def comm_spans(address: str, job_id: str) -> dict[tuple[int, int, str], list[int]]:
@@ -117,7 +127,12 @@ def test_hsdp_on_two_nodes_trains_as_one_process_and_sends_the_formulas_bytes() 
                         # only the replicas' all-reduce crosses.
                         assert inter == got["expected"][1], (job, rank, step)
                     _, shard_inter, shard_ops = spans[2]
-                    if job in SPLIT:
+                    if job in ACROSS:
+                        # Once per step: a reduce-scatter per bucket across the replicas, and
+                        # the all-gather of its updated sub-chunk back, as many bytes each.
+                        assert shard_ops == got["units"], (job, rank, step)
+                        assert 2 * shard_inter == inter > 0, (job, rank, step)
+                    elif job in SPLIT:
                         # Once per step (2 micro-batches): one all-reduce per unit (stage 3) or
                         # bucket (stages 1, 2), all across.
                         assert shard_ops == got["units"], (job, rank, step)
@@ -140,6 +155,19 @@ def test_hsdp_on_two_nodes_trains_as_one_process_and_sends_the_formulas_bytes() 
                 B, nodes=2, ranks_per_node=2, microbatches=M, layout=layout
             )
             assert bound * 2 / 3 < per_step[job] < bound, (job, per_step[job], bound)
+        # ZeRO-1/2 with the optimizer state across the replicas: the 2·B of HSDP, whose
+        # all-reduce became a reduce-scatter and an all-gather; the state is half as large.
+        for job, peer in (("zero1_optim", "zero1_node"), ("zero2_optim", "zero2_node")):
+            B_buckets = ranks[0][job]["model_bytes"]
+            assert per_step[job] == 2 * B_buckets, (job, per_step[job], B_buckets)
+            assert per_step[peer] == 2 * ranks[0][peer]["model_bytes"], peer
+            for result in ranks:
+                held, replicated = result[job]["optimizer_state"], result[peer]["optimizer_state"]
+                assert 0.45 * replicated < held < 0.55 * replicated, (job, held, replicated)
+                # Gathered from four shards, the state is the one gathered from two.
+                torch.testing.assert_close(
+                    result[job]["moments"], result[peer]["moments"], rtol=0, atol=1e-6
+                )
         print("cross-node bytes per step:", per_step, "B =", B)
 
 
