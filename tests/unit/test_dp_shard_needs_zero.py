@@ -24,3 +24,16 @@ def test_dp_shard_under_ddp_is_refused_by_name() -> None:
 def test_dp_shard_under_zero3_is_taken() -> None:
     engine = Engine(config={**CONFIG, "parallel": {"dp_strategy": "zero3", "dp_shard": 1}})
     assert engine.mesh.data_parallel_split
+
+
+@pytest.mark.parametrize(("strategy", "dp_shard"), [("zero1", None), ("zero2", 1), ("zero3", 1)])
+def test_optimizer_across_replicas_without_replicas_or_under_zero3_is_refused(
+    strategy: str, dp_shard: int | None
+) -> None:
+    config = {
+        **CONFIG,
+        "parallel": {"dp_strategy": strategy, "dp_shard": dp_shard},
+        "zero": {"shard_optimizer_across_replicas": True},
+    }
+    with pytest.raises(ConfigError, match=r"zero.shard_optimizer_across_replicas = true needs"):
+        Engine(config=config)
