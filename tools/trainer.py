@@ -39,6 +39,8 @@ from plait.tools.run_records import EarlierSteps, RunRecords
 
 if TYPE_CHECKING:
     from plait.plugins.checkpoint import Checkpointer
+    from plait.plugins.data.step_sampler import StepSampler
+    from plait.plugins.fault_tolerance import FaultTolerantSteps
 
 # The summary's loss is the mean of this many last steps: one step's loss is too noisy to
 # compare.
@@ -71,6 +73,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     """Train for `config.train.steps` steps; rank 0 shows live progress."""
     from plait.plugins.checkpoint import Checkpointer
     from plait.plugins.data import build_batches
+    from plait.plugins.fault_tolerance.data_share import replica_data_coordinates
     from plait.plugins.resilience import attach_resilience
     from plait.tools.validation import Validation, check_validation_layout
 
@@ -83,13 +86,17 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     if train.eval_every:
         check_validation_layout(engine)
     holdout = train.eval_fraction if train.eval_every else 0.0
+    # Replica groups of a fault-tolerant job read their own shares of the global batch.
+    data_rank, data_size = replica_data_coordinates(
+        dp_rank=mesh.coordinate("dp"), dp_size=mesh.size("dp"), settings=config.fault_tolerance
+    )
     split_batches = {
         split: build_batches(
             config.data,
             seq_len=config.data.seq_len,
             global_batch_size=train.global_batch_size,
-            dp_rank=mesh.coordinate("dp"),
-            dp_size=mesh.size("dp"),
+            dp_rank=data_rank,
+            dp_size=data_size,
             seed=train.seed,
             holdout=holdout,
             split=split,
@@ -104,6 +111,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     checkpointer = Checkpointer.from_config(engine, batches, config)
     attach_resilience(engine, config.checkpoint_io)
     start_step = checkpointer.maybe_resume()
+    replica_groups = _join_replica_groups(engine, batches, config)
     rank_peak = _rank_peak(engine) if is_leader else PeakFlops(0.0, "")
     # Every rank of a job runs on the same kind of device, so the job's peak is W × the rank's.
     peak = rank_peak.flops * mesh.world_size
@@ -136,10 +144,18 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     step_seconds = 0.0  # the steps' own time, as metrics.jsonl records it (no eval, no saves)
     with progress:
         task = progress.add_task("train", total=train.steps, completed=start_step, stats="")
-        for step in range(start_step, train.steps):
+        step = start_step
+        while step < train.steps:
             data_start = time.time_ns()
-            batch = batches.next_batch()
-            loss = engine.train_step(batch, data_start_ns=data_start)
+            if replica_groups is not None:
+                # Retried until it commits; a healed group continues at its peer's step.
+                outcome = replica_groups.step_until_committed(data_start_ns=data_start)
+                step, loss = outcome.step, outcome.loss
+                for event in outcome.events if is_leader else ():
+                    console.print(event.describe(), highlight=False, soft_wrap=True)
+            else:
+                batch = batches.next_batch()
+                loss = engine.train_step(batch, data_start_ns=data_start)
             report = engine.last_report
             assert report is not None
             steps_done = step + 1
@@ -183,7 +199,10 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
                     checkpointer, step + 1, signum, console, is_leader
                 )
                 break
+            step += 1
     stop.uninstall()
+    if replica_groups is not None:
+        replica_groups.close()
     if records is not None:
         records.close()
     checkpointer.close()
@@ -199,6 +218,18 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         _print_summary(console, summary)
     engine.close()
     return summary
+
+
+def _join_replica_groups(
+    engine: Engine, batches: StepSampler, config: PlaitConfig
+) -> FaultTolerantSteps | None:
+    """This group's fault-tolerant steps when `[fault_tolerance]` names a replica group, after
+    any disk checkpoint was resumed (a live peer further on still heals it)."""
+    if not config.fault_tolerance.enabled:
+        return None
+    from plait.plugins.fault_tolerance import FaultTolerantSteps
+
+    return FaultTolerantSteps.attach(engine, batches, config.fault_tolerance)
 
 
 def _check_vocabulary(engine: Engine, data_vocab: int) -> None:

@@ -34,6 +34,17 @@ class QuorumEvent:
     def seconds(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
 
+    def describe(self) -> str:
+        """One line for a log: what happened, at which step, how long it took."""
+        groups = f"{self.previous} -> {self.participants} replica groups"
+        what = {
+            "join": f"a replica group joined ({groups})",
+            "leave": f"a replica group left ({groups})",
+            "heal": f"healed {self.detail} to step {self.step}",
+            "failed_commit": f"step {self.step} not committed ({self.detail}); retrying",
+        }[self.kind]
+        return f"quorum {self.quorum_id}: {what} in {self.seconds:.2f}s"
+
 
 class QuorumWatch:
     """Compares each quorum with the last and collects the events between two `take()`s."""

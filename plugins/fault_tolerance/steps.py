@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
-
-from torchft.manager import REPLICA_ID_KEY
 
 from plait.core.config import FaultToleranceSection
 from plait.plugins.fault_tolerance.commit import ReplicaGroupCommit
@@ -58,6 +56,8 @@ class FaultTolerantSteps:
     @property
     def replica_id(self) -> str:
         """This group's id at the lighthouse (`<job>-group<N>:<uuid>`, new for every start)."""
+        from torchft.manager import REPLICA_ID_KEY
+
         # torchft publishes it only in the group's store, under this key.
         return self.manager._store.get(REPLICA_ID_KEY).decode("utf-8")
 
@@ -135,6 +135,17 @@ class FaultTolerantSteps:
             participants=participants,
             events=self.watch.take(),
         )
+
+    def step_until_committed(self, *, data_start_ns: int | None = None) -> StepOutcome:
+        """Try the next step until it commits (with whichever groups are alive); the outcome of
+        the committed try, carrying the events of every try."""
+        events: list[QuorumEvent] = []
+        while True:
+            outcome = self.step(data_start_ns=data_start_ns)
+            events.extend(outcome.events)
+            if outcome.committed:
+                return replace(outcome, events=tuple(events))
+            data_start_ns = None  # a retry's data wait is the failed try's
 
     def _rewind(self, point: _RewindPoint) -> None:
         engine = self.engine
