@@ -31,6 +31,12 @@ OUTPUT_SPLIT_SIZES = "output_split_sizes"
 # applies and which ops put bytes on the wire themselves (plait.core.link_bytes).
 CARRIED_BY = "carried_by"
 BACKEND = "torch"
+# `CommRequest.attributes` keys asking an algorithm to encode the op's cross-node hop with a
+# block-wise integer codec ("int8" or "int4", blocks of QUANTIZE_BLOCK elements): ZeRO++'s
+# qwZ / qgZ (`plait.plugins.collectives.codecs`). An op no algorithm encodes is counted and
+# logged, never dropped silently.
+QUANTIZE = "quantize"
+QUANTIZE_BLOCK = "quantize_block"
 
 
 class Work(Protocol):
@@ -228,9 +234,17 @@ class Comm:
         group: Group,
         async_op: bool = False,
         purpose: str = "generic",
+        attributes: dict[str, Any] | None = None,
     ) -> Work:
         """`output` (size × input along dim 0) receives every rank's `input`, in group order."""
-        return self._issue("all_gather", (output, input), group, async_op=async_op, purpose=purpose)
+        return self._issue(
+            "all_gather",
+            (output, input),
+            group,
+            async_op=async_op,
+            purpose=purpose,
+            attributes=attributes,
+        )
 
     def all_to_all(
         self,
