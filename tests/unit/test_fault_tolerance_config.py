@@ -1,0 +1,67 @@
+"""`[fault_tolerance]`: what a replica group's settings accept, what they refuse and how they
+split the data; the quorum events a group's steps report."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.core.config import load_config
+from plait.core.errors import ConfigError
+from plait.plugins.fault_tolerance.data_share import replica_data_coordinates
+from plait.plugins.fault_tolerance.quorum_events import QuorumWatch
+
+GROUP_1_OF_2 = [
+    "fault_tolerance.replica_group=1",
+    "fault_tolerance.replica_groups=2",
+    "fault_tolerance.lighthouse=127.0.0.1:29510",
+]
+
+
+def test_off_by_default_and_on_with_a_group_and_a_lighthouse() -> None:
+    assert not load_config().fault_tolerance.enabled
+    settings = load_config(overrides=GROUP_1_OF_2).fault_tolerance
+    assert settings.enabled and settings.lighthouse == "127.0.0.1:29510"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["fault_tolerance.replica_group=2", "fault_tolerance.replica_groups=2"], "0 .. 1"),
+        (["fault_tolerance.replica_group=0", "fault_tolerance.lighthouse=host"], "HOST:PORT"),
+        (["fault_tolerance.replica_group=0", "fault_tolerance.lighthouse=h:99999"], "HOST:PORT"),
+        (["fault_tolerance.replica_group=-2"], "fault_tolerance.replica_group"),
+        ([*GROUP_1_OF_2, "fault_tolerance.min_replica_groups=3"], "allowed: 1 .. 2"),
+        ([*GROUP_1_OF_2, "fault_tolerance.step_timeout_seconds=0"], "step_timeout_seconds"),
+        ([*GROUP_1_OF_2, "fault_tolerance.replica_gruop=1"], "did you mean 'replica_group'"),
+    ],
+)
+def test_a_bad_value_names_the_field_and_what_is_allowed(overrides: list[str], named: str) -> None:
+    with pytest.raises(ConfigError, match="fault_tolerance") as error:
+        load_config(overrides=["fault_tolerance.lighthouse=127.0.0.1:1", *overrides])
+    assert named in str(error.value)
+
+
+def test_groups_split_the_global_batch_group_major() -> None:
+    settings = load_config(overrides=GROUP_1_OF_2).fault_tolerance
+    # Group 1's dp rank 0 of 2 reads what rank 2 of a 4-rank job would.
+    assert replica_data_coordinates(dp_rank=0, dp_size=2, settings=settings) == (2, 4)
+    off = load_config().fault_tolerance
+    assert replica_data_coordinates(dp_rank=1, dp_size=2, settings=off) == (1, 2)
+
+
+def test_the_watch_reports_joins_leaves_heals_and_failed_commits_once() -> None:
+    watch = QuorumWatch()
+    watch.quorum(quorum_id=1, participants=2, step=0, start_ns=0, end_ns=10)
+    watch.quorum(quorum_id=1, participants=2, step=1, start_ns=10, end_ns=20)
+    assert [(e.kind, e.previous, e.participants) for e in watch.take()] == [("join", 0, 2)]
+    watch.failed_commit(
+        step=2, quorum_id=1, participants=2, start_ns=20, end_ns=50, error="peer reset"
+    )
+    watch.quorum(quorum_id=2, participants=1, step=2, start_ns=50, end_ns=2_050_000_050)
+    events = watch.take()
+    assert [(e.kind, e.step) for e in events] == [("failed_commit", 2), ("leave", 2)]
+    assert events[1].seconds == pytest.approx(2.05) and "left (2 -> 1" in events[1].describe()
+    watch.healed_to(7)
+    watch.quorum(quorum_id=3, participants=2, step=0, start_ns=0, end_ns=5)
+    assert [(e.kind, e.step) for e in watch.take()] == [("join", 0), ("heal", 7)]
+    assert watch.take() == ()
