@@ -159,6 +159,7 @@ class PageHandler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         form = self._form()
         if form is None:
+            self.close_connection = True  # its unread body must not be taken for a request
             return self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, b"too large\n", "text/plain")
         if path == "/login":
             return self._login(form.get("token", ""))
