@@ -1,7 +1,8 @@
 """Replica-group ranks for the fault-tolerance tests, and the one-process replay they must equal.
 
-Group A trains the whole run; group B's last rank SIGKILLs itself inside the forward of step
-`KILL_STEP`; a replacement B' is started once A stands at step `REJOIN_STEP` and heals from A.
+Group A trains the whole run; group B's last rank SIGKILLs (or SIGSTOPs) itself inside the
+forward of step `KILL_STEP`; a replacement B' is started once A stands at step `REJOIN_STEP` and
+heals from A.
 Every ordering the test relies on is a marker file a rank writes and another waits for.
 """
 
@@ -44,7 +45,8 @@ def job_config(*, group: int, lighthouse: str, layout: dict[str, Any]) -> dict[s
                 "replica_group": group,
                 "replica_groups": 2,
                 "lighthouse": lighthouse,
-                "step_timeout_seconds": 30.0,
+                # A hung peer is left out after this long (the SIGSTOP case).
+                "step_timeout_seconds": layout.get("step_timeout_seconds", 30.0),
                 "quorum_timeout_seconds": 60.0,
             },
         }
@@ -60,12 +62,15 @@ def wait_for(path: Path, what: str) -> None:
         time.sleep(0.02)
 
 
-def _kill_in_forward(module: torch.nn.Module, marker: Path) -> None:
-    def die(*_: Any) -> None:
-        marker.write_text(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGKILL)
+def _fail_in_forward(module: torch.nn.Module, marker: Path, fault: str) -> None:
+    """SIGKILL (a death) or SIGSTOP (a hang: the process stops answering, heartbeats included)
+    this process inside its next forward, after writing its PID to `marker`."""
 
-    module.register_forward_pre_hook(die)
+    def fail(*_: Any) -> None:
+        marker.write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.Signals[fault])
+
+    module.register_forward_pre_hook(fail)
 
 
 def replica_group_rank(
@@ -101,7 +106,7 @@ def replica_group_rank(
     while engine.global_step < STEPS:
         step = engine.global_step
         if role == "B" and step == KILL_STEP and rank == world_size - 1:
-            _kill_in_forward(engine.module, marker_dir / "B-killed")
+            _fail_in_forward(engine.module, marker_dir / "B-failed", layout.get("fault", "SIGKILL"))
         if role == "A" and step == REJOIN_STEP and not (marker_dir / "A-at-rejoin").exists():
             if rank == 0:
                 (marker_dir / "A-at-rejoin").write_text(str(step))
@@ -123,6 +128,7 @@ def replica_group_rank(
                 "quorum_id": outcome.quorum_id,
                 "loss": outcome.loss,
                 "events": [(e.kind, e.step, e.participants, e.previous) for e in outcome.events],
+                "event_seconds": [(e.kind, e.seconds) for e in outcome.events],
             }
         )
     weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
