@@ -62,6 +62,34 @@ def _cross_entropy_fwd(
         tl.store(grad_row + cols, (grad * inv_n_valid).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+def cross_entropy_forward(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, vocab_block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, d(loss)/d(logits)): the gradient is written by the forward (module doc)."""
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(
+            f"softmax_cross_entropy: logits must be (N, V) and targets (N,); got "
+            f"{tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    targets = targets.contiguous()
+    n_rows, vocab = logits.shape
+    # Counted on the device and read by the kernel: no host synchronisation per step.
+    n_valid = (targets != ignore_index).sum().to(torch.float32)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    if n_rows:
+        _cross_entropy_fwd[(n_rows,)](
+            logits, targets, grad, losses, n_valid.clamp_min(1.0),
+            logits.stride(0), grad.stride(0), vocab, ignore_index,
+            BLOCK_V=min(vocab_block, triton.next_power_of_2(vocab)),
+        )  # fmt: skip
+    # In fp32 whatever the logits' dtype; 0 / 0 = nan when every target is ignored, as
+    # torch's mean reduction gives.
+    return losses.sum() / n_valid, grad
+
+
 class SoftmaxCrossEntropyFunction(torch.autograd.Function):
     """Mean cross-entropy of logits (N, V) against targets (N,), skipping `ignore_index`."""
 
@@ -73,30 +101,10 @@ class SoftmaxCrossEntropyFunction(torch.autograd.Function):
         ignore_index: int,
         vocab_block: int,
     ) -> torch.Tensor:
-        if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-            raise ValueError(
-                f"softmax_cross_entropy: logits must be (N, V) and targets (N,); got "
-                f"{tuple(logits.shape)} and {tuple(targets.shape)}"
-            )
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
-        targets = targets.contiguous()
-        n_rows, vocab = logits.shape
-        # Counted on the device and read by the kernel: no host synchronisation per step.
-        n_valid = (targets != ignore_index).sum().to(torch.float32)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        if n_rows:
-            _cross_entropy_fwd[(n_rows,)](
-                logits, targets, grad, losses, n_valid.clamp_min(1.0),
-                logits.stride(0), grad.stride(0), vocab, ignore_index,
-                BLOCK_V=min(vocab_block, triton.next_power_of_2(vocab)),
-            )  # fmt: skip
+        loss, grad = cross_entropy_forward(logits, targets, ignore_index, vocab_block)
         ctx.save_for_backward(grad)
         ctx.grad_consumed = False
-        # In fp32 whatever the logits' dtype; 0 / 0 = nan when every target is ignored, as
-        # torch's mean reduction gives.
-        return losses.sum() / n_valid
+        return loss
 
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -125,4 +133,8 @@ def softmax_cross_entropy(
     """
     if vocab_block <= 0 or vocab_block & (vocab_block - 1):
         raise ValueError(f"vocab_block must be a power of two, got {vocab_block}")
+    if torch.compiler.is_compiling():  # one opaque node in the graph (`custom_ops`)
+        from plait.plugins.kernels_triton.custom_ops import cross_entropy_op
+
+        return cross_entropy_op(logits, targets, ignore_index, vocab_block)[0]
     return SoftmaxCrossEntropyFunction.apply(logits, targets, ignore_index, vocab_block)

@@ -107,30 +107,63 @@ def _pointwise_grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, POINTWISE_BLOCK),)
 
 
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    gate, up = _flat(gate), _flat(up)
+    out = torch.empty_like(gate)
+    _swiglu_fwd[_pointwise_grid(gate.numel())](gate, up, out, gate.numel(), BLOCK=POINTWISE_BLOCK)
+    return out
+
+
+def swiglu_backward(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up, dout = _flat(gate), _flat(up), _flat(dout)
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    _swiglu_bwd[_pointwise_grid(gate.numel())](
+        gate, up, dout, dgate, dup, gate.numel(), BLOCK=POINTWISE_BLOCK
+    )
+    return dgate, dup
+
+
+def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"bias_gelu: bias {tuple(bias.shape)} must be ({x.shape[-1]},) for x {tuple(x.shape)}"
+        )
+    x, bias = _flat(x), _flat(bias)
+    out = torch.empty_like(x)
+    _bias_gelu_fwd[_pointwise_grid(x.numel())](
+        x, bias, out, x.numel(), x.shape[-1], BLOCK=POINTWISE_BLOCK
+    )
+    return out
+
+
+def bias_gelu_backward(
+    dout: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x, bias, dout = _flat(x), _flat(bias), _flat(dout)
+    dx = torch.empty_like(x)
+    _bias_gelu_bwd[_pointwise_grid(x.numel())](
+        x, bias, dout, dx, x.numel(), x.shape[-1], BLOCK=POINTWISE_BLOCK
+    )
+    # The bias gradient is the input gradient summed over every leading dimension.
+    dbias = dx.reshape(-1, x.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
+    return dx, dbias
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """silu(gate) · up, element-wise."""
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if gate.shape != up.shape:
-            raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-        gate, up = _flat(gate), _flat(up)
-        out = torch.empty_like(gate)
-        _swiglu_fwd[_pointwise_grid(gate.numel())](
-            gate, up, out, gate.numel(), BLOCK=POINTWISE_BLOCK
-        )
         ctx.save_for_backward(gate, up)
-        return out
+        return swiglu_forward(gate, up)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = ctx.saved_tensors
-        dout = _flat(dout)
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        _swiglu_bwd[_pointwise_grid(gate.numel())](
-            gate, up, dout, dgate, dup, gate.numel(), BLOCK=POINTWISE_BLOCK
-        )
-        return dgate, dup
+        return swiglu_backward(dout, *ctx.saved_tensors)
 
 
 class BiasGeluFunction(torch.autograd.Function):
@@ -138,33 +171,16 @@ class BiasGeluFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
-            raise ValueError(
-                f"bias_gelu: bias {tuple(bias.shape)} must be ({x.shape[-1]},) for x "
-                f"{tuple(x.shape)}"
-            )
-        x, bias = _flat(x), _flat(bias)
-        out = torch.empty_like(x)
-        _bias_gelu_fwd[_pointwise_grid(x.numel())](
-            x, bias, out, x.numel(), x.shape[-1], BLOCK=POINTWISE_BLOCK
-        )
+        out = bias_gelu_forward(x, bias)
         ctx.save_for_backward(x, bias)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, bias = ctx.saved_tensors
-        dout = _flat(dout)
-        dx = torch.empty_like(x)
-        _bias_gelu_bwd[_pointwise_grid(x.numel())](
-            x, bias, dout, dx, x.numel(), x.shape[-1], BLOCK=POINTWISE_BLOCK
-        )
-        # The bias gradient is the input gradient summed over every leading dimension.
-        dbias = dx.reshape(-1, x.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
-        return dx, dbias
+        return bias_gelu_backward(dout, *ctx.saved_tensors)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     batch, seq_len, n_heads, head_dim = x.shape
     half = head_dim // 2
     row_tables = cos.ndim == 3
@@ -195,16 +211,20 @@ class RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, inverse=False)
+        return rotate(x, cos, sin, inverse=False)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         cos, sin = ctx.saved_tensors
-        return _rotate(dout, cos, sin, inverse=True), None, None
+        return rotate(dout, cos, sin, inverse=True), None, None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for tensors of one shape."""
+    if torch.compiler.is_compiling():  # one opaque node in the graph (`custom_ops`)
+        from plait.plugins.kernels_triton.custom_ops import swiglu_op
+
+        return swiglu_op(gate, up)
     return SwiGLUFunction.apply(gate, up)
 
 
@@ -213,10 +233,18 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
     gelu_tanh(z) = 0.5·z·(1 + tanh(√(2/π)·(z + 0.044715·z³))), GPT-2's activation.
     """
+    if torch.compiler.is_compiling():
+        from plait.plugins.kernels_triton.custom_ops import bias_gelu_op
+
+        return bias_gelu_op(x, bias)
     return BiasGeluFunction.apply(x, bias)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (batch, seq, heads, head_dim) by cos/sin of shape (seq, head_dim // 2), or
     (batch, seq, head_dim // 2) for rows with positions of their own."""
+    if torch.compiler.is_compiling():
+        from plait.plugins.kernels_triton.custom_ops import rope_op
+
+        return rope_op(x, cos, sin, False)
     return RopeFunction.apply(x, cos, sin)

@@ -114,40 +114,98 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y of `x`'s shape, rstd (rows,) in fp32 for the backward."""
+    rows = _as_rows(x)
+    n_rows, n_cols = rows.shape
+    y = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block = row_block_size(n_cols, x.element_size())
+    _rms_norm_fwd[(n_rows,)](
+        rows, weight, y, rstd, rows.stride(0), y.stride(0), n_cols, eps, BLOCK=block,
+        **row_warps(block),
+    )  # fmt: skip
+    return y.view(x.shape), rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) of `rms_norm_forward`."""
+    rows = _as_rows(x)
+    n_rows, n_cols = rows.shape
+    dy_rows = _as_rows(dy)
+    dx = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    programs = backward_programs(n_rows, rows.device)
+    dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
+    block = row_block_size(n_cols, rows.element_size())
+    _rms_norm_bwd[(programs,)](
+        dy_rows, rows, weight, rstd, dx, dw_partial,
+        dy_rows.stride(0), rows.stride(0), dx.stride(0), n_rows, n_cols,
+        BLOCK=block, **row_warps(block),
+    )  # fmt: skip
+    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
+
+
+def layer_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd): y of `x`'s shape, the row statistics (rows,) in fp32."""
+    rows = _as_rows(x)
+    n_rows, n_cols = rows.shape
+    y = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block = row_block_size(n_cols, x.element_size())
+    _layer_norm_fwd[(n_rows,)](
+        rows, weight, bias if bias is not None else weight, y, mean, rstd,
+        rows.stride(0), y.stride(0), n_cols, eps,
+        HAS_BIAS=bias is not None, BLOCK=block, **row_warps(block),
+    )  # fmt: skip
+    return y.view(x.shape), mean, rstd
+
+
+def layer_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dx, dweight, dbias) of `layer_norm_forward`; dbias None without a bias."""
+    rows = _as_rows(x)
+    n_rows, n_cols = rows.shape
+    dy_rows = _as_rows(dy)
+    dx = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    programs = backward_programs(n_rows, rows.device)
+    dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
+    db_partial = torch.empty_like(dw_partial) if bias is not None else dw_partial
+    block = row_block_size(n_cols, rows.element_size())
+    _layer_norm_bwd[(programs,)](
+        dy_rows, rows, weight, mean, rstd, dx, dw_partial, db_partial,
+        dy_rows.stride(0), rows.stride(0), dx.stride(0), n_rows, n_cols,
+        HAS_BIAS=bias is not None, BLOCK=block, **row_warps(block),
+    )  # fmt: skip
+    dw = dw_partial.sum(0).to(weight.dtype)
+    db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+    return dx.view(x.shape), dw, db
+
+
 class RMSNormFunction(torch.autograd.Function):
     """y = x / sqrt(mean(x²) + eps) · weight, over the last dimension."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rows = _as_rows(x)
-        n_rows, n_cols = rows.shape
-        y = torch.empty_like(rows, memory_format=torch.contiguous_format)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block = row_block_size(n_cols, x.element_size())
-        _rms_norm_fwd[(n_rows,)](
-            rows, weight, y, rstd, rows.stride(0), y.stride(0), n_cols, eps, BLOCK=block,
-            **row_warps(block),
-        )  # fmt: skip
-        ctx.save_for_backward(rows, weight, rstd)
-        ctx.x_shape = x.shape
-        return y.view(x.shape)
+        y, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        rows, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = rows.shape
-        dy_rows = _as_rows(dy)
-        dx = torch.empty_like(rows, memory_format=torch.contiguous_format)
-        programs = backward_programs(n_rows, rows.device)
-        dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
-        block = row_block_size(n_cols, rows.element_size())
-        _rms_norm_bwd[(programs,)](
-            dy_rows, rows, weight, rstd, dx, dw_partial,
-            dy_rows.stride(0), rows.stride(0), dx.stride(0), n_rows, n_cols,
-            BLOCK=block, **row_warps(block),
-        )  # fmt: skip
-        dw = dw_partial.sum(0).to(weight.dtype)
-        return dx.view(ctx.x_shape), dw, None
+        return (*rms_norm_backward(dy, *ctx.saved_tensors), None)
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -157,45 +215,21 @@ class LayerNormFunction(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
     ) -> torch.Tensor:
-        rows = _as_rows(x)
-        n_rows, n_cols = rows.shape
-        y = torch.empty_like(rows, memory_format=torch.contiguous_format)
-        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block = row_block_size(n_cols, x.element_size())
-        _layer_norm_fwd[(n_rows,)](
-            rows, weight, bias if bias is not None else weight, y, mean, rstd,
-            rows.stride(0), y.stride(0), n_cols, eps,
-            HAS_BIAS=bias is not None, BLOCK=block, **row_warps(block),
-        )  # fmt: skip
-        ctx.save_for_backward(rows, weight, mean, rstd)
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.x_shape = x.shape
-        return y.view(x.shape)
+        y, mean, rstd = layer_norm_forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        rows, weight, mean, rstd = ctx.saved_tensors
-        n_rows, n_cols = rows.shape
-        dy_rows = _as_rows(dy)
-        dx = torch.empty_like(rows, memory_format=torch.contiguous_format)
-        programs = backward_programs(n_rows, rows.device)
-        dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=rows.device)
-        db_partial = torch.empty_like(dw_partial) if ctx.has_bias else dw_partial
-        block = row_block_size(n_cols, rows.element_size())
-        _layer_norm_bwd[(programs,)](
-            dy_rows, rows, weight, mean, rstd, dx, dw_partial, db_partial,
-            dy_rows.stride(0), rows.stride(0), dx.stride(0), n_rows, n_cols,
-            HAS_BIAS=ctx.has_bias, BLOCK=block, **row_warps(block),
-        )  # fmt: skip
-        dw = dw_partial.sum(0).to(weight.dtype)
-        db = db_partial.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-        return dx.view(ctx.x_shape), dw, db, None
+        return (*layer_norm_backward(dy, *ctx.saved_tensors), None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of `x` (any leading shape)."""
+    if torch.compiler.is_compiling():  # one opaque node in the graph (`custom_ops`)
+        from plait.plugins.kernels_triton.custom_ops import rms_norm_op
+
+        return rms_norm_op(x, weight, eps)[0]
     return RMSNormFunction.apply(x, weight, eps)
 
 
@@ -203,4 +237,8 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
     """LayerNorm over the last dimension of `x`; `bias` may be `None`."""
+    if torch.compiler.is_compiling():
+        from plait.plugins.kernels_triton.custom_ops import layer_norm_op
+
+        return layer_norm_op(x, weight, bias, eps)[0]
     return LayerNormFunction.apply(x, weight, bias, eps)

@@ -15,6 +15,9 @@ drift hit all of them alike), each round `--steps` timed steps after warm-up:
 - `plain compiled`: the same loop on `torch.compile(model)`;
 - `plait torch`: `plait.core.engine.Engine`, one rank (NCCL), AMP bf16, torch kernels;
 - `plait torch compiled`: the same with every block compiled (`transforms.compile`);
+- `plait triton compiled`: blocks compiled around plait's Triton kernels, which the compiler
+  sees as custom ops (`plait.plugins.kernels_triton.custom_ops`; attention still breaks the
+  graph);
 - `plait triton`: `plait torch` with `kernels.prefer = ["triton"]`;
 - `plait auto`: `plait torch` with `kernels.provider = "auto"`: each op's provider (torch,
   triton, or `torch.compile` of the reference) timed at its first call, the fastest kept.
@@ -147,6 +150,9 @@ def _builders(setting: Setting) -> dict[str, Callable[[], Variant]]:
         builders["plain compiled"] = lambda: plain_variant(setting, compiled=True)
         builders["plait torch compiled"] = lambda: plait_variant(
             setting, kernels="torch", compiled=True
+        )
+        builders["plait triton compiled"] = lambda: plait_variant(
+            setting, kernels="triton", compiled=True
         )
         builders["plait auto"] = lambda: plait_variant(setting, kernels="auto")
     # On CPU torch.compile measures the compiler, not the model, and Triton cannot compile.

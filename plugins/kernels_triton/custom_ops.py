@@ -1,0 +1,258 @@
+"""plait's Triton kernels as torch custom ops (`torch.ops.plait.*`), for code under `torch.compile`.
+
+Dynamo cannot trace through the kernels' launch code (tile caches, the interpreter switch), so a
+compiled block that calls them breaks its graph at every call and the compiler fuses nothing
+around them. As custom ops with fake (meta) implementations and registered backwards they are
+single opaque nodes: the block stays one graph (`fullgraph=True` holds) and the compiler fuses
+the code between them — the residual adds, casts and reshapes.
+
+Each op is a forward that returns its outputs and what its backward needs, a backward op, and
+`register_autograd` joining them. The public functions of `norms`, `elementwise` and
+`cross_entropy` call these ops while `torch.compiler.is_compiling()`; eager calls keep the
+autograd.Functions, which skip the dispatcher's per-call cost. Both run the same launchers.
+
+Covered: rms_norm, layer_norm, swiglu, bias_gelu, rope, softmax_cross_entropy. Not yet
+attention (its log-sum-exp output and document ids) nor adamw_step and grouped_mm (in place,
+data-shaped): under compile they still break the graph.
+
+Cross-entropy's eager backward scales the forward's gradient buffer in place; its custom op
+returns the scaled gradient as a new tensor instead (a compiled graph must not mutate a saved
+output), one more logits-sized buffer while the backward runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from plait.plugins.kernels_triton.cross_entropy import cross_entropy_forward
+from plait.plugins.kernels_triton.elementwise import (
+    bias_gelu_backward,
+    bias_gelu_forward,
+    rotate,
+    swiglu_backward,
+    swiglu_forward,
+)
+from plait.plugins.kernels_triton.norms import (
+    layer_norm_backward,
+    layer_norm_forward,
+    rms_norm_backward,
+    rms_norm_forward,
+)
+
+NAMESPACE = "plait"
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+# -- rms_norm ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return rms_norm_forward(x, weight, eps)
+
+
+@rms_norm_op.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), x.new_empty(_rows(x), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(
+    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor]:
+    return rms_norm_backward(dy, x, weight, rstd)
+
+
+@rms_norm_backward_op.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _rms_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_grad(ctx: Any, dy: Tensor, _drstd: Tensor) -> tuple[Tensor, Tensor, None]:
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_backward_op(dy.contiguous(), x, weight, rstd)
+    return dx, dweight, None
+
+
+rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+# -- layer_norm -------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::layer_norm", mutates_args=())
+def layer_norm_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    return layer_norm_forward(x, weight, bias, eps)
+
+
+@layer_norm_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    stats = x.new_empty(_rows(x), dtype=torch.float32)
+    return torch.empty_like(x), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::layer_norm_backward", mutates_args=())
+def layer_norm_backward_op(
+    dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dweight, dbias = layer_norm_backward(dy, x, weight, bias, mean, rstd)
+    # An op returns tensors only: no bias, an empty bias gradient (dropped by the autograd).
+    return dx, dweight, dbias if dbias is not None else weight.new_empty(0)
+
+
+@layer_norm_backward_op.register_fake
+def _(
+    dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    dbias = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(weight), dbias
+
+
+def _layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    x, weight, bias, _ = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+
+
+def _layer_norm_grad(ctx: Any, dy: Tensor, *_stats: Tensor) -> tuple[Tensor | None, ...]:
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = layer_norm_backward_op(dy.contiguous(), x, weight, bias, mean, rstd)
+    return dx, dweight, dbias if ctx.has_bias else None, None
+
+
+layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
+
+
+# -- swiglu and bias_gelu: point-wise, the backward recomputes the activation -----------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::swiglu", mutates_args=())
+def swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
+    return swiglu_forward(gate, up)
+
+
+@swiglu_op.register_fake
+def _(gate: Tensor, up: Tensor) -> Tensor:
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::swiglu_backward", mutates_args=())
+def swiglu_backward_op(dout: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    return swiglu_backward(dout, gate, up)
+
+
+@swiglu_backward_op.register_fake
+def _(dout: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    contiguous = torch.contiguous_format
+    return (
+        torch.empty_like(gate, memory_format=contiguous),
+        torch.empty_like(up, memory_format=contiguous),
+    )
+
+
+def _save_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor]:
+    return swiglu_backward_op(dout, *ctx.saved_tensors)
+
+
+swiglu_op.register_autograd(_swiglu_grad, setup_context=_save_inputs)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bias_gelu", mutates_args=())
+def bias_gelu_op(x: Tensor, bias: Tensor) -> Tensor:
+    return bias_gelu_forward(x, bias)
+
+
+@bias_gelu_op.register_fake
+def _(x: Tensor, bias: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bias_gelu_backward", mutates_args=())
+def bias_gelu_backward_op(dout: Tensor, x: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    return bias_gelu_backward(dout, x, bias)
+
+
+@bias_gelu_backward_op.register_fake
+def _(dout: Tensor, x: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(bias)
+
+
+def _bias_gelu_grad(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor]:
+    return bias_gelu_backward_op(dout, *ctx.saved_tensors)
+
+
+bias_gelu_op.register_autograd(_bias_gelu_grad, setup_context=_save_inputs)
+
+
+# -- rope: the backward is the inverse rotation ------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rope", mutates_args=())
+def rope_op(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+    return rotate(x, cos, sin, inverse)
+
+
+@rope_op.register_fake
+def _(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _rope_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    _, cos, sin, inverse = inputs
+    ctx.inverse = inverse
+    ctx.save_for_backward(cos, sin)
+
+
+def _rope_grad(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+    cos, sin = ctx.saved_tensors
+    return rope_op(dout, cos, sin, not ctx.inverse), None, None, None
+
+
+rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
+
+
+# -- softmax_cross_entropy: the gradient comes out of the forward ------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::softmax_cross_entropy", mutates_args=())
+def cross_entropy_op(
+    logits: Tensor, targets: Tensor, ignore_index: int, vocab_block: int
+) -> tuple[Tensor, Tensor]:
+    return cross_entropy_forward(logits, targets, ignore_index, vocab_block)
+
+
+@cross_entropy_op.register_fake
+def _(
+    logits: Tensor, targets: Tensor, ignore_index: int, vocab_block: int
+) -> tuple[Tensor, Tensor]:
+    loss = logits.new_empty((), dtype=torch.float32)
+    return loss, logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    ctx.save_for_backward(output[1])
+
+
+def _cross_entropy_grad(ctx: Any, dloss: Tensor, _dgrad: Tensor) -> tuple[Tensor | None, ...]:
+    (grad,) = ctx.saved_tensors
+    return grad * dloss.to(grad.dtype), None, None, None
+
+
+cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
