@@ -85,6 +85,7 @@ __all__ = [
     "HIERARCHICAL",
     "LinkBytes",
     "all_to_all",
+    "encoded_bytes",
     "flat_bytes",
     "hierarchical_bytes",
     "op_link_bytes",
@@ -383,6 +384,16 @@ def replica_step_bytes(
             )  # fmt: skip
             total += sent if sent is not None else NONE
     return total
+
+
+def encoded_bytes(numel: int, *, bits: int, block: int) -> int:
+    """Bytes of `numel` values under a block-wise integer codec (ZeRO++'s qwZ / qgZ,
+    `plait.plugins.collectives.codecs`): the padded payload of `bits` per element and one fp32
+    scale per block, `⌈N/block⌉·block·bits/8 + 4·⌈N/block⌉`. The hierarchical all-gather and
+    reduce-scatter with a codec send `(m−1)` such encodings of a rank's chunk across nodes,
+    where unencoded they send `(m−1)·chunk·itemsize`."""
+    blocks = _ceil(numel, block)
+    return blocks * block * bits // 8 + 4 * blocks
 
 
 def sharded_step_inter_node(

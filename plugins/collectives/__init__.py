@@ -16,18 +16,26 @@ Asynchronous requests (gradient buckets) return at once: the steps run on the gr
 thread over a dedicated process group (`plait.core.comm_algorithms.AlgorithmRunner`), so the
 backward pass keeps running while buckets reduce. Synchronous requests are complete on return.
 
+A request that asks for a codec (`attributes[QUANTIZE]`, ZeRO++'s qwZ and qgZ: the zero
+plugin's `quantize_weights` / `quantize_gradients`) has its cross-node hop encoded by the
+hierarchical algorithm (`plait.plugins.collectives.codecs`). One that reaches no encoding (no
+hierarchy for its group, another algorithm, an op with no encoded form) runs unencoded, is
+counted in `CollectivesPlugin.unencoded` by purpose and reason, and is logged the first time.
+
 `make_plugin()` returns a fresh plugin object per plugin manager (one per engine).
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from plait.core.comm import Comm, Group, Work
+from plait.core.comm import QUANTIZE, QUANTIZE_BLOCK, Comm, Group, Work
 from plait.core.comm_algorithms import (
     GRADIENT_PURPOSES,
     HIERARCHICAL,
@@ -45,6 +53,7 @@ from plait.core.config import PlaitConfig
 from plait.core.hookspecs import hookimpl
 from plait.core.host_map import learn_host_map
 from plait.core.records import CommAlgorithmRecord, CommRequest
+from plait.plugins.collectives.codecs import Codec, codec_named
 from plait.plugins.collectives.config import HierarchicalConfig, RingConfig, TreeConfig
 from plait.plugins.collectives.hierarchical import (
     HierarchyGroups,
@@ -65,6 +74,8 @@ CONFIG_CLASSES: dict[str, type[Options]] = {
     HIERARCHICAL: HierarchicalConfig,
 }
 HIERARCHICAL_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+ENCODED_OPS = ("reduce_scatter", "all_gather")
+log = logging.getLogger(__name__)
 
 
 class CollectivesPlugin(CommBinding):
@@ -81,6 +92,10 @@ class CollectivesPlugin(CommBinding):
         self.runner = AlgorithmRunner(algorithm)
         # Hierarchical: the sub-groups of each group that spans nodes, by the group's ranks.
         self.hierarchies: dict[tuple[int, ...], HierarchyGroups] = {}
+        # Requests that asked for a codec and ran unencoded: (purpose, reason) -> count.
+        self.unencoded: Counter[tuple[str, str]] = Counter()
+        # Requests whose cross-node hop was encoded: (purpose, codec) -> count.
+        self.encoded: Counter[tuple[str, str]] = Counter()
 
     def _defaults(self) -> Options:
         return CONFIG_CLASSES.get(self.algorithm, RingConfig)()
@@ -135,15 +150,43 @@ class CollectivesPlugin(CommBinding):
         purposes = self.options.purposes
         return wanted and (not purposes or request.purpose in purposes)
 
+    def _codec(self, request: CommRequest, taken: bool) -> Codec | None:
+        """The codec `request` asks for and will get, counting (and logging once) one it
+        cannot get."""
+        name = request.attributes.get(QUANTIZE)
+        if name is None or is_sub_op(request.purpose):
+            return None
+        if not taken or self.algorithm != HIERARCHICAL:
+            reason = f"not taken over by a hierarchical algorithm ({self.algorithm})"
+        elif request.op not in ENCODED_OPS:
+            reason = f"{request.op} has no encoded form"
+        elif request.op == "reduce_scatter" and request.reduce_op not in ("sum", "avg"):
+            reason = f"a {request.reduce_op} reduction has no encoded form"
+        else:
+            self.encoded[(request.purpose, name)] += 1
+            return codec_named(name, int(request.attributes.get(QUANTIZE_BLOCK, 256)))
+        key = (request.purpose, reason)
+        if not self.unencoded[key]:
+            log.warning(
+                "%s %s over %s asked for %s and runs unencoded: %s (counted in "
+                "CollectivesPlugin.unencoded)",
+                request.purpose, request.op, request.group_name, name, reason,
+            )  # fmt: skip
+        self.unencoded[key] += 1
+        return None
+
     @hookimpl
     def plait_communicate(self, request: CommRequest) -> Work | None:
-        if not self.takes_over(request):
+        taken = self.takes_over(request)
+        codec = self._codec(request, taken)
+        if not taken:
             return None
         comm = self.comm_for(request)
         mark_carried_by(request, self.algorithm)
         purpose = sub_purpose(self.algorithm, request.purpose)
         if self.algorithm == HIERARCHICAL:
-            return self.runner.run(request, self._hierarchical_steps(request, purpose), comm)
+            steps = self._hierarchical_steps(request, purpose, codec)
+            return self.runner.run(request, steps, comm)
         rank = dist.get_rank()
 
         def all_reduce(comm: Comm, group: Group, tensor: torch.Tensor) -> None:
@@ -177,7 +220,7 @@ class CollectivesPlugin(CommBinding):
 
         return self.runner.run(request, steps, comm)
 
-    def _hierarchical_steps(self, request: CommRequest, purpose: str) -> Steps:
+    def _hierarchical_steps(self, request: CommRequest, purpose: str, codec: Codec | None) -> Steps:
         groups = self.hierarchies[request.group_ranks]
 
         # The runner's mirror group goes unused: the steps run on their own sub-groups, which
@@ -193,11 +236,13 @@ class CollectivesPlugin(CommBinding):
                 output, source = request.tensors
                 hierarchical_reduce_scatter(
                     comm, output, source, groups=groups, reduce_op=request.reduce_op,
-                    purpose=purpose,
+                    purpose=purpose, codec=codec,
                 )  # fmt: skip
             else:
                 output, source = request.tensors
-                hierarchical_all_gather(comm, output, source, groups=groups, purpose=purpose)
+                hierarchical_all_gather(
+                    comm, output, source, groups=groups, purpose=purpose, codec=codec
+                )
 
         return steps
 

@@ -17,6 +17,13 @@ formulas). A tensor whose length does not divide by `k` is padded with zeros to 
 Sums are sums of the same terms as the flat op's; with integer-valued floats they are equal
 to the bit. `avg` sums and divides once, by the group's size.
 
+With a codec (`plait.plugins.collectives.codecs`, ZeRO++'s qwZ and qgZ) the cross-node hop
+alone is encoded: the all-gather's across step gathers each shard as block-wise integers and
+scales and every rank decodes all of them (the owner too, so all ranks compute with the same
+values); the reduce-scatter's across step becomes an all-to-all of each node's encoded partial
+sums, decoded and added to this rank's own, unencoded, partial sum (an integer sum would
+overflow and mix scales). Inside the node every step stays in the tensor's dtype.
+
 Groups with no hierarchy (one node, one rank per node, unequal nodes) and groups whose
 sub-groups were not created at configure time are not taken over: their ops are the backend's
 flat ops, which is what a hierarchy of one level is.
@@ -32,6 +39,7 @@ import torch.distributed as dist
 
 from plait.core.comm import Comm, Group
 from plait.core.host_map import Hierarchy, HostMap
+from plait.plugins.collectives.codecs import Codec
 
 __all__ = ["HierarchyGroups", "create_hierarchies", "hierarchical_all_gather",
            "hierarchical_all_reduce", "hierarchical_reduce_scatter"]  # fmt: skip
@@ -109,8 +117,10 @@ def hierarchical_reduce_scatter(
     groups: HierarchyGroups,
     reduce_op: str,
     purpose: str,
+    codec: Codec | None = None,
 ) -> None:
-    """`output` gets this rank's chunk (group order) of the reduction of `source`."""
+    """`output` gets this rank's chunk (group order) of the reduction of `source`; with a
+    `codec` (sums only) the across step is an encoded all-to-all."""
     n, m = groups.size, groups.hierarchy.nodes
     chunk = output.numel()
     if chunk == 0:
@@ -121,25 +131,90 @@ def hierarchical_reduce_scatter(
     op = _sum_op(reduce_op)
     comm.reduce_scatter(middle, arranged, group=groups.intra, op=op, purpose=purpose)
     mine = output.new_empty(chunk)
-    comm.reduce_scatter(mine, middle, group=groups.cross, op=op, purpose=purpose)
+    if codec is None:
+        comm.reduce_scatter(mine, middle, group=groups.cross, op=op, purpose=purpose)
+    else:
+        if op != "sum":
+            raise ValueError(f"a {codec.name} reduce-scatter sums or averages, not {reduce_op!r}")
+        _encoded_reduce_scatter(
+            comm, mine, middle, group=groups.cross, codec=codec, purpose=purpose
+        )
     if reduce_op == "avg":
         mine.div_(n)
     output.copy_(mine.view(output.shape))
 
 
 def hierarchical_all_gather(
-    comm: Comm, output: torch.Tensor, source: torch.Tensor, *, groups: HierarchyGroups, purpose: str
+    comm: Comm,
+    output: torch.Tensor,
+    source: torch.Tensor,
+    *,
+    groups: HierarchyGroups,
+    purpose: str,
+    codec: Codec | None = None,
 ) -> None:
-    """`output` gets every rank's `source`, in group order: across, then inside."""
+    """`output` gets every rank's `source`, in group order: across (encoded with a `codec`),
+    then inside."""
     n, m = groups.size, groups.hierarchy.nodes
     chunk = source.numel()
     if chunk == 0:
         return
     middle = source.new_empty(m * chunk)
-    comm.all_gather(middle, source.reshape(-1), group=groups.cross, purpose=purpose)
+    if codec is None:
+        comm.all_gather(middle, source.reshape(-1), group=groups.cross, purpose=purpose)
+    else:
+        _encoded_all_gather(comm, middle, source, group=groups.cross, codec=codec, purpose=purpose)
     arranged = source.new_empty(n * chunk)
     comm.all_gather(arranged, middle, group=groups.intra, purpose=purpose)
     order = torch.tensor(groups.hierarchy.chunk_order(), device=source.device)
     result = source.new_empty(n, chunk)
     result.index_copy_(0, order, arranged.view(n, chunk))
     output.copy_(result.view(output.shape))
+
+
+def _encoded_all_gather(
+    comm: Comm, middle: torch.Tensor, source: torch.Tensor, *, group: Group, codec: Codec,
+    purpose: str,
+) -> None:  # fmt: skip
+    """`middle` (m chunks) gets every cross-node rank's `source`, sent encoded, decoded."""
+    m, chunk = group.size, source.numel()
+    payload, scales = codec.encode(source)
+    payloads = payload.new_empty(m * payload.numel())
+    all_scales = scales.new_empty(m * scales.numel())
+    comm.all_gather(payloads, payload, group=group, purpose=purpose)
+    comm.all_gather(all_scales, scales, group=group, purpose=purpose)
+    for j, (p, s) in enumerate(zip(payloads.chunk(m), all_scales.chunk(m), strict=True)):
+        middle[j * chunk : (j + 1) * chunk].copy_(codec.decode(p, s, chunk))
+
+
+def _encoded_reduce_scatter(
+    comm: Comm, mine: torch.Tensor, middle: torch.Tensor, *, group: Group, codec: Codec,
+    purpose: str,
+) -> None:  # fmt: skip
+    """`mine` gets the sum over the cross-node group of its chunk of `middle` (m chunks, one
+    per cross-node rank): every other chunk is encoded and sent to its owner (all-to-all),
+    which decodes what it received and adds it to its own chunk, which never left."""
+    m, chunk = group.size, mine.numel()
+    me = group.rank_of(dist.get_rank())
+    pieces = middle.view(m, chunk)
+    payload_numel, scale_numel = codec.payload_numel(chunk), codec.blocks(chunk)
+    payloads = torch.zeros(m * payload_numel, dtype=torch.uint8, device=middle.device)
+    scales = torch.zeros(m * scale_numel, dtype=torch.float32, device=middle.device)
+    for j in range(m):
+        if j != me:  # this rank's own chunk stays exact; its slot goes nowhere
+            p, s = codec.encode(pieces[j])
+            payloads[j * payload_numel : (j + 1) * payload_numel].copy_(p)
+            scales[j * scale_numel : (j + 1) * scale_numel].copy_(s)
+    received = torch.empty_like(payloads)
+    received_scales = torch.empty_like(scales)
+    comm.all_to_all(received, payloads, group=group, purpose=purpose)
+    comm.all_to_all(received_scales, scales, group=group, purpose=purpose)
+    total = pieces[me].float().clone()
+    for j in range(m):
+        if j != me:
+            total += codec.decode(
+                received[j * payload_numel : (j + 1) * payload_numel],
+                received_scales[j * scale_numel : (j + 1) * scale_numel],
+                chunk,
+            )
+    mine.copy_(total.view(mine.shape))

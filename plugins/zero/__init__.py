@@ -14,6 +14,12 @@ once per optimizer step (FSDP2's HSDP, torchtitan's `dp_replicate × dp_shard`).
 `[zero] shard_optimizer_across_replicas = true` stages 1 and 2 shard the optimizer state over
 every dp rank instead (`plait.plugins.zero.replica_shards`).
 
+ZeRO++'s codecs: `quantize_weights = "int8"` (qwZ, stage 3) and `quantize_gradients = "int8" |
+"int4"` (qgZ, stages 2 and 3) ask the hierarchical algorithm to encode the cross-node hop of the
+parameter all-gather, resp. the gradient reduce-scatter, block-wise with one scale per block
+(`plait.plugins.collectives.codecs`); a configuration in which they would encode nothing is
+refused.
+
 All three read the `[zero]` section (`plait.plugins.zero.config.ZeroConfig`): bucket size,
 stage 3 prefetch depth and unit rule, and offload of the optimizer state to CPU memory or to
 files (`offload = {device = "nvme", path = "/local/nvme"}`).
@@ -31,6 +37,8 @@ from functools import partial
 
 from torch import nn
 
+from plait.core.comm import Group
+from plait.core.comm_algorithms import HIERARCHICAL, chosen_algorithm
 from plait.core.errors import ConfigError
 from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
 from plait.core.strategy import Strategies
@@ -74,6 +82,7 @@ def shard_zero(
             f"parallel.dp_shard = {context.config.parallel.dp_shard!r} and "
             f"{replicas.size} replica(s)"
         )
+    check_codecs(context, config, stage, group)
     runtime: ParallelRuntime
     if stage == 3:
         from plait.plugins.zero.stage3 import FullyShardedRuntime
@@ -101,6 +110,39 @@ def shard_zero(
             replicas=replicas,
         )
     return Sharded(module=model, runtime=runtime)
+
+
+def check_codecs(context: ShardContext, config: ZeroConfig, stage: int, group: Group) -> None:
+    """Refuse a ZeRO++ codec that would encode nothing: every op that asks for one must have a
+    cross-node hop that the hierarchical algorithm encodes."""
+    asked = [
+        (field, codec, stages)
+        for field, codec, stages in (
+            ("quantize_weights", config.weight_codec, (3,)),
+            ("quantize_gradients", config.gradient_codec, (2, 3)),
+        )
+        if codec is not None
+    ]
+    if not asked:
+        return
+    mesh = context.mesh
+    algorithm = chosen_algorithm(context.config, mesh.host_map).name
+    for field, codec, stages in asked:
+        where = f"zero.{field} = {codec!r}"
+        if stage not in stages:
+            allowed = " and ".join(f"zero{s}" for s in stages)
+            raise ConfigError(f"{where} applies to {allowed}, not zero{stage}")
+        if algorithm != HIERARCHICAL:
+            raise ConfigError(
+                f"{where} encodes the cross-node hop of hierarchical collectives; "
+                f"comm.algorithm is {algorithm!r}: set it to 'hierarchical'"
+            )
+        if mesh.host_map is None or mesh.host_map.hierarchy(group.ranks) is None:
+            described = mesh.host_map.describe() if mesh.host_map else "unknown"
+            raise ConfigError(
+                f"{where}: the {group.name} group ({list(group.ranks)}) has no cross-node hop "
+                f"to encode (nodes: {described}); under HSDP its collectives stay inside a node"
+            )
 
 
 for _name, _stage in STAGES.items():

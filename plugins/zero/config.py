@@ -52,6 +52,28 @@ class ZeroConfig(Section):
         "of the optimizer state)",
     )
 
+    quantize_weights: Literal["none", "int8"] = Field(
+        "none",
+        description="stage 3 (ZeRO++ qwZ): the parameter all-gather's cross-node hop sends "
+        "block-wise int8 with one fp32 scale per block (needs the hierarchical algorithm)",
+    )
+    quantize_gradients: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="stages 2 and 3 (ZeRO++ qgZ): the gradient reduce-scatter's cross-node "
+        "hop sends block-wise int8 or int4 (needs the hierarchical algorithm)",
+    )
+    quantize_block: int = Field(
+        256, ge=2, multiple_of=2, description="elements per codec block (one scale each)"
+    )
+
+    @property
+    def weight_codec(self) -> str | None:
+        return None if self.quantize_weights == "none" else self.quantize_weights
+
+    @property
+    def gradient_codec(self) -> str | None:
+        return None if self.quantize_gradients == "none" else self.quantize_gradients
+
     @field_validator("prefetch")
     @classmethod
     def _prefetch_count(cls, value: bool | int) -> bool | int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.core.comm import Comm, Group, Work
+from plait.core.comm import QUANTIZE, QUANTIZE_BLOCK, Comm, Group, Work
 from plait.core.comm_algorithms import GRAD_BUCKET, GRAD_SHARD
 from plait.plugins.zero.flat_buffer import Segment
 
@@ -74,15 +74,17 @@ def launch_reduction(
     *,
     accumulate: bool,
     method: str = "auto",
+    codec: dict[str, str | int] | None = None,
 ) -> PendingReduction:
     """Start reducing the whole-segment `bucket` (this rank's unreduced gradients) across
     `group` into `grad_chunk`, overwriting it or, with `accumulate`, adding to it.
 
-    `method` is `[zero] gradient_reduction`."""
+    `method` is `[zero] gradient_reduction`; `codec` (the `QUANTIZE` attributes of qgZ) takes
+    the reduce-scatter, whose cross-node hop is the one encoded."""
     if group.size == 1:
         return PendingReduction(segment, bucket, grad_chunk, accumulate, None, None, 1.0)
-    attributes = {"bucket_index": segment.index}
-    if reduces_by_all_reduce(bucket.device, method):
+    attributes: dict[str, str | int] = {"bucket_index": segment.index, **(codec or {})}
+    if codec is None and reduces_by_all_reduce(bucket.device, method):
         work = comm.all_reduce(
             bucket,
             group=group,
@@ -103,6 +105,11 @@ def launch_reduction(
         attributes=attributes,
     )
     return PendingReduction(segment, bucket, grad_chunk, accumulate, work, received)
+
+
+def codec_attributes(codec: str | None, block: int) -> dict[str, str | int] | None:
+    """The request attributes asking for a ZeRO++ codec on an op's cross-node hop, or None."""
+    return None if codec is None else {QUANTIZE: codec, QUANTIZE_BLOCK: block}
 
 
 def ensure_allocated(chunk: torch.Tensor) -> bool:

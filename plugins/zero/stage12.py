@@ -47,6 +47,7 @@ from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
 from plait.plugins.zero.reduction import (
     PendingReduction,
     average_across_replicas,
+    codec_attributes,
     ensure_allocated,
     launch_reduction,
     release,
@@ -97,6 +98,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         self.stage, self.comm, self.group = stage, comm, group
         self.replicas = replicas
         self.gradient_reduction = config.gradient_reduction
+        self.gradient_codec = codec_attributes(config.gradient_codec, config.quantize_block)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
         if not named:
             raise ValueError(f"{self.name}: the module has no trainable parameters")
@@ -263,6 +265,7 @@ class ShardedOptimizerRuntime(ParallelRuntime):
                 self.grad_chunks[index],
                 accumulate=not self._first_microbatch,
                 method=self.gradient_reduction,
+                codec=self.gradient_codec,
             )
             bucket.buffer = None  # the pending reduction holds it until it completes
             self._in_flight.append(bucket)

@@ -54,6 +54,7 @@ from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
 from plait.plugins.zero.reduction import (
     PendingReduction,
     average_across_replicas,
+    codec_attributes,
     ensure_allocated,
     launch_reduction,
 )
@@ -184,6 +185,8 @@ class FullyShardedRuntime(ParallelRuntime):
         self.comm, self.group = comm, group
         self.replicas = replicas
         self.gradient_reduction = config.gradient_reduction
+        self.weight_codec = codec_attributes(config.weight_codec, config.quantize_block)
+        self.gradient_codec = codec_attributes(config.gradient_codec, config.quantize_block)
         self.prefetch = config.prefetch_count
         selected = find_units(model, config.unit)
         by_unit = unit_parameters(model, selected)
@@ -264,7 +267,12 @@ class FullyShardedRuntime(ParallelRuntime):
                 unit.full.copy_(source)
             else:
                 unit.gather_work = self.comm.all_gather(
-                    unit.full, source, group=group, async_op=True, purpose=PARAM_GATHER
+                    unit.full,
+                    source,
+                    group=group,
+                    async_op=True,
+                    purpose=PARAM_GATHER,
+                    attributes=self.weight_codec,
                 )
         unit.gather_input = source
         held = sum(u.full_bytes for u in self.units if u.gathered or u.gather_work is not None)
@@ -392,6 +400,7 @@ class FullyShardedRuntime(ParallelRuntime):
             unit.grad_chunk,
             accumulate=not self._first_microbatch,
             method=self.gradient_reduction,
+            codec=self.gradient_codec,
         )
         unit.grad_bucket = None  # the pending reduction holds it until it completes
         unit.reduced = True
