@@ -1,0 +1,53 @@
+"""ZeRO++'s codecs in one process: a block-wise round trip of any length stays within half a
+step of each block's scale (and int4 keeps signs), the encoded size is the formula's, and a
+configuration in which a codec would encode nothing is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.core.engine import Engine
+from plait.core.errors import ConfigError
+from plait.core.link_bytes import encoded_bytes
+from plait.plugins.collectives.codecs import codec_named
+
+CONFIG = {
+    "telemetry": {"enabled": False},
+    "train": {"device": "cpu", "global_batch_size": 1},
+    "model": {"name": "llama", "size": "tiny"},
+}
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("numel", [1, 63, 64, 1001])
+def test_round_trip_is_within_half_a_step_at_any_length(name: str, numel: int) -> None:
+    codec = codec_named(name, 64)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+    x[: min(numel, 64)] *= 1e-3  # a block far smaller than the others keeps its own scale
+    payload, scales = codec.encode(x)
+    assert payload.dtype == torch.uint8 and scales.dtype == torch.float32
+    bits = 8 // codec.per_byte
+    assert payload.numel() + 4 * scales.numel() == encoded_bytes(numel, bits=bits, block=64)
+    decoded = codec.decode(payload, scales, numel)
+    bound = codec.error_bound(x)
+    assert bool(((decoded - x).abs() <= bound * (1 + 1e-5)).all())
+    assert bool((torch.sign(decoded) * torch.sign(x) >= 0).all())  # no sign flips (int4)
+    zeros = codec.decode(*codec.encode(torch.zeros(numel)), numel)
+    assert bool((zeros == 0).all())
+
+
+@pytest.mark.parametrize(
+    ("strategy", "zero", "message"),
+    [
+        ("zero1", {"quantize_gradients": "int8"}, "applies to zero2 and zero3, not zero1"),
+        ("zero2", {"quantize_weights": "int8"}, "applies to zero3, not zero2"),
+        ("zero3", {"quantize_weights": "int8"}, "set it to 'hierarchical'"),
+    ],
+)
+def test_a_codec_that_would_encode_nothing_is_refused(
+    strategy: str, zero: dict[str, str], message: str
+) -> None:
+    config = {**CONFIG, "parallel": {"dp_strategy": strategy}, "zero": zero}
+    with pytest.raises(ConfigError, match=rf"zero.quantize_\w+ = 'int8' .*{message}"):
+        Engine(config=config)
