@@ -1,7 +1,7 @@
 """Daemon under load: ingest rate and query latency with exporters flooding and clients querying.
 
     python tools/bench/daemon_load.py [--clients 32] [--ranks 2] [--flooders 3] [--seconds 10]
-                                      [--query-interval 0]
+                                      [--query-interval 0] [--web-streams 0]
 
 The daemon runs in its own process (as in production). `--ranks` processes export like
 training ranks: every 50 ms a step with five phase spans and three collectives, through the
@@ -12,7 +12,9 @@ it can. `--clients` client threads each hold a `StreamMetrics` stream open (0.2 
 and, meanwhile, issue `GetMetrics`, `GetBottleneck` and `Status` calls, timing each one: back
 to back by default, or one round every `--query-interval` seconds (as `plait top` refreshes).
 The clients run in `--client-processes` processes (each operator's `plait top` is a process of
-its own; one process's GIL would time its own threads as much as the daemon).
+its own; one process's GIL would time its own threads as much as the daemon). `--web-streams N`
+serves the daemon's web page and holds N of its event streams open meanwhile (N browsers with
+the page open), from a process of their own; run it with 0 and with 20 to compare.
 
 The daemon process runs its interpreter as `plait daemon` does (`plait.daemon.interpreter`:
 0.5 ms lock hand-overs, automatic collection off and a full collection every ten minutes);
@@ -313,21 +315,24 @@ def _serve(
     shared_queries: bool = True,
     switch_interval: bool = True,
     scheduled_collections: bool = True,
+    web: bool = False,
 ) -> None:
-    """The daemon's process: its address, then (at `stop`) its collector's pauses, on the queue."""
+    """The daemon's process: its address and its page's URL (None without `web`), then (at
+    `stop`) its collector's pauses, on the queue."""
     from plait.daemon.interpreter import SWITCH_INTERVAL_SECONDS, serving_interpreter
     from plait.daemon.server import DaemonServer
 
     pauses = CollectorPauses()
     gc.callbacks.append(pauses)
-    with DaemonServer("127.0.0.1:0", ingest_workers=ingest_workers) as server:
+    page = "127.0.0.1:0" if web else None
+    with DaemonServer("127.0.0.1:0", ingest_workers=ingest_workers, web=page) as server:
         if not shared_queries:
             server.service.answers = _EveryRequestComputes()  # type: ignore[assignment]
         with serving_interpreter(
             scheduled_collections=scheduled_collections,
             switch_interval_seconds=SWITCH_INTERVAL_SECONDS if switch_interval else None,
         ):
-            address_queue.put(server.address)
+            address_queue.put((server.address, server.web.url if server.web else None))
             stop.wait()
     gc.callbacks.remove(pauses)
     address_queue.put(pauses.pauses)
@@ -347,6 +352,45 @@ def query_from_a_process(
     go.wait()
     result = run_clients(address, clients, seconds, query_interval)
     out.put((result.latencies, result.errors, result.stream_messages))
+
+
+def follow_page_streams(
+    url: str,
+    streams: int,
+    seconds: float,
+    ready: Any,  # multiprocessing.Event: set once every stream is open
+    go: Any,  # multiprocessing.Event: start counting
+    out: Any,  # multiprocessing.Queue: the page updates received, once done
+) -> None:
+    """`streams` browsers' worth of the page's event streams, held open for `seconds` after `go`;
+    puts how many page updates they received in all."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    received = [0] * streams
+    connections = []
+    for _ in range(streams):
+        connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+        connection.request("GET", "/events")
+        connections.append(connection.getresponse())
+    ready.set()
+    go.wait()
+    deadline = time.monotonic() + seconds
+
+    def read(i: int) -> None:
+        while time.monotonic() < deadline:
+            line = connections[i].readline()
+            if not line:
+                return
+            received[i] += line.startswith(b"event: snapshot")
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(streams)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(timeout=seconds + 30)
+    out.put(sum(received))
 
 
 def process_cpu_seconds(pid: int) -> tuple[float, float]:
@@ -390,6 +434,12 @@ def main() -> None:
         action="store_true",
         help="the daemon's collector runs on CPython's own trigger (as before it was scheduled)",
     )
+    parser.add_argument(
+        "--web-streams",
+        type=int,
+        default=0,
+        help="serve the web page and hold this many of its event streams open (browsers)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -406,10 +456,11 @@ def main() -> None:
             not args.unshared_queries,
             not args.default_switch_interval,
             not args.automatic_gc,
+            args.web_streams > 0,
         ),
     )
     daemon.start()
-    address = addresses.get(timeout=60)
+    address, page_url = addresses.get(timeout=60)
     ranks = [
         ctx.Process(target=export_like_a_rank, args=(address, r, args.ranks, args.seconds + 15))
         for r in range(args.ranks)
@@ -436,9 +487,17 @@ def main() -> None:
         )
         for i, n in enumerate(shares)
     ]
-    for process in ranks + flooders + queriers:
+    page_updates, browsing = ctx.Queue(), ctx.Event()
+    browsers = [
+        ctx.Process(
+            target=follow_page_streams,
+            args=(page_url, args.web_streams, args.seconds, browsing, query, page_updates),
+        )
+        for _ in range(1 if page_url else 0)
+    ]
+    for process in ranks + flooders + queriers + browsers:
         process.start()
-    for event in ready + querying:  # every flooder has built its requests, every client started
+    for event in ready + querying + ([browsing] if browsers else []):
         event.wait(300)
     go.set()
     time.sleep(2)  # the ranks and flooders are exporting before the clients start
@@ -459,6 +518,7 @@ def main() -> None:
         result.errors.extend(errors)
         result.stream_messages += stream_messages
     window_end = time.monotonic()
+    updates = sum(page_updates.get(timeout=60) for _ in browsers)
     spans_stored = stored() - before
     ingest_rate = spans_stored / (time.perf_counter() - began)
     cpu_after = process_cpu_seconds(daemon.pid)
@@ -466,7 +526,7 @@ def main() -> None:
     with grpc.insecure_channel(address) as channel:
         status = daemon_pb2_grpc.DaemonStub(channel).Status(daemon_pb2.StatusRequest())
     flooded = sum(sent_queue.get(timeout=120) for _ in flooders)
-    for process in ranks + flooders + queriers:
+    for process in ranks + flooders + queriers + browsers:
         process.join()
     stop.set()
     pauses = [
@@ -482,7 +542,8 @@ def main() -> None:
     table = Table(
         title=f"{args.clients} clients ({args.client_processes} processes) querying {pace}, "
         f"{args.ranks} ranks and "
-        f"{args.flooders} flooding exporters, {args.seconds:g}s"
+        f"{args.flooders} flooding exporters, {args.web_streams} web page streams, "
+        f"{args.seconds:g}s"
     )
     for column in ("method", "calls", "p50 ms", "p99 ms", "max ms", "mean ms"):
         table.add_column(column, justify="right")
@@ -504,6 +565,11 @@ def main() -> None:
         f"{status.ingest_workers} ingest workers decoded {status.ingest_worker_requests:,} "
         f"requests ({status.ingest_worker_restarts} restarts)"
     )
+    if browsers:
+        console.print(
+            f"web page: {args.web_streams} event streams received {updates:,} updates "
+            f"({updates / max(args.web_streams, 1) / args.seconds:.2f} per stream per second)"
+        )
     console.print(
         f"ingest while the clients ran: {ingest_rate:,.0f} spans/s stored "
         f"({args.flooders} flooding exporters sent {flooded:,} spans in all)"
@@ -537,6 +603,7 @@ def main() -> None:
             "spans_dropped": status.spans_dropped,
             "calls_refused": status.calls_rejected,
             "errors": len(result.errors),
+            "web_page_updates": updates,
             "daemon_cpu_seconds": daemon_cpu,
             "gc": {
                 "collections": len(pauses),
