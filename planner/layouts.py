@@ -1,16 +1,22 @@
 """Parallel layouts, the job they are for, and the enumeration of the valid ones.
 
 A `Layout` is one way to run a job: the degree of each mesh axis (dp × tp × pp × cp = world;
-ep splits dp), the ZeRO stage of the dp axis, the micro-batch size, the pipeline schedule and
-its virtual stages, activation recomputation and sequence parallelism. Rank order on the mesh is
-Megatron's (tp fastest, then cp, dp, pp), so a group is inside one node when its span fits.
+ep splits dp), the ZeRO stage of the dp axis and the dp ranks it shards over (`dp_shard`, HSDP:
+replicated across the `dp / dp_shard` copies), the algorithm of the dp collectives (flat rings
+or hierarchical: inside, across, inside), the micro-batch size, the pipeline schedule and its
+virtual stages, activation recomputation and sequence parallelism. Rank order on the mesh is
+Megatron's (tp fastest, then cp, dp_shard, dp_replicate, pp), so a group is inside one node when
+its span fits.
 
 `enumerate_layouts` yields every layout the rules allow for a `Job` and a `SearchSpace` (what
 the training system supports): tp inside a node and dividing the heads, kv heads and FFN width;
 cp splitting the sequence into 2·cp chunks (load-balanced causal ring); ep dividing dp and the
 experts; a micro-batch size dividing each dp rank's share of the global batch; 1F1B needing as
 many micro-batches as stages; interleaving needing a multiple of pp micro-batches and at least
-one layer per chunk. Memory is checked later (`search.py`).
+one layer per chunk. On several nodes, a ZeRO stage may shard over `dp_shard` dp ranks whose
+shard group (`dp_shard × cp × tp` consecutive ranks) stays inside a node, and the hierarchical
+algorithm is a variant wherever a dp group it reduces over spans several nodes holding several
+of its ranks each (`link_traffic.hierarchical_applies`). Memory is checked later (`search.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from plait.planner.devices import DeviceSpec
 from plait.planner.model_shape import ModelShape
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+FLAT, HIERARCHICAL = "flat", "hierarchical"  # the dp collectives' algorithms
+FIXABLE = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "dp_shard")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1")
 
 
@@ -66,6 +74,8 @@ class Layout:
     cp: int = 1
     ep: int = 1
     zero: int = 0  # 0 = DDP, 1/2/3 = ZeRO stage on the dp axis
+    dp_shard: int = 0  # 0 = every dp rank (plain ZeRO); else HSDP's shard degree, dividing dp
+    dp_algorithm: str = "flat"  # "flat" rings or "hierarchical" dp collectives
     micro_batch: int = 1
     schedule: str = "accumulate"  # "accumulate" without a pipeline
     virtual_stages: int = 1
@@ -81,6 +91,11 @@ class Layout:
         """(tp, cp, pp, dp, ep): the mesh alone, what a published layout names."""
         return (self.tp, self.cp, self.pp, self.dp, self.ep)
 
+    @property
+    def shard_degree(self) -> int:
+        """The dp ranks ZeRO shards its state over: `dp_shard`, or every dp rank."""
+        return self.dp_shard or self.dp
+
     def describe(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         if self.cp > 1:
@@ -88,6 +103,10 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts.append(f"zero{self.zero}" if self.zero else "ddp")
+        if self.dp_shard:
+            parts.append(f"shard{self.dp_shard}")
+        if self.dp_algorithm != FLAT:
+            parts.append(self.dp_algorithm)
         parts.append(f"mb{self.micro_batch}")
         if self.pp > 1:
             schedule = self.schedule
@@ -149,6 +168,10 @@ class SearchSpace:
     virtual_stages: tuple[int, ...] = (2, 4, 8)
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     sequence_parallel: tuple[bool, ...] = (True,)
+    # Topology-aware data parallelism on several nodes: ZeRO sharded over the dp ranks of part
+    # of a node (HSDP), and hierarchical dp collectives.
+    hybrid_sharding: bool = True
+    hierarchical: bool = True
     max_tp: int = 0  # 0 = devices per node
     max_pp: int = 0  # 0 = layers
     max_cp: int = 16
@@ -167,10 +190,8 @@ class SearchSpace:
             if stage not in (0, 1, 2, 3):
                 raise ConfigError(f"zero_stages: {stage} is not one of 0, 1, 2, 3")
         for axis in self.fixed:
-            if axis not in ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch"):
-                raise ConfigError(
-                    f"fixed: {axis!r} is not one of dp, tp, pp, cp, ep, zero, micro_batch"
-                )
+            if axis not in FIXABLE:
+                raise ConfigError(f"fixed: {axis!r} is not one of {', '.join(FIXABLE)}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -246,14 +267,36 @@ def _variants(
                         continue
                     if zero == 3 and pp > 1:
                         continue  # ZeRO-3 re-gathers per micro-batch: never paired with pp
-                    for recompute in space.recompute:
-                        for sp in space.sequence_parallel if tp > 1 else (False,):
-                            yield Layout(
-                                dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                micro_batch=micro_batch, schedule=schedule,
-                                virtual_stages=virtual, recompute=recompute,
-                                sequence_parallel=sp,
-                            )  # fmt: skip
+                    for dp_shard, algorithm in _data_parallel(job, space, tp, cp, pp, dp, zero):
+                        for recompute in space.recompute:
+                            for sp in space.sequence_parallel if tp > 1 else (False,):
+                                yield Layout(
+                                    dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                    dp_shard=dp_shard, dp_algorithm=algorithm,
+                                    micro_batch=micro_batch, schedule=schedule,
+                                    virtual_stages=virtual, recompute=recompute,
+                                    sequence_parallel=sp,
+                                )  # fmt: skip
+
+
+def _data_parallel(
+    job: Job, space: SearchSpace, tp: int, cp: int, pp: int, dp: int, zero: int
+) -> Iterator[tuple[int, str]]:
+    """(dp_shard, dp algorithm) choices: every dp rank with flat rings, the hierarchical
+    algorithm where it changes the dp traffic, and (ZeRO) each shard degree whose shard group
+    stays inside a node of a multi-node job."""
+    from plait.planner.link_traffic import hierarchical_applies
+
+    shards = [0]
+    if zero and space.hybrid_sharding and job.world > job.per_node:
+        shards += [d for d in _divisors(dp)[1:-1] if job.per_node % (d * cp * tp) == 0]
+    for dp_shard in shards:
+        if "dp_shard" in space.fixed and space.fixed["dp_shard"] != dp_shard:
+            continue
+        yield dp_shard, FLAT
+        flat = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp_shard)
+        if space.hierarchical and hierarchical_applies(job, flat):
+            yield dp_shard, HIERARCHICAL
 
 
 def _schedules(

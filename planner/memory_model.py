@@ -1,4 +1,5 @@
-"""Peak memory of one rank for a layout: model state by ZeRO stage and precision, activations
+"""Peak memory of one rank for a layout: model state by ZeRO stage, the dp ranks it is sharded
+over (every dp rank, or HSDP's `dp_shard`) and precision, activations
 by tp / sp / cp / schedule / recomputation, the loss's logits, and buffers.
 
 Activations are counted per token and layer as the tensors autograd keeps for backward
@@ -21,6 +22,7 @@ without their backward (`schedule_model.max_in_flight`), each for its layers.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ class MemoryEstimate:
         return self.model_state + self.activations + self.logits + self.buffers
 
 
+@functools.lru_cache(maxsize=8192)
 def layers_on_stage(n_layers: int, pp: int, stage: int) -> int:
     """Layers of pipeline stage `stage` when `n_layers` are split as evenly as possible, the
     spare layers going to the middle stages (the end stages also hold embedding and head)."""
@@ -130,7 +133,7 @@ def estimate_memory(job: Job, layout: Layout) -> MemoryEstimate:
 def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
     precision, model = job.precision, job.model
     params = stage_parameters(job, layout, stage)
-    shard = layout.dp
+    shard = layout.shard_degree  # HSDP shards over dp_shard and replicates across dp_replicate
     param_count = params / shard if layout.zero >= 3 else params
     grad_count = params / shard if layout.zero >= 2 else params
     optim_count = params / shard if layout.zero >= 1 else params

@@ -93,6 +93,8 @@ def resolve_shape(spec: str, overrides: dict[str, Any] | None = None) -> ModelSh
     return shape_from_config(family, config, name=spec)
 
 
+# Both runs reduced gradients over flat data-parallel groups, unsharded across nodes: the
+# topology-aware variants (HSDP, hierarchical collectives) are left out of their spaces.
 MEGATRON_2021_SPACE = SearchSpace(
     zero_stages=(0,),
     recompute=("full",),
@@ -101,6 +103,8 @@ MEGATRON_2021_SPACE = SearchSpace(
     micro_batches=(1, 2, 4, 8),
     sequence_parallel=(False,),
     max_cp=1,
+    hybrid_sharding=False,
+    hierarchical=False,
 )
 
 # Llama 3's stack: FSDP-style sharding of gradients and optimizer state (ZeRO-2 class),
@@ -113,6 +117,8 @@ LLAMA3_SPACE = SearchSpace(
     micro_batches=(1, 2, 4),
     sequence_parallel=(True,),
     max_cp=16,
+    hybrid_sharding=False,
+    hierarchical=False,
 )
 
 

@@ -27,7 +27,11 @@ Communication (α–β, `comm_model`), with the overlap each strategy has in pla
 * dp (DDP, ZeRO-1/2): the gradient reduction overlaps the last micro-batch's backward when
   there is no pipeline, and nothing with one (the pipeline syncs after its last backward);
   ZeRO-1/2 then all-gather the updated parameters; ZeRO-3 gathers every unit for forward and
-  backward of every micro-batch, prefetched under the compute, and reduce-scatters gradients.
+  backward of every micro-batch, prefetched under the compute, and reduce-scatters gradients;
+  HSDP then all-reduces each gradient shard across the replicas, exposed. Each of these is
+  priced per link class from the bytes `plait.core.link_bytes` counts on every rank of the
+  mesh's groups (`link_traffic`): the busiest rank's intra-node bytes at the intra-node β, its
+  cross-node bytes at the inter-node β, flat rings or hierarchical as the layout says.
 
 The optimizer step is memory bound: every byte of parameters, gradients and AdamW state it
 reads and writes, at memory bandwidth.
@@ -38,8 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from plait.planner.comm_model import collective_seconds, link_for
-from plait.planner.devices import Link
 from plait.planner.layouts import Job, Layout
+from plait.planner.link_traffic import PricedTransfer, dp_traffic, price_transfers
 from plait.planner.memory_model import DDP_BUCKET_BYTES, layers_on_stage, stage_parameters
 from plait.planner.schedule_model import pipeline_makespan
 
@@ -68,6 +72,10 @@ class StepTimeEstimate:
     hardware_flops: float  # per step, whole job, recomputation included
     world: int
     peak_flops: float  # per device
+    # The dp traffic's bytes that cross a node boundary in one step, summed over the ranks, and
+    # the seconds the busiest rank spends sending its share (overlapped or not).
+    cross_node_bytes: int = 0
+    cross_node_seconds: float = 0.0
 
     @property
     def total(self) -> float:
@@ -92,7 +100,10 @@ class StepTimeEstimate:
         return self.hardware_flops / (self.total * self.world * self.peak_flops)
 
     def terms(self) -> dict[str, float]:
-        skip = {"model_flops", "hardware_flops", "world", "peak_flops"}
+        skip = {
+            "model_flops", "hardware_flops", "world", "peak_flops", "cross_node_bytes",
+            "cross_node_seconds",
+        }  # fmt: skip
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
 
@@ -277,10 +288,14 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
     bubble = max(makespan - busy, 0.0)
 
     params = max(stage_parameters(job, layout, s) for s in {0, last})
-    dp_comm = _dp_seconds(
-        job, layout, params, microbatches, cost.backward + cost.recompute, cost.forward
+    priced = price_transfers(
+        job, layout, [stage_parameters(job, layout, s) for s in range(layout.pp)]
     )
-    optim_params = params / layout.dp if layout.zero >= 1 else params
+    dp_comm = _dp_seconds(
+        job, layout, priced, microbatches, cost.backward + cost.recompute, cost.forward
+    )
+    traffic = dp_traffic(priced)
+    optim_params = params / layout.shard_degree if layout.zero >= 1 else params
     optimizer_bytes = optim_params * (
         2 * precision.param_bytes
         + 2 * precision.grad_bytes
@@ -311,49 +326,38 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         hardware_flops=model_flops + recompute_flops,
         world=layout.world,
         peak_flops=device.peak_flops,
+        cross_node_bytes=traffic.inter_node,
+        cross_node_seconds=traffic.inter_node_seconds,
     )
 
 
 def _dp_seconds(
     job: Job,
     layout: Layout,
-    params: float,
+    priced: tuple[PricedTransfer, ...],
     microbatches: int,
     last_backward: float,
     forward: float,
 ) -> float:
     """Exposed data-parallel communication per step."""
-    group = layout.dp * layout.cp  # gradients are reduced over every replica of a shard
-    if group == 1:
+    if not priced:
         return 0.0
-    device, precision = job.device, job.precision
-    link = link_for(device, size=group, stride=layout.tp, per_node=job.per_node)
-    grads = params * precision.grad_bytes
-    weights = params * precision.param_bytes
+    by_purpose = {p.transfer.purpose: p for p in priced}
+    gradients = by_purpose["gradients"]
+    reduce = gradients.seconds()
+    # The last gradient bucket cannot overlap anything: it is reduced after backward ends.
+    grad_bytes = max(gradients.transfer.numel) * gradients.transfer.itemsize
+    last_bucket = gradients.seconds(min(DDP_BUCKET_BYTES / grad_bytes, 1.0) if grad_bytes else 1)
+    replicas = by_purpose["replicas"].seconds() if "replicas" in by_purpose else 0.0
     overlap = last_backward if layout.pp == 1 else 0.0
     if layout.zero == 0:
-        reduce = collective_seconds("all_reduce", group, grads, link)
-        return max(reduce - overlap, 0.0) + min(
-            reduce, _bucket_seconds("all_reduce", group, link, grads)
-        )
-    # ZeRO's gradient reduction: a reduce-scatter, or an all-reduce where the backend lacks one
-    grad_op = "all_reduce" if device.grads_reduce_by_all_reduce else "reduce_scatter"
+        return max(reduce - overlap, 0.0) + min(reduce, last_bucket)
+    gather = by_purpose["parameters"].seconds()
     if layout.zero in (1, 2):
-        reduce = collective_seconds(grad_op, group, grads, link)
-        gather = collective_seconds("all_gather", group, weights, link)
-        exposed_reduce = max(reduce - overlap, 0.0)
-        return exposed_reduce + min(reduce, _bucket_seconds(grad_op, group, link, grads)) + gather
+        return max(reduce - overlap, 0.0) + min(reduce, last_bucket) + gather + replicas
     # ZeRO-3: per micro-batch, gather for forward and for backward, reduce-scatter gradients;
     # prefetching hides it under that micro-batch's compute.
-    gather = collective_seconds("all_gather", group, weights, link)
-    reduce = collective_seconds(grad_op, group, grads, link)
     per_microbatch = 2 * gather + reduce
-    compute = forward + last_backward
-    exposed = max(per_microbatch - compute, 0.0)
+    exposed = max(per_microbatch - (forward + last_backward), 0.0)
     first_unit = gather / max(job.model.n_layers, 1)
-    return microbatches * (exposed + first_unit)
-
-
-def _bucket_seconds(op: str, group: int, link: Link, nbytes: float) -> float:
-    """The last gradient bucket cannot overlap anything: it is reduced after backward ends."""
-    return collective_seconds(op, group, min(nbytes, DDP_BUCKET_BYTES), link)
+    return microbatches * (exposed + first_unit) + replicas

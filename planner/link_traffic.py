@@ -1,0 +1,376 @@
+"""Data-parallel traffic of a layout per link class: bytes inside and across nodes, and time.
+
+The bytes are `plait.core.link_bytes`' per-op formulas, applied to every rank of the groups
+the mesh would build on the host map the job runs on (`HostMap.assumed`: node `i` holds ranks
+`i·per_node …`); nothing here counts a byte itself. The groups follow the mesh's rank order
+(pp, dp_replicate, dp_shard, cp, tp, tp fastest):
+
+    gradient group   dp × cp            what DDP all-reduces and plain ZeRO shards over
+    shard group      dp_shard × cp      what HSDP shards over (inside one node)
+    replica group    dp_replicate       the ranks holding the same shard, one per node
+
+What one optimizer step sends (`dp_transfers`), as plait's strategies issue it:
+
+    DDP            all-reduce of the gradients over the gradient group
+    ZeRO-1/2       reduce of the gradients (reduce-scatter, or all-reduce where the backend
+                   lacks one) and all-gather of the updated parameters, over the shard group
+    ZeRO-3         per micro-batch: two all-gathers of the parameters (forward, backward) and
+                   a reduce of the gradients over the shard group
+    HSDP (1/2/3)   once per step: all-reduce of each rank's gradient shard over its replicas
+
+On 2 nodes × 2 with a model of `B` bytes this gives link_bytes' figures: DDP 3·B cross-node
+bytes per step flat and 2·B hierarchical; ZeRO-3 4.5·B·M flat, 3·B·M hierarchical, 2·B HSDP.
+
+Time (`price_transfer`): every rank of a collective moves in lockstep, so an op takes as long
+as its busiest rank needs to send its own bytes, each link class at its own α–β
+(`comm_model`, measured by `plait plan calibrate` where a calibration exists): `intra / β_intra
++ inter / β_inter`, plus α for each of the op's steps on the link it crosses (a hierarchical op
+pays the steps of its sub-ops: inside, across, inside).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plait.core.host_map import SOURCE_ASSUMED, HostMap
+from plait.core.link_bytes import (
+    FLAT,
+    HIERARCHICAL,
+    LinkBytes,
+    flat_bytes,
+    hierarchical_bytes,
+)
+from plait.planner.comm_model import op_family, steps_and_volume
+from plait.planner.layouts import Job, Layout
+
+GRADIENT, SHARD, REPLICA = "gradient", "shard", "replica"
+# The sub-ops of a hierarchical collective, each on the intra-node or the cross-node group
+# (`plait.plugins.collectives.hierarchical`): the latency steps it pays.
+HIERARCHICAL_SUB_OPS = {
+    "all_reduce": (("reduce_scatter", "intra"), ("all_reduce", "inter"), ("all_gather", "intra")),
+    "reduce_scatter": (("reduce_scatter", "intra"), ("reduce_scatter", "inter")),
+    "all_gather": (("all_gather", "inter"), ("all_gather", "intra")),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transfer:
+    """One data-parallel collective, issued `times` per optimizer step by every group of its
+    kind; `numel` elements of `itemsize` bytes (link_bytes' `numel`: the whole tensor)."""
+
+    op: str
+    group: str  # GRADIENT, SHARD or REPLICA
+    numel: tuple[int, ...]  # per pipeline stage
+    itemsize: int
+    times: int
+    purpose: str  # "gradients", "parameters", "replicas"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupBytes:
+    """What a collective sends on every group of its kind: the sum over the world's ranks, and
+    the distinct per-rank figures (the busiest of them sets the op's time)."""
+
+    total: LinkBytes
+    per_rank: tuple[LinkBytes, ...]
+    nodes: int  # the nodes the group spans
+    hierarchical: bool  # carried out inside, across, inside
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Traffic:
+    """A layout's data-parallel traffic in one optimizer step, summed over the world's ranks."""
+
+    intra_node: int
+    inter_node: int
+    inter_node_seconds: float  # the busiest rank's cross-node sends, unoverlapped
+
+
+def job_host_map(job: Job) -> HostMap:
+    """The host map a launch of `job` gets: `world / per_node` nodes of `per_node` ranks (one
+    node when the world is smaller)."""
+    return _host_map(*_nodes(job))
+
+
+def _nodes(job: Job) -> tuple[int, int]:
+    per_node = min(job.per_node, job.world)
+    return job.world // per_node, per_node
+
+
+@functools.cache
+def _host_map(nodes: int, per_node: int) -> HostMap:
+    return HostMap.assumed(nodes, per_node)
+
+
+def _stage_groups(layout: Layout, kind: str, stage: int) -> list[tuple[int, ...]]:
+    """Every group of `kind` on pipeline stage `stage`, ranks ascending (mesh order)."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    shard = layout.shard_degree
+    replicas = dp // shard
+    base = stage * dp * cp * tp
+
+    def rank(replica: int, member: int, c: int, t: int) -> int:
+        return base + (((replica * shard + member) * cp + c) * tp + t)
+
+    if kind == GRADIENT:  # (dp, cp) flattened, dp-major
+        return [
+            tuple(base + (d * cp + c) * tp + t for d in range(dp) for c in range(cp))
+            for t in range(tp)
+        ]
+    if kind == SHARD:
+        return [
+            tuple(rank(r, s, c, t) for s in range(shard) for c in range(cp))
+            for r in range(replicas)
+            for t in range(tp)
+        ]
+    return [
+        tuple(rank(r, s, c, t) for r in range(replicas))
+        for s in range(shard)
+        for c in range(cp)
+        for t in range(tp)
+    ]
+
+
+def _group_classes(
+    nodes: int, per_node: int, mesh: Layout, kind: str, stage: int
+) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """The groups of `kind` on `stage` by where their ranks run, as (the node of each member in
+    group order, nodes numbered from 0 as the group reaches them; how many groups run so).
+    Groups placed alike send alike: a ring's hops and a hierarchy's sub-groups depend on which
+    members share a node, nothing else. A stage's placements depend on where it starts inside
+    a node only (node `i` holds ranks `i·per_node …`)."""
+    offset = stage * mesh.dp * mesh.cp * mesh.tp % per_node if nodes > 1 else 0
+    return _classes_at(per_node if nodes > 1 else 0, mesh, kind, offset)
+
+
+@functools.lru_cache(maxsize=4096)
+def _classes_at(
+    per_node: int, mesh: Layout, kind: str, offset: int
+) -> tuple[tuple[tuple[int, ...], int], ...]:
+    classes: dict[tuple[int, ...], int] = {}
+    for group in _stage_groups(mesh, kind, 0):
+        number: dict[int, int] = {}
+        if per_node:
+            key = tuple(number.setdefault((offset + r) // per_node, len(number)) for r in group)
+        else:
+            key = (0,) * len(group)
+        classes[key] = classes.get(key, 0) + 1
+    return tuple(classes.items())
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement(node_of_member: tuple[int, ...]) -> HostMap:
+    """A group of `n` ranks placed as `node_of_member` says, as a world of its own (ranks
+    0 … n−1): the same bytes per member as the group in the job's world, at a fraction of the
+    lookups."""
+    nodes = max(node_of_member) + 1
+    return HostMap(node_of_member, ("",) * nodes, SOURCE_ASSUMED)
+
+
+@functools.lru_cache(maxsize=16384)
+def _group_bytes(
+    op: str, node_of_member: tuple[int, ...], numel: int, itemsize: int, algorithm: str
+) -> GroupBytes:
+    """link_bytes' figure for every member of a group placed as `node_of_member`, flat or
+    hierarchical as `op_link_bytes` dispatches it."""
+    host_map = _placement(node_of_member)
+    group = range(len(node_of_member))
+    hierarchy = None
+    if algorithm == HIERARCHICAL and op in HIERARCHICAL_SUB_OPS:
+        hierarchy = host_map.hierarchy(group)
+    total = LinkBytes()
+    seen: dict[LinkBytes, None] = {}
+    for rank in group:
+        if hierarchy is not None:
+            sent = hierarchical_bytes(
+                op, hierarchy, rank, numel=numel, itemsize=itemsize, host_map=host_map
+            )
+        else:
+            sent = flat_bytes(op, group, rank, numel=numel, itemsize=itemsize, host_map=host_map)
+        total += sent
+        seen[sent] = None
+    return GroupBytes(
+        total=total,
+        per_rank=tuple(seen),
+        nodes=host_map.num_nodes,
+        hierarchical=hierarchy is not None,
+    )
+
+
+def hierarchical_applies(job: Job, layout: Layout) -> bool:
+    """Whether the hierarchical algorithm changes the layout's data-parallel traffic: a group
+    it reduces over spans several nodes holding several of its ranks each."""
+    if layout.dp * layout.cp == 1 or job.world <= job.per_node:
+        return False
+    kind = GRADIENT if layout.shard_degree == layout.dp else SHARD
+    return _spans_nodes_several_each(*_nodes(job), _mesh_only(layout), kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans_nodes_several_each(nodes: int, per_node: int, mesh: Layout, kind: str) -> bool:
+    return any(
+        _placement(placement).hierarchy(range(len(placement))) is not None
+        for stage in range(mesh.pp)
+        for placement, _ in _group_classes(nodes, per_node, mesh, kind, stage)
+    )
+
+
+def _mesh_only(layout: Layout) -> Layout:
+    """The fields the groups depend on (a cache key shared by a mesh's variants)."""
+    return Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_shard=layout.dp_shard)
+
+
+def dp_transfers(job: Job, layout: Layout, stage_params: Sequence[float]) -> tuple[Transfer, ...]:
+    """The data-parallel collectives of one optimizer step (module doc); `stage_params` are the
+    parameters one rank of each pipeline stage holds."""
+    if layout.dp * layout.cp == 1:
+        return ()
+    precision, device = job.precision, job.device
+    numel = tuple(round(p) for p in stage_params)
+    microbatches = max(job.global_batch // (layout.dp * layout.micro_batch), 1)
+    grads, weights = precision.grad_bytes, precision.param_bytes
+    if layout.zero == 0:
+        return (Transfer(op="all_reduce", group=GRADIENT, numel=numel, itemsize=grads, times=1,
+                         purpose="gradients"),)  # fmt: skip
+    group = GRADIENT if layout.shard_degree == layout.dp else SHARD
+    # ZeRO's gradient reduction: a reduce-scatter, or an all-reduce where the backend lacks one
+    grad_op = "all_reduce" if device.grads_reduce_by_all_reduce else "reduce_scatter"
+    if layout.zero == 3:
+        out = [
+            Transfer(op="all_gather", group=group, numel=numel, itemsize=weights,
+                     times=2 * microbatches, purpose="parameters"),
+            Transfer(op=grad_op, group=group, numel=numel, itemsize=grads, times=microbatches,
+                     purpose="gradients"),
+        ]  # fmt: skip
+    else:
+        out = [
+            Transfer(op=grad_op, group=group, numel=numel, itemsize=grads, times=1,
+                     purpose="gradients"),
+            Transfer(op="all_gather", group=group, numel=numel, itemsize=weights, times=1,
+                     purpose="parameters"),
+        ]  # fmt: skip
+    if layout.shard_degree < layout.dp:
+        shard = layout.shard_degree * layout.cp
+        out.append(
+            Transfer(op="all_reduce", group=REPLICA, numel=tuple(n // shard for n in numel),
+                     itemsize=grads, times=1, purpose="replicas")
+        )  # fmt: skip
+    return tuple(out)
+
+
+def transfer_bytes(job: Job, layout: Layout, transfer: Transfer) -> tuple[LinkBytes, GroupBytes]:
+    """(bytes of one issue of `transfer` summed over the world, the figures of the group whose
+    ranks send the most) — link_bytes' formulas on every group the mesh builds."""
+    return _transfer_bytes(*_nodes(job), _mesh_only(layout), layout.dp_algorithm, transfer)
+
+
+@functools.lru_cache(maxsize=16384)
+def _transfer_bytes(
+    nodes: int, per_node: int, mesh: Layout, algorithm: str, transfer: Transfer
+) -> tuple[LinkBytes, GroupBytes]:
+    total = LinkBytes()
+    busiest: GroupBytes | None = None
+    for stage in range(mesh.pp):
+        numel = transfer.numel[min(stage, len(transfer.numel) - 1)]
+        for placement, count in _group_classes(nodes, per_node, mesh, transfer.group, stage):
+            if len(placement) < 2:
+                continue
+            sent = _group_bytes(transfer.op, placement, numel, transfer.itemsize, algorithm)
+            total += LinkBytes(count * sent.total.intra_node, count * sent.total.inter_node)
+            most = max(b.total for b in sent.per_rank)
+            if busiest is None or most > max(b.total for b in busiest.per_rank):
+                busiest = sent
+    if busiest is None:
+        busiest = GroupBytes(
+            total=LinkBytes(), per_rank=(LinkBytes(),), nodes=1, hierarchical=False
+        )
+    return total, busiest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PricedTransfer:
+    """One issue of a transfer: its bytes summed over the world, and its time on the busiest
+    rank (bandwidth, of which cross-node, and latency)."""
+
+    transfer: Transfer
+    total: LinkBytes
+    bandwidth_seconds: float
+    inter_node_seconds: float
+    latency_seconds: float
+
+    def seconds(self, fraction: float = 1.0) -> float:
+        """`fraction` of the bytes (a last bucket) with all of the latency steps."""
+        return fraction * self.bandwidth_seconds + self.latency_seconds
+
+
+def price_transfer(job: Job, layout: Layout, transfer: Transfer) -> PricedTransfer:
+    total, busiest = transfer_bytes(job, layout, transfer)
+    family = op_family(transfer.op)
+    _, intra_beta = job.device.intra_node.for_op(family)
+    _, inter_beta = job.device.inter_node.for_op(family)
+    seconds = inter = 0.0
+    for sent in busiest.per_rank:
+        across = sent.inter_node / inter_beta
+        time = sent.intra_node / intra_beta + across
+        if time >= seconds:
+            seconds, inter = time, across
+    return PricedTransfer(
+        transfer=transfer,
+        total=total,
+        bandwidth_seconds=seconds,
+        inter_node_seconds=inter,
+        latency_seconds=_latency(job, layout, transfer, busiest),
+    )
+
+
+def _latency(job: Job, layout: Layout, transfer: Transfer, busiest: GroupBytes) -> float:
+    device = job.device
+    size = {GRADIENT: layout.dp * layout.cp, SHARD: layout.shard_degree * layout.cp}.get(
+        transfer.group, layout.dp // layout.shard_degree
+    )
+    if busiest.hierarchical:
+        seconds = 0.0
+        for op, link in HIERARCHICAL_SUB_OPS[transfer.op]:
+            across = link == "inter"
+            steps, _ = steps_and_volume(op, busiest.nodes if across else size // busiest.nodes, 0)
+            alpha, _ = (device.inter_node if across else device.intra_node).for_op(op)
+            seconds += steps * alpha
+        return seconds
+    steps, _ = steps_and_volume(transfer.op, size, 0.0)
+    link = device.inter_node if busiest.nodes > 1 else device.intra_node
+    return steps * link.for_op(op_family(transfer.op))[0]
+
+
+def price_transfers(
+    job: Job, layout: Layout, stage_params: Sequence[float]
+) -> tuple[PricedTransfer, ...]:
+    return tuple(price_transfer(job, layout, t) for t in dp_transfers(job, layout, stage_params))
+
+
+def dp_traffic(priced: Sequence[PricedTransfer]) -> Traffic:
+    """One step's data-parallel bytes per link class, summed over the world, and the seconds
+    the busiest rank spends sending its cross-node share."""
+    return Traffic(
+        intra_node=sum(p.transfer.times * p.total.intra_node for p in priced),
+        inter_node=sum(p.transfer.times * p.total.inter_node for p in priced),
+        inter_node_seconds=sum(p.transfer.times * p.inter_node_seconds for p in priced),
+    )
+
+
+__all__ = [
+    "FLAT",
+    "HIERARCHICAL",
+    "GroupBytes",
+    "PricedTransfer",
+    "Traffic",
+    "Transfer",
+    "dp_traffic",
+    "dp_transfers",
+    "hierarchical_applies",
+    "job_host_map",
+    "price_transfer",
+    "price_transfers",
+    "transfer_bytes",
+]
