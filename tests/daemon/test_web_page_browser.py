@@ -59,7 +59,7 @@ const value = (td) => td.getAttribute("data-value");
 const fields = (row) => Object.fromEntries(
   [...row.querySelectorAll("td[data-field]")].map((td) => [td.dataset.field, value(td)]));
 const out = {sequence: document.body.dataset.sequence, jobs: {}, mfu: {}, breakdown: {},
-             stragglers: {}, charts: {}};
+             stragglers: {}, links: {}, charts: {}};
 for (const row of document.querySelectorAll("#jobs tbody tr"))
   out.jobs[row.dataset.job] = fields(row);
 for (const section of document.querySelectorAll("section.job")) {
@@ -71,6 +71,8 @@ for (const section of document.querySelectorAll("section.job")) {
     .map((row) => [row.dataset.rank, fields(row)]));
   out.stragglers[job] = Object.fromEntries([...section.querySelectorAll(".stragglers tbody tr")]
     .map((row) => [row.dataset.rank, {...fields(row), flagged: row.dataset.flagged}]));
+  out.links[job] = Object.fromEntries([...section.querySelectorAll(".link-bytes tbody tr")]
+    .map((row) => [row.dataset.rank, fields(row)]));
   // Drawn pixels of the compute colour in the stacked bars: the chart rendered its data.
   const canvas = section.querySelector(".breakdown-chart canvas");
   let compute = 0;
@@ -119,12 +121,19 @@ def expected_figures(address: str) -> dict[str, Any]:
     --json` (the page's values are strings in the DOM: compared as numbers)."""
     top = cli_json("top", "--json", "--host", address)
     bottleneck = cli_json("bottleneck", "--json", "--host", address)
-    out: dict[str, Any] = {"jobs": {}, "mfu": {}, "breakdown": {}, "stragglers": {}}
+    out: dict[str, Any] = {"jobs": {}, "mfu": {}, "breakdown": {}, "stragglers": {}, "links": {}}
     for job in top["jobs"]:
         out["jobs"][job["job_id"]] = {f: job[f] for f in JOB_FIELDS}
         out["mfu"][job["job_id"]] = {"job": job["mfu"]} | {
             f"rank {r['rank']}": r["mfu"] for r in top["ranks"] if r["job_id"] == job["job_id"]
         }
+    for r in top["ranks"]:
+        sent = r["comm_bytes_per_step"] or {}
+        if sent.get("intra_node") or sent.get("inter_node"):
+            out["links"].setdefault(r["job_id"], {})[str(r["rank"])] = {
+                "intra_node": sent["intra_node"],
+                "inter_node": sent["inter_node"],
+            }
     for r in bottleneck["ranks"]:
         out["breakdown"].setdefault(r["job_id"], {})[str(r["rank"])] = {
             f: r[f] for f in BREAKDOWN_FIELDS
@@ -152,7 +161,18 @@ def as_numbers(page: dict[str, Any]) -> dict[str, Any]:
         }
         for j, ranks in page["stragglers"].items()
     }
-    return {"jobs": jobs, "mfu": mfu, "breakdown": breakdown, "stragglers": stragglers}
+    links = {
+        j: {r: {f: float(v) for f, v in sent.items()} for r, sent in ranks.items()}
+        for j, ranks in page["links"].items()
+        if ranks
+    }
+    return {
+        "jobs": jobs,
+        "mfu": mfu,
+        "breakdown": breakdown,
+        "stragglers": stragglers,
+        "links": links,
+    }
 
 
 @pytest.fixture
@@ -271,6 +291,9 @@ def test_live_page_shows_top_json_figures_the_straggler_and_updates(
         charts = page["charts"][WEB_JOB_ID]
         assert charts["mfu_canvas"] and charts["mfu_points"] >= 1 and charts["compute_pixels"]
         assert set(page["mfu"][WEB_JOB_ID]) == {"job", "rank 0", "rank 1"}
+        # DDP's gradient all-reduces between two ranks of one host: bytes inside the node only.
+        links = figures["links"][WEB_JOB_ID]
+        assert set(links) == {"0", "1"} and all(v["intra_node"] > 0 for v in links.values())
 
         # Live: the ranks go on; the same page (no reload) shows their later steps.
         browser.execute_script("window.sameLoad = true")
