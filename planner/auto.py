@@ -1,7 +1,8 @@
 """`plait train CONFIG --auto`: the planner's choice written into a config.
 
-`layout_config(layout)` is the config sections that select a layout (degrees, dp strategy,
-micro-batch, schedule, recomputation, sequence parallelism); `auto_config(config, world, …)`
+`layout_config(layout)` is the config sections that select a layout (degrees, dp strategy and
+the dp ranks it shards over, the collectives' algorithm, micro-batch, schedule, recomputation,
+sequence parallelism); `auto_config(config, world, …)`
 plans for the config's model, sequence length and global batch on `world` ranks and returns the
 config with the best layout merged in, plus the plan it came from.
 """
@@ -10,13 +11,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from plait.core.errors import ConfigError
 from plait.planner.devices import DeviceSpec
-from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace
+from plait.planner.layouts import FLAT, HIERARCHICAL, PRECISIONS, Job, Layout, SearchSpace
 from plait.planner.model_shape import shape_from_config
 from plait.planner.search import PlanResult, plan
+
+# The planner's dp algorithms by the `comm.algorithm` that runs them.
+COMM_ALGORITHMS = {FLAT: "torch", HIERARCHICAL: "hierarchical"}
 
 
 def layout_config(layout: Layout) -> dict[str, Any]:
@@ -31,12 +36,16 @@ def layout_config(layout: Layout) -> dict[str, Any]:
             "ep": layout.ep,
             "dp_strategy": f"zero{layout.zero}" if layout.zero else "ddp",
         },
+        # Named either way: left unset, a run on several nodes picks "hierarchical" itself.
+        "comm": {"algorithm": COMM_ALGORITHMS[layout.dp_algorithm]},
         "train": {"micro_batch_size": layout.micro_batch},
         "schedule": {
             "name": layout.schedule if layout.pp > 1 else "accumulate",
             "virtual_stages": layout.virtual_stages,
         },
     }
+    if layout.dp_shard:
+        sections["parallel"]["dp_shard"] = layout.dp_shard
     if layout.recompute != "none":
         transforms["ac"] = "checkpoint"
         sections["checkpoint"] = {"mode": layout.recompute}
@@ -108,9 +117,16 @@ def auto_config(
     return merge_sections(config, layout_config(result.best.layout)), result
 
 
-def layout_from_config(config: Mapping[str, Any], *, world: int) -> Layout:
-    """The layout a config runs on `world` ranks (degrees resolved as the engine resolves them)."""
+def layout_from_config(
+    config: Mapping[str, Any], *, world: int, per_node: int | None = None
+) -> Layout:
+    """The layout a config runs on `world` ranks (degrees resolved as the engine resolves them).
+    With `per_node`, what depends on the nodes is resolved as a launch of `world / per_node`
+    nodes would: `dp_shard = "node"`, and the algorithm a config that names none gets."""
+    from plait.core.comm_algorithms import chosen_algorithm
     from plait.core.config import load_config
+    from plait.core.host_map import HostMap
+    from plait.planner.link_traffic import hierarchical_applies
 
     resolved = load_config(dict(config))
     parallel = resolved.parallel
@@ -126,19 +142,40 @@ def layout_from_config(config: Mapping[str, Any], *, world: int) -> Layout:
         recompute = str(dict(config).get("checkpoint", {}).get("mode", "full"))
         recompute = "full" if recompute == "every" else recompute
     tp_section = dict(config).get("tp", {})
-    return Layout(
+    host_map = None
+    if per_node is not None:
+        nodes = max(world // per_node, 1)
+        host_map = HostMap.assumed(nodes, min(per_node, world))
+    dp_shard = parallel.dp_shard
+    if dp_shard == "node":
+        if host_map is None:
+            raise ConfigError('parallel.dp_shard = "node" needs the ranks per node (--per-node)')
+        dp_shard = min(max(host_map.ranks_per_node // (cp * tp), 1), dp)
+    dp_shard = 0 if dp_shard is None or dp_shard == dp or not zero else dp_shard
+    algorithm = chosen_algorithm(resolved, host_map).name
+    dp_algorithm = HIERARCHICAL if algorithm == COMM_ALGORITHMS[HIERARCHICAL] else FLAT
+    layout = Layout(
         dp=dp,
         tp=tp,
         pp=pp,
         cp=cp,
         ep=parallel.ep,
         zero=zero,
+        dp_shard=dp_shard,
+        dp_algorithm=dp_algorithm,
         micro_batch=resolved.train.micro_batch_size or per_dp,
         schedule=resolved.schedule.name if pp > 1 else "accumulate",
         virtual_stages=resolved.schedule.virtual_stages,
         recompute=recompute,
         sequence_parallel=bool(tp_section.get("sequence_parallel", False)) and tp > 1,
     )
+    if (
+        dp_algorithm == HIERARCHICAL
+        and per_node is not None
+        and not hierarchical_applies(layout, world=world, per_node=per_node)
+    ):
+        layout = replace(layout, dp_algorithm=FLAT)  # its dp traffic is the flat rings'
+    return layout
 
 
 def layout_overrides(layout: Layout) -> list[str]:
@@ -211,7 +248,8 @@ def auto_overrides(config: Any, *, world: int, per_node: int, console: Any) -> l
     best = result.best
     console.print(
         f"--auto: {best.layout.describe()} on {world} × {device.name}: predicted "
-        f"{best.time.total:.3f} s per step, {best.memory.total / 2**30:.2f} GiB per rank "
+        f"{best.time.total:.3f} s per step, {best.memory.total / 2**30:.2f} GiB per rank, "
+        f"{best.time.cross_node_bytes / 1e9:.2f} GB across nodes "
         f"(of {len(result.ranked)} fitting meshes; next: "
         + "; ".join(f"{c.layout.describe()} ({why_slower(c, best)})" for c in result.ranked[1:3])
         + ")",

@@ -199,13 +199,15 @@ def _group_bytes(
     )
 
 
-def hierarchical_applies(job: Job, layout: Layout) -> bool:
-    """Whether the hierarchical algorithm changes the layout's data-parallel traffic: a group
-    it reduces over spans several nodes holding several of its ranks each."""
-    if layout.dp * layout.cp == 1 or job.world <= job.per_node:
+def hierarchical_applies(layout: Layout, *, world: int, per_node: int) -> bool:
+    """Whether the hierarchical algorithm changes the layout's data-parallel traffic on `world`
+    ranks, `per_node` to a node: a group it reduces over spans several nodes holding several of
+    its ranks each."""
+    if layout.dp * layout.cp == 1 or world <= per_node:
         return False
-    kind = GRADIENT if layout.shard_degree == layout.dp else SHARD
-    return _spans_nodes_several_each(*_nodes(job), _mesh_only(layout), kind)
+    kinds = (GRADIENT,) if layout.shard_degree == layout.dp else (SHARD, REPLICA)
+    mesh = _mesh_only(layout)
+    return any(_spans_nodes_several_each(world // per_node, per_node, mesh, k) for k in kinds)
 
 
 @functools.lru_cache(maxsize=4096)

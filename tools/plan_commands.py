@@ -76,23 +76,29 @@ def _device(name: str, links: Path | None) -> Any:
 
 
 def render_plan(result: Any, *, top: int) -> Table:
+    """The ranked layouts: memory, step time, MFU, and the data-parallel traffic that crosses
+    nodes in one step (bytes summed over the ranks; seconds the busiest rank sends them)."""
     from plait.planner.search import why_slower
 
     best = result.ranked[0]
     table = Table(
         title=f"best {min(top, len(result.ranked))} of {len(result.ranked)} fitting meshes"
     )
-    for column in ("#", "layout", "memory GiB", "step s", "MFU", "why slower than #1"):
+    columns = ("#", "layout", "memory GiB", "step s", "MFU", "x-node GB", "x-node s")
+    for column in (*columns, "why slower than #1"):
         table.add_column(
             column, justify="left" if column in ("layout", "why slower than #1") else "right"
         )
     for index, candidate in enumerate(result.ranked[:top], start=1):
+        time = candidate.time
         table.add_row(
             str(index),
             candidate.layout.describe(),
             f"{candidate.memory.total / 2**30:.1f}",
-            f"{candidate.time.total:.3f}",
-            f"{candidate.time.mfu:.1%}",
+            f"{time.total:.3f}",
+            f"{time.mfu:.1%}",
+            f"{time.cross_node_bytes / 1e9:.2f}",
+            f"{time.cross_node_seconds:.3f}",
             why_slower(candidate, best),
         )
     return table
@@ -245,7 +251,7 @@ def explain(
         planned = job_for_config(
             data, world=world, per_node=per_node, device=_device(device, links)
         )
-        layout = layout_from_config(data, world=world)
+        layout = layout_from_config(data, world=world, per_node=per_node)
         prediction = estimate_step_time(planned, layout)
         ranks = measured_breakdowns(targets, job=job, window_steps=window_steps)
         explanation = compare(prediction, ranks)
