@@ -62,6 +62,11 @@ class ZeroConfig(Section):
         description="stages 2 and 3 (ZeRO++ qgZ): the gradient reduce-scatter's cross-node "
         "hop sends block-wise int8 or int4 (needs the hierarchical algorithm)",
     )
+    secondary_shard: Literal["none", "node"] = Field(
+        "none",
+        description="stage 3 (ZeRO++ hpZ): after forward each rank keeps its node's share of "
+        "the gathered unit, so backward gathers inside the node (1/ranks-per-node more memory)",
+    )
     quantize_block: int = Field(
         256, ge=2, multiple_of=2, description="elements per codec block (one scale each)"
     )

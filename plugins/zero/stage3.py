@@ -18,6 +18,11 @@ what the user built while holding no memory.
 - Gradient accumulation is sharded: every micro-batch's gradients are reduce-scattered and summed
   into the chunks, so no full gradient outlives its unit's backward. The chunks themselves are
   released after the optimizer step and exist again from the next backward.
+- hpZ (`[zero] secondary_shard = "node"`, ZeRO++): a unit resharded after a forward that
+  records gradients keeps a secondary shard, this rank's `1/k` of the gathered unit for the `k`
+  dp ranks of its node, and backward all-gathers the unit from those inside the node, so only
+  forward's gather crosses nodes (forward always gathers from the primary shards). The
+  secondary shards are dropped when backward gathers from them and at the end of the step.
 - HSDP (`parallel.dp_shard`): the units are sharded over the shard group, and the other
   replicas hold the same shards; the summed chunks are averaged across the replica group once,
   at the gradient-sync boundary, so the slow cross-node link carries `B / dp_shard` per step
@@ -61,6 +66,33 @@ from plait.plugins.zero.reduction import (
 from plait.plugins.zero.stage12 import MAX_IN_FLIGHT, broadcast_module
 
 ROOT = "<root>"
+
+
+def node_group_for_secondary_shards(
+    mesh: Mesh, group: Group, replicas: Group | None, experts: ExpertParallelism | None
+) -> Group:
+    """hpZ's group: the ranks of `group` (dp) on this rank's node, or a refusal naming why
+    there is none to keep secondary shards in."""
+    where = 'zero.secondary_shard = "node"'
+    host_map = mesh.host_map
+    hierarchy = host_map.hierarchy(group.ranks) if host_map is not None else None
+    if replicas is not None and replicas.size > 1:
+        raise ConfigError(f"{where} and parallel.dp_shard (HSDP) both keep backward inside nodes")
+    if experts is not None and experts.degree > 1:
+        raise ConfigError(f"{where} with parallel.ep > 1 is not supported yet")
+    if mesh.gradient_axes() != ("dp",) or hierarchy is None:
+        described = host_map.describe() if host_map is not None else "unknown"
+        raise ConfigError(
+            f"{where}: the {group.name} group ({list(group.ranks)}) needs several nodes of "
+            f"several dp ranks each, and no context parallelism (nodes: {described})"
+        )
+    inner, _ = mesh.split_group("dp", hierarchy.ranks_per_node)
+    if tuple(inner.ranks) != tuple(hierarchy.intra_of(mesh.rank)):
+        raise ConfigError(
+            f"{where}: consecutive dp ranks {list(inner.ranks)} are not the ranks of one node "
+            f"{list(hierarchy.intra_of(mesh.rank))}"
+        )
+    return inner
 
 
 def find_units(model: nn.Module, rule: str | list[str]) -> list[tuple[str, nn.Module]]:
@@ -159,6 +191,7 @@ class Unit:
         self.ready = 0
         self.reduced = False
         self.backward_prepared = False
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's node share, forward's
 
     @property
     def full_bytes(self) -> int:
@@ -184,10 +217,17 @@ class FullyShardedRuntime(ParallelRuntime):
     ) -> None:
         self.comm, self.group = comm, group
         self.replicas = replicas
+        self.mesh_rank = mesh.rank
         self.gradient_reduction = config.gradient_reduction
         self.weight_codec = codec_attributes(config.weight_codec, config.quantize_block)
         self.gradient_codec = codec_attributes(config.gradient_codec, config.quantize_block)
         self.prefetch = config.prefetch_count
+        # hpZ: the dp ranks of this node, and this rank's index among them.
+        self.node_group = (
+            node_group_for_secondary_shards(mesh, group, replicas, experts)
+            if config.secondary_shard == "node"
+            else None
+        )
         selected = find_units(model, config.unit)
         by_unit = unit_parameters(model, selected)
         if config.broadcast_parameters:
@@ -251,11 +291,20 @@ class FullyShardedRuntime(ParallelRuntime):
 
     # -- gathering and freeing ---------------------------------------------------------------
 
-    def _start_gather(self, unit: Unit) -> None:
+    def _start_gather(self, unit: Unit, backward: bool = False) -> None:
         if unit.gathered or unit.gather_work is not None:
             return
         storage = unit.full.untyped_storage()
         storage.resize_(unit.full_bytes)
+        if backward and unit.secondary is not None and self.node_group is not None:
+            # hpZ: forward's values, from this node's ranks only.
+            source, unit.secondary = unit.secondary, None
+            with torch.autograd._unsafe_preserve_version_counter(unit.full):
+                unit.gather_work = self.comm.all_gather(
+                    unit.full, source, group=self.node_group, async_op=True, purpose=PARAM_GATHER
+                )
+            unit.gather_input = source
+            return
         device = unit.full.device
         source = unit.shard if unit.shard.device == device else unit.shard.to(device)
         source = source if source.dtype == unit.full.dtype else source.to(unit.full.dtype)
@@ -278,8 +327,8 @@ class FullyShardedRuntime(ParallelRuntime):
         held = sum(u.full_bytes for u in self.units if u.gathered or u.gather_work is not None)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
 
-    def _unshard(self, unit: Unit) -> None:
-        self._start_gather(unit)
+    def _unshard(self, unit: Unit, backward: bool = False) -> None:
+        self._start_gather(unit, backward)
         if unit.gather_work is not None:
             unit.gather_work.wait()
             unit.gather_work, unit.gather_input = None, None
@@ -292,12 +341,12 @@ class FullyShardedRuntime(ParallelRuntime):
         unit.full.untyped_storage().resize_(0)
         unit.gathered = False
 
-    def _prefetch_after(self, unit: Unit, order: Sequence[Unit]) -> None:
+    def _prefetch_after(self, unit: Unit, order: Sequence[Unit], backward: bool = False) -> None:
         if not self.prefetch or unit not in order:
             return
         position = order.index(unit)
         for upcoming in order[position + 1 : position + 1 + self.prefetch]:
-            self._start_gather(upcoming)
+            self._start_gather(upcoming, backward)
 
     # -- forward hooks -----------------------------------------------------------------------
 
@@ -319,6 +368,8 @@ class FullyShardedRuntime(ParallelRuntime):
         # gathered rather than free it and all-gather it again at once (what FSDP2 users get
         # with reshard_after_forward=False on the last block). Backward reshards it as usual.
         if not (torch.is_grad_enabled() and module is self._last_forward_module):
+            if self.node_group is not None and torch.is_grad_enabled():
+                unit.secondary = self._node_share(unit)
             self._reshard(unit)
         self._hook_outputs(unit, output)
 
@@ -349,8 +400,8 @@ class FullyShardedRuntime(ParallelRuntime):
         if unit.backward_prepared:
             return
         unit.backward_prepared = True
-        self._unshard(unit)
-        self._prefetch_after(unit, self._backward_order())
+        self._unshard(unit, backward=True)
+        self._prefetch_after(unit, self._backward_order(), backward=True)
 
     def _backward_order(self) -> list[Unit]:
         # The root's outputs (the head) come first in backward, then the units in reverse.
@@ -442,7 +493,19 @@ class FullyShardedRuntime(ParallelRuntime):
         if position.last:
             self.master.prefetch_state()
 
+    def _node_share(self, unit: Unit) -> torch.Tensor:
+        """hpZ: this rank's `1/k` of the gathered unit, for its node's `k` dp ranks."""
+        assert self.node_group is not None
+        share = unit.segment.padded_numel // self.node_group.size
+        start = self.node_group.rank_of(self.mesh_rank) * share
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work, unit.gather_input = None, None
+        return unit.full[start : start + share].clone()
+
     def sync_gradients(self) -> None:
+        for unit in self.units:
+            unit.secondary = None  # forward's values: the optimizer step makes them stale
         self._finish_backward()
         self._average_across_replicas()
         self._gradient_bytes_at_step = self.master.gradient_bytes()

@@ -1,6 +1,7 @@
-"""Rank functions for ZeRO++'s codecs on 2 nodes x 2 ranks (torchrun's environment, Gloo): the
-hierarchical all-gather and reduce-scatter with an int8 / int4 cross-node hop against the exact
-ops, and the tiny Llama under ZeRO-3 with `quantize_weights` and `quantize_gradients`."""
+"""Rank functions for ZeRO++ (codecs, hpZ) on 2 nodes x 2 ranks (torchrun's environment, Gloo):
+the hierarchical all-gather and reduce-scatter with an int8 / int4 cross-node hop against the exact
+ops, and the tiny Llama under ZeRO-3 with `quantize_weights`, `quantize_gradients` and
+`secondary_shard`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ JOBS: dict[str, dict[str, Any]] = {
     "exact": {"zero": RS},
     "int8": {"zero": {"quantize_weights": "int8", "quantize_gradients": "int8"}},
     "int4": {"zero": {"quantize_gradients": "int4"}},
+    # hpZ: backward gathers from the node's secondary shards, exactly.
+    "hpz": {"zero": {**RS, "secondary_shard": "node"}},
 }
 
 
@@ -89,8 +92,9 @@ def _expected_inter(engine: Engine, runtime: FullyShardedRuntime, job: str) -> i
     units = runtime.units
     kept = {id(units[0]), id(units[-1])} if runtime.root is not None else {id(units[-1])}
     chunks = [u.segment.chunk_numel for u in units]
-    gathered = chunks + [u.segment.chunk_numel for u in units if id(u) not in kept]
-    weights, gradients = {"exact": (32, 32), "int8": (8, 8), "int4": (32, 4)}[job]
+    backward = [] if job == "hpz" else [u.segment.chunk_numel for u in units if id(u) not in kept]
+    gathered = chunks + backward
+    weights, gradients = {"int8": (8, 8), "int4": (32, 4)}.get(job, (32, 32))
 
     def sent(numel: int, bits: int) -> int:
         return numel * 4 if bits == 32 else encoded_bytes(numel, bits=bits, block=256)
@@ -133,9 +137,12 @@ def train_codecs(rank: int, world_size: int, address: str) -> dict[str, Any]:
             exact.append(whole)
         with runtime.full_parameters():
             gathered = [unit.full.detach().float().clone() for unit in runtime.units]
+            params = [p for p in engine.module.parameters() if p.requires_grad]
+            parameters = torch.cat([p.detach().reshape(-1) for p in params])
         plugin = _collectives(engine)
         out[job_id] = {
             "losses": losses,
+            "parameters": parameters,
             "gathered": gathered,
             "exact": exact,
             "encoded": dict(plugin.encoded),

@@ -51,3 +51,9 @@ def test_a_codec_that_would_encode_nothing_is_refused(
     config = {**CONFIG, "parallel": {"dp_strategy": strategy}, "zero": zero}
     with pytest.raises(ConfigError, match=rf"zero.quantize_\w+ = 'int8' .*{message}"):
         Engine(config=config)
+
+
+def test_secondary_shards_without_nodes_of_several_ranks_are_refused() -> None:
+    config = {**CONFIG, "parallel": {"dp_strategy": "zero3"}, "zero": {"secondary_shard": "node"}}
+    with pytest.raises(ConfigError, match=r'zero.secondary_shard = "node": .* needs several nodes'):
+        Engine(config=config)
