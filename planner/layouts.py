@@ -295,7 +295,9 @@ def _data_parallel(
             continue
         yield dp_shard, FLAT
         flat = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp_shard)
-        if space.hierarchical and hierarchical_applies(job, flat):
+        if space.hierarchical and hierarchical_applies(
+            flat, world=job.world, per_node=job.per_node
+        ):
             yield dp_shard, HIERARCHICAL
 
 
