@@ -66,6 +66,10 @@ elements. With `zero.shard_optimizer_across_replicas` the chunk is reduce-scatte
 replicas instead (`(m−1)·⌈c/m⌉`) and, after the optimizer step, the updated sub-chunks all-gathered
 back (`(m−1)·⌈c/m⌉`): the same bytes, so both are `2·(m−1)·B` per step summed over the ranks,
 independent of M, while the optimizer state per rank shrinks `m`-fold.
+
+ZeRO++ on hierarchical ZeRO-3: hpZ (`zero.secondary_shard`) gathers backward's parameters inside
+the node, leaving `2·M·(m−1)·B` across; qwZ and qgZ send each across hop's chunk of `c` elements
+as `encoded_bytes(c)` instead of `4·c` (≈ ¼ for int8, ⅛ for int4 with blocks of 256).
 """
 
 from __future__ import annotations
