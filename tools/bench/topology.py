@@ -14,7 +14,9 @@ bandwidth): the added step time follows the predicted one, whatever the layout.
 
 Layouts: ZeRO-3 flat (ring over all four ranks), ZeRO-3 with hierarchical collectives, HSDP
 (`dp_shard = "node"`), hierarchical ZeRO-3 with ZeRO++'s int8 weights and gradients (qwZ +
-qgZ) and with int4 gradients, and ZeRO-1 under HSDP with the optimizer state across replicas.
+qgZ), with int4 gradients, with hpZ (`secondary_shard = "node"`) and with hpZ plus both int8
+codecs, and ZeRO-1 under HSDP with the optimizer state across replicas. Every layout reduces
+gradients with a reduce-scatter (`gradient_reduction = "reduce_scatter"`, the GPU path).
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "parallel": {"dp_strategy": "zero3"},
         "comm": {"algorithm": "hierarchical"},
         "zero": {"quantize_gradients": "int4"},
+    },
+    "zero3 hier hpZ": {
+        "parallel": {"dp_strategy": "zero3"},
+        "comm": {"algorithm": "hierarchical"},
+        "zero": {"secondary_shard": "node"},
+    },
+    "zero3 hier hpZ+int8": {
+        "parallel": {"dp_strategy": "zero3"},
+        "comm": {"algorithm": "hierarchical"},
+        "zero": {
+            "secondary_shard": "node",
+            "quantize_weights": "int8",
+            "quantize_gradients": "int8",
+        },
     },
     "zero1 hsdp optim": {
         "parallel": {"dp_strategy": "zero1", "dp_shard": "node"},
@@ -94,6 +110,7 @@ def run_layout(
             **LAYOUTS[layout],
         }
     )
+    config["zero"] = {"gradient_reduction": "reduce_scatter", **config.get("zero", {})}
     engine = Engine(config=config, plugins=Plugins.create(extra=[("slow_link", link)]))
     link.host_map = engine.mesh.host_map
     share = args.global_batch // engine.mesh.size("dp")
