@@ -107,6 +107,11 @@ _NAMED_OPTIONS = {
     "offload": lambda v: (
         f"offload to {v['device']}" if isinstance(v, dict) and v.get("device") != "none" else ""
     ),
+    # ZeRO across nodes (docs/zero-plus-plus.md).
+    "shard_optimizer_across_replicas": lambda v: "optimizer across replicas" if v else "",
+    "secondary_shard": lambda v: f"hpZ per {v}" if v != "none" else "",
+    "quantize_weights": lambda v: f"qwZ {v}" if v != "none" else "",
+    "quantize_gradients": lambda v: f"qgZ {v}" if v != "none" else "",
 }
 
 

@@ -57,3 +57,13 @@ def test_secondary_shards_without_nodes_of_several_ranks_are_refused() -> None:
     config = {**CONFIG, "parallel": {"dp_strategy": "zero3"}, "zero": {"secondary_shard": "node"}}
     with pytest.raises(ConfigError, match=r'zero.secondary_shard = "node": .* needs several nodes'):
         Engine(config=config)
+
+
+def test_the_banner_names_the_zero_plus_plus_knobs_that_are_on() -> None:
+    from plait.tools.banner import _with_options
+
+    zero = {"shard_optimizer_across_replicas": False, "secondary_shard": "node"}
+    resolved = {"zero3": {**zero, "quantize_weights": "int8", "quantize_gradients": "int4"}}
+    assert _with_options("zero3", resolved) == "zero3 (hpZ per node, qwZ int8, qgZ int4)"
+    resolved = {"zero1": {"shard_optimizer_across_replicas": True, "quantize_weights": "none"}}
+    assert _with_options("zero1", resolved) == "zero1 (optimizer across replicas)"
