@@ -227,16 +227,20 @@ def test_plan_prints_the_cross_node_columns(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
     result = CliRunner().invoke(
-        app, ["llama:tiny", "--world", "4", "--per-node", "2", "--global-batch", "16",
+        app, ["llama:small", "--world", "4", "--per-node", "2", "--global-batch", "16",
               "--seq-len", "128", "--precision", "fp32", "--zero", "0", "--recompute", "none",
               "--top", "50"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "x-node GB" in result.output and "x-node s" in result.output
-    job = Job(model=resolve_shape("llama:tiny"), seq_len=128, global_batch=16, world=4,
+    lines = result.output.splitlines()
+    header = next(line.strip("┃").split("┃") for line in lines if "x-node GB" in line)
+    header = [cell.strip() for cell in header]
+    assert "x-node s" in header
+    job = Job(model=resolve_shape("llama:small"), seq_len=128, global_batch=16, world=4,
               per_node=2, device=DEVICES["H100-80GB"], precision=PRECISIONS["fp32"])  # fmt: skip
-    best = plan(job, SearchSpace(zero_stages=(0,), recompute=("none",))).ranked
-    ddp = next(c for c in best if c.layout.dp == 4)
-    row = next(line for line in result.output.splitlines() if ddp.layout.describe() in line)
-    assert f"{ddp.time.cross_node_bytes / 1e9:.2f}" in row
-    assert ddp.time.cross_node_bytes > 0
+    ranked = plan(job, SearchSpace(zero_stages=(0,), recompute=("none",))).ranked
+    ddp = next(c for c in ranked if c.layout.dp == 4)
+    row = next(line for line in lines if f" {ddp.layout.describe()} " in line)
+    cells = [cell.strip() for cell in row.strip("│").split("│")]
+    assert cells[header.index("x-node GB")] == f"{ddp.time.cross_node_bytes / 1e9:.2f}" != "0.00"
+    assert cells[header.index("x-node s")] == f"{ddp.time.cross_node_seconds:.3f}"
