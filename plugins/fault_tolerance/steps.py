@@ -11,15 +11,21 @@ retries it with the groups still alive.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from plait.core.config import FaultToleranceSection
+from plait.core.errors import PlaitError
 from plait.plugins.fault_tolerance.commit import ReplicaGroupCommit
 from plait.plugins.fault_tolerance.healing import heal_state, load_heal_state
 from plait.plugins.fault_tolerance.quorum_events import QuorumEvent, QuorumWatch
 from plait.plugins.fault_tolerance.replica_group import open_manager
+
+
+class NoStateToResume(PlaitError):
+    """A restarted replica group has neither a live peer nor a checkpoint to continue from."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,9 +52,14 @@ class _RewindPoint:
 class FaultTolerantSteps:
     """Drive an engine's steps through torchft's manager; see the module docstring."""
 
-    def __init__(self, *, engine: Any, batches: Any, manager: Any, store: Any) -> None:
+    def __init__(
+        self, *, engine: Any, batches: Any, manager: Any, store: Any, restarted: bool = False
+    ) -> None:
         self.engine, self.batches = engine, batches
         self.manager, self._store = manager, store
+        # A group torchrun restarted has trained before: it must not start over from step 0.
+        self.restarted = restarted
+        self._first_quorum = True
         self.commit = ReplicaGroupCommit(manager=manager, optimizer=engine.optimizer)
         engine.runtimes.append(self.commit)  # last: after the group's own gradient reduction
         self.watch = QuorumWatch()
@@ -79,7 +90,13 @@ class FaultTolerantSteps:
             state_dict=lambda: heal_state(engine, batches),
             load_state_dict=load,
         )
-        steps = cls(engine=engine, batches=batches, manager=manager, store=store)
+        steps = cls(
+            engine=engine,
+            batches=batches,
+            manager=manager,
+            store=store,
+            restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
+        )
         holder.append(steps)
         steps.resume_from(engine.global_step)
         return steps
@@ -103,6 +120,7 @@ class FaultTolerantSteps:
             start_ns=quorum_start,
             end_ns=time.time_ns(),
         )
+        self._refuse_starting_over(participants)
         rewind = _RewindPoint(
             step=engine.global_step,
             sampler=copy.deepcopy(dict(self.batches.state_dict())),
@@ -135,6 +153,17 @@ class FaultTolerantSteps:
             participants=participants,
             events=self.watch.take(),
         )
+
+    def _refuse_starting_over(self, participants: int) -> None:
+        """A restarted group alone at step 0 found no live peer to heal from and no checkpoint:
+        training on would silently start the run over from initial weights."""
+        first, self._first_quorum = self._first_quorum, False
+        if first and self.restarted and participants == 1 and self.engine.global_step == 0:
+            raise NoStateToResume(
+                "this replica group was restarted, but no live group is left to heal from and "
+                "no checkpoint was resumed: it would train from its initial weights. Set "
+                "checkpoint_io.dir (and checkpoint_io.every) so a group can resume from disk"
+            )
 
     def step_until_committed(self, *, data_start_ns: int | None = None) -> StepOutcome:
         """Try the next step until it commits (with whichever groups are alive); the outcome of
