@@ -41,6 +41,7 @@ from plait.core.link_bytes import (
     LinkBytes,
     flat_bytes,
     hierarchical_bytes,
+    point_to_point,
 )
 from plait.planner.comm_model import op_family, steps_and_volume
 from plait.planner.layouts import Job, Layout
@@ -345,6 +346,46 @@ def _latency(job: Job, layout: Layout, transfer: Transfer, busiest: GroupBytes) 
     return steps * link.for_op(op_family(transfer.op))[0]
 
 
+def pipeline_cross_node(job: Job, layout: Layout) -> tuple[int, float]:
+    """(bytes, seconds) of one step's pipeline transfers that cross a node: every micro-batch
+    sends its activation forward over each chunk boundary (stage `s` to `s + 1`, the last
+    stage back to the first between interleaved chunks) and its gradient back, from each rank
+    to the rank at the same place of the next stage (link_bytes' `point_to_point`). Seconds:
+    the busiest rank's cross-node sends at the inter-node link's send rate."""
+    if layout.pp == 1:
+        return 0, 0.0
+    nodes, per_node = _nodes(job)
+    stage_size = layout.dp * layout.cp * layout.tp
+    sp_share = layout.tp if layout.sequence_parallel else 1
+    activation = layout.micro_batch * job.seq_len // layout.cp * job.model.dim // sp_share
+    nbytes = activation * job.precision.activation_bytes
+    microbatches = max(job.global_batch // (layout.dp * layout.micro_batch), 1)
+    total = busiest = 0
+    for boundary in range(layout.pp * layout.virtual_stages - 1):
+        sender, receiver = boundary % layout.pp, (boundary + 1) % layout.pp
+        crossing, most = _crossing_pairs(nodes, per_node, stage_size, sender, receiver, nbytes)
+        total += 2 * microbatches * crossing  # forward activation, backward gradient
+        busiest += 2 * microbatches * most
+    _, beta = job.device.inter_node.for_op("send")
+    return total, busiest / beta
+
+
+@functools.lru_cache(maxsize=4096)
+def _crossing_pairs(
+    nodes: int, per_node: int, stage_size: int, sender: int, receiver: int, nbytes: int
+) -> tuple[int, int]:
+    """(cross-node bytes summed over the sender stage's ranks, the most one rank sends) of a
+    send of `nbytes` from every rank of stage `sender` to its place in stage `receiver`."""
+    host_map = _host_map(nodes, per_node)
+    total = most = 0
+    for place in range(stage_size):
+        rank, peer = sender * stage_size + place, receiver * stage_size + place
+        across = point_to_point(rank, peer, nbytes, host_map).inter_node
+        total += across
+        most = max(most, across)
+    return total, most
+
+
 def price_transfers(
     job: Job, layout: Layout, stage_params: Sequence[float]
 ) -> tuple[PricedTransfer, ...]:
@@ -372,6 +413,7 @@ __all__ = [
     "dp_transfers",
     "hierarchical_applies",
     "job_host_map",
+    "pipeline_cross_node",
     "price_transfer",
     "price_transfers",
     "transfer_bytes",

@@ -43,7 +43,12 @@ from dataclasses import dataclass, fields
 
 from plait.planner.comm_model import collective_seconds, link_for
 from plait.planner.layouts import Job, Layout
-from plait.planner.link_traffic import PricedTransfer, dp_traffic, price_transfers
+from plait.planner.link_traffic import (
+    PricedTransfer,
+    dp_traffic,
+    pipeline_cross_node,
+    price_transfers,
+)
 from plait.planner.memory_model import DDP_BUCKET_BYTES, layers_on_stage, stage_parameters
 from plait.planner.schedule_model import pipeline_makespan
 
@@ -72,8 +77,9 @@ class StepTimeEstimate:
     hardware_flops: float  # per step, whole job, recomputation included
     world: int
     peak_flops: float  # per device
-    # The dp traffic's bytes that cross a node boundary in one step, summed over the ranks, and
-    # the seconds the busiest rank spends sending its share (overlapped or not).
+    # The bytes of the dp and pipeline traffic that cross a node boundary in one step, summed
+    # over the ranks, and the seconds the busiest rank spends sending its share (overlapped or
+    # not).
     cross_node_bytes: int = 0
     cross_node_seconds: float = 0.0
 
@@ -295,6 +301,7 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         job, layout, priced, microbatches, cost.backward + cost.recompute, cost.forward
     )
     traffic = dp_traffic(priced)
+    pipeline_bytes, pipeline_seconds = pipeline_cross_node(job, layout)
     optim_params = params / layout.shard_degree if layout.zero >= 1 else params
     optimizer_bytes = optim_params * (
         2 * precision.param_bytes
@@ -326,8 +333,8 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         hardware_flops=model_flops + recompute_flops,
         world=layout.world,
         peak_flops=device.peak_flops,
-        cross_node_bytes=traffic.inter_node,
-        cross_node_seconds=traffic.inter_node_seconds,
+        cross_node_bytes=traffic.inter_node + pipeline_bytes,
+        cross_node_seconds=traffic.inter_node_seconds + pipeline_seconds,
     )
 
 

@@ -11,7 +11,12 @@ from typer.testing import CliRunner
 
 from plait.core.config import load_config
 from plait.core.host_map import HostMap
-from plait.core.link_bytes import op_link_bytes, sharded_step_bytes, sharded_step_inter_node
+from plait.core.link_bytes import (
+    op_link_bytes,
+    point_to_point,
+    sharded_step_bytes,
+    sharded_step_inter_node,
+)
 from plait.planner.auto import layout_config, layout_from_config, merge_sections
 from plait.planner.devices import DEVICES, Link
 from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace, enumerate_layouts
@@ -93,6 +98,20 @@ def test_cross_node_bytes_per_step_are_link_bytes_formulas(ranks_per_node: int) 
         gathers=[], reductions=[numel], itemsize=4,
     )  # fmt: skip
     assert _cross_node(job, Layout(dp=n, zero=2, dp_shard=k)) == n * per_rank.inter_node
+
+
+def test_pipeline_transfers_across_nodes_count_too() -> None:
+    # 2 nodes x 2, pp 2: stage 0 is node 0, stage 1 node 1; dp stays inside each node
+    job = _tiny_job(2, 4)
+    layout = Layout(dp=2, pp=2, micro_batch=2, schedule="1f1b")
+    host_map = HostMap.assumed(2, 2)
+    activation = 2 * job.seq_len * job.model.dim * 4  # micro-batch x tokens x width, fp32
+    microbatches = job.global_batch // (layout.dp * layout.micro_batch)
+    sends = sum(point_to_point(rank, rank + 2, activation, host_map).inter_node for rank in (0, 1))
+    assert _cross_node(job, layout) == 2 * microbatches * sends  # activations and gradients
+    assert _cross_node(job, Layout(dp=4, pp=1, micro_batch=2, zero=3, dp_shard=2)) > 0
+    inside = _tiny_job(4, 1)  # one node of 4 ranks holding both stages
+    assert _cross_node(dataclasses.replace(inside, world=4), layout) == 0
 
 
 # ------------------------------------------------------------------------ memory and search
