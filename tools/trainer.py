@@ -109,9 +109,13 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         Validation(engine, split_batches["validation"]) if "validation" in split_batches else None
     )
     checkpointer = Checkpointer.from_config(engine, batches, config)
+    # Before the NaN guard: the guard then judges the gradients averaged across the groups, so
+    # every group skips (or takes) a step alike.
+    replica_groups = _join_replica_groups(engine, batches, config)
     attach_resilience(engine, config.checkpoint_io)
     start_step = checkpointer.maybe_resume()
-    replica_groups = _join_replica_groups(engine, batches, config)
+    if replica_groups is not None:
+        replica_groups.resume_from(start_step)
     rank_peak = _rank_peak(engine) if is_leader else PeakFlops(0.0, "")
     # Every rank of a job runs on the same kind of device, so the job's peak is W × the rank's.
     peak = rank_peak.flops * mesh.world_size
@@ -223,8 +227,8 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
 def _join_replica_groups(
     engine: Engine, batches: StepSampler, config: PlaitConfig
 ) -> FaultTolerantSteps | None:
-    """This group's fault-tolerant steps when `[fault_tolerance]` names a replica group, after
-    any disk checkpoint was resumed (a live peer further on still heals it)."""
+    """This group's fault-tolerant steps when `[fault_tolerance]` names a replica group; call
+    `resume_from` once a disk checkpoint was resumed (a live peer further on still heals it)."""
     if not config.fault_tolerance.enabled:
         return None
     from plait.plugins.fault_tolerance import FaultTolerantSteps
