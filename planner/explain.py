@@ -21,6 +21,7 @@ from plait.planner.time_model import StepTimeEstimate
 # pipeline transfers are part of the bubble term, the rest (metrics, norms) of none.
 PURPOSE_TERMS = {
     comm.GRAD_BUCKET: "dp_comm",
+    comm.GRAD_SHARD: "dp_comm",  # HSDP's gradient shards averaged across the replicas
     comm.PARAM_GATHER: "dp_comm",
     comm.TP_ACTIVATION: "tp_comm",
     comm.TP_GRAD: "tp_comm",
@@ -79,7 +80,8 @@ def explain(prediction: StepTimeEstimate, ranks: Sequence[Any]) -> Explanation:
         by_purpose = dict(rank.exposed_comm_by_purpose)
         assigned = 0.0
         for purpose, seconds in by_purpose.items():
-            term = PURPOSE_TERMS.get(purpose)
+            # an algorithm's sub-ops ("hierarchical/grad_bucket") count for their parent's term
+            term = PURPOSE_TERMS.get(purpose, PURPOSE_TERMS.get(purpose.rpartition("/")[2]))
             if term is None or term == "pipeline_bubble":
                 continue
             measured_comm[term] = measured_comm.get(term, 0.0) + seconds / len(ranks)

@@ -17,8 +17,9 @@ from plait.core.link_bytes import (
     sharded_step_bytes,
     sharded_step_inter_node,
 )
-from plait.planner.auto import layout_config, layout_from_config, merge_sections
+from plait.planner.auto import auto_config, layout_config, layout_from_config, merge_sections
 from plait.planner.devices import DEVICES, Link
+from plait.planner.explain import explain
 from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace, enumerate_layouts
 from plait.planner.memory_model import estimate_memory
 from plait.planner.published import resolve_shape
@@ -263,3 +264,34 @@ def test_plan_prints_the_cross_node_columns(tmp_path, monkeypatch) -> None:
     cells = [cell.strip() for cell in row.strip("│").split("│")]
     assert cells[header.index("x-node GB")] == f"{ddp.time.cross_node_bytes / 1e9:.2f}" != "0.00"
     assert cells[header.index("x-node s")] == f"{ddp.time.cross_node_seconds:.3f}"
+
+
+def test_auto_on_two_nodes_writes_what_it_planned() -> None:
+    config, result = auto_config(_tiny_config(), world=4, per_node=2, device=DEVICES["H100-80GB"])
+    best = result.best.layout
+    assert config["comm"]["algorithm"] in ("torch", "hierarchical")
+    assert config["parallel"].get("dp_shard", 0) == best.dp_shard
+    assert layout_from_config(config, world=4, per_node=2) == best
+
+
+def test_explain_counts_hsdp_and_hierarchical_sub_ops_as_dp_comm() -> None:
+    job = _tiny_job(2)
+    prediction = price(job, Layout(dp=4, zero=2, dp_shard=2, micro_batch=4)).time
+    breakdown = _Breakdown(
+        step_seconds=1.0,
+        compute_seconds=0.5,
+        exposed_comm_seconds=0.3,
+        exposed_comm_by_purpose={"grad_shard": 0.1, "hierarchical/grad_bucket": 0.2},
+    )
+    rows = {row.term: row for row in explain(prediction, [breakdown]).rows}
+    assert rows["dp_comm"].measured == pytest.approx(0.3)
+    assert "other comm" not in rows
+
+
+class _Breakdown:
+    def __init__(self, **values: object) -> None:
+        defaults = dict(step_seconds=0.0, compute_seconds=0.0, exposed_comm_seconds=0.0,
+                        pipeline_bubble_seconds=0.0, optimizer_seconds=0.0, data_wait_seconds=0.0,
+                        host_other_seconds=0.0, exposed_comm_by_purpose={})  # fmt: skip
+        defaults.update(values)
+        self.__dict__.update(defaults)
