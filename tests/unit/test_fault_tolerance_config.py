@@ -7,6 +7,8 @@ import pytest
 
 from plait.core.config import load_config
 from plait.core.errors import ConfigError
+from plait.daemon.lighthouse import HostedLighthouse, LighthouseSettings, read_lighthouse
+from plait.daemon.security import SecurityError
 from plait.plugins.fault_tolerance.data_share import replica_data_coordinates
 from plait.plugins.fault_tolerance.quorum_events import QuorumWatch
 
@@ -65,3 +67,21 @@ def test_the_watch_reports_joins_leaves_heals_and_failed_commits_once() -> None:
     watch.quorum(quorum_id=3, participants=2, step=0, start_ns=0, end_ns=5)
     assert [(e.kind, e.step) for e in watch.take()] == [("join", 0), ("heal", 7)]
     assert watch.take() == ()
+
+
+def test_the_lighthouse_listens_on_loopback_unless_the_network_is_trusted() -> None:
+    with pytest.raises(SecurityError, match="no TLS or token; pass --insecure"):
+        LighthouseSettings(bind="0.0.0.0:29510")
+    assert LighthouseSettings(bind="0.0.0.0:29510", insecure=True).insecure
+    with pytest.raises(ValueError, match="heartbeat_timeout_seconds"):
+        LighthouseSettings(bind="127.0.0.1:0", heartbeat_timeout_seconds=0)
+
+
+def test_a_hosted_lighthouse_answers_on_the_address_it_reports() -> None:
+    lighthouse = HostedLighthouse(LighthouseSettings(bind="127.0.0.1:0"))
+    try:
+        assert lighthouse.address.startswith("127.0.0.1:")
+        view = read_lighthouse(lighthouse.address)
+        assert view.heartbeats == {} and "not ready" in view.next_quorum
+    finally:
+        lighthouse.stop()
