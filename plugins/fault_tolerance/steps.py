@@ -61,7 +61,8 @@ class FaultTolerantSteps:
         self.restarted = restarted
         self._first_quorum = True
         self.commit = ReplicaGroupCommit(manager=manager, optimizer=engine.optimizer)
-        engine.runtimes.append(self.commit)  # last: after the group's own gradient reduction
+        # After the group's data-parallel runtime: it averages what that runtime reduced.
+        engine.runtimes.append(self.commit)
         self.watch = QuorumWatch()
 
     @property
@@ -112,7 +113,7 @@ class FaultTolerantSteps:
         quorum_start = time.time_ns()
         self.manager.start_quorum()  # blocks for the quorum; heals this group if behind
         participants = self.manager.num_participants()
-        quorum_id = int(self.manager._quorum_id)
+        quorum_id = int(self.manager._quorum_id)  # torchft 0.2 has no public getter for it
         self.watch.quorum(
             quorum_id=quorum_id,
             participants=participants,
