@@ -1,4 +1,5 @@
-"""Data-parallel traffic of a layout per link class: bytes inside and across nodes, and time.
+"""A layout's data-parallel (and pipeline) traffic per link class: bytes inside and across
+nodes, and their time.
 
 The bytes are `plait.core.link_bytes`' per-op formulas, applied to every rank of the groups
 the mesh would build on the host map the job runs on (`HostMap.assumed`: node `i` holds ranks
@@ -7,7 +8,7 @@ the mesh would build on the host map the job runs on (`HostMap.assumed`: node `i
 
     gradient group   dp × cp            what DDP all-reduces and plain ZeRO shards over
     shard group      dp_shard × cp      what HSDP shards over (inside one node)
-    replica group    dp_replicate       the ranks holding the same shard, one per node
+    replica group    dp_replicate       the ranks holding the same shard (across nodes)
 
 What one optimizer step sends (`dp_transfers`), as plait's strategies issue it:
 
@@ -17,6 +18,8 @@ What one optimizer step sends (`dp_transfers`), as plait's strategies issue it:
     ZeRO-3         per micro-batch: two all-gathers of the parameters (forward, backward) and
                    a reduce of the gradients over the shard group
     HSDP (1/2/3)   once per step: all-reduce of each rank's gradient shard over its replicas
+    pp             per micro-batch and chunk boundary: the activation to the next stage's
+                   rank at the same place, its gradient back (`pipeline_cross_node`)
 
 On 2 nodes × 2 with a model of `B` bytes this gives link_bytes' figures: DDP 3·B cross-node
 bytes per step flat and 2·B hierarchical; ZeRO-3 4.5·B·M flat, 3·B·M hierarchical, 2·B HSDP.
