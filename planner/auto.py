@@ -24,8 +24,17 @@ from plait.planner.search import PlanResult, plan
 COMM_ALGORITHMS = {FLAT: "torch", HIERARCHICAL: "hierarchical"}
 
 
-def layout_config(layout: Layout) -> dict[str, Any]:
-    """The config sections that make the engine run `layout`."""
+def unplanned_algorithm(config: Mapping[str, Any]) -> str:
+    """The `comm.algorithm` the config names when it is one the planner does not model (a
+    compression or a ring of the user's choice), else "": `--auto` keeps it and plans around it
+    as flat data parallelism, rather than replacing the user's choice."""
+    named = str((config.get("comm") or {}).get("algorithm") or "")
+    return named if named and named not in COMM_ALGORITHMS.values() else ""
+
+
+def layout_config(layout: Layout, *, keep_algorithm: bool = False) -> dict[str, Any]:
+    """The config sections that make the engine run `layout` (`keep_algorithm`: leave
+    `comm.algorithm` as the config has it)."""
     transforms: dict[str, str] = {}
     sections: dict[str, Any] = {
         "parallel": {
@@ -44,6 +53,8 @@ def layout_config(layout: Layout) -> dict[str, Any]:
             "virtual_stages": layout.virtual_stages,
         },
     }
+    if keep_algorithm:
+        del sections["comm"]
     if layout.dp_shard:
         sections["parallel"]["dp_shard"] = layout.dp_shard
     if layout.recompute != "none":
@@ -102,6 +113,9 @@ def auto_config(
 ) -> tuple[dict[str, Any], PlanResult]:
     """`config` with the fastest fitting layout for `world` ranks written in."""
     job = job_for_config(config, world=world, per_node=per_node, device=device)
+    kept = unplanned_algorithm(config)
+    if kept:  # the user's algorithm runs the dp collectives: no hierarchical variants
+        space = replace(space or SearchSpace(), hierarchical=False)
     result = plan(job, space)
     if not result.ranked:
         smallest = result.smallest_rejected
@@ -114,7 +128,8 @@ def auto_config(
         raise ConfigError(
             f"--auto: no layout of {job.model.name} fits {world} × {device.name}{hint}"
         )
-    return merge_sections(config, layout_config(result.best.layout)), result
+    chosen = layout_config(result.best.layout, keep_algorithm=bool(kept))
+    return merge_sections(config, chosen), result
 
 
 def layout_from_config(
@@ -178,7 +193,7 @@ def layout_from_config(
     return layout
 
 
-def layout_overrides(layout: Layout) -> list[str]:
+def layout_overrides(layout: Layout, *, keep_algorithm: bool = False) -> list[str]:
     """`layout_config(layout)` as `section.field=value` overrides (what `--set` takes)."""
     out = []
 
@@ -193,7 +208,7 @@ def layout_overrides(layout: Layout) -> list[str]:
                     f"{prefix}{key}={str(value).lower() if isinstance(value, bool) else value}"
                 )
 
-    walk("", layout_config(layout))
+    walk("", layout_config(layout, keep_algorithm=keep_algorithm))
     return out
 
 
@@ -259,4 +274,4 @@ def auto_overrides(config: Any, *, world: int, per_node: int, console: Any) -> l
     console.print(
         dump_toml(resolved.model_dump(mode="json")), highlight=False, markup=False, end=""
     )
-    return layout_overrides(best.layout)
+    return layout_overrides(best.layout, keep_algorithm=bool(unplanned_algorithm(data)))

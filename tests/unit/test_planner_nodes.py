@@ -17,7 +17,13 @@ from plait.core.link_bytes import (
     sharded_step_bytes,
     sharded_step_inter_node,
 )
-from plait.planner.auto import auto_config, layout_config, layout_from_config, merge_sections
+from plait.planner.auto import (
+    auto_config,
+    layout_config,
+    layout_from_config,
+    layout_overrides,
+    merge_sections,
+)
 from plait.planner.devices import DEVICES, Link
 from plait.planner.explain import explain
 from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace, enumerate_layouts
@@ -272,6 +278,16 @@ def test_auto_on_two_nodes_writes_what_it_planned() -> None:
     assert config["comm"]["algorithm"] in ("torch", "hierarchical")
     assert config["parallel"].get("dp_shard", 0) == best.dp_shard
     assert layout_from_config(config, world=4, per_node=2) == best
+
+
+def test_auto_keeps_an_algorithm_the_planner_does_not_model() -> None:
+    named = {**_tiny_config(), "comm": {"algorithm": "powersgd"}}
+    config, result = auto_config(named, world=4, per_node=2, device=DEVICES["H100-80GB"])
+    assert config["comm"]["algorithm"] == "powersgd"
+    assert all(c.layout.dp_algorithm == "flat" for c in result.ranked)  # no hierarchical plans
+    overrides = layout_overrides(result.best.layout, keep_algorithm=True)
+    assert not any(o.startswith("comm.") for o in overrides)
+    assert any(o.startswith("comm.algorithm=") for o in layout_overrides(result.best.layout))
 
 
 def test_explain_counts_hsdp_and_hierarchical_sub_ops_as_dp_comm() -> None:
