@@ -73,15 +73,18 @@ class HostedLighthouse:
 
 _HEARTBEAT_LINE = re.compile(r"^\s*(\S+): seen ([0-9.]+)(m?s) ago", re.MULTILINE)
 _QUORUM_ID_LINE = re.compile(r"Current quorum_id: (-?\d+)")
+_WAITING = re.compile(r"\[(\d+)/(\d+) participants healthy\]")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LighthouseView:
     """What a lighthouse reports of itself: the current quorum id, every replica group it hears
-    heartbeats from (replica id → seconds since the last one) and its next quorum's status."""
+    heartbeats from (replica id → seconds since the last one), how many groups have asked for
+    the next quorum and wait for it, and that quorum's status."""
 
     quorum_id: int
     heartbeats: dict[str, float]
+    waiting: int
     next_quorum: str
 
 
@@ -92,11 +95,13 @@ def read_lighthouse(address: str, *, timeout: float = 5.0) -> LighthouseView:
         page = response.read().decode("utf-8", "replace")
     quorum = _QUORUM_ID_LINE.search(page)
     status = re.search(r"Next quorum status: ([^<\n]*)", page)
+    waiting = _WAITING.search(page)
     return LighthouseView(
         quorum_id=int(quorum.group(1)) if quorum else -1,
         heartbeats={
             replica: float(age) / (1000.0 if unit == "ms" else 1.0)
             for replica, age, unit in _HEARTBEAT_LINE.findall(page)
         },
+        waiting=int(waiting.group(2)) if waiting else 0,
         next_quorum=status.group(1).strip() if status else "",
     )

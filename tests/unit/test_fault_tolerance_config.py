@@ -82,6 +82,6 @@ def test_a_hosted_lighthouse_answers_on_the_address_it_reports() -> None:
     try:
         assert lighthouse.address.startswith("127.0.0.1:")
         view = read_lighthouse(lighthouse.address)
-        assert view.heartbeats == {} and "not ready" in view.next_quorum
+        assert view.heartbeats == {} and view.waiting == 0 and "not ready" in view.next_quorum
     finally:
         lighthouse.stop()
