@@ -102,6 +102,13 @@ def replica_group_rank(
         other = "B" if role == "A" else "A"
         for peer in range(world_size):
             wait_for(marker_dir / f"manager-{other}-{peer}", f"group {other} to start")
+        # With no quorum before it, the first one waits for every group the lighthouse hears.
+        groups = {(marker_dir / f"manager-{g}-0").read_text() for g in ("A", "B")}
+        deadline = time.monotonic() + MARKER_WAIT_SECONDS
+        while not groups <= set(read_lighthouse(lighthouse).heartbeats):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the lighthouse never heard all of {groups}")
+            time.sleep(0.02)
     tries: list[dict[str, Any]] = []
     while engine.global_step < STEPS:
         step = engine.global_step
