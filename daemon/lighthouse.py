@@ -71,7 +71,9 @@ class HostedLighthouse:
         self._server.shutdown()
 
 
-_HEARTBEAT_LINE = re.compile(r"^\s*(\S+): seen ([0-9.]+)(m?s) ago", re.MULTILINE)
+# Rust's `Duration` debug format: "812ns", "3.5µs", "2.69ms", "1.002s".
+_HEARTBEAT_LINE = re.compile(r"^\s*(\S+): seen ([0-9.]+)(ns|µs|us|ms|s) ago", re.MULTILINE)
+_SECONDS_PER_UNIT = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _QUORUM_ID_LINE = re.compile(r"Current quorum_id: (-?\d+)")
 _WAITING = re.compile(r"\[(\d+)/(\d+) participants healthy\]")
 
@@ -92,14 +94,18 @@ def read_lighthouse(address: str, *, timeout: float = 5.0) -> LighthouseView:
     """Ask the lighthouse at HOST:PORT for its status page and read it (torchft 0.2's format)."""
     url = address if "://" in address else f"http://{address}"
     with urllib.request.urlopen(f"{url}/status", timeout=timeout) as response:
-        page = response.read().decode("utf-8", "replace")
+        return parse_lighthouse_status(response.read().decode("utf-8", "replace"))
+
+
+def parse_lighthouse_status(page: str) -> LighthouseView:
+    """A lighthouse's `/status` page (torchft 0.2's HTML fragment), read."""
     quorum = _QUORUM_ID_LINE.search(page)
     status = re.search(r"Next quorum status: ([^<\n]*)", page)
     waiting = _WAITING.search(page)
     return LighthouseView(
         quorum_id=int(quorum.group(1)) if quorum else -1,
         heartbeats={
-            replica: float(age) / (1000.0 if unit == "ms" else 1.0)
+            replica: float(age) * _SECONDS_PER_UNIT[unit]
             for replica, age, unit in _HEARTBEAT_LINE.findall(page)
         },
         waiting=int(waiting.group(2)) if waiting else 0,

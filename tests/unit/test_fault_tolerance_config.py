@@ -7,7 +7,12 @@ import pytest
 
 from plait.core.config import load_config
 from plait.core.errors import ConfigError
-from plait.daemon.lighthouse import HostedLighthouse, LighthouseSettings, read_lighthouse
+from plait.daemon.lighthouse import (
+    HostedLighthouse,
+    LighthouseSettings,
+    parse_lighthouse_status,
+    read_lighthouse,
+)
 from plait.daemon.security import SecurityError
 from plait.plugins.fault_tolerance.data_share import replica_data_coordinates
 from plait.plugins.fault_tolerance.quorum_events import QuorumWatch
@@ -85,3 +90,18 @@ def test_a_hosted_lighthouse_answers_on_the_address_it_reports() -> None:
         assert view.heartbeats == {} and view.waiting == 0 and "not ready" in view.next_quorum
     finally:
         lighthouse.stop()
+
+
+def test_the_status_page_is_read_whatever_unit_its_heartbeat_ages_are_in() -> None:
+    page = (
+        "Current quorum_id: 3 <br>\nNext quorum status: New quorum not ready, only have 1 "
+        "participants [1/1 participants healthy][2 heartbeating]\n<h2>Heartbeats</h2>\n<ul>\n"
+        '  <li class="heartbeat">\n    job-group0:a1: seen 3.5µs ago\n  </li>\n'
+        '  <li class="heartbeat">\n    job-group1:b2: seen 2.5ms ago\n  </li>\n'
+        '  <li class="heartbeat old">\n    job-group1:c3: seen 7.25s ago\n  </li>\n</ul>'
+    )
+    view = parse_lighthouse_status(page)
+    assert view.quorum_id == 3 and view.waiting == 1
+    assert view.heartbeats == pytest.approx(
+        {"job-group0:a1": 3.5e-6, "job-group1:b2": 2.5e-3, "job-group1:c3": 7.25}
+    )
