@@ -53,10 +53,20 @@ def job_config(*, group: int, lighthouse: str, layout: dict[str, Any]) -> dict[s
     )
 
 
-def wait_for(path: Path, what: str) -> None:
-    """Block until another process wrote `path` (the ordering event), or fail naming it."""
+def write_marker(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a reader that sees it exist reads all of `text`."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def wait_for(path: Path, what: str, *, unless: Any = None) -> None:
+    """Block until another process wrote `path` (the ordering event), or fail naming it; with
+    `unless` (a thread), fail at once with its error if it ends first."""
     deadline = time.monotonic() + MARKER_WAIT_SECONDS
     while not path.exists():
+        if unless is not None and not unless.is_alive():
+            raise AssertionError(f"{what}: it ended without writing {path}: {unless.error}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: {path} never appeared")
         time.sleep(0.02)
@@ -67,7 +77,7 @@ def _fail_in_forward(module: torch.nn.Module, marker: Path, fault: str) -> None:
     this process inside its next forward, after writing its PID to `marker`."""
 
     def fail(*_: Any) -> None:
-        marker.write_text(str(os.getpid()))
+        write_marker(marker, str(os.getpid()))
         os.kill(os.getpid(), signal.Signals[fault])
 
     module.register_forward_pre_hook(fail)
@@ -95,7 +105,7 @@ def replica_group_rank(
         seed=config.train.seed,
     )
     steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id="ft-job")
-    (marker_dir / f"manager-{role}-{rank}").write_text(steps.replica_id)
+    write_marker(marker_dir / f"manager-{role}-{rank}", steps.replica_id)
     if role in ("A", "B"):
         # Both groups' managers heartbeat before either asks for the first quorum: step 0 is
         # taken by both, whatever the order the processes started in.
@@ -116,7 +126,7 @@ def replica_group_rank(
             _fail_in_forward(engine.module, marker_dir / "B-failed", layout.get("fault", "SIGKILL"))
         if role == "A" and step == REJOIN_STEP and not (marker_dir / "A-at-rejoin").exists():
             if rank == 0:
-                (marker_dir / "A-at-rejoin").write_text(str(step))
+                write_marker(marker_dir / "A-at-rejoin", str(step))
             for peer in range(world_size):
                 wait_for(marker_dir / f"manager-B'-{peer}", "the replacement group to start")
             # B' must have asked for the quorum before A does: the lighthouse forms a quorum at

@@ -61,7 +61,7 @@ def _run_schedule(tmp_path: Path, *, ranks: int, layout: dict[str, Any]) -> dict
         group_b = Group("B", ranks, address, tmp_path, layout)
         group_a.start()
         group_b.start()
-        workers.wait_for(tmp_path / "B-failed", "group B to fail")
+        workers.wait_for(tmp_path / "B-failed", "group B to fail", unless=group_b)
         workers.wait_for(tmp_path / "A-at-rejoin", "group A to reach the rejoin step")
         if layout.get("fault") == "SIGSTOP":
             # A went on without the hung group; now it is cleared away like a dead one.
