@@ -109,9 +109,9 @@ def replica_group_rank(
     if role in ("A", "B"):
         # Both groups' managers heartbeat before either asks for the first quorum: step 0 is
         # taken by both, whatever the order the processes started in.
-        other = "B" if role == "A" else "A"
-        for peer in range(world_size):
-            wait_for(marker_dir / f"manager-{other}-{peer}", f"group {other} to start")
+        for group in ("A", "B"):
+            for peer in range(world_size):
+                wait_for(marker_dir / f"manager-{group}-{peer}", f"group {group} to start")
         # With no quorum before it, the first one waits for every group the lighthouse hears.
         groups = {(marker_dir / f"manager-{g}-0").read_text() for g in ("A", "B")}
         deadline = time.monotonic() + MARKER_WAIT_SECONDS
