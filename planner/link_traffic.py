@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from plait.core.host_map import SOURCE_ASSUMED, HostMap
 from plait.core.link_bytes import (
@@ -47,7 +48,9 @@ from plait.core.link_bytes import (
     point_to_point,
 )
 from plait.planner.comm_model import op_family, steps_and_volume
-from plait.planner.layouts import Job, Layout
+
+if TYPE_CHECKING:  # layouts asks this module which dp variants to offer: no import back
+    from plait.planner.layouts import Job, Layout
 
 GRADIENT, SHARD, REPLICA = "gradient", "shard", "replica"
 # The sub-ops of a hierarchical collective, each on the intra-node or the cross-node group
@@ -225,7 +228,8 @@ def _spans_nodes_several_each(nodes: int, per_node: int, mesh: Layout, kind: str
 
 def _mesh_only(layout: Layout) -> Layout:
     """The fields the groups depend on (a cache key shared by a mesh's variants)."""
-    return Layout(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_shard=layout.dp_shard)
+    mesh = type(layout)  # the Layout class, without importing planner.layouts at run time
+    return mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_shard=layout.dp_shard)
 
 
 def dp_transfers(job: Job, layout: Layout, stage_params: Sequence[float]) -> tuple[Transfer, ...]:

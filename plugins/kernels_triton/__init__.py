@@ -26,13 +26,15 @@ from plait.core.records import KernelRecord
 PROVIDER = "triton"
 
 # op name -> (module inside this package, function), imported on first request.
+# The row and point-wise ops come through `custom_ops`: the kernels' autograd.Functions when
+# eager, one custom op each under torch.compile.
 _IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
-    "rms_norm": ("norms", "rms_norm"),
-    "layer_norm": ("norms", "layer_norm"),
-    "swiglu": ("elementwise", "swiglu"),
-    "bias_gelu": ("elementwise", "bias_gelu"),
-    "rope": ("elementwise", "rope"),
-    "softmax_cross_entropy": ("cross_entropy", "softmax_cross_entropy"),
+    "rms_norm": ("custom_ops", "rms_norm"),
+    "layer_norm": ("custom_ops", "layer_norm"),
+    "swiglu": ("custom_ops", "swiglu"),
+    "bias_gelu": ("custom_ops", "bias_gelu"),
+    "rope": ("custom_ops", "rope"),
+    "softmax_cross_entropy": ("custom_ops", "softmax_cross_entropy"),
     "attention": ("attention", "attention"),
     "adamw_step": ("adamw", "adamw_step"),
     "grouped_mm": ("grouped_gemm", "grouped_mm"),

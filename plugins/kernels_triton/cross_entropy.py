@@ -133,8 +133,4 @@ def softmax_cross_entropy(
     """
     if vocab_block <= 0 or vocab_block & (vocab_block - 1):
         raise ValueError(f"vocab_block must be a power of two, got {vocab_block}")
-    if torch.compiler.is_compiling():  # one opaque node in the graph (`custom_ops`)
-        from plait.plugins.kernels_triton.custom_ops import cross_entropy_op
-
-        return cross_entropy_op(logits, targets, ignore_index, vocab_block)[0]
     return SoftmaxCrossEntropyFunction.apply(logits, targets, ignore_index, vocab_block)

@@ -7,9 +7,11 @@ single opaque nodes: the block stays one graph (`fullgraph=True` holds) and the 
 the code between them — the residual adds, casts and reshapes.
 
 Each op is a forward that returns its outputs and what its backward needs, a backward op, and
-`register_autograd` joining them. The public functions of `norms`, `elementwise` and
-`cross_entropy` call these ops while `torch.compiler.is_compiling()`; eager calls keep the
-autograd.Functions, which skip the dispatcher's per-call cost. Both run the same launchers.
+`register_autograd` joining them. The functions at the end of this module are what the provider
+hands out for these ops (`load_kernel`): they call the custom op while
+`torch.compiler.is_compiling()`, and the kernels' autograd.Functions (`norms`, `elementwise`,
+`cross_entropy`) otherwise, which skip the dispatcher's per-call cost. Both run the same
+launchers.
 
 Covered: rms_norm, layer_norm, swiglu, bias_gelu, rope, softmax_cross_entropy. Not yet
 attention (its log-sum-exp output and document ids) nor adamw_step and grouped_mm (in place,
@@ -27,7 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from plait.plugins.kernels_triton.cross_entropy import cross_entropy_forward
+from plait.plugins.kernels_triton import cross_entropy as eager_cross_entropy
+from plait.plugins.kernels_triton import elementwise as eager_elementwise
+from plait.plugins.kernels_triton import norms as eager_norms
+from plait.plugins.kernels_triton.cross_entropy import DEFAULT_VOCAB_BLOCK, cross_entropy_forward
 from plait.plugins.kernels_triton.elementwise import (
     bias_gelu_backward,
     bias_gelu_forward,
@@ -256,3 +261,58 @@ def _cross_entropy_grad(ctx: Any, dloss: Tensor, _dgrad: Tensor) -> tuple[Tensor
 
 
 cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+# -- what the provider hands out: the custom op under the compiler, the Function otherwise -----
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`norms.rms_norm`, one graph node under `torch.compile`."""
+    if torch.compiler.is_compiling():
+        return rms_norm_op(x, weight, eps)[0]
+    return eager_norms.rms_norm(x, weight, eps)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """`norms.layer_norm`, one graph node under `torch.compile`."""
+    if torch.compiler.is_compiling():
+        return layer_norm_op(x, weight, bias, eps)[0]
+    return eager_norms.layer_norm(x, weight, bias, eps)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """`elementwise.swiglu`, one graph node under `torch.compile`."""
+    if torch.compiler.is_compiling():
+        return swiglu_op(gate, up)
+    return eager_elementwise.swiglu(gate, up)
+
+
+def bias_gelu(x: Tensor, bias: Tensor) -> Tensor:
+    """`elementwise.bias_gelu`, one graph node under `torch.compile`."""
+    if torch.compiler.is_compiling():
+        return bias_gelu_op(x, bias)
+    return eager_elementwise.bias_gelu(x, bias)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`elementwise.rope`, one graph node under `torch.compile`."""
+    if torch.compiler.is_compiling():
+        return rope_op(x, cos, sin, False)
+    return eager_elementwise.rope(x, cos, sin)
+
+
+def softmax_cross_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    ignore_index: int = -100,
+    *,
+    vocab_block: int = DEFAULT_VOCAB_BLOCK,
+) -> Tensor:
+    """`cross_entropy.softmax_cross_entropy`, one graph node under `torch.compile`."""
+    if torch.compiler.is_compiling():
+        if vocab_block <= 0 or vocab_block & (vocab_block - 1):
+            raise ValueError(f"vocab_block must be a power of two, got {vocab_block}")
+        return cross_entropy_op(logits, targets, ignore_index, vocab_block)[0]
+    return eager_cross_entropy.softmax_cross_entropy(
+        logits, targets, ignore_index, vocab_block=vocab_block
+    )

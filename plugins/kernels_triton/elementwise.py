@@ -221,10 +221,6 @@ class RopeFunction(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for tensors of one shape."""
-    if torch.compiler.is_compiling():  # one opaque node in the graph (`custom_ops`)
-        from plait.plugins.kernels_triton.custom_ops import swiglu_op
-
-        return swiglu_op(gate, up)
     return SwiGLUFunction.apply(gate, up)
 
 
@@ -233,18 +229,10 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
     gelu_tanh(z) = 0.5·z·(1 + tanh(√(2/π)·(z + 0.044715·z³))), GPT-2's activation.
     """
-    if torch.compiler.is_compiling():
-        from plait.plugins.kernels_triton.custom_ops import bias_gelu_op
-
-        return bias_gelu_op(x, bias)
     return BiasGeluFunction.apply(x, bias)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (batch, seq, heads, head_dim) by cos/sin of shape (seq, head_dim // 2), or
     (batch, seq, head_dim // 2) for rows with positions of their own."""
-    if torch.compiler.is_compiling():
-        from plait.plugins.kernels_triton.custom_ops import rope_op
-
-        return rope_op(x, cos, sin, False)
     return RopeFunction.apply(x, cos, sin)

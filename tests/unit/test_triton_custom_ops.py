@@ -1,6 +1,6 @@
-"""plait's Triton kernels under `torch.compile`: as custom ops each is one node, so a function
-calling them compiles as one graph (`fullgraph=True`) and trains as the eager kernels do, and
-the compiler never traces the kernels' launch code."""
+"""plait's Triton kernels under `torch.compile`, as the provider hands them out: as custom ops
+each is one node, so a function calling them compiles as one graph (`fullgraph=True`) and
+trains as the eager kernels do, and the compiler never traces the kernels' launch code."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from plait.plugins.kernels_triton.cross_entropy import softmax_cross_entropy
-from plait.plugins.kernels_triton.elementwise import bias_gelu, rope, swiglu
-from plait.plugins.kernels_triton.norms import layer_norm, rms_norm
+from plait.plugins.kernels_triton.custom_ops import (
+    bias_gelu,
+    layer_norm,
+    rms_norm,
+    rope,
+    softmax_cross_entropy,
+    swiglu,
+)
 from tests.unit.triton_interpreter import interpreted_only
 
 pytestmark = [
