@@ -311,6 +311,7 @@ class Engine:
             num_params=num_params,
             flops_per_token=self.flops_per_token,
             tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
+            replica_group=cfg.fault_tolerance.replica_group,
             memory_report=self.memory_report,
         )
 

@@ -41,6 +41,8 @@ class JobInfo:
     num_params: int
     flops_per_token: float  # training FLOPs per token, forward + backward
     tokens_per_step: int  # whole job
+    # The rank's replica group in a fault-tolerant job (its own world); -1: not fault tolerant.
+    replica_group: int = -1
     # Bytes this rank holds in parameters, gradients and optimizer state, counted from tensor
     # storage when called (`Engine.memory_report`); what `plait memory` reports on any device.
     memory_report: Callable[[], dict[str, int]] | None = field(

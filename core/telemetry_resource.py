@@ -56,6 +56,10 @@ def resource_attributes(info: JobInfo, peak: PeakFlops) -> dict[str, Any]:
         schema.RESOURCE_FLOPS_PER_TOKEN: float(info.flops_per_token),
         schema.RESOURCE_TOKENS_PER_STEP: int(info.tokens_per_step),
     }
+    if info.replica_group >= 0:
+        # Each replica group is a world of its own: its rank 0 is not the other groups'.
+        attributes[schema.RESOURCE_REPLICA_GROUP] = int(info.replica_group)
+        attributes["service.instance.id"] = f"{info.job_id}/{info.replica_group}/{info.rank}"
     for axis, coordinate in info.coordinates.items():
         attributes[schema.RESOURCE_MESH_COORD_PREFIX + axis] = int(coordinate)
     for axis, degree in info.degrees.items():

@@ -6,7 +6,10 @@ docs/telemetry-schema.md documents every constant here (a test checks it).
 
 A rank is an OpenTelemetry *resource* carrying `RESOURCE_*` attributes; the daemon keys it by
 (`plait.job.id`, `plait.rank`). Spans carry `SPAN_*` attributes and are classified by
-`classify_span`. Metrics are read by name (`METRIC_*`).
+`classify_span`. Metrics are read by name (`METRIC_*`). A fault-tolerant job's replica groups
+are torchrun worlds of their own that share the job id: their ranks also carry
+`plait.replica_group`, and the daemon keys them by (`plait.job.id`, `plait.replica_group`,
+`plait.rank`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ RESOURCE_WORLD_SIZE = "plait.world_size"  # int >= 1
 # Restart attempt of the rank's launcher (torchrun's TORCHELASTIC_RESTART_COUNT): 0 at first.
 # A rank with a larger attempt or another world size starts a new world of its job.
 RESOURCE_RESTART_ATTEMPT = "plait.restart.attempt"  # int >= 0
+# The rank's replica group in a fault-tolerant job (`[fault_tolerance] replica_group`): each
+# group is a world of its own (its own ranks 0..n-1). Absent or -1: not fault tolerant.
+RESOURCE_REPLICA_GROUP = "plait.replica_group"  # int, -1 <= group < 2**31
+NO_REPLICA_GROUP = -1
 RESOURCE_DEVICE = "plait.device"  # str: "cpu", "cuda:0"
 RESOURCE_DEVICE_NAME = "plait.device.name"  # str
 RESOURCE_COMPUTE_DTYPE = "plait.compute_dtype"  # str: "bfloat16", "float32", ...
@@ -82,6 +89,20 @@ JOB_OUTCOMES = (JOB_OUTCOME_FINISHED, JOB_OUTCOME_FAILED)
 SPAN_MOE_LAYER = "plait.moe.layer"  # str: the layer's module name
 SPAN_MOE_TOKENS_PER_EXPERT = "plait.moe.tokens_per_expert"  # int[]: kept per expert, sum < 2**63
 SPAN_MOE_DROPPED = "plait.moe.dropped"  # int >= 0: assignments dropped over capacity
+# A change of a fault-tolerant job's quorum as one replica group saw it (one span per event,
+# sent by the group's rank 0, timed over the quorum or the failed step; plait.step: its step).
+SPAN_QUORUM_EVENT = "plait.ft.event"  # str: one of QUORUM_EVENTS
+SPAN_QUORUM_ID = "plait.ft.quorum_id"  # int >= 0: the lighthouse's quorum id
+SPAN_QUORUM_PARTICIPANTS = "plait.ft.participants"  # int >= 0: replica groups after it
+SPAN_QUORUM_PREVIOUS = "plait.ft.previous"  # int >= 0: replica groups before it
+SPAN_QUORUM_DETAIL = "plait.ft.detail"  # str: why a commit failed, where a heal came from
+SPAN_REPLICA_ID = "plait.ft.replica_id"  # str: the group's id at the lighthouse
+QUORUM_EVENT_JOIN = "join"  # the quorum grew
+QUORUM_EVENT_LEAVE = "leave"  # the quorum shrank
+QUORUM_EVENT_HEAL = "heal"  # the sending group took a live peer's state
+QUORUM_EVENT_FAILED_COMMIT = "failed_commit"  # a step was tried and not committed
+QUORUM_EVENTS = (QUORUM_EVENT_JOIN, QUORUM_EVENT_LEAVE, QUORUM_EVENT_HEAL,
+                 QUORUM_EVENT_FAILED_COMMIT)  # fmt: skip
 
 # --------------------------------------------------------------------------------------------
 # span names and classes
@@ -90,12 +111,14 @@ SPAN_MOE_DROPPED = "plait.moe.dropped"  # int >= 0: assignments dropped over cap
 STEP_SPAN_NAME = "step"
 JOB_END_SPAN_NAME = "plait.job.end"  # carries plait.job.outcome (and plait.step: the last)
 EXPERT_LOAD_SPAN_NAME = "plait.moe.load"  # carries plait.step and the plait.moe.* attributes
+QUORUM_EVENT_SPAN_NAME = "plait.ft.quorum"  # carries plait.step and the plait.ft.* attributes
 # How the daemon classifies a span, first match wins (see `classify_span`).
 SPAN_KIND_COMM = "comm"  # has plait.comm.op
 SPAN_KIND_PHASE = "phase"  # has plait.phase
 SPAN_KIND_STEP = "step"  # named "step" and has plait.step.model_flops
 SPAN_KIND_JOB_END = "job_end"  # named "plait.job.end"
 SPAN_KIND_EXPERT_LOAD = "expert_load"  # named "plait.moe.load"
+SPAN_KIND_QUORUM = "quorum"  # named "plait.ft.quorum"
 SPAN_KIND_OTHER = "other"  # anything else: stored, shown in traces, not analysed
 # Phase names the bottleneck analysis knows, by the class their time goes to.
 PHASE_FORWARD = "forward"
@@ -151,8 +174,8 @@ METRIC_UNITS: dict[str, str] = {
 
 
 def classify_span(name: str, attributes: dict[str, object] | None) -> str:
-    """The span's kind: comm, phase, step, job_end, expert_load or other (the daemon's rule,
-    in this order)."""
+    """The span's kind: comm, phase, step, job_end, expert_load, quorum or other (the daemon's
+    rule, in this order)."""
     attributes = attributes or {}
     if SPAN_COMM_OP in attributes:
         return SPAN_KIND_COMM
@@ -164,4 +187,6 @@ def classify_span(name: str, attributes: dict[str, object] | None) -> str:
         return SPAN_KIND_JOB_END
     if name == EXPERT_LOAD_SPAN_NAME:
         return SPAN_KIND_EXPERT_LOAD
+    if name == QUORUM_EVENT_SPAN_NAME:
+        return SPAN_KIND_QUORUM
     return SPAN_KIND_OTHER

@@ -22,6 +22,12 @@ else `stale` (every rank silent without saying it ended: killed, crashed or cut 
 Job figures (MFU, throughput, step time) count the live and ended ranks of the current world;
 stale and superseded ranks are left out. Steps are shown as the trainer numbers them: the step
 a rank sends as `plait.step` (0-based) plus one, i.e. steps completed; 0 means none yet.
+
+**Replica groups.** A fault-tolerant job's replica groups are worlds of their own (each with its
+ranks 0..n-1, its worlds and restarts) sharing the job id: rank status is decided within the
+rank's group, and the job's figures add the groups' (achieved and peak FLOP/s, tokens/s; the
+slowest group's step time), so a group whose ranks went stale — it left — drops out of the
+job's MFU. The job runs while any group does: one group failing is what fault tolerance is for.
 """
 
 from __future__ import annotations
@@ -135,8 +141,10 @@ class WorldHistory:
 class JobState:
     job_id: str
     state: str
-    ranks: tuple[RankState, ...]  # every window of the job, by rank (superseded included)
+    ranks: tuple[RankState, ...]  # every window of the job, by group and rank (all of them)
     world: WorldHistory
+    # Each replica group's own state and world, by group index (empty: not fault tolerant).
+    groups: Mapping[int, tuple[str, WorldHistory]] = field(default_factory=dict)
 
     @property
     def counted(self) -> list[RankState]:
@@ -161,6 +169,48 @@ def rank_state(
     else:
         status = RANK_LIVE
     return RankState(window, status, silent, after)
+
+
+def fault_tolerant_state(group_states: Iterable[str]) -> str:
+    """A fault-tolerant job runs while any replica group runs; then failed, finished, stale."""
+    states = set(group_states)
+    for state in (JOB_RUNNING, JOB_FAILED, JOB_FINISHED):
+        if state in states:
+            return state
+    return JOB_STALE
+
+
+def world_history(worlds: JobWorlds, ranks: Sequence[RankState]) -> WorldHistory:
+    firsts = [
+        r.window.first_step
+        for r in ranks
+        if r.status != RANK_SUPERSEDED and r.window.first_step is not None
+    ]
+    members = [r.window for r in ranks if r.status != RANK_SUPERSEDED]
+    return WorldHistory(
+        sizes=tuple(w.size for w in worlds.worlds),
+        restarts=worlds.changes,
+        current_size=worlds.current.size,
+        attempt=worlds.current.attempt,
+        started_step=shown_step(min(firsts)) if firsts else 0,
+        started_ns=worlds.current.started_ns,
+        last_heard_ns=max((w.last_seen_ns for w in members), default=0),
+    )
+
+
+def joined_history(histories: Sequence[WorldHistory]) -> WorldHistory:
+    """The job's world made of its replica groups' worlds: their sizes add up, as do their
+    restarts; it started when its newest group world did."""
+    started = [h.started_step for h in histories if h.started_step]
+    return WorldHistory(
+        sizes=tuple(size for h in histories for size in h.sizes),
+        restarts=sum(h.restarts for h in histories),
+        current_size=sum(h.current_size for h in histories),
+        attempt=max(h.attempt for h in histories),
+        started_step=min(started) if started else 0,
+        started_ns=max(h.started_ns for h in histories),
+        last_heard_ns=max(h.last_heard_ns for h in histories),
+    )
 
 
 def job_state_of(ranks: Sequence[RankState]) -> str:
@@ -188,24 +238,22 @@ def job_states(
         by_job.setdefault(window.identity.job_id, []).append(window)
     out = []
     for job, windows in by_job.items():
-        worlds = store.worlds(job)
-        ranks = tuple(rank_state(w, worlds, now_ns, policy, window_steps) for w in windows)
-        firsts = [
-            r.window.first_step
-            for r in ranks
-            if r.status != RANK_SUPERSEDED and r.window.first_step is not None
-        ]
-        members = [r.window for r in ranks if r.status != RANK_SUPERSEDED]
-        world = WorldHistory(
-            sizes=tuple(w.size for w in worlds.worlds),
-            restarts=worlds.changes,
-            current_size=worlds.current.size,
-            attempt=worlds.current.attempt,
-            started_step=shown_step(min(firsts)) if firsts else 0,
-            started_ns=worlds.current.started_ns,
-            last_heard_ns=max((w.last_seen_ns for w in members), default=0),
-        )
-        out.append(JobState(job, job_state_of(ranks), ranks, world))
+        by_group: dict[int, list[RankWindow]] = {}
+        for window in windows:
+            by_group.setdefault(window.identity.replica_group, []).append(window)
+        ranks: list[RankState] = []
+        groups: dict[int, tuple[str, WorldHistory]] = {}
+        for group, group_windows in sorted(by_group.items()):
+            worlds = store.worlds(job, group)
+            states = [rank_state(w, worlds, now_ns, policy, window_steps) for w in group_windows]
+            ranks.extend(states)
+            groups[group] = (job_state_of(states), world_history(worlds, states))
+        if set(groups) == {schema.NO_REPLICA_GROUP}:
+            state, world = groups.pop(schema.NO_REPLICA_GROUP)
+        else:
+            state = fault_tolerant_state(s for s, _ in groups.values())
+            world = joined_history([h for _, h in groups.values()])
+        out.append(JobState(job, state, tuple(ranks), world, groups))
     return out
 
 
@@ -256,6 +304,7 @@ class RankFigures:
     # Bytes sent since the daemon first heard the rank (what Prometheus counts).
     comm_bytes_intra_node_total: int = 0
     comm_bytes_inter_node_total: int = 0
+    replica_group: int = -1  # the rank's replica group (-1: none)
 
 
 def device_index(device: str) -> int | None:
@@ -313,6 +362,7 @@ def rank_figures(state: RankState, window_steps: int, usage: ProcessUsage) -> Ra
         comm_bytes_inter_node=inter,
         comm_bytes_intra_node_total=window.comm_bytes_intra_node_total,
         comm_bytes_inter_node_total=window.comm_bytes_inter_node_total,
+        replica_group=identity.replica_group,
     )
 
 
@@ -397,13 +447,44 @@ class JobFigures:
     comm_bytes_inter_node: int = 0
 
 
+def group_throughputs(windows: Sequence[RankWindow], window_steps: int) -> list[mfu.Throughput]:
+    """Each replica group's throughput over its own steps (one group outside fault tolerance):
+    a group is a world of its own, whose ranks report its steps."""
+    by_group: dict[int, list[RankWindow]] = {}
+    for w in windows:
+        by_group.setdefault(w.identity.replica_group, []).append(w)
+    return [
+        mfu.job_throughput(
+            {w.identity.rank: w.samples(window_steps) for w in group},
+            {w.identity.rank: w.identity.peak_flops for w in group},
+            window_steps=window_steps,
+        )
+        for _, group in sorted(by_group.items())
+    ]
+
+
+def joined_throughput(rates: Sequence[mfu.Throughput]) -> mfu.Throughput:
+    """The job's throughput from its groups': achieved and peak FLOP/s and tokens/s add up,
+    the slowest group's step time counts, over the fewest steps any group has."""
+    if len(rates) == 1:
+        return rates[0]
+    if not rates:
+        return mfu.EMPTY
+    achieved = sum(r.model_flops_per_second for r in rates)
+    peak = sum(r.peak_flops for r in rates)
+    return mfu.Throughput(
+        steps=min((r.steps for r in rates if r.steps), default=0),
+        step_seconds=max(r.step_seconds for r in rates),
+        tokens_per_second=sum(r.tokens_per_second for r in rates),
+        model_flops_per_second=achieved,
+        peak_flops=peak,
+        mfu=mfu.mfu(achieved, peak),
+    )
+
+
 def job_figures(job: JobState, window_steps: int) -> JobFigures:
     windows = [r.window for r in job.counted]
-    rate = mfu.job_throughput(
-        {w.identity.rank: w.samples(window_steps) for w in windows},
-        {w.identity.rank: w.identity.peak_flops for w in windows},
-        window_steps=window_steps,
-    )
+    rate = joined_throughput(group_throughputs(windows, window_steps))
     last = [w.last_steps(1)[0].step for w in windows if w.steps]
     link_bytes = [w.comm_link_bytes(window_steps) for w in windows]
     return JobFigures(

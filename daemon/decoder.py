@@ -33,7 +33,9 @@ INT64_MAX = 2**63 - 1
 MAX_WIRE_STEP = INT64_MAX - 1
 MAX_VALUE_REPR = 40
 
-RankKey = tuple[str, int]  # (job id, rank)
+# (job id, replica group, rank): a fault-tolerant job's groups are worlds of their own, each with
+# its ranks 0..n-1; -1 for a rank of no replica group.
+RankKey = tuple[str, int, int]
 
 
 class Rejected(ValueError):
@@ -204,10 +206,11 @@ class RankIdentity:
     coordinates: dict[str, int]
     degrees: dict[str, int]
     restart_attempt: int = 0
+    replica_group: int = schema.NO_REPLICA_GROUP
 
     @property
     def key(self) -> RankKey:
-        return (self.job_id, self.rank)
+        return (self.job_id, self.replica_group, self.rank)
 
     @classmethod
     def from_resource(cls, attributes: Mapping[str, Any]) -> RankIdentity | None:
@@ -267,6 +270,13 @@ def decode_resource(attributes: Mapping[str, Any]) -> RankIdentity | None:
         coordinates=coordinates,
         degrees=degrees,
         restart_attempt=read_int(attributes, schema.RESOURCE_RESTART_ATTEMPT, 0, high=INT32_MAX),
+        replica_group=read_int(
+            attributes,
+            schema.RESOURCE_REPLICA_GROUP,
+            schema.NO_REPLICA_GROUP,
+            low=schema.NO_REPLICA_GROUP,
+            high=INT32_MAX,
+        ),
     )
 
 
@@ -314,9 +324,22 @@ class ExpertLoadFigures:
     dropped: int
 
 
+@dataclass(frozen=True, slots=True)
+class QuorumFigures:
+    """What a quorum-event span reports: one change of the job's quorum as the sending replica
+    group saw it (`plait.core.telemetry_schema.QUORUM_EVENTS`)."""
+
+    event: str
+    quorum_id: int
+    participants: int
+    previous: int
+    detail: str = ""
+    replica_id: str = ""
+
+
 @dataclass(slots=True)  # not frozen: frozen __init__ costs ~1 µs per span at the door
 class SpanRecord:
-    """One received span. `kind` is "step", "phase", "comm" or "other"."""
+    """One received span. `kind` is one of the `telemetry_schema.SPAN_KIND_*`."""
 
     name: str
     kind: str
@@ -330,6 +353,7 @@ class SpanRecord:
     phase: str = ""
     outcome: str = ""  # job_end spans: one of schema.JOB_OUTCOMES
     expert_load: ExpertLoadFigures | None = None
+    quorum: QuorumFigures | None = None
 
     @property
     def seconds(self) -> float:
@@ -359,6 +383,7 @@ class SpanStatics:
     outcome: str = ""
     expert_layer: str = ""
     tokens_per_expert: tuple[int, ...] = ()
+    quorum: tuple[str, str, str] = ("", "", "")  # event, detail, replica id
 
 
 def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
@@ -394,6 +419,17 @@ def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
                 schema.SPAN_MOE_TOKENS_PER_EXPERT, OUT_OF_RANGE, f"the sum exceeds {INT64_MAX}"
             )
         return SpanStatics(kind, expert_layer=layer, tokens_per_expert=tokens)
+    if kind == schema.SPAN_KIND_QUORUM:
+        event = read_str(attributes, schema.SPAN_QUORUM_EVENT, required=True)
+        if event not in schema.QUORUM_EVENTS:
+            allowed = ", ".join(schema.QUORUM_EVENTS)
+            raise Rejected(
+                schema.SPAN_QUORUM_EVENT, OUT_OF_RANGE, f"{_shown(event)} is not one of {allowed}"
+            )
+        detail = read_str(attributes, schema.SPAN_QUORUM_DETAIL)
+        return SpanStatics(
+            kind, quorum=(event, detail, read_str(attributes, schema.SPAN_REPLICA_ID))
+        )
     return SpanStatics(kind)
 
 
@@ -421,7 +457,7 @@ def decode_span_fields(
         statics = span_statics(name, attributes)
     kind = statics.kind
     step = read_int(attributes, schema.SPAN_STEP, -1, high=MAX_WIRE_STEP)
-    figures = comm = expert_load = None
+    figures = comm = expert_load = quorum = None
     if kind == schema.SPAN_KIND_STEP:
         figures = (  # StepFigures
             read_int(attributes, schema.SPAN_STEP_TOKENS, 0),
@@ -450,6 +486,16 @@ def decode_span_fields(
             statics.tokens_per_expert,
             read_int(attributes, schema.SPAN_MOE_DROPPED, 0),
         )
+    elif kind == schema.SPAN_KIND_QUORUM:
+        event, detail, replica_id = statics.quorum
+        quorum = (  # QuorumFigures
+            event,
+            read_int(attributes, schema.SPAN_QUORUM_ID, 0),
+            read_int(attributes, schema.SPAN_QUORUM_PARTICIPANTS, 0, high=INT32_MAX),
+            read_int(attributes, schema.SPAN_QUORUM_PREVIOUS, 0, high=INT32_MAX),
+            detail,
+            replica_id,
+        )
     return (
         name,
         kind,
@@ -463,13 +509,13 @@ def decode_span_fields(
         statics.phase,
         statics.outcome,
         expert_load,
+        quorum,
     )
 
 
 def span_record(fields: SpanFields) -> SpanRecord:
-    name, kind, start_ns, end_ns, step, attributes, error, figures, comm, phase, outcome, load = (
-        fields
-    )
+    (name, kind, start_ns, end_ns, step, attributes, error, figures, comm, phase, outcome, load,
+     quorum) = fields  # fmt: skip
     return SpanRecord(
         name,
         kind,
@@ -483,6 +529,7 @@ def span_record(fields: SpanFields) -> SpanRecord:
         phase,
         outcome,
         None if load is None else ExpertLoadFigures(*load),
+        None if quorum is None else QuorumFigures(*quorum),
     )
 
 

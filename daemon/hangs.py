@@ -16,6 +16,10 @@ in-flight op of a group has waited longer than the timeout, the daemon reports i
 that entered it, the ranks reporting here that have not (`missing`), and the group's ranks this
 daemon does not see (`unreported`: on another node; the CLI merges daemons). Point-to-point ops
 are left out: a recv waiting on a send is a pipeline bubble, not a group hang.
+
+A fault-tolerant job's replica groups are worlds of their own (their ranks and comm groups are
+numbered within the group): ops are matched within a replica group, and a report names the
+group of the hung ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ HEARTBEAT_STALE_SECONDS = 30.0
 POINT_TO_POINT = frozenset({"send", "recv"})
 
 GroupKey = tuple[str, tuple[int, ...]]  # (group name, global ranks)
+HangRankKey = tuple[str, int, int]  # (job id, replica group or -1, rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +74,19 @@ class Hang:
     unreported_ranks: tuple[int, ...]
     entered_ns: int
     waiting_seconds: float
+    replica_group: int = -1  # the hung ranks' replica group in a fault-tolerant job
 
     @property
-    def key(self) -> tuple[str, str, tuple[int, ...], int]:
-        return (self.job_id, self.group, self.group_ranks, self.seq)
+    def key(self) -> tuple[str, int, str, tuple[int, ...], int]:
+        return (self.job_id, self.replica_group, self.group, self.group_ranks, self.seq)
 
     def describe(self) -> str:
         missing = list(self.missing_ranks) + [f"{r}?" for r in self.unreported_ranks]
+        job = f"job {self.job_id}"
+        if self.replica_group >= 0:
+            job += f" replica group {self.replica_group}"
         return (
-            f"job {self.job_id}: {self.op} seq {self.seq} on group {self.group!r} "
+            f"{job}: {self.op} seq {self.seq} on group {self.group!r} "
             f"{list(self.group_ranks)} waiting {self.waiting_seconds:.1f}s; entered "
             f"{list(self.entered_ranks)}, missing {missing}"
         )
@@ -108,7 +117,7 @@ def heartbeat_from_points(points: Iterable[GaugePoint], received_ns: int) -> Hea
 
 
 def find_hangs(
-    heartbeats: Mapping[tuple[str, int], Heartbeat | None],
+    heartbeats: Mapping[HangRankKey, Heartbeat | None],
     *,
     now_ns: int,
     timeout_seconds: float = DEFAULT_HANG_TIMEOUT_SECONDS,
@@ -116,34 +125,34 @@ def find_hangs(
 ) -> list[Hang]:
     """Collectives in flight longer than `timeout_seconds` that not every rank has entered.
 
-    `heartbeats` maps (job id, rank) to the rank's last heartbeat (None: the rank reports here
-    but has sent none, e.g. an older plait).
+    `heartbeats` maps (job id, replica group, rank) to the rank's last heartbeat (None: the
+    rank reports here but has sent none, e.g. an older plait).
     """
     fresh = {
         key: beat
         for key, beat in heartbeats.items()
         if beat is not None and (now_ns - beat.received_ns) / 1e9 <= stale_seconds
     }
-    known: dict[str, set[int]] = {}
-    for job_id, rank in heartbeats:
-        known.setdefault(job_id, set()).add(rank)
-    # The oldest waiting op per (job, group): later ops of the same group wait behind it.
-    oldest: dict[tuple[str, GroupKey], InflightOp] = {}
-    for (job_id, _), beat in fresh.items():
+    known: dict[tuple[str, int], set[int]] = {}
+    for job_id, replica_group, rank in heartbeats:
+        known.setdefault((job_id, replica_group), set()).add(rank)
+    # The oldest waiting op per (job, replica group, comm group): later ops wait behind it.
+    oldest: dict[tuple[str, int, GroupKey], InflightOp] = {}
+    for (job_id, replica_group, _), beat in fresh.items():
         for op in beat.inflight:
             if op.op in POINT_TO_POINT or (now_ns - op.start_ns) / 1e9 < timeout_seconds:
                 continue
-            key = (job_id, op.group_key)
+            key = (job_id, replica_group, op.group_key)
             current = oldest.get(key)
             if current is None or (op.seq, op.start_ns) < (current.seq, current.start_ns):
                 oldest[key] = op
     hangs: list[Hang] = []
-    for (job_id, group_key), op in sorted(oldest.items(), key=lambda kv: kv[0]):
+    for (job_id, replica_group, group_key), op in sorted(oldest.items(), key=lambda kv: kv[0]):
         entered, missing, unreported = [], [], []
         first_ns = op.start_ns
         for rank in op.group_ranks:
-            beat = fresh.get((job_id, rank))
-            if rank not in known.get(job_id, set()):
+            beat = fresh.get((job_id, replica_group, rank))
+            if rank not in known.get((job_id, replica_group), set()):
                 unreported.append(rank)
             elif beat is not None and beat.entered.get(group_key, -1) >= op.seq:
                 entered.append(rank)
@@ -167,6 +176,7 @@ def find_hangs(
                 unreported_ranks=tuple(unreported),
                 entered_ns=first_ns,
                 waiting_seconds=(now_ns - first_ns) / 1e9,
+                replica_group=replica_group,
             )
         )
     return hangs
@@ -178,7 +188,7 @@ def merge_hangs(reports: Iterable[Hang]) -> list[Hang]:
     A rank entered if any daemon saw it enter; it is missing if a daemon that sees it says so,
     and unreported only if no daemon sees it at all.
     """
-    by_key: dict[tuple[str, str, tuple[int, ...], int], list[Hang]] = {}
+    by_key: dict[tuple[str, int, str, tuple[int, ...], int], list[Hang]] = {}
     for hang in reports:
         by_key.setdefault(hang.key, []).append(hang)
     merged: list[Hang] = []
@@ -201,6 +211,7 @@ def merge_hangs(reports: Iterable[Hang]) -> list[Hang]:
                 unreported_ranks=tuple(sorted(unreported)),
                 entered_ns=first.entered_ns,
                 waiting_seconds=max(h.waiting_seconds for h in hangs),
+                replica_group=first.replica_group,
             )
         )
     return [h for h in merged if h.missing_ranks or h.unreported_ranks]

@@ -90,6 +90,19 @@ class LighthouseView:
     next_quorum: str
 
 
+# plait names a group `<job>-group<N>` (`plait.plugins.fault_tolerance.replica_group`); torchft
+# appends ":<uuid>" for every start.
+_PLAIT_REPLICA_ID = re.compile(r"^(?P<job>.+)-group(?P<group>\d+)(?::.*)?$")
+
+
+def parse_replica_id(replica_id: str) -> tuple[str, int] | None:
+    """(job id, replica group) of a plait group's replica id; None for another producer's."""
+    match = _PLAIT_REPLICA_ID.match(replica_id)
+    if match is None:
+        return None
+    return match.group("job"), int(match.group("group"))
+
+
 def read_lighthouse(address: str, *, timeout: float = 5.0) -> LighthouseView:
     """Ask the lighthouse at HOST:PORT for its status page and read it (torchft 0.2's format)."""
     url = address if "://" in address else f"http://{address}"

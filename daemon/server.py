@@ -182,7 +182,7 @@ class DaemonServer:
         )
         self.prometheus_address = config.prometheus
         self.prometheus: PrometheusExporter | None = None
-        self.reported_hangs: dict[tuple[str, str, tuple[int, ...], int], Hang] = {}
+        self.reported_hangs: dict[tuple[str, int, str, tuple[int, ...], int], Hang] = {}
         self._hang_thread = threading.Thread(
             target=self._watch_hangs, name="plait-hang-monitor", daemon=True
         )
@@ -195,6 +195,8 @@ class DaemonServer:
         # Bound here, so a taken port fails the daemon's start as the gRPC bind does.
         self.web = self._web_page(config.web) if config.web is not None else None
         self.lighthouse = self._lighthouse(config.lighthouse)
+        if self.lighthouse is not None:
+            self.extras.lighthouse_address = self.lighthouse.address
         if config.reflection_enabled:
             reflection.enable_server_reflection(
                 (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

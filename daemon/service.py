@@ -34,11 +34,13 @@ from plait.daemon.analysis import (
 )
 from plait.daemon.chrome_trace import chrome_trace_json
 from plait.daemon.exporters import DaemonPoint
+from plait.daemon.fault_tolerance_messages import fault_tolerant_job_message, lighthouse_message
 from plait.daemon.forwarding import ForwarderStats
 from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang, find_hangs
 from plait.daemon.host import HostCollector, HostSample
 from plait.daemon.ingest_pool import PoolStats
 from plait.daemon.nvml import NvmlCollector
+from plait.daemon.replica_groups import fault_tolerance_views
 from plait.daemon.security import CallCounters
 from plait.daemon.shared_answers import SharedAnswers
 from plait.daemon.store import TelemetryStore
@@ -83,6 +85,7 @@ def rank_info(state: RankState) -> metrics_pb2.RankInfo:
         restart_attempt=i.restart_attempt,
         silent_seconds=state.silent_seconds,
         stale_after_seconds=state.stale_after_seconds,
+        replica_group=i.replica_group,
     )
 
 
@@ -113,6 +116,7 @@ def rank_metrics(r: RankFigures) -> metrics_pb2.RankMetrics:
         comm_bytes_per_step=metrics_pb2.CommBytes(
             intra_node=r.comm_bytes_intra_node, inter_node=r.comm_bytes_inter_node
         ),
+        replica_group=r.replica_group,
     )
 
 
@@ -227,6 +231,7 @@ def hang_message(hang: Hang, hostname: str) -> metrics_pb2.CollectiveHang:
         entered_unix_nano=hang.entered_ns,
         waiting_seconds=hang.waiting_seconds,
         host=hostname,
+        replica_group=hang.replica_group,
     )
 
 
@@ -243,6 +248,7 @@ def hang_from_message(message: metrics_pb2.CollectiveHang) -> Hang:
         unreported_ranks=tuple(message.unreported_ranks),
         entered_ns=message.entered_unix_nano,
         waiting_seconds=message.waiting_seconds,
+        replica_group=message.replica_group,
     )
 
 
@@ -283,6 +289,8 @@ class DaemonExtras:
     ingest_stats: Callable[[], PoolStats] | None = None
     # The control channel's counters: endpoints polling, requests refused, deliveries rejected.
     control_stats: Callable[[], dict[str, int]] | None = None
+    # HOST:PORT of the torchft lighthouse the daemon hosts ("" when none): read by Status.
+    lighthouse_address: str = ""
 
 
 class DaemonService(daemon_pb2_grpc.DaemonServicer):
@@ -373,7 +381,11 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             drops = (store.spans_dropped, store.metric_points_dropped)
             rejected = store.rejected
             rejects = (rejected.spans, rejected.metric_points, dict(rejected.by_reason))
-            states = {j.job_id: j.state for j in self._jobs("", DEFAULT_METRICS_WINDOW_STEPS)}
+            jobs = self._jobs("", DEFAULT_METRICS_WINDOW_STEPS)
+            states = {j.job_id: j.state for j in jobs}
+            fault_tolerant = fault_tolerance_views(
+                jobs, {j.job_id: store.quorum_log(j.job_id) for j in jobs}
+            )
         extras = self.extras
         nvml = extras.nvml
         policy = extras.stale_policy
@@ -406,6 +418,10 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             stale_floor_seconds=policy.floor_seconds,
             stale_step_multiple=policy.step_multiple,
             stale_ceiling_seconds=policy.ceiling_seconds,
+            fault_tolerant_jobs=[fault_tolerant_job_message(v) for v in fault_tolerant],
+            lighthouse=(
+                lighthouse_message(extras.lighthouse_address) if extras.lighthouse_address else None
+            ),
             **self._ingest_status(),
             **(extras.control_stats() if extras.control_stats else {}),
         )

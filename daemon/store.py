@@ -1,15 +1,19 @@
 """The daemon's memory: a bounded rolling window of spans, steps and metrics per rank.
 
-A rank is identified by (job id, rank) from the OpenTelemetry resource it exports with. Each
+A rank is identified by (job id, replica group, rank) from the OpenTelemetry resource it exports
+with (the replica group is -1 outside fault-tolerant jobs, whose groups are worlds of their own
+sharing the job id). Each
 rank keeps its last `window_spans` spans, its last `window_steps` step records and the latest
 value of every metric it sent; older data falls off. All access goes through one lock, since
 the OTLP receivers and the query RPCs run on the gRPC server's thread pool.
 
 Phase and comm spans are also indexed by step (`RankWindow.step_spans`) for the bottleneck
 analysis, each rank's last comm heartbeat is kept for the hang detector, expert-load spans by
-step, and a rank's end-of-run span as its outcome.
+step, and a rank's end-of-run span as its outcome. A fault-tolerant job's quorum events go to
+its `QuorumLog` (`plait.daemon.quorum_log`).
 
-**Worlds.** Each job keeps the history of its worlds (`JobWorlds`): a rank that appears with
+**Worlds.** Each job — each replica group of a fault-tolerant job — keeps the history of its
+worlds (`JobWorlds`): a rank that appears with
 another world size than the current world's, or with a restart attempt above any seen in the job
 (torchrun's restart count), starts a new world; the ranks of the old world are then superseded.
 A rank belongs to the current world when it has its world size and has been heard from since the
@@ -38,6 +42,7 @@ from plait.daemon.decoder import (
     SpanRecord,
 )
 from plait.daemon.hangs import Heartbeat
+from plait.daemon.quorum_log import QuorumEventRecord, QuorumLog
 
 DEFAULT_WINDOW_STEPS = 512
 DEFAULT_WINDOW_SPANS = 50_000
@@ -329,7 +334,8 @@ class TelemetryStore:
         self.window_spans = window_spans
         self.lock = threading.Lock()
         self._ranks: dict[RankKey, RankWindow] = {}
-        self._jobs: dict[str, JobWorlds] = {}
+        self._jobs: dict[tuple[str, int], JobWorlds] = {}  # by (job id, replica group)
+        self._quorum_logs: dict[str, QuorumLog] = {}
         self.spans_received = 0
         self.spans_ignored = 0
         self.metric_points_received = 0
@@ -345,13 +351,31 @@ class TelemetryStore:
             window = RankWindow(identity, self.window_steps, self.window_spans)
             window.first_seen_ns = now
             self._ranks[identity.key] = window
-            self._jobs.setdefault(identity.job_id, JobWorlds()).observe(identity, now)
+            worlds = self._jobs.setdefault((identity.job_id, identity.replica_group), JobWorlds())
+            worlds.observe(identity, now)
         window.last_seen_ns = now
         return window
 
-    def worlds(self, job_id: str) -> JobWorlds:
-        """The job's worlds (call with `lock` held)."""
-        return self._jobs[job_id]
+    def worlds(self, job_id: str, replica_group: int = -1) -> JobWorlds:
+        """The worlds of the job's replica group (-1: none) (call with `lock` held)."""
+        return self._jobs[(job_id, replica_group)]
+
+    def quorum_log(self, job_id: str) -> QuorumLog | None:
+        """The job's quorum events, if it is fault tolerant (call with `lock` held)."""
+        return self._quorum_logs.get(job_id)
+
+    def _add_quorum_event(self, identity: RankIdentity, span: SpanRecord) -> None:
+        assert span.quorum is not None
+        log = self._quorum_logs.setdefault(identity.job_id, QuorumLog())
+        log.add(
+            QuorumEventRecord(
+                identity.replica_group,
+                span.quorum,
+                span.step if span.step is not None else -1,
+                span.start_ns,
+                span.end_ns,
+            )
+        )
 
     def add_spans(self, resource: Resource, spans: Iterable[SpanRecord]) -> int:
         """Store spans exported with `resource`; returns how many were kept.
@@ -367,6 +391,8 @@ class TelemetryStore:
             window = self._window(identity)
             for span in spans:
                 window.add_span(span)
+                if span.quorum is not None:
+                    self._add_quorum_event(identity, span)
             self.spans_received += len(spans)
         return len(spans)
 
@@ -411,7 +437,7 @@ class TelemetryStore:
 
     def job_ids(self) -> list[str]:
         with self.lock:
-            return sorted({job for job, _ in self._ranks})
+            return sorted({job for job, _, _ in self._ranks})
 
     def local_pids(self, hostname: str) -> dict[RankKey, int]:
         """Pids of the ranks running on this host (the host collector samples them)."""

@@ -351,6 +351,11 @@ def status_document(view: StatusView) -> dict:
     from dataclasses import asdict
 
     from plait.daemon.hangs import merge_hangs
+    from plait.tools.replica_group_views import (
+        fault_tolerance_document,
+        lighthouses,
+        merge_fault_tolerant_jobs,
+    )
 
     return {
         "daemons": [
@@ -365,6 +370,10 @@ def status_document(view: StatusView) -> dict:
             {"job_id": e.job_id, **daemon_json.message_dict(e.load)} for e in view.experts
         ],
         "hang_stacks": [daemon_json.message_dict(s) for s in view.hang_stacks],
+        **fault_tolerance_document(
+            merge_fault_tolerant_jobs([d.state for d in view.daemons]),
+            lighthouses([(d.host, d.state) for d in view.daemons]),
+        ),
     }
 
 

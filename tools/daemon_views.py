@@ -43,6 +43,11 @@ from plait.tools.daemon_tables import (
     short_job_ids,
 )
 from plait.tools.daemon_worlds import current_ranks, split_by_world, superseded_jobs
+from plait.tools.replica_group_views import (
+    lighthouses,
+    merge_fault_tolerant_jobs,
+    render_fault_tolerance,
+)
 
 HostError = tuple[str, str]  # (address, error text)
 
@@ -117,10 +122,17 @@ def daemon_columns(jobs: Mapping[str, str]) -> list[Column[DaemonRow]]:
     ]
 
 
+def rank_label(rank: metrics_pb2.RankInfo) -> str:
+    """ "3", or "g1/3" for rank 3 of replica group 1 (each group numbers its ranks from 0)."""
+    if rank.replica_group >= 0:
+        return f"g{rank.replica_group}/{rank.rank}"
+    return str(rank.rank)
+
+
 def rank_info_columns(jobs: Mapping[str, str]) -> list[Column[metrics_pb2.RankInfo]]:
     return [
         Column("job", lambda r: jobs.get(r.job_id, r.job_id), "left", keep_empty=True),
-        Column("rank", lambda r: str(r.rank), keep_empty=True),
+        Column("rank", rank_label, keep_empty=True),
         Column("status", lambda r: r.status or "-", "left"),
         Column("world", lambda r: str(r.world_size)),
         Column("attempt", lambda r: str(r.restart_attempt) if r.restart_attempt else "-"),
@@ -185,6 +197,13 @@ class StatusView:
         forwarding = [d for d in self.daemons if d.state.HasField("forwarder")]
         if forwarding:
             parts.append(forwarding_table(forwarding))
+        parts.extend(
+            render_fault_tolerance(
+                merge_fault_tolerant_jobs([d.state for d in self.daemons]),
+                lighthouses([(d.host, d.state) for d in self.daemons]),
+                jobs,
+            )
+        )
         hangs = render_hangs(self.hangs, jobs)
         if hangs is not None:
             parts.append(hangs)
@@ -225,8 +244,9 @@ def render_hangs(reports: list[Hang], jobs: Mapping[str, str] | None = None) -> 
     for hang in merged:
         missing = [str(r) for r in hang.missing_ranks]
         missing += [f"{r} (no daemon sees it)" for r in hang.unreported_ranks]
+        replica_group = f" replica group {hang.replica_group}" if hang.replica_group >= 0 else ""
         table.add_row(
-            jobs.get(hang.job_id, hang.job_id),
+            jobs.get(hang.job_id, hang.job_id) + replica_group,
             f"{hang.group} {list(hang.group_ranks)}",
             f"{hang.op} ({hang.purpose})" if hang.purpose else hang.op,
             str(hang.seq),

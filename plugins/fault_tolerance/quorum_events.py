@@ -1,49 +1,15 @@
 """What a replica group saw of its quorum: joins, leaves, heals and failed commits, timed.
 
-`QuorumWatch` turns the manager's answers step by step into `QuorumEvent`s; the telemetry side
-sends them as spans, so the daemon (`plait status`) shows the replica groups of a job.
+`QuorumWatch` turns the manager's answers step by step into `QuorumEvent`s (a core record,
+`plait.core.quorum_events`); the telemetry plugin sends them as spans, so the daemon
+(`plait status`) shows the replica groups of a job.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from plait.core.quorum_events import QuorumEvent
 
-EventKind = Literal["join", "leave", "heal", "failed_commit"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class QuorumEvent:
-    """One change of a job's replica groups, as one group saw it.
-
-    `join`/`leave`: the quorum grew/shrank (`participants` after it, `previous` before), timed
-    over the quorum request. `heal`: this group took a live peer's state, timed over the quorum
-    that carried it, `step` the step it healed to. `failed_commit`: the step was tried and not
-    committed, timed over the try."""
-
-    kind: EventKind
-    step: int
-    quorum_id: int
-    participants: int
-    previous: int
-    start_ns: int
-    end_ns: int
-    detail: str = ""
-
-    @property
-    def seconds(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e9
-
-    def describe(self) -> str:
-        """One line for a log: what happened, at which step, how long it took."""
-        groups = f"{self.previous} -> {self.participants} replica groups"
-        what = {
-            "join": f"a replica group joined ({groups})",
-            "leave": f"a replica group left ({groups})",
-            "heal": f"healed {self.detail} to step {self.step}",
-            "failed_commit": f"step {self.step} not committed ({self.detail}); retrying",
-        }[self.kind]
-        return f"quorum {self.quorum_id}: {what} in {self.seconds:.2f}s"
+__all__ = ["QuorumEvent", "QuorumWatch"]
 
 
 class QuorumWatch:

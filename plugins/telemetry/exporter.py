@@ -4,7 +4,8 @@ What the training thread pays per step is two `deque.append`s of tuples holding 
 are already immutable: `(STEP, report)` — the engine's frozen `StepReport` with its phase spans
 — and `(COMM, records)` — the step's finished comm records, which nothing mutates once done.
 A MoE model's expert load (`(EXPERT_LOAD, …)`, its counts possibly still on the device) and the
-end of the run (`(JOB_END, …)`) are queued the same way, with the time they were queued.
+end of the run (`(JOB_END, …)`) are queued the same way, with the time they were queued; a
+fault-tolerant group's quorum events (`(QUORUM, …)`) carry their own times.
 Everything else happens on the exporter thread: span ids, attributes, OTLP protobuf bytes
 (`plait.plugins.telemetry.otlp_wire`), batching (up to `max_batch` spans per request, at least
 every `batch_delay` seconds), sending, the step metrics (`on_step`), and waiting for phases
@@ -31,11 +32,12 @@ from typing import Any
 from plait.core import telemetry_schema as names
 from plait.core.expert_load import ExpertLoad, PublishedExpertLoad
 from plait.core.phase_timing import DEVICE_TIMING, DeviceInterval, device_interval
+from plait.core.quorum_events import PublishedQuorumEvent
 from plait.core.step import PhaseSpan, StepReport
 from plait.plugins.telemetry import otlp_spans, otlp_wire
 from plait.plugins.telemetry.comm_records import CommRecord
 
-STEP, COMM, EXPERT_LOAD, JOB_END = 0, 1, 2, 3
+STEP, COMM, EXPERT_LOAD, JOB_END, QUORUM = 0, 1, 2, 3, 4
 # An exporter still running at interpreter exit (its engine never closed) sends what is queued
 # and stops first: on a GPU its thread reads device events in torch's C++ with the GIL
 # released, and a daemon thread caught there when Python finalizes aborts the process.
@@ -115,6 +117,11 @@ class SpanExporter:
         what tells the daemon the run finished."""
         self._queue.append((JOB_END, (outcome, last_step, time.time_ns())))
 
+    def put_quorum_event(self, published: PublishedQuorumEvent) -> None:
+        """A replica group's join, leave, heal or failed commit, as a span over its own time.
+        Never dropped: rare, and what an operator reads a group's story from."""
+        self._queue.append((QUORUM, published))
+
     # -- any thread ------------------------------------------------------------------------------
 
     def flush(self, timeout: float) -> bool:
@@ -178,6 +185,8 @@ class SpanExporter:
                 spans.extend(self._comm_span(record) for record in payload)
             elif kind == EXPERT_LOAD:
                 spans.extend(self._expert_load_spans(*payload))
+            elif kind == QUORUM:
+                spans.append(self._quorum_span(payload))
             else:
                 ends.append(self._job_end_span(*payload))
             if len(spans) >= self.max_batch:
@@ -299,6 +308,17 @@ class SpanExporter:
     def _job_end_span(self, outcome: str, last_step: int, time_ns: int) -> bytes:
         return self._instant_span(
             names.JOB_END_SPAN_NAME, time_ns, otlp_spans.job_end_attributes(outcome, last_step)
+        )
+
+    def _quorum_span(self, published: PublishedQuorumEvent) -> bytes:
+        event = published.event
+        return self._encoder.span(
+            names.QUORUM_EVENT_SPAN_NAME,
+            trace_id=otlp_spans.new_trace_id(),
+            span_id=otlp_spans.new_span_id(),
+            start_ns=event.start_ns,
+            end_ns=max(event.end_ns, event.start_ns),
+            attributes=otlp_spans.quorum_event_attributes(published),
         )
 
     def _instant_span(self, name: str, time_ns: int, attributes: dict[str, Any]) -> bytes:

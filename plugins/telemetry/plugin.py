@@ -14,6 +14,8 @@ Hooks:
   phase spans and the comm spans as its children, sends them and records the step metrics,
   all off the training thread. A MoE model's expert load of the step is queued the same way,
   its counts still as published (read back on the exporter thread).
+* At every step boundary the quorum events a fault-tolerant group published
+  (`plait.core.quorum_events.BOARD`: joins, leaves, heals, failed commits) are queued as spans.
 * `plait_job_end` queues what is left and the end-of-run span, then shuts the exporters down.
 
 The step hooks also tell the control channel where step boundaries are, so a profile
@@ -35,6 +37,7 @@ from plait.core.daemon_address import resolve_daemon_address
 from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.hookspecs import hookimpl
 from plait.core.host_map import known_host_map
+from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
 from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor, track_async_completion
 from plait.plugins.telemetry.exporter import SpanExporter
@@ -108,6 +111,8 @@ class TelemetryPlugin:
         telemetry = self.telemetry
         if telemetry is None:
             return
+        # Published after the last step ended (the fault-tolerant step returns them then).
+        self._queue_quorum_events()
         if self._uses_cuda:
             self._cuda_anchor = CudaAnchor.now()
         control = telemetry.control
@@ -131,6 +136,14 @@ class TelemetryPlugin:
         load = EXPERT_LOAD_BOARD.take_published()
         if load is not None and self.telemetry is not None:
             self.telemetry.record_expert_load(report.step, load)
+        self._queue_quorum_events()
+
+    def _queue_quorum_events(self, exporter: SpanExporter | None = None) -> None:
+        exporter = exporter or self.exporter
+        if exporter is None:
+            return
+        for published in QUORUM_EVENT_BOARD.take():
+            exporter.put_quorum_event(published)
 
     @hookimpl
     def plait_job_end(self) -> None:
@@ -144,6 +157,7 @@ class TelemetryPlugin:
             # Once, at shutdown: lets the last step's CUDA events be read.
             torch.cuda.synchronize()
         exporter.put_comm(self._finished_comm_records(final=True))
+        self._queue_quorum_events(exporter)
         telemetry.end_job(last_step=self.last_step)  # the daemon shows the job finished
         telemetry.shutdown()  # sends everything queued, the end of the run last
 

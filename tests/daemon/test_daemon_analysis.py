@@ -318,8 +318,8 @@ def test_hang_reports_missing_and_unreported_ranks() -> None:
     group = ("dp", (0, 1, 2))
     stuck = InflightOp("dp", (0, 1, 2), "all_reduce", 7, "grad_bucket", now - 5 * 10**9)
     beats = {
-        ("job", 0): Heartbeat(now, (stuck,), {group: 7}),
-        ("job", 1): Heartbeat(now, (), {group: 6}),  # still before seq 7
+        ("job", -1, 0): Heartbeat(now, (stuck,), {group: 7}),
+        ("job", -1, 1): Heartbeat(now, (), {group: 6}),  # still before seq 7
     }
     (hang,) = find_hangs(beats, now_ns=now, timeout_seconds=2.0)
     assert (hang.op, hang.seq, hang.group) == ("all_reduce", 7, "dp")
@@ -329,13 +329,13 @@ def test_hang_reports_missing_and_unreported_ranks() -> None:
     assert find_hangs(beats, now_ns=now, timeout_seconds=10.0) == []
     # Rank 2's daemon saw it enter: merged across daemons, only rank 1 is missing.
     other = find_hangs(
-        {("job", 2): Heartbeat(now, (stuck,), {group: 7})}, now_ns=now, timeout_seconds=2.0
+        {("job", -1, 2): Heartbeat(now, (stuck,), {group: 7})}, now_ns=now, timeout_seconds=2.0
     )
     (merged,) = merge_hangs([hang, *other])
     assert merged.entered_ranks == (0, 2) and merged.missing_ranks == (1,)
     assert merged.unreported_ranks == ()
     # Once every rank is in, it is no longer a missing-rank hang; stale heartbeats are ignored.
-    beats[("job", 1)] = Heartbeat(now, (), {group: 7})
-    beats[("job", 2)] = Heartbeat(now, (), {group: 7})
+    beats[("job", -1, 1)] = Heartbeat(now, (), {group: 7})
+    beats[("job", -1, 2)] = Heartbeat(now, (), {group: 7})
     assert find_hangs(beats, now_ns=now, timeout_seconds=2.0) == []
     assert find_hangs(beats, now_ns=now + 100 * 10**9, timeout_seconds=2.0) == []

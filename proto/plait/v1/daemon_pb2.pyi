@@ -13,7 +13,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder", "job_states", "stale_floor_seconds", "stale_step_multiple", "stale_ceiling_seconds", "ingest_workers", "ingest_worker_requests", "ingest_worker_restarts", "control_endpoints", "control_refused", "control_rejected")
+    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder", "job_states", "stale_floor_seconds", "stale_step_multiple", "stale_ceiling_seconds", "ingest_workers", "ingest_worker_requests", "ingest_worker_restarts", "control_endpoints", "control_refused", "control_rejected", "fault_tolerant_jobs", "lighthouse")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class StatusResponse(_message.Message):
     CONTROL_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_REFUSED_FIELD_NUMBER: _ClassVar[int]
     CONTROL_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    FAULT_TOLERANT_JOBS_FIELD_NUMBER: _ClassVar[int]
+    LIGHTHOUSE_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     bind_address: str
@@ -103,7 +105,103 @@ class StatusResponse(_message.Message):
     control_endpoints: int
     control_refused: int
     control_rejected: int
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ..., job_states: _Optional[_Mapping[str, str]] = ..., stale_floor_seconds: _Optional[float] = ..., stale_step_multiple: _Optional[float] = ..., stale_ceiling_seconds: _Optional[float] = ..., ingest_workers: _Optional[int] = ..., ingest_worker_requests: _Optional[int] = ..., ingest_worker_restarts: _Optional[int] = ..., control_endpoints: _Optional[int] = ..., control_refused: _Optional[int] = ..., control_rejected: _Optional[int] = ...) -> None: ...
+    fault_tolerant_jobs: _containers.RepeatedCompositeFieldContainer[FaultTolerantJob]
+    lighthouse: LighthouseStatus
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ..., job_states: _Optional[_Mapping[str, str]] = ..., stale_floor_seconds: _Optional[float] = ..., stale_step_multiple: _Optional[float] = ..., stale_ceiling_seconds: _Optional[float] = ..., ingest_workers: _Optional[int] = ..., ingest_worker_requests: _Optional[int] = ..., ingest_worker_restarts: _Optional[int] = ..., control_endpoints: _Optional[int] = ..., control_refused: _Optional[int] = ..., control_rejected: _Optional[int] = ..., fault_tolerant_jobs: _Optional[_Iterable[_Union[FaultTolerantJob, _Mapping]]] = ..., lighthouse: _Optional[_Union[LighthouseStatus, _Mapping]] = ...) -> None: ...
+
+class ReplicaGroupStatus(_message.Message):
+    __slots__ = ("replica_group", "state", "ranks", "ranks_live", "step", "replica_id", "quorum_id", "participants", "world_size", "restarts")
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    replica_group: int
+    state: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    ranks_live: int
+    step: int
+    replica_id: str
+    quorum_id: int
+    participants: int
+    world_size: int
+    restarts: int
+    def __init__(self, replica_group: _Optional[int] = ..., state: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., ranks_live: _Optional[int] = ..., step: _Optional[int] = ..., replica_id: _Optional[str] = ..., quorum_id: _Optional[int] = ..., participants: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+
+class QuorumEvent(_message.Message):
+    __slots__ = ("replica_group", "kind", "step", "quorum_id", "participants", "previous", "start_unix_nano", "seconds", "detail", "replica_id")
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_group: int
+    kind: str
+    step: int
+    quorum_id: int
+    participants: int
+    previous: int
+    start_unix_nano: int
+    seconds: float
+    detail: str
+    replica_id: str
+    def __init__(self, replica_group: _Optional[int] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ..., quorum_id: _Optional[int] = ..., participants: _Optional[int] = ..., previous: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class FaultTolerantJob(_message.Message):
+    __slots__ = ("job_id", "state", "groups", "quorum_id", "participants", "events", "events_received")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    groups: _containers.RepeatedCompositeFieldContainer[ReplicaGroupStatus]
+    quorum_id: int
+    participants: int
+    events: _containers.RepeatedCompositeFieldContainer[QuorumEvent]
+    events_received: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroupStatus, _Mapping]]] = ..., quorum_id: _Optional[int] = ..., participants: _Optional[int] = ..., events: _Optional[_Iterable[_Union[QuorumEvent, _Mapping]]] = ..., events_received: _Optional[int] = ...) -> None: ...
+
+class LighthouseStatus(_message.Message):
+    __slots__ = ("address", "quorum_id", "heartbeats", "waiting", "next_quorum", "error")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    NEXT_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    quorum_id: int
+    heartbeats: _containers.RepeatedCompositeFieldContainer[LighthouseHeartbeat]
+    waiting: int
+    next_quorum: str
+    error: str
+    def __init__(self, address: _Optional[str] = ..., quorum_id: _Optional[int] = ..., heartbeats: _Optional[_Iterable[_Union[LighthouseHeartbeat, _Mapping]]] = ..., waiting: _Optional[int] = ..., next_quorum: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LighthouseHeartbeat(_message.Message):
+    __slots__ = ("replica_id", "job_id", "replica_group", "age_seconds")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    job_id: str
+    replica_group: int
+    age_seconds: float
+    def __init__(self, replica_id: _Optional[str] = ..., job_id: _Optional[str] = ..., replica_group: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class ForwarderStatus(_message.Message):
     __slots__ = ("endpoint", "queued_requests", "queued_bytes", "queue_capacity_bytes", "forwarded_requests", "retries", "dropped_requests", "dropped_spans", "dropped_metric_points", "dropped_by_reason", "rejected_upstream_items")

@@ -16,7 +16,7 @@ class CommBytes(_message.Message):
     def __init__(self, intra_node: _Optional[int] = ..., inter_node: _Optional[int] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("job_id", "rank", "local_rank", "world_size", "host", "pid", "device", "device_name", "compute_dtype", "peak_flops", "peak_flops_source", "model_name", "num_params", "coordinates", "degrees", "last_seen_unix_nano", "spans_received", "steps_received", "status", "restart_attempt", "silent_seconds", "stale_after_seconds")
+    __slots__ = ("job_id", "rank", "local_rank", "world_size", "host", "pid", "device", "device_name", "compute_dtype", "peak_flops", "peak_flops_source", "model_name", "num_params", "coordinates", "degrees", "last_seen_unix_nano", "spans_received", "steps_received", "status", "restart_attempt", "silent_seconds", "stale_after_seconds", "replica_group")
     class CoordinatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class RankInfo(_message.Message):
     RESTART_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SILENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STALE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     local_rank: int
@@ -75,10 +76,11 @@ class RankInfo(_message.Message):
     restart_attempt: int
     silent_seconds: float
     stale_after_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., peak_flops: _Optional[float] = ..., peak_flops_source: _Optional[str] = ..., model_name: _Optional[str] = ..., num_params: _Optional[int] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., degrees: _Optional[_Mapping[str, int]] = ..., last_seen_unix_nano: _Optional[int] = ..., spans_received: _Optional[int] = ..., steps_received: _Optional[int] = ..., status: _Optional[str] = ..., restart_attempt: _Optional[int] = ..., silent_seconds: _Optional[float] = ..., stale_after_seconds: _Optional[float] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., peak_flops: _Optional[float] = ..., peak_flops_source: _Optional[str] = ..., model_name: _Optional[str] = ..., num_params: _Optional[int] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., degrees: _Optional[_Mapping[str, int]] = ..., last_seen_unix_nano: _Optional[int] = ..., spans_received: _Optional[int] = ..., steps_received: _Optional[int] = ..., status: _Optional[str] = ..., restart_attempt: _Optional[int] = ..., silent_seconds: _Optional[float] = ..., stale_after_seconds: _Optional[float] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class RankMetrics(_message.Message):
-    __slots__ = ("job_id", "rank", "host", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "data_wait_seconds", "comm_seconds", "comm_share", "loss", "cpu_percent", "memory_rss_bytes", "device_memory_bytes", "device_utilization", "otel_metrics", "status", "silent_seconds", "restart_attempt", "comm_bytes_per_step")
+    __slots__ = ("job_id", "rank", "host", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "data_wait_seconds", "comm_seconds", "comm_share", "loss", "cpu_percent", "memory_rss_bytes", "device_memory_bytes", "device_utilization", "otel_metrics", "status", "silent_seconds", "restart_attempt", "comm_bytes_per_step", "replica_group")
     class OtelMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +111,7 @@ class RankMetrics(_message.Message):
     SILENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTART_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     COMM_BYTES_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     host: str
@@ -132,7 +135,8 @@ class RankMetrics(_message.Message):
     silent_seconds: float
     restart_attempt: int
     comm_bytes_per_step: CommBytes
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., comm_seconds: _Optional[float] = ..., comm_share: _Optional[float] = ..., loss: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device_utilization: _Optional[float] = ..., otel_metrics: _Optional[_Mapping[str, float]] = ..., status: _Optional[str] = ..., silent_seconds: _Optional[float] = ..., restart_attempt: _Optional[int] = ..., comm_bytes_per_step: _Optional[_Union[CommBytes, _Mapping]] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., data_wait_seconds: _Optional[float] = ..., comm_seconds: _Optional[float] = ..., comm_share: _Optional[float] = ..., loss: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., memory_rss_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., device_utilization: _Optional[float] = ..., otel_metrics: _Optional[_Mapping[str, float]] = ..., status: _Optional[str] = ..., silent_seconds: _Optional[float] = ..., restart_attempt: _Optional[int] = ..., comm_bytes_per_step: _Optional[_Union[CommBytes, _Mapping]] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class ExpertLayerLoad(_message.Message):
     __slots__ = ("layer", "experts", "step", "tokens", "max_tokens", "mean_tokens", "imbalance", "dropped", "dropped_fraction", "mean_imbalance", "steps")
@@ -301,7 +305,7 @@ class StragglerScore(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., steps: _Optional[int] = ..., median_step_seconds: _Optional[float] = ..., median_compute_seconds: _Optional[float] = ..., step_score: _Optional[float] = ..., compute_score: _Optional[float] = ..., flagged: _Optional[bool] = ...) -> None: ...
 
 class CollectiveHang(_message.Message):
-    __slots__ = ("job_id", "group", "group_ranks", "op", "seq", "purpose", "entered_ranks", "missing_ranks", "unreported_ranks", "entered_unix_nano", "waiting_seconds", "host")
+    __slots__ = ("job_id", "group", "group_ranks", "op", "seq", "purpose", "entered_ranks", "missing_ranks", "unreported_ranks", "entered_unix_nano", "waiting_seconds", "host", "replica_group")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +318,7 @@ class CollectiveHang(_message.Message):
     ENTERED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group: str
     group_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -326,4 +331,5 @@ class CollectiveHang(_message.Message):
     entered_unix_nano: int
     waiting_seconds: float
     host: str
-    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., group_ranks: _Optional[_Iterable[int]] = ..., op: _Optional[str] = ..., seq: _Optional[int] = ..., purpose: _Optional[str] = ..., entered_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., unreported_ranks: _Optional[_Iterable[int]] = ..., entered_unix_nano: _Optional[int] = ..., waiting_seconds: _Optional[float] = ..., host: _Optional[str] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., group_ranks: _Optional[_Iterable[int]] = ..., op: _Optional[str] = ..., seq: _Optional[int] = ..., purpose: _Optional[str] = ..., entered_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., unreported_ranks: _Optional[_Iterable[int]] = ..., entered_unix_nano: _Optional[int] = ..., waiting_seconds: _Optional[float] = ..., host: _Optional[str] = ..., replica_group: _Optional[int] = ...) -> None: ...
