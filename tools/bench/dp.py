@@ -33,7 +33,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
                 "n_layers": args.layers,
                 "n_heads": 8,
                 "n_kv_heads": 4,
-                "vocab_size": 256,
+                "vocab_size": args.vocab,
             },
         },
         "data": {"seq_len": args.seq_len},
@@ -48,7 +48,7 @@ def _batches(args: argparse.Namespace, rank: int, world: int) -> list[tuple[torc
     local = args.global_batch // world
     out = []
     for _ in range(args.steps + args.warmup):
-        tokens = torch.randint(0, 256, (args.global_batch, args.seq_len + 1), generator=gen)
+        tokens = torch.randint(0, args.vocab, (args.global_batch, args.seq_len + 1), generator=gen)
         mine = tokens[rank * local : (rank + 1) * local]
         out.append((mine[:, :-1], mine[:, 1:]))
     return out
@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--global-batch", type=int, default=16)
     args = parser.parse_args()
 
@@ -161,7 +162,8 @@ def main() -> None:
         for name, runs in results.items()
     }
     print(
-        f"DDP benchmark: llama dim={args.dim} layers={args.layers} seq={args.seq_len} "
+        f"DDP benchmark: llama dim={args.dim} layers={args.layers} vocab={args.vocab} "
+        f"seq={args.seq_len} "
         f"global batch={args.global_batch} micro={MICRO_BATCH}, {args.world_size} Gloo ranks, "
         f"{args.steps} steps × {args.rounds} rounds (median)"
     )
