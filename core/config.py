@@ -354,6 +354,13 @@ class FaultToleranceSection(Section):
     connect_timeout_seconds: float = Field(
         10.0, gt=0, description="how long to wait to reach the lighthouse and peer managers"
     )
+    keep_global_batch: bool = Field(
+        False,
+        description="a step without some groups still trains on the whole global batch: the "
+        "live groups also read the missing groups' shares (as extra micro-batches) and the "
+        "cross-group average weighs each group by its tokens; false = the step averages over "
+        "the live groups' shares only (the global batch shrinks while groups are missing)",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -362,6 +369,12 @@ class FaultToleranceSection(Section):
     @model_validator(mode="after")
     def _group_and_lighthouse(self) -> FaultToleranceSection:
         if not self.enabled:
+            if self.keep_global_batch:
+                raise ValueError(
+                    "keep_global_batch = true only acts across replica groups, but "
+                    "replica_group = -1 (fault tolerance off); set replica_group, or leave "
+                    "keep_global_batch unset"
+                )
             return self
         if self.replica_group >= self.replica_groups:
             raise ValueError(

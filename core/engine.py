@@ -443,13 +443,17 @@ class Engine:
         )
         return rows // count
 
-    def train_step(self, batch: Any, *, data_start_ns: int | None = None) -> float:
+    def train_step(
+        self, batch: Any, *, data_start_ns: int | None = None, micro_batch_size: int | None = None
+    ) -> float:
         """Forward, backward, gradient sync and optimizer step over `batch`.
 
         `batch` is this rank's share: `(inputs, targets)`, a dict such as a Hugging Face batch
         (`input_ids`, `labels`, …), or a tensor for a model that computes its own loss (see
         `plait.core.batches`). Every tensor's dim 0 is split into micro-batches of
-        `micro_batch_size(rows)` rows. Returns the mean loss across
+        `micro_batch_size` rows (default `micro_batch_size(rows)`; a caller handing a batch of
+        several ranks' shares passes the size one share would have, to accumulate more
+        micro-batches rather than grow them). Returns the mean loss across
         micro-batches and data-parallel ranks, identical on every rank.
         """
         start_ns = time.time_ns()
@@ -465,7 +469,7 @@ class Engine:
 
         microbatches = split_batch(
             batch,
-            micro_batch_size=self.micro_batch_size(batch_rows(batch)),
+            micro_batch_size=micro_batch_size or self.micro_batch_size(batch_rows(batch)),
             device=self.device,
             prepare_inputs=prepare,
         )

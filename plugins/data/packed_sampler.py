@@ -150,21 +150,24 @@ class PackedBatches(StepSampler):
         start = index_in_epoch * self.global_batch_size
         return np.arange(start, start + self.global_batch_size, dtype=np.int64)
 
-    def local_rows(self, step: int) -> np.ndarray:
-        """This rank's rows at `step`: its contiguous slice of the global batch."""
-        first = self.dp_rank * self.local_batch_size
+    def local_rows(self, step: int, *, dp_rank: int | None = None) -> np.ndarray:
+        """This rank's rows at `step`: its contiguous slice of the global batch (`dp_rank`:
+        another rank's)."""
+        first = self._slice_rank(dp_rank) * self.local_batch_size
         return self.global_rows(step)[first : first + self.local_batch_size]
 
-    def local_plan(self, step: int) -> RowPlan:
-        """The plan of this rank's rows at `step`."""
+    def local_plan(self, step: int, *, dp_rank: int | None = None) -> RowPlan:
+        """The plan of this rank's rows at `step` (`dp_rank`: another rank's)."""
         if step < 0:
             raise DataError(f"step must be >= 0, got {step}")
-        return self.row_plan(step // self.steps_per_epoch).take_rows(self.local_rows(step))
+        rows = self.local_rows(step, dp_rank=dp_rank)
+        return self.row_plan(step // self.steps_per_epoch).take_rows(rows)
 
-    def batch_at(self, step: int) -> PackedBatch:
-        """This rank's `(inputs, targets)` for `step`, without moving the sampler."""
+    def batch_at(self, step: int, *, dp_rank: int | None = None) -> PackedBatch:
+        """This rank's `(inputs, targets)` for `step`, without moving the sampler (`dp_rank`:
+        another rank's slice of the step's global batch)."""
         tokens, positions, targets = fill_rows(
-            self.local_plan(step),
+            self.local_plan(step, dp_rank=dp_rank),
             self._tokens,
             pad_id=self.pad_id,
             document_mask=self.document_mask,

@@ -121,13 +121,15 @@ class TokenBatches(StepSampler):
         start = index_in_epoch * self.global_batch_size
         return self.window_order(epoch)[start : start + self.global_batch_size]
 
-    def local_window_indices(self, step: int) -> np.ndarray:
-        """Indices of this rank's windows at `step`: its contiguous slice of the global batch."""
-        first = self.dp_rank * self.local_batch_size
+    def local_window_indices(self, step: int, *, dp_rank: int | None = None) -> np.ndarray:
+        """Indices of this rank's windows at `step`: its contiguous slice of the global batch
+        (`dp_rank`: another rank's)."""
+        first = self._slice_rank(dp_rank) * self.local_batch_size
         return self.global_window_indices(step)[first : first + self.local_batch_size]
 
-    def batch_at(self, step: int) -> Batch:
-        """This rank's `(inputs, targets)` for `step`, without moving the sampler."""
+    def batch_at(self, step: int, *, dp_rank: int | None = None) -> Batch:
+        """This rank's `(inputs, targets)` for `step`, without moving the sampler (`dp_rank`:
+        another rank's slice of the step's global batch)."""
         if step < 0:
             raise DataError(f"step must be >= 0, got {step}")
         span = self.seq_len + 1
@@ -135,7 +137,7 @@ class TokenBatches(StepSampler):
         # int64 buffer holding inputs and targets, so a batch costs one allocation and one
         # torch.from_numpy, and both halves come out contiguous.
         buffer = np.empty((2, self.local_batch_size, self.seq_len), dtype=np.int64)
-        for row, window in enumerate(self.local_window_indices(step)):
+        for row, window in enumerate(self.local_window_indices(step, dp_rank=dp_rank)):
             start = (self.first_window + int(window)) * self.seq_len
             tokens = self._tokens[start : start + span]
             buffer[0, row] = tokens[:-1]

@@ -55,9 +55,19 @@ class StepSampler:
     steps_per_epoch: int
     _step: int
 
-    def batch_at(self, step: int) -> Any:
-        """This rank's batch for `step`, without moving the sampler."""
+    def batch_at(self, step: int, *, dp_rank: int | None = None) -> Any:
+        """This rank's batch for `step`, without moving the sampler; `dp_rank` reads another
+        rank's slice of the same global batch instead (a missing replica group's share, which a
+        survivor trains on when the job keeps its global batch)."""
         raise NotImplementedError
+
+    def _slice_rank(self, dp_rank: int | None) -> int:
+        """The data-parallel rank whose slice to read: this one's unless `dp_rank` names another."""
+        if dp_rank is None:
+            return self.dp_rank
+        if not 0 <= dp_rank < self.dp_size:
+            raise DataError(f"dp_rank must be in [0, dp_size={self.dp_size}), got {dp_rank}")
+        return dp_rank
 
     def _forget_order(self) -> None:
         """Drop any cached epoch order (the seed changed)."""

@@ -5,16 +5,32 @@ group already reduced (DDP's all-reduce, ZeRO's reduced chunks): it averages the
 optimizer steps on across the live groups, through torchft's `Manager.allreduce`, which records a
 failure instead of raising. `skip_step` is the one place a step's commit is decided: torchft's
 `should_commit`, a vote of every rank of the group, false if any of them saw an error.
+
+Each group's gradient is the token-weighted mean over the rows it trained on. Groups that train
+on equal shares weigh the same (torchft's AVG). When the job keeps its global batch
+(`batch_share.py`), a survivor trains on more than its own share, so the groups are weighed by
+the tokens each trained on (the rows, where the loss is not a token mean): group g's gradient
+times N_g / Σ N, summed. With one live group that factor is exactly 1.
+
+The all-reduce adds rank i's buffers of every group element by element: groups of one inner
+layout reduce the optimizer's gradients as they hold them; when the quorum mixes layouts (a
+ZeRO-3 group healed from a ZeRO-1 one) every group reduces through the canonical split
+(`gradient_split.py`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed import ReduceOp
 
-from plait.core.sharding import ParallelRuntime
+from plait.core.sharding import ParallelRuntime, StepState
+
+if TYPE_CHECKING:
+    from plait.plugins.fault_tolerance.gradient_split import GradientSplit
 
 
 class ReplicaGroupCommit(ParallelRuntime):
@@ -22,10 +38,31 @@ class ReplicaGroupCommit(ParallelRuntime):
 
     name = "fault_tolerance"
 
-    def __init__(self, *, manager: Any, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        *,
+        manager: Any,
+        optimizer: torch.optim.Optimizer,
+        weigh_by_tokens: bool = False,
+        split_factory: Callable[[], GradientSplit] | None = None,
+    ) -> None:
         self.manager = manager
         self.optimizer = optimizer
         self.committed: bool | None = None
+        # On with keep_global_batch: groups may train on unequal numbers of shares.
+        self.weigh_by_tokens = weigh_by_tokens
+        # This step's shares (set by the step driver) and token counts (read from the step).
+        self.shares_trained = 1
+        self._step_state: StepState | None = None
+        # Made on first need (collective over the group): groups of other inner layouts.
+        self._split_factory = split_factory
+        self._split: GradientSplit | None = None
+        self._layouts_judged_for: int | None = None
+        self._layouts_differ_now = False
+
+    def action_handlers(self, step: StepState) -> dict[type, Any]:
+        self._step_state = step  # its token weights, once the engine has counted them
+        return {}
 
     def _optimizer_gradients(self) -> list[torch.Tensor]:
         # What the optimizer steps on: whole parameters under DDP, this rank's shard under ZeRO.
@@ -41,11 +78,64 @@ class ReplicaGroupCommit(ParallelRuntime):
         grads = self._optimizer_gradients()
         if not grads:
             return
+        if self._layouts_differ(grads[0].device):
+            assert self._split is not None
+            self._split.average(self._average)
+            return
         flat = _flatten_dense_tensors(grads)
-        # Sum, then divide by the participants (torchft's AVG): exact with two contributors.
-        self.manager.allreduce(flat).wait()
+        self._average(flat)
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(averaged)
+
+    def _average(self, flat: torch.Tensor) -> None:
+        """`flat` (this rank's gradients, in whichever split every group shares) averaged
+        across the quorum, in place."""
+        if self.weigh_by_tokens:
+            flat.mul_(self._share_of_global_batch(flat.device))
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        else:
+            # Sum, then divide by the participants (torchft's AVG): exact with two contributors.
+            self.manager.allreduce(flat).wait()
+
+    def _layouts_differ(self, device: torch.device) -> bool:
+        """Whether some group of this quorum holds its optimizer's gradients in another layout
+        (then all of them average through the canonical split). Asked once per quorum, by every
+        group alike: a sum over the quorum of each group's fingerprint and its square is
+        n·Σf² = (Σf)² exactly when every f is the same."""
+        if self._split_factory is None:
+            return False
+        quorum = int(self.manager._quorum_id)  # torchft 0.2 has no public getter for it
+        if quorum == self._layouts_judged_for:
+            return self._layouts_differ_now
+        if self._split is None:
+            self._split = self._split_factory()
+        first, second = self._split.fingerprint
+        sums = torch.tensor(
+            [first, second, first * first, second * second], dtype=torch.float64, device=device
+        )
+        self.manager.allreduce(sums, reduce_op=ReduceOp.SUM).wait()
+        groups = self.manager.num_participants()
+        self._layouts_differ_now = bool(
+            groups * sums[2] != sums[0] ** 2 or groups * sums[3] != sums[1] ** 2
+        )
+        # After a failed all-reduce the sums are garbage and the step does not commit: judge
+        # again on the retry's quorum.
+        self._layouts_judged_for = quorum if self.manager.errored() is None else None
+        return self._layouts_differ_now
+
+    def _share_of_global_batch(self, device: torch.device) -> float:
+        """N_g / Σ N over the live groups: this group's scored tokens (the engine's count, over
+        the group's ranks), or its shares where the loss is not a token mean."""
+        weights = self._step_state.runner.weights if self._step_state is not None else None
+        mine = (
+            weights.global_scored.to(device, torch.float64).reshape(1)
+            if weights is not None
+            else torch.tensor([float(self.shares_trained)], dtype=torch.float64, device=device)
+        )
+        total = mine.clone()
+        self.manager.allreduce(total, reduce_op=ReduceOp.SUM).wait()
+        # After a failed all-reduce the total is garbage; the step will not commit anyway.
+        return float(mine / total.clamp(min=1.0))
 
     def skip_step(self) -> bool:
         self.committed = bool(self.manager.should_commit())

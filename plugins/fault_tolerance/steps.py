@@ -1,11 +1,11 @@
 """The training step of one replica group under torchft: quorum, step, commit or roll back.
 
 `FaultTolerantSteps.step()` asks the lighthouse for this step's quorum (healing first, from a
-live peer, when this group is behind), runs the engine's step on the next batch with the
-gradients averaged across the quorum, and keeps the step only when it commits. A step that does
-not commit (a peer died in it, or stopped answering within `step_timeout_seconds`) is undone
-where the engine advanced — learning-rate schedule, step count, data position — so the next call
-retries it with the groups still alive.
+live peer, when this group is behind: `healing`, across inner layouts), runs the engine's step on
+the next batch with the gradients averaged across the quorum, and keeps the step only when it
+commits. A step that does not commit (a peer died in it, or stopped answering within
+`step_timeout_seconds`) is undone where the engine advanced — learning-rate schedule, step count,
+data position — so the next call retries it with the groups still alive.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from plait.core.comm import world_group
 from plait.core.config import FaultToleranceSection
 from plait.core.errors import PlaitError
+from plait.plugins.fault_tolerance.batch_share import GlobalBatchKeeper
 from plait.plugins.fault_tolerance.commit import ReplicaGroupCommit
+from plait.plugins.fault_tolerance.gradient_split import GradientSplit
 from plait.plugins.fault_tolerance.healing import heal_state, load_heal_state
 from plait.plugins.fault_tolerance.quorum_events import QuorumEvent, QuorumWatch
 from plait.plugins.fault_tolerance.replica_group import open_manager
@@ -38,6 +41,9 @@ class StepOutcome:
     quorum_id: int
     participants: int  # replica groups in the quorum that tried it
     events: tuple[QuorumEvent, ...]  # joins, leaves, heals, failed commits seen by this try
+    # Groups whose share of the global batch this group trained on (keep_global_batch); () =
+    # its own only.
+    shares: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +66,17 @@ class FaultTolerantSteps:
         # A group torchrun restarted has trained before: it must not start over from step 0.
         self.restarted = restarted
         self._first_quorum = True
-        self.commit = ReplicaGroupCommit(manager=manager, optimizer=engine.optimizer)
+        self.commit = ReplicaGroupCommit(
+            manager=manager,
+            optimizer=engine.optimizer,
+            # Used only when a group of another inner layout joins the quorum.
+            split_factory=lambda: GradientSplit(engine, group=world_group()),
+        )
         # After the group's data-parallel runtime: it averages what that runtime reduced.
         engine.runtimes.append(self.commit)
         self.watch = QuorumWatch()
+        # Set by `keep_global_batch`: survivors also read the missing groups' shares.
+        self.shares: GlobalBatchKeeper | None = None
 
     @property
     def replica_id(self) -> str:
@@ -99,8 +112,33 @@ class FaultTolerantSteps:
             restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
         )
         holder.append(steps)
+        if settings.keep_global_batch:
+            steps.keep_global_batch(settings)
         steps.resume_from(engine.global_step)
         return steps
+
+    def keep_global_batch(self, settings: FaultToleranceSection) -> None:
+        """From now on every committed step trains on the whole global batch (`batch_share`)."""
+        engine = self.engine
+        self.shares = GlobalBatchKeeper(
+            manager=self.manager,
+            batches=self.batches,
+            group=settings.replica_group,
+            groups=settings.replica_groups,
+            dp_rank=engine.mesh.coordinate("dp"),
+            dp_size=engine.mesh.size("dp"),
+            micro_batch_size=engine.micro_batch_size(self.batches.local_batch_size),
+            device=engine.device,
+        )
+        self.commit.weigh_by_tokens = True
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the job's disk checkpoint after the step that just
+        committed: the first group of that step's quorum (replica rank 0; torchft orders the
+        groups by id). Exactly one live group writes, whichever groups died, group 0 included;
+        the checkpoint holds the state every group shares, so any group resumes from it."""
+        return self.manager.participating_rank() == 0
 
     def resume_from(self, step: int) -> None:
         """Start torchft's step count where the engine stands (after a disk checkpoint's
@@ -132,9 +170,18 @@ class FaultTolerantSteps:
             ),
             learning_rates=tuple(group["lr"] for group in engine.optimizer.param_groups),
         )
-        batch = self.batches.next_batch()
-        step_start = time.time_ns()
-        loss = engine.train_step(batch, data_start_ns=data_start_ns)
+        shares: tuple[int, ...] = ()
+        if self.shares is None:
+            batch = self.batches.next_batch()
+            step_start = time.time_ns()
+            loss = engine.train_step(batch, data_start_ns=data_start_ns)
+        else:
+            read = self.shares.next_step()
+            shares, self.commit.shares_trained = read.shares, len(read.shares)
+            step_start = time.time_ns()
+            loss = engine.train_step(
+                read.batch, data_start_ns=data_start_ns, micro_batch_size=read.micro_batch_size
+            )
         committed = bool(self.commit.committed)
         if not committed:
             self._rewind(rewind)
@@ -153,6 +200,7 @@ class FaultTolerantSteps:
             quorum_id=quorum_id,
             participants=participants,
             events=self.watch.take(),
+            shares=shares,
         )
 
     def _refuse_starting_over(self, participants: int) -> None:

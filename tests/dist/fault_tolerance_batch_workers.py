@@ -1,0 +1,165 @@
+"""Replica-group ranks for the keep-the-global-batch test, and the one-process replays.
+
+Three groups of one rank train together until group C leaves after step `LEAVE_STEP - 1`
+(it closes its manager: the lighthouse leaves it out once its heartbeats stop); A and B train
+the remaining steps without it. With `keep_global_batch` on, A also reads C's share (the first
+missing share goes to the first live group), so A trains on two shares and B on one, and the
+cross-group average must weigh them 2 : 1.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.core.config import load_config
+from plait.core.engine import Engine
+from plait.core.testing import merged_config
+from plait.daemon.lighthouse import read_lighthouse
+from plait.plugins.data import build_batches
+from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
+from plait.plugins.fault_tolerance.batch_share import concatenate_rows
+
+STEPS = 4
+LEAVE_STEP = 2  # C's last step is LEAVE_STEP - 1
+GROUPS = 3
+GLOBAL_BATCH = 6  # 2 rows per group
+SHARE_ROWS = GLOBAL_BATCH // GROUPS
+MARKER_WAIT_SECONDS = 60.0
+
+
+def job_config(*, group: int, lighthouse: str, keep: bool) -> dict[str, Any]:
+    return merged_config(
+        {
+            "data": {"seq_len": 16},
+            # A share is one micro-batch: a survivor with two shares must run two, not one of 4.
+            "train": {
+                "global_batch_size": GLOBAL_BATCH,
+                "micro_batch_size": None,
+                "steps": STEPS,
+                "collective_timeout_seconds": 30.0,
+            },
+            "parallel": {"dp_strategy": "ddp"},
+            # AdamW divides by √v + eps: with the default eps a gradient near zero turns fp32
+            # rounding (groups add what one process accumulates) into visible weight changes.
+            "optimizer": {"warmup_steps": 0, "eps": 1e-4},
+            "fault_tolerance": {
+                "replica_group": group,
+                "replica_groups": GROUPS,
+                "lighthouse": lighthouse,
+                "keep_global_batch": keep,
+                "step_timeout_seconds": 30.0,
+                "quorum_timeout_seconds": 60.0,
+            },
+        }
+    )
+
+
+def wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + MARKER_WAIT_SECONDS
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited in vain for {what}")
+        time.sleep(0.02)
+
+
+def write_marker(path: Path, text: str) -> None:
+    """Written whole or not at all: a reader that sees the file reads all of `text`."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def replica_group_rank(
+    rank: int, world_size: int, group: int, lighthouse: str, markers: str, keep: bool
+) -> dict[str, Any]:
+    """Group `group`'s only rank: every try of every step, the final weights and data step."""
+    del rank, world_size
+    marker_dir = Path(markers)
+    config = load_config(job_config(group=group, lighthouse=lighthouse, keep=keep))
+    engine = Engine(config=config)
+    dp_rank, dp_size = replica_data_coordinates(
+        dp_rank=engine.mesh.coordinate("dp"),
+        dp_size=engine.mesh.size("dp"),
+        settings=config.fault_tolerance,
+    )
+    batches = build_batches(
+        config.data,
+        seq_len=config.data.seq_len,
+        global_batch_size=config.train.global_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=config.train.seed,
+    )
+    steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id="ftb-job")
+    write_marker(marker_dir / f"manager-{group}", steps.replica_id)
+    # Every group's manager heartbeats before any asks for the first quorum: step 0 has all.
+    wait_for(
+        lambda: all((marker_dir / f"manager-{g}").exists() for g in range(GROUPS)),
+        "every group's manager",
+    )
+    ids = {(marker_dir / f"manager-{g}").read_text() for g in range(GROUPS)}
+    wait_for(lambda: ids <= set(read_lighthouse(lighthouse).heartbeats), "the lighthouse")
+    last_step = LEAVE_STEP if group == GROUPS - 1 else STEPS
+    tries: list[dict[str, Any]] = []
+    while engine.global_step < last_step:
+        outcome = steps.step()
+        tries.append(
+            {
+                "step": outcome.step,
+                "committed": outcome.committed,
+                "participants": outcome.participants,
+                "shares": outcome.shares,
+            }
+        )
+    weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    data_step = batches.step
+    steps.close()
+    engine.close()
+    return {"tries": tries, "weights": weights, "data_step": data_step}
+
+
+def groups_of(step: int) -> tuple[int, ...]:
+    """The groups in step `step`'s quorum."""
+    return tuple(range(GROUPS)) if step < LEAVE_STEP else tuple(range(GROUPS - 1))
+
+
+def replay(rank: int, world_size: int, full: bool) -> dict[str, torch.Tensor]:
+    """One process, no replica groups: every step on the whole global batch (`full`), or on the
+    shares of the groups in the step's quorum only (what the job trains on with
+    `keep_global_batch` off), in micro-batches of one share each."""
+    del rank, world_size
+    overrides = job_config(group=0, lighthouse="127.0.0.1:1", keep=False)
+    overrides["train"]["micro_batch_size"] = SHARE_ROWS
+    del overrides["fault_tolerance"]
+    config = load_config(overrides)
+    engine = Engine(config=config)
+    whole = build_batches(
+        config.data,
+        seq_len=config.data.seq_len,
+        global_batch_size=GLOBAL_BATCH,
+        dp_rank=0,
+        dp_size=1,
+        seed=config.train.seed,
+    )
+    shares = [
+        build_batches(
+            config.data,
+            seq_len=config.data.seq_len,
+            global_batch_size=GLOBAL_BATCH,
+            dp_rank=group,
+            dp_size=GROUPS,
+            seed=config.train.seed,
+        )
+        for group in range(GROUPS)
+    ]
+    for step in range(STEPS):
+        if full:
+            batch = whole.batch_at(step)
+        else:
+            batch = concatenate_rows([shares[group].batch_at(step) for group in groups_of(step)])
+        engine.train_step(batch)
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}

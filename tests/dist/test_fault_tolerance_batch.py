@@ -1,0 +1,102 @@
+"""`fault_tolerance.keep_global_batch`: a step without some groups still trains on the whole batch.
+
+Three replica groups of one rank each train under a hosted lighthouse; group C leaves after step
+1. With the flag on, A takes C's share (A trains on two shares, B on one, weighed 2 : 1) and the
+run equals one process training on the whole global batch every step; with it off, the run
+equals one process training on the live groups' shares only, which is not the same run.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from plait.core.testing import run_distributed
+from plait.daemon.lighthouse import HostedLighthouse, LighthouseSettings
+from tests.dist import fault_tolerance_batch_workers as workers
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT = 90.0
+# One process accumulates micro-batches where the groups add their gradients: fp32 rounding.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+class Group(threading.Thread):
+    """One replica group's rank, run in the background; `result` or `error` when done."""
+
+    def __init__(self, group: int, lighthouse: str, markers: Path, keep: bool) -> None:
+        super().__init__(daemon=True)
+        self.args = (group, lighthouse, str(markers), keep)
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = run_distributed(
+                workers.replica_group_rank, 1, *self.args, timeout=TIMEOUT
+            )[0]
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def _run(tmp_path: Path, *, keep: bool) -> list[dict[str, Any]]:
+    lighthouse = HostedLighthouse(
+        LighthouseSettings(
+            bind="127.0.0.1:0", join_timeout_seconds=30.0, heartbeat_timeout_seconds=1.0
+        )
+    )
+    try:
+        groups = [Group(g, lighthouse.address, tmp_path, keep) for g in range(workers.GROUPS)]
+        for group in groups:
+            group.start()
+        for group in groups:
+            group.join(TIMEOUT)
+    finally:
+        lighthouse.stop()
+    for index, group in enumerate(groups):
+        assert group.error is None, f"group {index}: {group.error}"
+        assert group.result is not None
+    return [group.result for group in groups if group.result is not None]
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "shrink"])
+def test_keep_global_batch_trains_every_step_on_the_whole_batch(tmp_path: Path, keep: bool) -> None:
+    results = _run(tmp_path, keep=keep)
+    survivors = results[: workers.GROUPS - 1]
+    for group, result in enumerate(survivors):
+        tries = result["tries"]
+        # Nothing failed: C left between steps, so every step committed at its first try.
+        assert [t["step"] for t in tries] == list(range(workers.STEPS))
+        assert all(t["committed"] for t in tries)
+        assert [t["participants"] for t in tries] == [
+            len(workers.groups_of(s)) for s in range(workers.STEPS)
+        ]
+        # Each group stepped its data position once per step, for every group's rows.
+        assert result["data_step"] == workers.STEPS
+        if keep:
+            taken = (group, 2) if group == 0 else (group,)
+            assert [t["shares"] for t in tries] == [(group,)] * workers.LEAVE_STEP + [taken] * (
+                workers.STEPS - workers.LEAVE_STEP
+            )
+        else:
+            assert all(t["shares"] == () for t in tries)
+    a, b = (result["weights"] for result in survivors)
+    for name, value in a.items():
+        torch.testing.assert_close(value, b[name], **TOLERANCE, msg=f"{name}: A != B")
+    full, shrunk = (
+        run_distributed(workers.replay, 1, f, timeout=TIMEOUT)[0] for f in (True, False)
+    )
+    expected, other = (full, shrunk) if keep else (shrunk, full)
+    for name, value in a.items():
+        torch.testing.assert_close(value, expected[name], **TOLERANCE, msg=f"{name}")
+    # The flag changes the run: the other replay is far outside the tolerance.
+    assert _max_difference(a, other) > 1e-3
