@@ -256,3 +256,58 @@ def test_two_replica_groups_leave_and_heal_in_plait_status(
         for group in groups.values():
             group.close()
         channel.close()
+
+
+def test_the_telemetry_plugin_sends_what_the_group_published(server: DaemonServer) -> None:
+    """The rank side as the trainer drives it: events published on the board after a step are
+    sent by the telemetry plugin at the next step boundary, under the rank's replica group."""
+    from plait.core.config import load_config
+    from plait.core.plugins import Plugins
+    from plait.core.quorum_events import BOARD
+    from plait.plugins.telemetry import make_plugin
+
+    plugins = Plugins.create(autoload=False, builtins=())
+    plugins.register(make_plugin(), "telemetry")
+    plugins.configure(load_config({"telemetry": {"daemon": server.address}}))
+    plugins.job_start(job_info(rank=0, world_size=1, job_id=JOB, replica_group=3))
+    now = time.time_ns()
+    heal = QuorumEvent(
+        kind="heal", step=7, quorum_id=5, participants=2, previous=1,
+        start_ns=now - 10**8, end_ns=now, detail="from a live peer",
+    )  # fmt: skip
+    BOARD.publish([heal], replica_id=f"{JOB}-group3:cccc")
+    plugins.step_start(7)
+    plugins.step_end(
+        StepReport(step=7, loss=1.0, tokens=64, step_seconds=0.1, data_wait_seconds=0.0,
+                   model_flops=FLOPS, lr=1e-3, start_ns=now, end_ns=now + 10**8)
+    )  # fmt: skip
+    plugins.job_end()  # sends everything queued
+    assert BOARD.take() == []
+    (ft,) = status(server).fault_tolerant_jobs
+    ((group, state, ranks, quorum, replica_id),) = [
+        (g.replica_group, g.state, list(g.ranks), g.quorum_id, g.replica_id) for g in ft.groups
+    ]
+    assert (group, state, ranks, quorum) == (3, "finished", [0], 5)
+    assert replica_id == f"{JOB}-group3:cccc"
+    ((kind, step, seconds, detail),) = [(e.kind, e.step, e.seconds, e.detail) for e in ft.events]
+    assert (kind, step, detail) == ("heal", 7, "from a live peer")
+    assert seconds == pytest.approx(0.1)
+
+
+def test_a_hang_names_the_replica_group_of_its_ranks() -> None:
+    """Group 1's rank 0 waits in an all-reduce its rank 1 never entered; group 0's rank 1 (in
+    the same op of its own world) does not count as having entered group 1's."""
+    from plait.daemon.hangs import Heartbeat, InflightOp, find_hangs
+
+    now = time.time_ns()
+    dp = ("dp", (0, 1))
+    stuck = InflightOp("dp", (0, 1), "all_reduce", 7, "grad_bucket", now - 5 * 10**9)
+    beats = {
+        (JOB, 0, 0): Heartbeat(now, (), {dp: 9}),
+        (JOB, 0, 1): Heartbeat(now, (), {dp: 9}),
+        (JOB, 1, 0): Heartbeat(now, (stuck,), {dp: 7}),
+        (JOB, 1, 1): Heartbeat(now, (), {dp: 6}),
+    }
+    (hang,) = find_hangs(beats, now_ns=now, timeout_seconds=2.0)
+    assert (hang.replica_group, hang.entered_ranks, hang.missing_ranks) == (1, (0,), (1,))
+    assert hang.describe().startswith(f"job {JOB} replica group 1: all_reduce seq 7")
