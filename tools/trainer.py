@@ -71,6 +71,7 @@ def _rank_peak(engine: Engine) -> PeakFlops:
 
 def run_training(config: PlaitConfig, *, console: Console | None = None) -> TrainingSummary:
     """Train for `config.train.steps` steps; rank 0 shows live progress."""
+    from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
     from plait.plugins.checkpoint import Checkpointer
     from plait.plugins.data import build_batches
     from plait.plugins.fault_tolerance.data_share import replica_data_coordinates
@@ -155,6 +156,9 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
                 # Retried until it commits; a healed group continues at its peer's step.
                 outcome = replica_groups.step_until_committed(data_start_ns=data_start)
                 step, loss = outcome.step, outcome.loss
+                if is_leader and outcome.events:
+                    # One report per group: its rank 0 logs them and sends them to the daemon.
+                    QUORUM_EVENT_BOARD.publish(outcome.events, replica_id=replica_groups.replica_id)
                 for event in outcome.events if is_leader else ():
                     console.print(event.describe(), highlight=False, soft_wrap=True)
             else:
@@ -196,11 +200,14 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
                         highlight=False,
                         soft_wrap=True,
                     )
-            checkpointer.maybe_save(steps_done)
+            # Under fault tolerance one group writes the job's checkpoint (any group resumes).
+            writes = replica_groups is None or replica_groups.writes_checkpoints
+            if writes:
+                checkpointer.maybe_save(steps_done)
             signum = stop.agreed()
             if signum is not None:
                 summary.stopped = _stop_gracefully(
-                    checkpointer, step + 1, signum, console, is_leader
+                    checkpointer, step + 1, signum, console, is_leader, writes=writes
                 )
                 break
             step += 1
@@ -247,20 +254,28 @@ def _check_vocabulary(engine: Engine, data_vocab: int) -> None:
 
 
 def _stop_gracefully(
-    checkpointer: Checkpointer, steps_done: int, signum: int, console: Console, is_leader: bool
+    checkpointer: Checkpointer,
+    steps_done: int,
+    signum: int,
+    console: Console,
+    is_leader: bool,
+    *,
+    writes: bool = True,
 ) -> str:
-    """Save after the step every rank finished (unless that step was just saved) and say so."""
+    """Save after the step every rank finished (unless that step was just saved, or another
+    replica group writes the job's checkpoints) and say so."""
     from plait.plugins.checkpoint.storage import step_dir_name
 
-    saved = checkpointer.root is not None
+    saved = checkpointer.root is not None and writes
     if saved and checkpointer.last_saved_step != steps_done:
         checkpointer.save(steps_done)
     checkpointer.wait()
-    where = (
-        f"checkpoint {checkpointer.root / step_dir_name(steps_done)}"
-        if saved
-        else "no checkpoint (checkpoint_io.dir is not set)"
-    )
+    if saved:
+        where = f"checkpoint {checkpointer.root / step_dir_name(steps_done)}"
+    elif checkpointer.root is not None:
+        where = "no checkpoint (another replica group writes the job's checkpoints)"
+    else:
+        where = "no checkpoint (checkpoint_io.dir is not set)"
     message = f"stopped by {signal_name(signum)} after step {steps_done}: {where}"
     if is_leader:
         console.print(f"[yellow]{message}[/yellow]", highlight=False)

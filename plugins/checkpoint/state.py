@@ -39,9 +39,13 @@ from plait.core.state_chunks import (
     tensor_pieces,
 )
 from plait.core.state_layout import StateLayout
+from plait.core.training_state import (
+    apply_schedule,
+    ensure_optimizer_state,
+    group_hyperparameters,
+)
 
 FORMAT = "plait-dcp-1"
-_GROUP_HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay", "momentum")
 
 
 def model_key(fqn: str) -> str:
@@ -99,10 +103,7 @@ def engine_state_dict(
             state[optim_key(fqn, key)] = ChunkedValue(_staged(pieces, stage_to_cpu))
         if entry.step is not None:
             state[optim_key(fqn, "step")] = _plain_step(entry.step.get())
-    state["optim.param_groups"] = [
-        {k: v for k, v in group.items() if k in _GROUP_HYPERPARAMETERS}
-        for group in engine.optimizer.param_groups
-    ]
+    state["optim.param_groups"] = group_hyperparameters(engine.optimizer)
     if engine.lr_scheduler is not None:
         state["lr_scheduler"] = copy.deepcopy(engine.lr_scheduler.state_dict())
     if batches is not None:
@@ -144,30 +145,6 @@ class LoadReport:
     step: int
     model_only: bool
     notes: tuple[str, ...] = ()
-
-
-def empty_adam_state(optimizer: torch.optim.Optimizer, like: torch.Tensor) -> dict[str, Any]:
-    """Adam state for a parameter that has not stepped yet, to load a checkpoint into.
-
-    plait's AdamW counts steps in a Python int; torch's optimizers keep a 0-d float tensor.
-    """
-    from plait.core.optim import AdamW
-
-    step: Any = 0 if isinstance(optimizer, AdamW) else torch.tensor(0.0)
-    return {
-        "step": step,
-        "exp_avg": torch.zeros_like(like, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(like, memory_format=torch.preserve_format),
-    }
-
-
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of `optimizer` that has not stepped yet empty state to load into,
-    so that strategies describe (and the loader fills) state a resumed job has not built."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not optimizer.state.get(param):
-                optimizer.state[param] = empty_adam_state(optimizer, param)
 
 
 def load_engine_state(
@@ -240,50 +217,12 @@ def _set_optimizer_steps(layout: StateLayout, steps: dict[str, Any]) -> None:
             counter.set(step)
 
 
-# LR scheduler state entries with one value per optimizer parameter group.
-_PER_GROUP_SCHEDULER_KEYS = ("base_lrs", "_last_lr", "lr_lambdas")
-
-
-def fit_scheduler_state(state: dict[str, Any], num_groups: int) -> dict[str, Any]:
-    """A scheduler state for an optimizer of `num_groups` groups.
-
-    The number of groups can differ between layouts (a ZeRO rank has only the groups its shard
-    has parameters in); a per-group list whose values are all equal fits any count.
-    """
-    fitted = dict(state)
-    for key in _PER_GROUP_SCHEDULER_KEYS:
-        values = state.get(key)
-        if not isinstance(values, list) or len(values) == num_groups:
-            continue
-        if not values or any(v != values[0] for v in values):
-            raise CheckpointError(
-                f"the checkpoint's LR scheduler has {len(values)} parameter group(s) with "
-                f"different {key} {values}; this optimizer has {num_groups} group(s)"
-            )
-        fitted[key] = [copy.deepcopy(values[0]) for _ in range(num_groups)]
-    return fitted
-
-
 def _apply_training_state(
     engine: Any, state: dict[str, Any], *, batches: Any, rank: int, notes: list[str]
 ) -> None:
-    groups = state.get("optim.param_groups")
-    if groups is not None:
-        # Group i means the same on every layout (plait's factory puts the decayed group first
-        # and adds the undecayed one only if it has parameters), but under ZeRO a rank whose
-        # shard holds no vector has one group fewer than the job that saved.
-        for saved, group in zip(groups, engine.optimizer.param_groups, strict=False):
-            group.update(saved)
-    if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-        scheduler_state = fit_scheduler_state(
-            state["lr_scheduler"], len(engine.optimizer.param_groups)
-        )
-        engine.lr_scheduler.load_state_dict(scheduler_state)
-        # The scheduler's state does not include the optimizer's current lr: set it.
-        for group, lr in zip(
-            engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr(), strict=False
-        ):
-            group["lr"] = lr
+    apply_schedule(
+        engine, param_groups=state.get("optim.param_groups"), lr_scheduler=state.get("lr_scheduler")
+    )
     if batches is not None and state.get("sampler") is not None:
         batches.load_state_dict(state["sampler"])
     engine.global_step = int(state["train.step"])

@@ -8,7 +8,7 @@ import torch
 
 from plait.core.state_chunks import region_chunks, tensor_pieces
 from plait.core.state_layout import Region, TensorLayout
-from plait.plugins.checkpoint.state import fit_scheduler_state
+from plait.core.training_state import fit_scheduler_state
 from plait.plugins.checkpoint.storage import CheckpointError
 
 
