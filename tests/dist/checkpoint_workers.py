@@ -17,10 +17,13 @@ STEPS = 10
 
 
 def engine_config(
-    *, dp_strategy: str = "ddp", parallel: dict[str, Any] | None = None
+    *,
+    dp_strategy: str = "ddp",
+    parallel: dict[str, Any] | None = None,
+    zero: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A 2-layer Llama small enough for a busy 2-core machine."""
-    return {
+    config: dict[str, Any] = {
         "model": {
             "name": "llama",
             "size": "tiny",
@@ -34,6 +37,9 @@ def engine_config(
         "parallel": {"dp_strategy": dp_strategy, **(parallel or {})},
         "telemetry": {"enabled": False},
     }  # fmt: skip
+    if zero:
+        config["zero"] = zero
+    return config
 
 
 def train_and_checkpoint(
@@ -46,10 +52,11 @@ def train_and_checkpoint(
     async_save: bool = False,
     parallel: dict[str, Any] | None = None,
     dp_strategy: str = "ddp",
+    zero: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train until `stop_at` steps are done (resuming first if asked), saving after `save_at`."""
     del world_size
-    engine = Engine(config=engine_config(dp_strategy=dp_strategy, parallel=parallel))
+    engine = Engine(config=engine_config(dp_strategy=dp_strategy, parallel=parallel, zero=zero))
     batches = engine_batches(engine)
     settings = CheckpointIOConfig(dir=ckpt_dir, resume=resume, async_save=async_save, keep=0)
     checkpointer = Checkpointer(engine, batches, settings)

@@ -154,19 +154,22 @@ def checkpoint_round(
     save_at: tuple[int, ...],
     resume: bool,
     parallel: dict[str, Any],
+    dp_strategy: str = "zero3",
+    zero: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`checkpoint_workers.train_and_checkpoint` under zero3 with `parallel` (dp_shard or not),
-    also returning what this rank writes: the chunks of every tensor the checkpoint takes
-    from it, and the axes the parameters are declared replicated over."""
+    """`checkpoint_workers.train_and_checkpoint` under `dp_strategy` with `parallel` (dp_shard
+    or not) and `zero`, also returning what this rank writes: the chunks of every tensor the
+    checkpoint takes from it, and the axes the parameters are declared replicated over."""
     from plait.core.state_chunks import first_replica, layout_for, tensor_pieces
     from tests.dist.checkpoint_workers import train_and_checkpoint
 
     result = train_and_checkpoint(
-        rank, world_size, ckpt_dir, stop_at, save_at, resume, False, parallel, "zero3"
+        rank, world_size, ckpt_dir, stop_at, save_at, resume, False, parallel, dp_strategy, zero
     )
     config = merged_config(
         {
-            "parallel": {"dp_strategy": "zero3", **parallel},
+            "parallel": {"dp_strategy": dp_strategy, **parallel},
+            "zero": zero or {},
             "train": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2},
             "telemetry": {"enabled": False},
         }
@@ -185,3 +188,18 @@ def checkpoint_round(
             written += sum(chunk.tensor.numel() for chunk in pieces.chunks)
     engine.close()
     return {**result, "written": written, "replicated_over": sorted(replicated)}
+
+
+def checkpoint_rounds(
+    rank: int, world_size: int, rounds: tuple[dict[str, Any], ...]
+) -> list[dict[str, Any]]:
+    """`checkpoint_round` once per entry of `rounds` (its keyword arguments), one after the
+    other in the same ranks: several checkpoints for the price of one spawn."""
+    return [checkpoint_round(rank, world_size, **arguments) for arguments in rounds]
+
+
+def resume_each(rank: int, world_size: int, ckpt_dirs: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Resume every checkpoint of `ckpt_dirs` under plain data parallelism and train to step 5."""
+    from tests.dist.checkpoint_workers import train_and_checkpoint
+
+    return [train_and_checkpoint(rank, world_size, d, 5, (), True) for d in ckpt_dirs]

@@ -19,7 +19,6 @@ from plait.core.testing import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.dist import hsdp_workers
-from tests.dist.checkpoint_workers import train_and_checkpoint
 from tests.dist.hsdp_workers import STEPS
 
 pytestmark = pytest.mark.dist
@@ -183,16 +182,46 @@ def test_a_shard_group_across_nodes_is_refused_by_name() -> None:
 def test_hsdp_checkpoint_is_written_by_one_replica_and_resumes_flat_and_in_one_process(
     tmp_path: Path,
 ) -> None:
-    round_ = hsdp_workers.checkpoint_round
-    hsdp = run_distributed(round_, 4, str(tmp_path), 5, (3,), False, {"dp_shard": 2}, timeout=200)
-    flat = run_distributed(round_, 4, str(tmp_path), 5, (), True, {}, timeout=200)
-    (one,) = run_distributed(train_and_checkpoint, 1, str(tmp_path), 5, (), True, timeout=120)
+    # Two checkpoints per spawn: ZeRO-3 under HSDP, and ZeRO-2 under HSDP with the optimizer
+    # state sharded across the replicas (every rank then holds a piece no other rank has).
+    hsdp_dir, across_dir = str(tmp_path / "hsdp"), str(tmp_path / "across")
+    save: dict[str, Any] = {"stop_at": 5, "save_at": (3,), "resume": False}
+    resume: dict[str, Any] = {"stop_at": 5, "save_at": (), "resume": True, "parallel": {}}
+    across = {"shard_optimizer_across_replicas": True}
+    written = run_distributed(
+        hsdp_workers.checkpoint_rounds,
+        4,
+        (
+            {"ckpt_dir": hsdp_dir, "parallel": {"dp_shard": 2}, **save},
+            {"ckpt_dir": across_dir, "parallel": {"dp_shard": 2}, "dp_strategy": "zero2",
+             "zero": across, **save},
+        ),
+        timeout=300,
+    )  # fmt: skip
+    flat = run_distributed(
+        hsdp_workers.checkpoint_rounds,
+        4,
+        (
+            {"ckpt_dir": hsdp_dir, **resume},
+            {"ckpt_dir": across_dir, "dp_strategy": "zero2", **resume},  # flat ZeRO-2
+        ),
+        timeout=300,
+    )
+    (one,) = run_distributed(hsdp_workers.resume_each, 1, (hsdp_dir, across_dir), timeout=120)
+    hsdp = [rounds[0] for rounds in written]
     # The first replica (ranks 0 and 1, one node) writes the shards; the second writes nothing.
     assert [r["replicated_over"] for r in hsdp] == [[("dp_replicate",)]] * 4
     assert hsdp[0]["written"] > 0 and hsdp[1]["written"] > 0
     assert hsdp[2]["written"] == hsdp[3]["written"] == 0
-    assert all(r["written"] > 0 for r in flat)  # flat ZeRO-3: every rank holds its own shard
-    for resumed in (*flat, one):
-        assert resumed["start"] == 3
-        for step in (3, 4):
-            assert resumed["losses"][step] == pytest.approx(hsdp[0]["losses"][step], abs=LOSS_TOL)
+    # Across the replicas every rank writes its own sub-chunk of the optimizer state.
+    assert all(rounds[1]["written"] > 0 for rounds in written)
+    assert all(r[0]["written"] > 0 for r in flat)  # flat ZeRO-3: every rank holds its own shard
+    for index, name in enumerate(("hsdp", "optimizer across replicas")):
+        writer = written[0][index]
+        for resumed in (*(r[index] for r in flat), one[index]):
+            assert resumed["start"] == 3, name
+            # Step 3's loss reads the parameters, step 4's also the optimizer state's update.
+            for step in (3, 4):
+                assert resumed["losses"][step] == pytest.approx(
+                    writer["losses"][step], abs=LOSS_TOL
+                ), (name, step)
