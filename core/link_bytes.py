@@ -69,7 +69,9 @@ independent of M, while the optimizer state per rank shrinks `m`-fold.
 
 ZeRO++ on hierarchical ZeRO-3: hpZ (`zero.secondary_shard`) gathers backward's parameters inside
 the node, leaving `2·M·(m−1)·B` across; qwZ and qgZ send each across hop's chunk of `c` elements
-as `encoded_bytes(c)` instead of `4·c` (≈ ¼ for int8, ⅛ for int4 with blocks of 256).
+as `encoded_bytes(c)` instead of `4·c` (≈ ¼ for int8, ⅛ for int4 with blocks of 256):
+`encoded_hierarchical_bytes` counts one such op for one rank, `(m−1)·encoded_bytes(⌈N/n⌉)` across
+and the unencoded op's `(k−1)·⌈N/k⌉·itemsize` inside.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ __all__ = [
     "LinkBytes",
     "all_to_all",
     "encoded_bytes",
+    "encoded_hierarchical_bytes",
     "flat_bytes",
     "hierarchical_bytes",
     "op_link_bytes",
@@ -398,6 +401,34 @@ def encoded_bytes(numel: int, *, bits: int, block: int) -> int:
     where unencoded they send `(m−1)·chunk·itemsize`."""
     blocks = _ceil(numel, block)
     return blocks * block * bits // 8 + 4 * blocks
+
+
+def encoded_hierarchical_bytes(
+    op: str,
+    hierarchy: Hierarchy,
+    rank: int,
+    *,
+    numel: int,
+    itemsize: int,
+    bits: int,
+    block: int,
+    host_map: HostMap,
+) -> LinkBytes:
+    """The hierarchical all-gather or reduce-scatter of `numel` elements (the whole tensor) with
+    a codec of `bits` per element on its across step (`plait.plugins.collectives.hierarchical`):
+    inside, the unencoded op's step, `(k−1)·⌈N/k⌉·itemsize`; across, `(m−1)` encodings of this
+    rank's chunk of `c = ⌈N/n⌉` elements, `encoded_bytes(c)` each — the all-gather's ring
+    all-gathers of the payloads and the scales, or the reduce-scatter's all-to-all that sends
+    each other node's owner its encoded partial sum."""
+    if op not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"a codec encodes an all_gather or a reduce_scatter, not {op!r}")
+    intra, cross = hierarchy.intra_of(rank), hierarchy.cross_of(rank)
+    m = len(cross)
+    encoded = encoded_bytes(_ceil(numel, len(hierarchy.group_ranks)), bits=bits, block=block)
+    inside = ring_reduce_scatter(intra, rank, numel, itemsize, host_map)
+    if op == "all_gather":
+        return inside + ring_all_gather(cross, rank, m * encoded, 1, host_map)
+    return inside + all_to_all(cross, rank, [encoded] * m, host_map)
 
 
 def sharded_step_inter_node(

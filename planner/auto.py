@@ -1,10 +1,12 @@
 """`plait train CONFIG --auto`: the planner's choice written into a config.
 
 `layout_config(layout)` is the config sections that select a layout (degrees, dp strategy and
-the dp ranks it shards over, the collectives' algorithm, micro-batch, schedule, recomputation,
-sequence parallelism); `auto_config(config, world, …)`
+the dp ranks it shards over, the collectives' algorithm, ZeRO++'s hpZ and codecs, micro-batch,
+schedule, recomputation, sequence parallelism); `auto_config(config, world, …)`
 plans for the config's model, sequence length and global batch on `world` ranks and returns the
-config with the best layout merged in, plus the plan it came from.
+config with the best layout merged in, plus the plan it came from. The codecs (qwZ, qgZ) change
+what is computed, so they are planned only when the user allows quantized communication
+(`--allow-quantized-comm`, or a config that already names a codec).
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from typing import Any
 
 from plait.core.errors import ConfigError
 from plait.planner.devices import DeviceSpec
-from plait.planner.layouts import FLAT, HIERARCHICAL, PRECISIONS, Job, Layout, SearchSpace
+from plait.planner.layouts import (
+    CODEC_LEVELS,
+    FLAT,
+    HIERARCHICAL,
+    NO_CODEC,
+    PRECISIONS,
+    Job,
+    Layout,
+    SearchSpace,
+)
 from plait.planner.model_shape import shape_from_config
 from plait.planner.search import PlanResult, plan
 
@@ -57,6 +68,15 @@ def layout_config(layout: Layout, *, keep_algorithm: bool = False) -> dict[str, 
         del sections["comm"]
     if layout.dp_shard:
         sections["parallel"]["dp_shard"] = layout.dp_shard
+    if layout.zero:
+        # Named either way, so a config's own ZeRO++ knobs do not outlive a plan without them.
+        sections["zero"] = {
+            "secondary_shard": "node" if layout.secondary_shard else "none",
+            "quantize_weights": layout.quantize_weights,
+            "quantize_gradients": layout.quantize_gradients,
+        }
+        if layout.quantized:
+            sections["zero"]["quantize_block"] = layout.quantize_block
     if layout.recompute != "none":
         transforms["ac"] = "checkpoint"
         sections["checkpoint"] = {"mode": layout.recompute}
@@ -79,6 +99,35 @@ def merge_sections(config: Mapping[str, Any], sections: Mapping[str, Any]) -> di
                 current[key] = value
         merged[name] = current
     return merged
+
+
+def config_names_a_codec(config: Mapping[str, Any]) -> bool:
+    """Whether the config already asks for a ZeRO++ codec: the user's own permission to plan
+    quantized communication."""
+    zero = config.get("zero") or {}
+    fields = ("quantize_weights", "quantize_gradients")
+    return any(zero.get(field, NO_CODEC) != NO_CODEC for field in fields)
+
+
+def quantized_comm_note(layout: Layout) -> str:
+    """What a layout's codecs change, for the plan's printout ("" without codecs)."""
+    if not layout.quantized:
+        return ""
+    parts = []
+    if layout.quantize_weights != NO_CODEC:
+        parts.append(
+            f"qwZ {layout.quantize_weights}: weights gathered across nodes within "
+            f"absmax/{2 * CODEC_LEVELS[layout.quantize_weights]} of each block"
+        )
+    if layout.quantize_gradients != NO_CODEC:
+        parts.append(
+            f"qgZ {layout.quantize_gradients}: each other node's gradient partial sum within "
+            f"absmax/{2 * CODEC_LEVELS[layout.quantize_gradients]} of each block"
+        )
+    return (
+        f"{layout.describe()} quantizes what crosses nodes (quantized communication allowed; "
+        f"blocks of {layout.quantize_block}): " + "; ".join(parts) + " (docs/zero-plus-plus.md)"
+    )
 
 
 def job_for_config(
@@ -110,12 +159,18 @@ def auto_config(
     per_node: int,
     device: DeviceSpec,
     space: SearchSpace | None = None,
+    allow_quantized_comm: bool = False,
 ) -> tuple[dict[str, Any], PlanResult]:
-    """`config` with the fastest fitting layout for `world` ranks written in."""
+    """`config` with the fastest fitting layout for `world` ranks written in; ZeRO++'s codecs
+    among the choices only with `allow_quantized_comm` or a config that names one already."""
     job = job_for_config(config, world=world, per_node=per_node, device=device)
+    space = space or SearchSpace()
+    if allow_quantized_comm or config_names_a_codec(config):
+        block = int((config.get("zero") or {}).get("quantize_block", space.quantize_block))
+        space = replace(space, quantized_comm=True, quantize_block=block)
     kept = unplanned_algorithm(config)
     if kept:  # the user's algorithm runs the dp collectives: no hierarchical variants
-        space = replace(space or SearchSpace(), hierarchical=False)
+        space = replace(space, hierarchical=False)
     result = plan(job, space)
     if not result.ranked:
         smallest = result.smallest_rejected
@@ -169,6 +224,7 @@ def layout_from_config(
     dp_shard = 0 if dp_shard is None or dp_shard == dp or not zero else dp_shard
     algorithm = chosen_algorithm(resolved, host_map).name
     dp_algorithm = HIERARCHICAL if algorithm == COMM_ALGORITHMS[HIERARCHICAL] else FLAT
+    zero_section = dict(dict(config).get("zero") or {})
     layout = Layout(
         dp=dp,
         tp=tp,
@@ -183,7 +239,14 @@ def layout_from_config(
         virtual_stages=resolved.schedule.virtual_stages,
         recompute=recompute,
         sequence_parallel=bool(tp_section.get("sequence_parallel", False)) and tp > 1,
-    )
+        # ZeRO++ as the strategies read it: hpZ in stage 3, the codecs in the stages they apply to
+        secondary_shard=zero == 3 and zero_section.get("secondary_shard", "none") == "node",
+        quantize_weights=str(zero_section.get("quantize_weights", NO_CODEC)) if zero == 3
+        else NO_CODEC,
+        quantize_gradients=str(zero_section.get("quantize_gradients", NO_CODEC)) if zero >= 2
+        else NO_CODEC,
+        quantize_block=int(zero_section.get("quantize_block", 256)),
+    )  # fmt: skip
     if (
         dp_algorithm == HIERARCHICAL
         and per_node is not None
@@ -251,7 +314,9 @@ def detect_device(per_node: int) -> DeviceSpec:
     )
 
 
-def auto_overrides(config: Any, *, world: int, per_node: int, console: Any) -> list[str]:
+def auto_overrides(
+    config: Any, *, world: int, per_node: int, console: Any, allow_quantized_comm: bool = False
+) -> list[str]:
     """For `plait train --auto`: plan `config` (a `PlaitConfig`) on `world` ranks, print the
     choice and the resolved config with it, and return it as overrides for the ranks."""
     from plait.core.config import dump_toml, load_config
@@ -259,7 +324,10 @@ def auto_overrides(config: Any, *, world: int, per_node: int, console: Any) -> l
 
     data = config.model_dump(mode="json")
     device = detect_device(per_node)
-    merged, result = auto_config(data, world=world, per_node=per_node, device=device)
+    merged, result = auto_config(
+        data, world=world, per_node=per_node, device=device,
+        allow_quantized_comm=allow_quantized_comm,
+    )  # fmt: skip
     best = result.best
     console.print(
         f"--auto: {best.layout.describe()} on {world} × {device.name}: predicted "
@@ -270,6 +338,9 @@ def auto_overrides(config: Any, *, world: int, per_node: int, console: Any) -> l
         + ")",
         highlight=False,
     )
+    note = quantized_comm_note(best.layout)
+    if note:
+        console.print(f"--auto: {note}", highlight=False, markup=False)
     resolved = load_config(merged)
     console.print(
         dump_toml(resolved.model_dump(mode="json")), highlight=False, markup=False, end=""

@@ -16,13 +16,19 @@ many micro-batches as stages; interleaving needing a multiple of pp micro-batche
 one layer per chunk. On several nodes, a ZeRO stage may shard over `dp_shard` dp ranks whose
 shard group (`dp_shard × cp × tp` consecutive ranks) stays inside a node, and the hierarchical
 algorithm is a variant wherever a dp group it reduces over spans several nodes holding several
-of its ranks each (`link_traffic.hierarchical_applies`). Memory is checked later (`search.py`).
+of its ranks each (`link_traffic.hierarchical_applies`). ZeRO++ on several nodes: ZeRO-3 over
+every dp rank may keep hpZ's secondary shards (`secondary_shard`: backward gathers inside the
+node) wherever the dp group spans nodes of several dp ranks each and nothing else (no cp, no ep);
+with `SearchSpace.quantized_comm` only — the codecs change what is computed — hierarchical
+ZeRO-3 may quantize the parameter all-gather's cross-node hop (qwZ int8) and hierarchical
+ZeRO-2/3 the gradient reduce-scatter's (qgZ int8 or int4). Memory is checked later
+(`search.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plait.core.errors import ConfigError
 from plait.planner.devices import DeviceSpec
@@ -31,6 +37,11 @@ from plait.planner.model_shape import ModelShape
 RECOMPUTE_MODES = ("none", "selective", "full")
 FLAT, HIERARCHICAL = "flat", "hierarchical"  # the dp collectives' algorithms
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "dp_shard")
+NO_CODEC = "none"
+WEIGHT_CODECS = ("int8",)  # `zero.quantize_weights` (qwZ)
+GRADIENT_CODECS = ("int8", "int4")  # `zero.quantize_gradients` (qgZ)
+CODEC_BITS = {"int8": 8, "int4": 4}
+CODEC_LEVELS = {"int8": 127, "int4": 7}  # L: a block's values round to s·[−L, L], s = absmax/L
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1")
 
 
@@ -81,6 +92,26 @@ class Layout:
     virtual_stages: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    # ZeRO++ (`[zero]`): hpZ's secondary shards, and the codecs of the cross-node hops
+    secondary_shard: bool = False
+    quantize_weights: str = NO_CODEC
+    quantize_gradients: str = NO_CODEC
+    quantize_block: int = 256  # elements per codec block (one fp32 scale each)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a codec quantizes a cross-node hop (what is computed changes)."""
+        return self.quantize_weights != NO_CODEC or self.quantize_gradients != NO_CODEC
+
+    @property
+    def weight_codec_bits(self) -> int:
+        """Bits per element of qwZ's encoded hop (0: unencoded)."""
+        return CODEC_BITS.get(self.quantize_weights, 0)
+
+    @property
+    def gradient_codec_bits(self) -> int:
+        """Bits per element of qgZ's encoded hop (0: unencoded)."""
+        return CODEC_BITS.get(self.quantize_gradients, 0)
 
     @property
     def world(self) -> int:
@@ -107,6 +138,12 @@ class Layout:
             parts.append(f"shard{self.dp_shard}")
         if self.dp_algorithm != FLAT:
             parts.append(self.dp_algorithm)
+        if self.secondary_shard:
+            parts.append("hpZ")
+        if self.quantize_weights != NO_CODEC:
+            parts.append(f"qwZ-{self.quantize_weights}")
+        if self.quantize_gradients != NO_CODEC:
+            parts.append(f"qgZ-{self.quantize_gradients}")
         parts.append(f"mb{self.micro_batch}")
         if self.pp > 1:
             schedule = self.schedule
@@ -172,6 +209,13 @@ class SearchSpace:
     # of a node (HSDP), and hierarchical dp collectives.
     hybrid_sharding: bool = True
     hierarchical: bool = True
+    # ZeRO++ on several nodes: hpZ's secondary shards (memory for cross-node bytes, the same
+    # values computed), and the int8/int4 codecs of the cross-node hops, which perturb weights
+    # and gradients within their bounds: offered only when the user allows quantized
+    # communication (`plait plan --allow-quantized-comm`).
+    secondary_shard: bool = True
+    quantized_comm: bool = False
+    quantize_block: int = 256
     max_tp: int = 0  # 0 = devices per node
     max_pp: int = 0  # 0 = layers
     max_cp: int = 16
@@ -189,6 +233,10 @@ class SearchSpace:
         for stage in self.zero_stages:
             if stage not in (0, 1, 2, 3):
                 raise ConfigError(f"zero_stages: {stage} is not one of 0, 1, 2, 3")
+        if self.quantize_block < 2 or self.quantize_block % 2:
+            raise ConfigError(
+                f"quantize_block must be an even number of elements >= 2, got {self.quantize_block}"
+            )
         for axis in self.fixed:
             if axis not in FIXABLE:
                 raise ConfigError(f"fixed: {axis!r} is not one of {', '.join(FIXABLE)}")
@@ -268,15 +316,22 @@ def _variants(
                     if zero == 3 and pp > 1:
                         continue  # ZeRO-3 re-gathers per micro-batch: never paired with pp
                     for dp_shard, algorithm in _data_parallel(job, space, tp, cp, pp, dp, zero):
-                        for recompute in space.recompute:
-                            for sp in space.sequence_parallel if tp > 1 else (False,):
-                                yield Layout(
-                                    dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                    dp_shard=dp_shard, dp_algorithm=algorithm,
-                                    micro_batch=micro_batch, schedule=schedule,
-                                    virtual_stages=virtual, recompute=recompute,
-                                    sequence_parallel=sp,
-                                )  # fmt: skip
+                        mesh = Layout(
+                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, dp_shard=dp_shard,
+                            dp_algorithm=algorithm,
+                        )  # fmt: skip
+                        for hpz, weights, grads in _zero_plus_plus(job, space, mesh):
+                            for recompute in space.recompute:
+                                for sp in space.sequence_parallel if tp > 1 else (False,):
+                                    yield Layout(
+                                        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                        dp_shard=dp_shard, dp_algorithm=algorithm,
+                                        micro_batch=micro_batch, schedule=schedule,
+                                        virtual_stages=virtual, recompute=recompute,
+                                        sequence_parallel=sp, secondary_shard=hpz,
+                                        quantize_weights=weights, quantize_gradients=grads,
+                                        quantize_block=space.quantize_block,
+                                    )  # fmt: skip
 
 
 def _data_parallel(
@@ -299,6 +354,32 @@ def _data_parallel(
             flat, world=job.world, per_node=job.per_node
         ):
             yield dp_shard, HIERARCHICAL
+
+
+def _zero_plus_plus(job: Job, space: SearchSpace, mesh: Layout) -> Iterator[tuple[bool, str, str]]:
+    """(hpZ, qwZ codec, qgZ codec) choices for a mesh, as the runtime accepts them
+    (`plait.plugins.zero`): hpZ with ZeRO-3 over every dp rank (no HSDP, cp or ep) whose dp
+    group spans several nodes of several ranks each; a codec only on a hierarchical group of
+    ZeRO-3 (weights) or ZeRO-2/3 (gradients) over every dp rank, and only when the space allows
+    quantized communication."""
+    from plait.planner.link_traffic import hierarchical_applies
+
+    whole_dp = mesh.zero >= 2 and not mesh.dp_shard and mesh.ep == 1
+    spans = whole_dp and hierarchical_applies(
+        replace(mesh, dp_algorithm=HIERARCHICAL), world=job.world, per_node=job.per_node
+    )
+    secondary = [False]
+    if space.secondary_shard and spans and mesh.zero == 3 and mesh.cp == 1:
+        secondary.append(True)
+    weights, grads = [NO_CODEC], [NO_CODEC]
+    if space.quantized_comm and spans and mesh.dp_algorithm == HIERARCHICAL:
+        grads += GRADIENT_CODECS
+        if mesh.zero == 3:
+            weights += WEIGHT_CODECS
+    for hpz in secondary:
+        for weight in weights:
+            for grad in grads:
+                yield hpz, weight, grad
 
 
 def _schedules(

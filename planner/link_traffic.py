@@ -18,11 +18,17 @@ What one optimizer step sends (`dp_transfers`), as plait's strategies issue it:
     ZeRO-3         per micro-batch: two all-gathers of the parameters (forward, backward) and
                    a reduce of the gradients over the shard group
     HSDP (1/2/3)   once per step: all-reduce of each rank's gradient shard over its replicas
+    hpZ (ZeRO-3)   backward's all-gather over the node group (the dp ranks of one node, from
+                   the secondary shards) instead of the gradient group
+    qwZ / qgZ      the hierarchical all-gather / reduce-scatter with its cross-node hop encoded
+                   (`link_bytes.encoded_hierarchical_bytes`: `(m−1)·encoded_bytes(⌈N/n⌉)`
+                   across per rank), the encode and decode priced at memory bandwidth
     pp             per micro-batch and chunk boundary: the activation to the next stage's
                    rank at the same place, its gradient back (`pipeline_cross_node`)
 
 On 2 nodes × 2 with a model of `B` bytes this gives link_bytes' figures: DDP 3·B cross-node
-bytes per step flat and 2·B hierarchical; ZeRO-3 4.5·B·M flat, 3·B·M hierarchical, 2·B HSDP.
+bytes per step flat and 2·B hierarchical; ZeRO-3 4.5·B·M flat, 3·B·M hierarchical, 2·B HSDP,
+2·B·M hierarchical with hpZ (docs/zero-plus-plus.md has the codecs' rows).
 
 Time (`price_transfer`): every rank of a collective moves in lockstep, so an op takes as long
 as its busiest rank needs to send its own bytes, each link class at its own α–β
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from plait.core.host_map import SOURCE_ASSUMED, HostMap
@@ -43,6 +49,7 @@ from plait.core.link_bytes import (
     FLAT,
     HIERARCHICAL,
     LinkBytes,
+    encoded_hierarchical_bytes,
     flat_bytes,
     hierarchical_bytes,
     point_to_point,
@@ -53,6 +60,11 @@ if TYPE_CHECKING:  # layouts asks this module which dp variants to offer: no imp
     from plait.planner.layouts import Job, Layout
 
 GRADIENT, SHARD, REPLICA = "gradient", "shard", "replica"
+NODE = "node"  # hpZ: the gradient group's ranks on one node (its secondary shards' group)
+# Passes over each element the codecs make (`plait.plugins.collectives.codecs`, torch ops, each
+# reading and writing fp32): encode = cast, pad, abs, amax, divide, round, clamp, narrow;
+# decode = widen, scale, copy out.
+CODEC_ENCODE_PASSES, CODEC_DECODE_PASSES = 8, 3
 # The sub-ops of a hierarchical collective, each on the intra-node or the cross-node group
 # (`plait.plugins.collectives.hierarchical`): the latency steps it pays.
 HIERARCHICAL_SUB_OPS = {
@@ -72,7 +84,9 @@ class Transfer:
     numel: tuple[int, ...]  # per pipeline stage
     itemsize: int
     times: int
-    purpose: str  # "gradients", "parameters", "replicas"
+    purpose: str  # "gradients", "parameters", "secondary" (hpZ's backward gathers), "replicas"
+    codec_bits: int = 0  # ZeRO++: bits per element of the encoded cross-node hop (0: none)
+    codec_block: int = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,19 +192,34 @@ def _placement(node_of_member: tuple[int, ...]) -> HostMap:
 
 @functools.lru_cache(maxsize=16384)
 def _group_bytes(
-    op: str, node_of_member: tuple[int, ...], numel: int, itemsize: int, algorithm: str
+    op: str,
+    node_of_member: tuple[int, ...],
+    numel: int,
+    itemsize: int,
+    algorithm: str,
+    codec_bits: int = 0,
+    codec_block: int = 256,
 ) -> GroupBytes:
     """link_bytes' figure for every member of a group placed as `node_of_member`, flat or
-    hierarchical as `op_link_bytes` dispatches it."""
+    hierarchical as `op_link_bytes` dispatches it (with a codec on the hierarchical op's
+    cross-node hop); `algorithm` NODE: the op on each member's node's part of the group."""
     host_map = _placement(node_of_member)
     group = range(len(node_of_member))
     hierarchy = None
-    if algorithm == HIERARCHICAL and op in HIERARCHICAL_SUB_OPS:
+    if algorithm in (HIERARCHICAL, NODE) and op in HIERARCHICAL_SUB_OPS:
         hierarchy = host_map.hierarchy(group)
     total = LinkBytes()
     seen: dict[LinkBytes, None] = {}
     for rank in group:
-        if hierarchy is not None:
+        if algorithm == NODE:
+            inside = hierarchy.intra_of(rank) if hierarchy is not None else group
+            sent = flat_bytes(op, inside, rank, numel=numel, itemsize=itemsize, host_map=host_map)
+        elif hierarchy is not None and codec_bits:
+            sent = encoded_hierarchical_bytes(
+                op, hierarchy, rank, numel=numel, itemsize=itemsize, bits=codec_bits,
+                block=codec_block, host_map=host_map,
+            )  # fmt: skip
+        elif hierarchy is not None:
             sent = hierarchical_bytes(
                 op, hierarchy, rank, numel=numel, itemsize=itemsize, host_map=host_map
             )
@@ -202,7 +231,7 @@ def _group_bytes(
         total=total,
         per_rank=tuple(seen),
         nodes=host_map.num_nodes,
-        hierarchical=hierarchy is not None,
+        hierarchical=hierarchy is not None and algorithm == HIERARCHICAL,
     )
 
 
@@ -232,6 +261,17 @@ def _mesh_only(layout: Layout) -> Layout:
     return mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_shard=layout.dp_shard)
 
 
+def secondary_group_size(job: Job, layout: Layout) -> int:
+    """hpZ's node group: the dp ranks of one node in the layout's dp group (`k`), or the whole
+    dp group when it has no hierarchy (one node, or one rank per node)."""
+    nodes, per_node = _nodes(job)
+    for placement, _ in _group_classes(nodes, per_node, _mesh_only(layout), GRADIENT, 0):
+        hierarchy = _placement(placement).hierarchy(range(len(placement)))
+        if hierarchy is not None:
+            return hierarchy.ranks_per_node
+    return layout.dp * layout.cp
+
+
 def dp_transfers(job: Job, layout: Layout, stage_params: Sequence[float]) -> tuple[Transfer, ...]:
     """The data-parallel collectives of one optimizer step (module doc); `stage_params` are the
     parameters one rank of each pipeline stage holds."""
@@ -245,19 +285,31 @@ def dp_transfers(job: Job, layout: Layout, stage_params: Sequence[float]) -> tup
         return (Transfer(op="all_reduce", group=GRADIENT, numel=numel, itemsize=grads, times=1,
                          purpose="gradients"),)  # fmt: skip
     group = GRADIENT if layout.shard_degree == layout.dp else SHARD
+    block = layout.quantize_block
+    weight_bits, grad_bits = layout.weight_codec_bits, layout.gradient_codec_bits
     # ZeRO's gradient reduction: a reduce-scatter, or an all-reduce where the backend lacks one
-    grad_op = "all_reduce" if device.grads_reduce_by_all_reduce else "reduce_scatter"
+    # (qgZ takes the reduce-scatter path on every backend)
+    by_all_reduce = device.grads_reduce_by_all_reduce and not grad_bits
+    grad_op = "all_reduce" if by_all_reduce else "reduce_scatter"
+    reduce = Transfer(op=grad_op, group=group, numel=numel, itemsize=grads, times=microbatches,
+                      purpose="gradients", codec_bits=grad_bits, codec_block=block)  # fmt: skip
     if layout.zero == 3:
+        # forward gathers from the primary shards; backward from them too, or with hpZ from the
+        # secondary shards inside the node
+        gathers = microbatches if layout.secondary_shard else 2 * microbatches
         out = [
-            Transfer(op="all_gather", group=group, numel=numel, itemsize=weights,
-                     times=2 * microbatches, purpose="parameters"),
-            Transfer(op=grad_op, group=group, numel=numel, itemsize=grads, times=microbatches,
-                     purpose="gradients"),
+            Transfer(op="all_gather", group=group, numel=numel, itemsize=weights, times=gathers,
+                     purpose="parameters", codec_bits=weight_bits, codec_block=block),
+            reduce,
         ]  # fmt: skip
+        if layout.secondary_shard:
+            out.append(
+                Transfer(op="all_gather", group=NODE, numel=numel, itemsize=weights,
+                         times=microbatches, purpose="secondary")
+            )  # fmt: skip
     else:
         out = [
-            Transfer(op=grad_op, group=group, numel=numel, itemsize=grads, times=1,
-                     purpose="gradients"),
+            replace(reduce, times=1),
             Transfer(op="all_gather", group=group, numel=numel, itemsize=weights, times=1,
                      purpose="parameters"),
         ]  # fmt: skip
@@ -273,7 +325,8 @@ def dp_transfers(job: Job, layout: Layout, stage_params: Sequence[float]) -> tup
 def transfer_bytes(job: Job, layout: Layout, transfer: Transfer) -> tuple[LinkBytes, GroupBytes]:
     """(bytes of one issue of `transfer` summed over the world, the figures of the group whose
     ranks send the most) — link_bytes' formulas on every group the mesh builds."""
-    return _transfer_bytes(*_nodes(job), _mesh_only(layout), layout.dp_algorithm, transfer)
+    algorithm = NODE if transfer.group == NODE else layout.dp_algorithm
+    return _transfer_bytes(*_nodes(job), _mesh_only(layout), algorithm, transfer)
 
 
 @functools.lru_cache(maxsize=16384)
@@ -282,12 +335,16 @@ def _transfer_bytes(
 ) -> tuple[LinkBytes, GroupBytes]:
     total = LinkBytes()
     busiest: GroupBytes | None = None
+    kind = GRADIENT if transfer.group == NODE else transfer.group  # NODE: each node's part
     for stage in range(mesh.pp):
         numel = transfer.numel[min(stage, len(transfer.numel) - 1)]
-        for placement, count in _group_classes(nodes, per_node, mesh, transfer.group, stage):
+        for placement, count in _group_classes(nodes, per_node, mesh, kind, stage):
             if len(placement) < 2:
                 continue
-            sent = _group_bytes(transfer.op, placement, numel, transfer.itemsize, algorithm)
+            sent = _group_bytes(
+                transfer.op, placement, numel, transfer.itemsize, algorithm,
+                transfer.codec_bits, transfer.codec_block,
+            )  # fmt: skip
             total += LinkBytes(count * sent.total.intra_node, count * sent.total.inter_node)
             most = max(b.total for b in sent.per_rank)
             if busiest is None or most > max(b.total for b in busiest.per_rank):
@@ -309,10 +366,11 @@ class PricedTransfer:
     bandwidth_seconds: float
     inter_node_seconds: float
     latency_seconds: float
+    codec_seconds: float = 0.0  # encoding and decoding the cross-node hop, at memory bandwidth
 
     def seconds(self, fraction: float = 1.0) -> float:
         """`fraction` of the bytes (a last bucket) with all of the latency steps."""
-        return fraction * self.bandwidth_seconds + self.latency_seconds
+        return fraction * (self.bandwidth_seconds + self.codec_seconds) + self.latency_seconds
 
 
 def price_transfer(job: Job, layout: Layout, transfer: Transfer) -> PricedTransfer:
@@ -332,11 +390,32 @@ def price_transfer(job: Job, layout: Layout, transfer: Transfer) -> PricedTransf
         bandwidth_seconds=seconds,
         inter_node_seconds=inter,
         latency_seconds=_latency(job, layout, transfer, busiest),
+        codec_seconds=_codec_seconds(job, layout, transfer, busiest),
     )
+
+
+def _codec_seconds(job: Job, layout: Layout, transfer: Transfer, busiest: GroupBytes) -> float:
+    """One rank's encoding and decoding for an encoded op: the all-gather encodes its chunk
+    and decodes all `m`; the reduce-scatter encodes the `m − 1` chunks it sends and decodes the
+    `m − 1` it receives. Each pass reads and writes fp32 (`CODEC_*_PASSES`)."""
+    if not transfer.codec_bits or not busiest.hierarchical:
+        return 0.0
+    m = busiest.nodes
+    chunk = -(-max(transfer.numel) // (layout.dp * layout.cp))
+    padded = -(-chunk // transfer.codec_block) * transfer.codec_block
+    if transfer.op == "all_gather":
+        encoded, decoded = padded, m * padded
+    else:
+        encoded = decoded = (m - 1) * padded
+    passes = CODEC_ENCODE_PASSES * encoded + CODEC_DECODE_PASSES * decoded
+    return passes * 2 * 4 / job.device.memory_bandwidth
 
 
 def _latency(job: Job, layout: Layout, transfer: Transfer, busiest: GroupBytes) -> float:
     device = job.device
+    if transfer.group == NODE:  # inside one node, over its dp ranks
+        steps, _ = steps_and_volume(transfer.op, secondary_group_size(job, layout), 0.0)
+        return steps * device.intra_node.for_op(op_family(transfer.op))[0]
     size = {GRADIENT: layout.dp * layout.cp, SHARD: layout.shard_degree * layout.cp}.get(
         transfer.group, layout.dp // layout.shard_degree
     )
@@ -344,9 +423,13 @@ def _latency(job: Job, layout: Layout, transfer: Transfer, busiest: GroupBytes) 
         seconds = 0.0
         for op, link in HIERARCHICAL_SUB_OPS[transfer.op]:
             across = link == "inter"
+            repeat = 1
+            if across and transfer.codec_bits:
+                # payloads and scales in two ops; the reduce-scatter's as all-to-alls
+                repeat, op = 2, ("all_to_all" if op == "reduce_scatter" else op)
             steps, _ = steps_and_volume(op, busiest.nodes if across else size // busiest.nodes, 0)
             alpha, _ = (device.inter_node if across else device.intra_node).for_op(op)
-            seconds += steps * alpha
+            seconds += repeat * steps * alpha
         return seconds
     steps, _ = steps_and_volume(transfer.op, size, 0.0)
     link = device.inter_node if busiest.nodes > 1 else device.intra_node
@@ -412,6 +495,7 @@ def dp_traffic(priced: Sequence[PricedTransfer]) -> Traffic:
 __all__ = [
     "FLAT",
     "HIERARCHICAL",
+    "NODE",
     "GroupBytes",
     "PricedTransfer",
     "Traffic",
@@ -423,5 +507,6 @@ __all__ = [
     "pipeline_cross_node",
     "price_transfer",
     "price_transfers",
+    "secondary_group_size",
     "transfer_bytes",
 ]

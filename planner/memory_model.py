@@ -1,5 +1,5 @@
 """Peak memory of one rank for a layout: model state by ZeRO stage, the dp ranks it is sharded
-over (every dp rank, or HSDP's `dp_shard`) and precision, activations
+over (every dp rank, or HSDP's `dp_shard`) and precision, hpZ's secondary shards, activations
 by tp / sp / cp / schedule / recomputation, the loss's logits, and buffers.
 
 Activations are counted per token and layer as the tensors autograd keeps for backward
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plait.planner.layouts import Job, Layout
+from plait.planner.link_traffic import secondary_group_size
 from plait.planner.schedule_model import max_in_flight
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and ZeRO's default bucket (`bucket_mb`)
@@ -46,6 +47,8 @@ class MemoryEstimate:
     activations: float
     logits: float  # the loss's transient logits, softmax and their gradient (last stage)
     buffers: float  # gradient buckets, ZeRO-3 gather buffers, pipeline queues
+    # hpZ: every unit's secondary shard, held from its forward to its backward
+    secondary_shards: float = 0.0
 
     @property
     def model_state(self) -> float:
@@ -53,7 +56,10 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.model_state + self.activations + self.logits + self.buffers
+        return (
+            self.model_state + self.activations + self.logits + self.buffers
+            + self.secondary_shards
+        )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8192)
@@ -172,6 +178,12 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
         buffers += largest_layer * precision.grad_bytes
     if layout.pp > 1:
         buffers += 2 * tokens * model.dim / (layout.tp if layout.sequence_parallel else 1) * act
+    secondary = 0.0
+    if layout.secondary_shard:
+        # ZeRO++'s hpZ: after its forward each unit leaves this rank 1/k of it (k dp ranks per
+        # node) until its backward gathers from them; at the end of the forward every unit's
+        # share is held at once, P/k on top of the primary shards' P/dp.
+        secondary = params / secondary_group_size(job, layout) * precision.param_bytes
     return MemoryEstimate(
         stage=stage,
         parameters=param_count * precision.param_bytes,
@@ -181,6 +193,7 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
         activations=activations,
         logits=logits,
         buffers=buffers,
+        secondary_shards=secondary,
     )
 
 

@@ -73,7 +73,9 @@ def plan(job: Job, space: SearchSpace | None = None, *, per_mesh: bool = True) -
         fitting.append(
             Candidate(layout=layout, memory=memory, time=estimate_step_time(job, layout))
         )
-    fitting.sort(key=lambda c: (c.time.total, c.memory.total))
+    # Ties (a gather hidden under compute however few bytes it sends) go to the layout that
+    # holds less and, at equal memory, to the one whose numerics are exact.
+    fitting.sort(key=lambda c: (c.time.total, c.memory.total, c.layout.quantized))
     if per_mesh:
         seen: set[tuple[int, ...]] = set()
         unique = []

@@ -28,7 +28,9 @@ Communication (α–β, `comm_model`), with the overlap each strategy has in pla
   there is no pipeline, and nothing with one (the pipeline syncs after its last backward);
   ZeRO-1/2 then all-gather the updated parameters; ZeRO-3 gathers every unit for forward and
   backward of every micro-batch, prefetched under the compute, and reduce-scatters gradients;
-  HSDP then all-reduces each gradient shard across the replicas, exposed. Each of these is
+  HSDP then all-reduces each gradient shard across the replicas, exposed; hpZ gathers
+  backward's units inside the node, and ZeRO++'s codecs shrink the cross-node hop's bytes at
+  the price of encoding and decoding at memory bandwidth. Each of these is
   priced per link class from the bytes `plait.core.link_bytes` counts on every rank of the
   mesh's groups (`link_traffic`): the busiest rank's intra-node bytes at the intra-node β, its
   cross-node bytes at the inter-node β, flat rings or hierarchical as the layout says.
@@ -362,9 +364,11 @@ def _dp_seconds(
     gather = by_purpose["parameters"].seconds()
     if layout.zero in (1, 2):
         return max(reduce - overlap, 0.0) + min(reduce, last_bucket) + gather + replicas
-    # ZeRO-3: per micro-batch, gather for forward and for backward, reduce-scatter gradients;
-    # prefetching hides it under that micro-batch's compute.
-    per_microbatch = 2 * gather + reduce
+    # ZeRO-3: per micro-batch, gather for forward and for backward (with hpZ from the secondary
+    # shards, inside the node), reduce-scatter gradients; prefetching hides it under that
+    # micro-batch's compute.
+    backward_gather = by_purpose["secondary"].seconds() if "secondary" in by_purpose else gather
+    per_microbatch = gather + backward_gather + reduce
     exposed = max(per_microbatch - (forward + last_backward), 0.0)
     first_unit = gather / max(job.model.n_layers, 1)
     return microbatches * (exposed + first_unit) + replicas

@@ -165,6 +165,13 @@ def train(
         bool,
         typer.Option("--auto", help="choose the parallel layout with `plait plan`; print it"),
     ] = False,
+    allow_quantized_comm: Annotated[
+        bool,
+        typer.Option(
+            "--allow-quantized-comm",
+            help="with --auto: the plan may quantize cross-node traffic (ZeRO++ qwZ/qgZ)",
+        ),
+    ] = False,
     overrides: Overrides = None,
 ) -> None:
     """Launch training through torch.distributed.run (torchrun)."""
@@ -191,7 +198,10 @@ def train(
             from plait.planner.auto import auto_overrides
 
             world = nproc_per_node * max_nodes
-            overrides += auto_overrides(cfg, world=world, per_node=nproc_per_node, console=console)
+            overrides += auto_overrides(
+                cfg, world=world, per_node=nproc_per_node, console=console,
+                allow_quantized_comm=allow_quantized_comm,
+            )  # fmt: skip
             cfg = load_config(config, overrides)
         plugin_manager = Plugins.create(blocked=cfg.plugins.disable)
         check_config(cfg, plugin_manager, world_size=nproc_per_node * max_nodes)

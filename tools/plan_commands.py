@@ -2,6 +2,7 @@
 the daemon's measurements and compare a finished run with the prediction.
 
     plait plan llama:70b --world 64 --per-node 8 --device H100-80GB --global-batch 512
+    plait plan llama:70b --world 64 --per-node 8 --global-batch 512 --allow-quantized-comm
     plait plan calibrate --host node0:50051          # fit the links to recorded comm spans
     plait plan explain --host node0:50051 --config run.toml --world 8 --device H100-80GB
 
@@ -124,6 +125,14 @@ def search(
         str, typer.Option(help="recomputation modes to consider")
     ] = "none,selective,full",
     links: Links = None,
+    allow_quantized_comm: Annotated[
+        bool,
+        typer.Option(
+            "--allow-quantized-comm",
+            help="also plan ZeRO++'s int8/int4 codecs of the cross-node hops (qwZ, qgZ): "
+            "fewer bytes, weights and gradients perturbed within their bounds",
+        ),
+    ] = False,
 ) -> None:
     """Rank the valid layouts of MODEL on WORLD devices by predicted step time."""
     from plait.planner.layouts import PRECISIONS, Job, SearchSpace
@@ -145,6 +154,7 @@ def search(
         space = SearchSpace(
             zero_stages=_int_list(zero, "--zero"),
             recompute=tuple(m.strip() for m in recompute.split(",") if m.strip()),
+            quantized_comm=allow_quantized_comm,
         )
         result = plan(job, space)
     except PlaitError as exc:
@@ -169,6 +179,28 @@ def search(
         )
         raise typer.Exit(1)
     console.print(render_plan(result, top=top))
+    for note in quantized_notes(result, top=top, allowed=allow_quantized_comm):
+        console.print(note, highlight=False, markup=False)
+
+
+def quantized_notes(result: Any, *, top: int, allowed: bool) -> list[str]:
+    """Below the table: what each printed layout's codecs change (they alter the numerics, so
+    the plan says so), or, where they were not planned but a printed layout could take them,
+    how to have them planned."""
+    from plait.planner.auto import quantized_comm_note
+    from plait.planner.layouts import HIERARCHICAL
+
+    shown = [c.layout for c in result.ranked[:top]]
+    if not allowed:
+        could = any(
+            x.dp_algorithm == HIERARCHICAL and x.zero >= 2 and not x.dp_shard for x in shown
+        )
+        return [
+            "ZeRO++'s codecs (qwZ, qgZ) were not planned: --allow-quantized-comm lets the plan "
+            "quantize the cross-node hops (docs/zero-plus-plus.md)"
+        ] if could else []  # fmt: skip
+    notes = [quantized_comm_note(layout) for layout in shown]
+    return [note for note in notes if note]
 
 
 @app.command()

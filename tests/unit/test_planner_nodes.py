@@ -176,7 +176,10 @@ def test_enumeration_offers_shards_inside_a_node_and_hierarchical_where_it_matte
 
 def test_a_slow_cross_node_link_picks_hsdp_and_a_fast_one_plain_zero3() -> None:
     slow, fast = _seven_b(5e9), _seven_b(360e9)
-    best_slow = plan(slow, _space(3)).best
+    # hpZ left out: its prefetched gathers beat HSDP's exposed replica all-reduce here
+    # (tests/unit/test_planner_zero_plus_plus.py)
+    no_hpz = dataclasses.replace(_space(3), secondary_shard=False)
+    best_slow = plan(slow, no_hpz).best
     assert best_slow.layout.dp_shard == 8  # HSDP: only the replicas' all-reduce crosses
     flat = price(slow, Layout(dp=16, zero=3, recompute="full"))
     assert best_slow.time.total < 0.5 * flat.time.total
