@@ -544,6 +544,7 @@ class RankAnalysis:
     host: str
     breakdown: RankBreakdown
     context: RankContext
+    replica_group: int = -1  # in a fault-tolerant job: the group that numbers `rank`
 
     @property
     def advice(self) -> str:
@@ -590,6 +591,7 @@ def analyse(jobs: Sequence[JobState], window_steps: int) -> list[RankAnalysis]:
                         comm_link_bytes=w.comm_link_bytes(window_steps),
                         **moe,  # type: ignore[arg-type]
                     ),
+                    replica_group=w.identity.replica_group,
                 )
             )
     return out
@@ -605,6 +607,7 @@ def straggler_scores(analyses: Sequence[RankAnalysis], threshold: float) -> list
                 steps=a.breakdown.steps,
                 median_step_seconds=a.breakdown.median_step_seconds,
                 median_compute_seconds=a.breakdown.median_compute_seconds,
+                replica_group=a.replica_group,
             )
             for a in analyses
         ),

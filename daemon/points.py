@@ -27,12 +27,18 @@ LINK_INTER_NODE = "inter_node"
 NETWORK_DIRECTION_LABEL = "network.io.direction"
 
 
-def _rank_attributes(job_id: str, rank: int, host: str) -> dict[str, object]:
-    return {
+def _rank_attributes(
+    job_id: str, rank: int, host: str, replica_group: int = schema.NO_REPLICA_GROUP
+) -> dict[str, object]:
+    attributes: dict[str, object] = {
         schema.RESOURCE_JOB_ID: job_id,
         schema.RESOURCE_RANK: rank,
         schema.RESOURCE_HOST_NAME: host,
     }
+    if replica_group != schema.NO_REPLICA_GROUP:
+        # Each replica group numbers its ranks from 0: without it two groups' series are one.
+        attributes[schema.RESOURCE_REPLICA_GROUP] = replica_group
+    return attributes
 
 
 def host_points(host: HostSample) -> list[DaemonPoint]:
@@ -49,8 +55,8 @@ def host_points(host: HostSample) -> list[DaemonPoint]:
     # psutil gives a process's CPU as a percent of one core; the convention divides by the
     # node's cores, so a rank using every core reads 1.
     cores = max(host.cpu_count, 1)
-    for (job_id, rank), process in sorted(host.processes.items()):
-        attrs = _rank_attributes(job_id, rank, host.hostname)
+    for (job_id, replica_group, rank), process in sorted(host.processes.items()):
+        attrs = _rank_attributes(job_id, rank, host.hostname, replica_group)
         utilization = process.cpu_percent / 100 / cores
         points.append(DaemonPoint("process.cpu.utilization", utilization, attrs))
         points.append(DaemonPoint("process.memory.usage", process.rss_bytes, attrs))
@@ -72,7 +78,7 @@ def daemon_points(
     metrics = service.metrics_view(window_steps=window_steps)
     job_totals: dict[tuple[str, str], int] = {}
     for r in metrics.ranks:
-        attrs = _rank_attributes(r.job_id, r.rank, r.host)
+        attrs = _rank_attributes(r.job_id, r.rank, r.host, r.replica_group)
         if r.status not in (RANK_LIVE, RANK_ENDED):
             continue  # a stale or superseded rank's last figures would read as current
         if not mfu.is_calibration_error(r.mfu):  # a wrong peak publishes no MFU at all
@@ -106,7 +112,7 @@ def daemon_points(
             points.append(DaemonPoint("plait.moe.tokens.dropped", layer.dropped, layer_attrs))
     bottleneck = service.bottleneck_view(window_steps=window_steps)
     for a in bottleneck.ranks:
-        attrs = _rank_attributes(a.job_id, a.rank, a.host)
+        attrs = _rank_attributes(a.job_id, a.rank, a.host, a.replica_group)
         for name in CLASSES:
             points.append(
                 DaemonPoint(
@@ -117,7 +123,7 @@ def daemon_points(
             )
     for score in bottleneck.stragglers:
         t = score.timing
-        attrs = _rank_attributes(t.job_id, t.rank, t.host)
+        attrs = _rank_attributes(t.job_id, t.rank, t.host, t.replica_group)
         points.append(DaemonPoint("plait.rank.straggler.score", score.score, attrs))
     points.append(DaemonPoint("plait.collective.hangs", float(len(service.hangs()))))
     store = service.store

@@ -32,6 +32,7 @@ class RankTiming:
     steps: int
     median_step_seconds: float
     median_compute_seconds: float
+    replica_group: int = -1  # in a fault-tolerant job: the group that numbers `rank`
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import grpc
 import pytest
@@ -30,6 +31,7 @@ from plait.core.telemetry_resource import resource_attributes
 from plait.daemon.config import DaemonConfig
 from plait.daemon.lighthouse import LighthouseSettings
 from plait.daemon.server import DaemonServer
+from plait.daemon.service import daemon_points
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.tools import daemon_commands
@@ -130,6 +132,22 @@ class Group:
             exporter.shutdown(10.0)
 
 
+def docs_json_example() -> str:
+    """The `plait status --json` example of docs/fault-tolerance.md."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "fault-tolerance.md").read_text()
+    section = page.split("## What an operator sees", 1)[1]
+    return section.split("```json\n", 1)[1].split("```", 1)[0]
+
+
+def key_tree(value: object) -> object:
+    """The keys of a JSON value, recursively (lists by their first item)."""
+    if isinstance(value, dict):
+        return {key: key_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [key_tree(value[0])] if value and isinstance(value[0], dict | list) else []
+    return None
+
+
 def status(server: DaemonServer) -> daemon_pb2.StatusResponse:
     with grpc.insecure_channel(server.address) as channel:
         return daemon_pb2_grpc.DaemonStub(channel).Status(daemon_pb2.StatusRequest(), timeout=10)
@@ -185,6 +203,13 @@ def test_two_replica_groups_leave_and_heal_in_plait_status(
         assert job.model_flops_per_second == pytest.approx(both, rel=1e-6)
         assert job.peak_flops == pytest.approx(4 * PEAK)
         assert job.mfu == pytest.approx(both / (4 * PEAK), rel=1e-6)
+        # Exported per rank, each group's ranks their own series (Prometheus, OTLP upstream).
+        series = [
+            tuple(sorted(p.attributes.items()))
+            for p in daemon_points(server.service)
+            if p.name == "plait.rank.step.duration"
+        ]
+        assert len(series) == len(set(series)) == 4
 
         # Group 1 is lost: silent from here. Group 0 sees the quorum shrink, its step fails once.
         groups[1].close()
@@ -245,6 +270,10 @@ def test_two_replica_groups_leave_and_heal_in_plait_status(
         assert heal["detail"] == "from a live peer" and heal["step"] == groups[0].step - 1
         (house_json,) = json.loads(shown.output)["lighthouses"]
         assert house_json["quorum_id"] == 1 and len(house_json["heartbeats"]) == 2
+        # The page's example has exactly the keys plait prints.
+        documented = json.loads(docs_json_example())
+        assert key_tree(documented["fault_tolerance"][0]) == key_tree(ft_json)
+        assert key_tree(documented["lighthouses"][0]) == key_tree(house_json)
 
         # And as text: the groups, the events, the lighthouse.
         text = CliRunner().invoke(daemon_commands.app, ["status", "--host", server.address])

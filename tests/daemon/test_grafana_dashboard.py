@@ -68,7 +68,7 @@ def _rank_spans(base_ns: int) -> list[SpanSpec]:
     return spans
 
 
-def _wait_for_rank_processes(server: DaemonServer, ranks: set[tuple[str, int]]) -> None:
+def _wait_for_rank_processes(server: DaemonServer, ranks: set[tuple[str, int, int]]) -> None:
     """Until a host sample holds the ranks' processes (the collector's thread takes it)."""
     deadline = time.monotonic() + 30
     while not ranks <= set(server.host.latest.processes):
@@ -101,7 +101,7 @@ def exported() -> Iterator[Exported]:
                 )
                 request = trace_request(resource, _rank_spans(base))
                 assert not traces.Export(request, timeout=10).HasField("partial_success")
-        _wait_for_rank_processes(server, {("dash", 0), ("dash", 1)})
+        _wait_for_rank_processes(server, {("dash", -1, 0), ("dash", -1, 1)})
         assert server.prometheus is not None
         url = f"http://{server.prometheus.address}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:

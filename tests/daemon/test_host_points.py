@@ -22,8 +22,8 @@ def _sample() -> HostSample:
         net_recv_bytes_per_second=70.0,
         sampled_ns=1,
         processes={
-            ("job", 1): ProcessSample(cpu_percent=200.0, rss_bytes=5 << 20),
-            ("job", 0): ProcessSample(cpu_percent=100.0, rss_bytes=4 << 20),
+            ("job", -1, 1): ProcessSample(cpu_percent=200.0, rss_bytes=5 << 20),
+            ("job", -1, 0): ProcessSample(cpu_percent=100.0, rss_bytes=4 << 20),
         },
     )
 
