@@ -68,15 +68,18 @@ def layout_config(layout: Layout, *, keep_algorithm: bool = False) -> dict[str, 
         del sections["comm"]
     if layout.dp_shard:
         sections["parallel"]["dp_shard"] = layout.dp_shard
-    if layout.zero:
-        # Named either way, so a config's own ZeRO++ knobs do not outlive a plan without them.
-        sections["zero"] = {
-            "secondary_shard": "node" if layout.secondary_shard else "none",
-            "quantize_weights": layout.quantize_weights,
-            "quantize_gradients": layout.quantize_gradients,
-        }
-        if layout.quantized:
-            sections["zero"]["quantize_block"] = layout.quantize_block
+    # Named either way, so a config's own ZeRO++ knobs do not outlive a plan without them (a
+    # stage that does not read one refuses it, `plait.plugins.zero.check_stage_knobs`). The
+    # optimizer across replicas is not planned: a config's own stays where it applies.
+    sections["zero"] = {
+        "secondary_shard": "node" if layout.secondary_shard else "none",
+        "quantize_weights": layout.quantize_weights,
+        "quantize_gradients": layout.quantize_gradients,
+    }
+    if layout.quantized:
+        sections["zero"]["quantize_block"] = layout.quantize_block
+    if layout.zero not in (1, 2) or not layout.dp_shard:
+        sections["zero"]["shard_optimizer_across_replicas"] = False
     if layout.recompute != "none":
         transforms["ac"] = "checkpoint"
         sections["checkpoint"] = {"mode": layout.recompute}

@@ -39,16 +39,32 @@ from torch import nn
 
 from plait.core.comm import Group
 from plait.core.comm_algorithms import HIERARCHICAL, chosen_algorithm
+from plait.core.config import PlaitConfig
 from plait.core.errors import ConfigError
+from plait.core.hookspecs import hookimpl
 from plait.core.sharding import ParallelRuntime, ShardContext, Sharded
 from plait.core.strategy import Strategies
 from plait.plugins.zero.config import OffloadConfig, ZeroConfig
 from plait.plugins.zero.offload import check_writable
 
-__all__ = ["OffloadConfig", "ZeroConfig", "plait_register_strategies", "plait_shard"]
+__all__ = [
+    "OffloadConfig",
+    "ZeroConfig",
+    "plait_configure",
+    "plait_register_strategies",
+    "plait_shard",
+]
 
 SECTION = "zero"
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+# The `[zero]` knobs that only some stages read, with those stages: set for any other stage (or
+# a dp strategy that is not ZeRO, which reads no `[zero]` at all) they would silently do nothing.
+STAGE_KNOBS = {
+    "quantize_weights": (3,),
+    "quantize_gradients": (2, 3),
+    "secondary_shard": (3,),
+    "shard_optimizer_across_replicas": (1, 2),
+}
 DESCRIPTIONS = {
     "zero1": "ZeRO-1: sharded optimizer state, bucketed overlapped all-reduce",
     "zero2": "ZeRO-2: sharded optimizer state and gradients, overlapped reduce-scatter",
@@ -82,6 +98,7 @@ def shard_zero(
             f"parallel.dp_shard = {context.config.parallel.dp_shard!r} and "
             f"{replicas.size} replica(s)"
         )
+    check_stage_knobs(config, f"zero{stage}")
     check_codecs(context, config, stage, group)
     runtime: ParallelRuntime
     if stage == 3:
@@ -110,6 +127,42 @@ def shard_zero(
             replicas=replicas,
         )
     return Sharded(module=model, runtime=runtime)
+
+
+def _knobs_set(config: ZeroConfig) -> list[tuple[str, object]]:
+    """The stage-specific knobs (`STAGE_KNOBS`) this config sets, with their values."""
+    defaults = ZeroConfig()
+    return [
+        (field, getattr(config, field))
+        for field in STAGE_KNOBS
+        if getattr(config, field) != getattr(defaults, field)
+    ]
+
+
+def check_stage_knobs(config: ZeroConfig, strategy: str) -> None:
+    """Refuse a stage-specific `[zero]` knob under `strategy` (`parallel.dp_strategy`) when
+    that strategy does not read it; the codecs' own checks (`check_codecs`) come after."""
+    stage = STAGES.get(strategy)
+    for field, value in _knobs_set(config):
+        stages = STAGE_KNOBS[field]
+        if stage in stages or (stage is not None and field.startswith("quantize_")):
+            continue  # a ZeRO stage with a codec: check_codecs says what it needs
+        names = [f"zero{s}" for s in stages]
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(
+            f"zero.{field} = {shown} applies to {' and '.join(names)}, not "
+            f"parallel.dp_strategy = {strategy!r}, which would ignore it: unset it or choose "
+            f"{' or '.join(names)}"
+        )
+
+
+@hookimpl
+def plait_configure(config: PlaitConfig) -> None:
+    """A dp strategy that is not ZeRO reads no `[zero]` section: refuse its ZeRO++ and
+    optimizer-across-replicas knobs rather than run without them."""
+    strategy = config.parallel.dp_strategy
+    if strategy not in STAGES and SECTION in config.extensions:
+        check_stage_knobs(config.section(SECTION, ZeroConfig), strategy)
 
 
 def check_codecs(context: ShardContext, config: ZeroConfig, stage: int, group: Group) -> None:

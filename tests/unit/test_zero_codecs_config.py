@@ -1,6 +1,7 @@
 """ZeRO++'s codecs in one process: a block-wise round trip of any length stays within half a
 step of each block's scale (and int4 keeps signs), the encoded size is the formula's, and a
-configuration in which a codec would encode nothing is refused by name."""
+configuration in which a codec would encode nothing, or a stage would ignore a `[zero]` knob,
+is refused by name."""
 
 from __future__ import annotations
 
@@ -67,3 +68,26 @@ def test_the_banner_names_the_zero_plus_plus_knobs_that_are_on() -> None:
     assert _with_options("zero3", resolved) == "zero3 (hpZ per node, qwZ int8, qgZ int4)"
     resolved = {"zero1": {"shard_optimizer_across_replicas": True, "quantize_weights": "none"}}
     assert _with_options("zero1", resolved) == "zero1 (optimizer across replicas)"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "zero", "message"),
+    [
+        ("ddp", {"quantize_gradients": "int8"}, "applies to zero2 and zero3, not parallel"),
+        ("ddp", {"quantize_weights": "int8"}, "applies to zero3, not parallel"),
+        ("ddp", {"secondary_shard": "node"}, "applies to zero3, not parallel"),
+        ("ddp", {"shard_optimizer_across_replicas": True}, "applies to zero1 and zero2, not"),
+        ("zero1", {"secondary_shard": "node"}, "applies to zero3, not parallel"),
+        ("zero2", {"secondary_shard": "node"}, "applies to zero3, not parallel"),
+    ],
+)
+def test_a_zero_knob_the_strategy_would_ignore_is_refused(
+    strategy: str, zero: dict[str, object], message: str
+) -> None:
+    config = {**CONFIG, "parallel": {"dp_strategy": strategy}, "zero": zero}
+    field = next(iter(zero))
+    with pytest.raises(ConfigError, match=rf"zero.{field} = .* {message}"):
+        Engine(config=config)
+    # the defaults, named, are no request: a DDP config may carry a [zero] section
+    defaults = {"secondary_shard": "none", "quantize_weights": "none", "quantize_gradients": "none"}
+    Engine(config={**CONFIG, "parallel": {"dp_strategy": "ddp"}, "zero": defaults}).close()
