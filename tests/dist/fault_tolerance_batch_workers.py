@@ -113,6 +113,7 @@ def replica_group_rank(
                 "committed": outcome.committed,
                 "participants": outcome.participants,
                 "shares": outcome.shares,
+                "forwards": sum(1 for s in engine.last_report.spans if s.name == "forward"),
             }
         )
     weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}

@@ -89,6 +89,8 @@ def test_keep_global_batch_trains_every_step_on_the_whole_batch(tmp_path: Path, 
             )
         else:
             assert all(t["shares"] == () for t in tries)
+        # A survivor runs a forward per share it read, each of one share's rows (memory bound).
+        assert [t["forwards"] for t in tries] == [max(1, len(t["shares"])) for t in tries]
     a, b = (result["weights"] for result in survivors)
     for name, value in a.items():
         torch.testing.assert_close(value, b[name], **TOLERANCE, msg=f"{name}: A != B")
