@@ -20,7 +20,7 @@ takes it over and continues at the rows of the next step.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ class ShareSampler(Protocol):
 
     dp_rank: int
     dp_size: int
+    local_batch_size: int  # rows of one rank's slice
 
     @property
     def step(self) -> int: ...
@@ -132,9 +133,11 @@ class GlobalBatchKeeper:
         groups: int,
         dp_rank: int,
         dp_size: int,
-        micro_batch_size: int,
+        micro_batch_size_for: Callable[[int], int],
         device: torch.device,
     ) -> None:
+        """`micro_batch_size_for(rows)`: the engine's micro-batch size for a batch of `rows`,
+        asked once for this rank's own share."""
         if not callable(getattr(batches, "batch_at", None)):
             raise ConfigError(
                 "fault_tolerance.keep_global_batch needs a sampler that reads any rank's rows "
@@ -150,7 +153,7 @@ class GlobalBatchKeeper:
         self.manager, self.batches = manager, batches
         self.group, self.groups = group, groups
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size = micro_batch_size_for(batches.local_batch_size)
         self.device = device
 
     def next_step(self) -> StepShares:

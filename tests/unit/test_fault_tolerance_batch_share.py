@@ -13,12 +13,16 @@ import torch
 from pydantic import ValidationError
 
 from plait.core.config import FaultToleranceSection
-from plait.core.errors import PlaitError
+from plait.core.errors import ConfigError, PlaitError
 from plait.plugins.data import DataError, PackedBatches, TokenBatches
 from plait.plugins.data.documents_file import starts_from_lengths
 from plait.plugins.data.token_files import TokenDirectoryWriter, TokenFile
 from plait.plugins.data.tokenizer import token_dtype
-from plait.plugins.fault_tolerance.batch_share import assign_missing_shares, concatenate_rows
+from plait.plugins.fault_tolerance.batch_share import (
+    GlobalBatchKeeper,
+    assign_missing_shares,
+    concatenate_rows,
+)
 
 
 def _live_sets(groups: int) -> list[tuple[int, ...]]:
@@ -136,3 +140,28 @@ def test_keep_global_batch_needs_fault_tolerance_on() -> None:
         FaultToleranceSection(
             replica_group=0, replica_groups=2, lighthouse="127.0.0.1:1", keep_global_batch="maybe"
         )
+
+
+def test_a_sampler_that_cannot_read_other_shares_is_refused(tmp_path: Path) -> None:
+    token_file = _counting_file(tmp_path / "tokens")
+
+    def keeper(batches: object) -> GlobalBatchKeeper:
+        return GlobalBatchKeeper(
+            manager=None,
+            batches=batches,  # type: ignore[arg-type]
+            group=1,
+            groups=2,
+            dp_rank=0,
+            dp_size=1,
+            micro_batch_size_for=lambda rows: rows,
+            device=torch.device("cpu"),
+        )
+
+    with pytest.raises(ConfigError, match="keep_global_batch needs a sampler"):
+        keeper(iter([]))
+    # Built for one process, not with replica_data_coordinates: it would read group 0's rows.
+    alone = TokenBatches(token_file, seq_len=8, global_batch_size=4, seed=1)
+    with pytest.raises(ConfigError, match="reads rank 0 of 1, but group 1's rank 0 of 1"):
+        keeper(alone)
+    share = TokenBatches(token_file, seq_len=8, global_batch_size=4, dp_rank=1, dp_size=2)
+    assert keeper(share).micro_batch_size == 2
