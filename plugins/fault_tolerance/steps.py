@@ -127,7 +127,7 @@ class FaultTolerantSteps:
             groups=settings.replica_groups,
             dp_rank=engine.mesh.coordinate("dp"),
             dp_size=engine.mesh.size("dp"),
-            micro_batch_size=engine.micro_batch_size(self.batches.local_batch_size),
+            micro_batch_size_for=engine.micro_batch_size,
             device=engine.device,
         )
         self.commit.weigh_by_tokens = True
