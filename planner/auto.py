@@ -113,24 +113,23 @@ def config_names_a_codec(config: Mapping[str, Any]) -> bool:
 
 
 def quantized_comm_note(layout: Layout) -> str:
-    """What a layout's codecs change, for the plan's printout ("" without codecs)."""
-    if not layout.quantized:
-        return ""
+    """What a layout's codecs change, e.g. "qwZ int8: weights gathered across nodes within
+    absmax/254 of each block of 256" ("" without codecs); docs/zero-plus-plus.md derives the
+    bounds."""
     parts = []
     if layout.quantize_weights != NO_CODEC:
         parts.append(
             f"qwZ {layout.quantize_weights}: weights gathered across nodes within "
-            f"absmax/{2 * CODEC_LEVELS[layout.quantize_weights]} of each block"
+            f"absmax/{2 * CODEC_LEVELS[layout.quantize_weights]}"
         )
     if layout.quantize_gradients != NO_CODEC:
         parts.append(
             f"qgZ {layout.quantize_gradients}: each other node's gradient partial sum within "
-            f"absmax/{2 * CODEC_LEVELS[layout.quantize_gradients]} of each block"
+            f"absmax/{2 * CODEC_LEVELS[layout.quantize_gradients]}"
         )
-    return (
-        f"{layout.describe()} quantizes what crosses nodes (quantized communication allowed; "
-        f"blocks of {layout.quantize_block}): " + "; ".join(parts) + " (docs/zero-plus-plus.md)"
-    )
+    if not parts:
+        return ""
+    return "; ".join(parts) + f" of each block of {layout.quantize_block}"
 
 
 def job_for_config(
@@ -343,7 +342,12 @@ def auto_overrides(
     )
     note = quantized_comm_note(best.layout)
     if note:
-        console.print(f"--auto: {note}", highlight=False, markup=False)
+        console.print(
+            f"--auto: the plan quantizes what crosses nodes (quantized communication allowed): "
+            f"{note} (docs/zero-plus-plus.md)",
+            highlight=False,
+            markup=False,
+        )
     resolved = load_config(merged)
     console.print(
         dump_toml(resolved.model_dump(mode="json")), highlight=False, markup=False, end=""

@@ -3,7 +3,9 @@
 `plan` prices every layout `enumerate_layouts` allows and returns them fastest first, one per
 mesh (tp, cp, pp, dp, ep) by default: the knobs inside a mesh (ZeRO stage, micro-batch,
 schedule, recomputation, sp) are tuned to that mesh's fastest fitting choice, which is how
-published layouts are stated. `why_slower` names the terms that make a layout lose to the best.
+published layouts are stated. A layout whose ZeRO++ codecs change the numerics ranks by its
+step time plus `QUANTIZED_MIN_GAIN` (it must be that much faster to win). `why_slower` names the
+terms that make a layout lose to the best.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from plait.planner.layouts import Job, Layout, SearchSpace, enumerate_layouts
 from plait.planner.memory_model import MemoryEstimate, estimate_memory
 from plait.planner.time_model import StepTimeEstimate, estimate_step_time
+
+QUANTIZED_MIN_GAIN = 0.02  # of the predicted step time
 
 TERM_LABELS = {
     "compute": "compute",
@@ -73,9 +77,16 @@ def plan(job: Job, space: SearchSpace | None = None, *, per_mesh: bool = True) -
         fitting.append(
             Candidate(layout=layout, memory=memory, time=estimate_step_time(job, layout))
         )
-    # Ties (a gather hidden under compute however few bytes it sends) go to the layout that
-    # holds less and, at equal memory, to the one whose numerics are exact.
-    fitting.sort(key=lambda c: (c.time.total, c.memory.total, c.layout.quantized))
+    # A layout with codecs must buy more than QUANTIZED_MIN_GAIN of the step to rank above an
+    # exact one: they perturb weights and gradients. Ties (a gather hidden under compute however
+    # few bytes it sends) go to the layout that holds less, then to the exact one.
+    fitting.sort(
+        key=lambda c: (
+            c.time.total * (1 + QUANTIZED_MIN_GAIN if c.layout.quantized else 1),
+            c.memory.total,
+            c.layout.quantized,
+        )
+    )
     if per_mesh:
         seen: set[tuple[int, ...]] = set()
         unique = []
@@ -96,6 +107,10 @@ def why_slower(candidate: Candidate, best: Candidate, *, top: int = 2) -> str:
     """The terms that cost `candidate` the most time over `best`, e.g. "+38 ms pipeline bubble"."""
     if candidate is best:
         return "fastest"
+    if candidate.time.total <= best.time.total:  # quantized, and ahead by too little to rank first
+        ahead = best.time.total - candidate.time.total
+        gain = f"{QUANTIZED_MIN_GAIN:.0%}"
+        return f"{_seconds(ahead)} faster, under {gain}: exact numerics ranked first"
     ours, theirs = candidate.time.terms(), best.time.terms()
     deltas = sorted(((ours[k] - theirs[k], k) for k in ours), reverse=True)
     total = candidate.time.total - best.time.total

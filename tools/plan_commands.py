@@ -199,8 +199,16 @@ def quantized_notes(result: Any, *, top: int, allowed: bool) -> list[str]:
             "ZeRO++'s codecs (qwZ, qgZ) were not planned: --allow-quantized-comm lets the plan "
             "quantize the cross-node hops (docs/zero-plus-plus.md)"
         ] if could else []  # fmt: skip
-    notes = [quantized_comm_note(layout) for layout in shown]
-    return [note for note in notes if note]
+    rows: dict[str, list[str]] = {}
+    for index, layout in enumerate(shown, start=1):
+        note = quantized_comm_note(layout)
+        if note:
+            rows.setdefault(note, []).append(f"#{index}")
+    return [
+        f"{', '.join(numbers)} quantize what crosses nodes (allowed by --allow-quantized-comm): "
+        f"{note} (docs/zero-plus-plus.md)"
+        for note, numbers in rows.items()
+    ]
 
 
 @app.command()
