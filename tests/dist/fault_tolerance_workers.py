@@ -14,19 +14,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
 from plait.core.config import load_config
 from plait.core.engine import Engine
+from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
 from plait.core.testing import merged_config
 from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.data import build_batches
 from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
+from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 
 STEPS = 6
 KILL_STEP = 2  # k: B dies inside it; A retries it alone
 REJOIN_STEP = 4  # j + 1: the first step B' takes part in, healed from A
 GROUP_OF = {"A": 0, "B": 1, "B'": 1}
+JOB_ID = "ft-job"
 MARKER_WAIT_SECONDS = 90.0
 
 
@@ -41,6 +45,12 @@ def job_config(*, group: int, lighthouse: str, layout: dict[str, Any]) -> dict[s
                 "collective_timeout_seconds": 30.0,
             },
             "parallel": {"dp_strategy": layout.get("dp_strategy", "ddp")},
+            # The ranks report to the daemon that hosts the lighthouse (`plait status`).
+            "telemetry": {
+                "enabled": "daemon" in layout,
+                "daemon": layout.get("daemon", ""),
+                "job_id": JOB_ID,
+            },
             "fault_tolerance": {
                 "replica_group": group,
                 "replica_groups": 2,
@@ -72,6 +82,21 @@ def wait_for(path: Path, what: str, *, unless: Any = None) -> None:
         time.sleep(0.02)
 
 
+def wait_until_listed(daemon: str, group: int, rank: int) -> None:
+    """Until the daemon lists this rank of `group`: a group that dies in its first steps was
+    seen alive, so `plait status` can show it leave."""
+    with grpc.insecure_channel(daemon) as channel:
+        stub = daemon_pb2_grpc.DaemonStub(channel)
+        request = daemon_pb2.ListRanksRequest(job_id=JOB_ID)
+        deadline = time.monotonic() + MARKER_WAIT_SECONDS
+        while (group, rank) not in {
+            (r.replica_group, r.rank) for r in stub.ListRanks(request, timeout=10).ranks
+        }:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the daemon never listed rank {rank} of group {group}")
+            time.sleep(0.02)
+
+
 def _fail_in_forward(module: torch.nn.Module, marker: Path, fault: str) -> None:
     """SIGKILL (a death) or SIGSTOP (a hang: the process stops answering, heartbeats included)
     this process inside its next forward, after writing its PID to `marker`."""
@@ -89,6 +114,7 @@ def replica_group_rank(
     """One rank of group `role`; returns its PIDs, every try of every step and final weights."""
     marker_dir = Path(markers)
     pid_at_start = os.getpid()
+    os.environ["PLAIT_HEARTBEAT_INTERVAL_MS"] = "200"  # heard by the daemon soon after start
     config = load_config(job_config(group=GROUP_OF[role], lighthouse=lighthouse, layout=layout))
     engine = Engine(config=config)
     dp_rank, dp_size = replica_data_coordinates(
@@ -104,7 +130,9 @@ def replica_group_rank(
         dp_size=dp_size,
         seed=config.train.seed,
     )
-    steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id="ft-job")
+    steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id=JOB_ID)
+    if "daemon" in layout:
+        wait_until_listed(layout["daemon"], GROUP_OF[role], rank)
     write_marker(marker_dir / f"manager-{role}-{rank}", steps.replica_id)
     if role in ("A", "B"):
         # Both groups' managers heartbeat before either asks for the first quorum: step 0 is
@@ -138,6 +166,8 @@ def replica_group_rank(
                     raise TimeoutError("the replacement group never asked for a quorum")
                 time.sleep(0.02)
         outcome = steps.step()
+        if rank == 0:  # as the trainer does: the group's leader reports its quorum events
+            QUORUM_EVENT_BOARD.publish(outcome.events, replica_id=steps.replica_id)
         tries.append(
             {
                 "step": outcome.step,

@@ -4,7 +4,8 @@ Two replica groups train under the lighthouse a daemon hosts (`plait daemon --li
 B dies (SIGKILL) inside step k. Group A keeps its processes, reads no checkpoint, does not commit
 step k and retries it alone; a replacement B' heals from A and takes part from step j + 1. At the
 end A and B' hold the same weights, bit for bit, and both equal one process replaying the same
-schedule.
+schedule. And the daemon that hosts the lighthouse shows it while it happens: group B left
+(its heartbeat ageing at the lighthouse, A's `leave` event), then B′'s `heal`.
 """
 
 from __future__ import annotations
@@ -12,20 +13,24 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
 from plait.core.testing import RankFailure, run_distributed
 from plait.daemon.lighthouse import LighthouseSettings
 from plait.daemon.server import DaemonServer
+from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.dist import fault_tolerance_workers as workers
 
 pytestmark = pytest.mark.dist
 
 TIMEOUT = 150.0
+STALE_FLOOR = 3.0  # seconds: a dead group's ranks are stale (it left) this long after it died
 
 
 class Group(threading.Thread):
@@ -47,15 +52,38 @@ class Group(threading.Thread):
             self.error = exc
 
 
+def _status(daemon: DaemonServer) -> daemon_pb2.StatusResponse:
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = daemon_pb2_grpc.DaemonStub(channel)
+        return stub.Status(daemon_pb2.StatusRequest(), timeout=10)
+
+
+def _status_once_b_left(daemon: DaemonServer) -> daemon_pb2.StatusResponse:
+    """`plait status` while A waits for a replacement (up to `MARKER_WAIT_SECONDS`): the first
+    answer where B has left and A's leave event is in."""
+    deadline = time.monotonic() + workers.MARKER_WAIT_SECONDS / 2
+    while True:
+        status = _status(daemon)
+        groups = {g.replica_group: g.state for j in status.fault_tolerant_jobs for g in j.groups}
+        kinds = {e.kind for j in status.fault_tolerant_jobs for e in j.events}
+        # A hung B goes silent (left) before A's quorum drops it (leave): wait for both.
+        if groups.get(1) == "left" and "leave" in kinds:
+            return status
+        assert time.monotonic() < deadline, f"B never shown as left: {status}"
+        time.sleep(0.1)
+
+
 def _run_schedule(tmp_path: Path, *, ranks: int, layout: dict[str, Any]) -> dict[str, Any]:
     daemon = DaemonServer(
         bind="127.0.0.1:0",
+        stale_floor=STALE_FLOOR,
         lighthouse=LighthouseSettings(
             bind="127.0.0.1:0", join_timeout_seconds=30.0, heartbeat_timeout_seconds=2.0
         ),
     ).start()
     assert daemon.lighthouse is not None
     address = daemon.lighthouse.address
+    layout = {**layout, "daemon": daemon.address}
     try:
         group_a = Group("A", ranks, address, tmp_path, layout)
         group_b = Group("B", ranks, address, tmp_path, layout)
@@ -67,16 +95,18 @@ def _run_schedule(tmp_path: Path, *, ranks: int, layout: dict[str, Any]) -> dict
             # A went on without the hung group; now it is cleared away like a dead one.
             os.kill(int((tmp_path / "B-failed").read_text()), signal.SIGKILL)
         group_b.join(TIMEOUT)
+        while_left = _status_once_b_left(daemon)  # A blocks until B' starts: B stays gone
         replacement = Group("B'", ranks, address, tmp_path, layout)
         replacement.start()
         group_a.join(TIMEOUT)
         replacement.join(TIMEOUT)
+        (at_end,) = _status(daemon).fault_tolerant_jobs
     finally:
         daemon.stop(grace=0.5)
     assert group_a.error is None, group_a.error
     assert replacement.error is None, replacement.error
     assert isinstance(group_b.error, RankFailure) and "code -9" in str(group_b.error)
-    return {"A": group_a.result, "B'": replacement.result}
+    return {"A": group_a.result, "B'": replacement.result, "left": while_left, "end": at_end}
 
 
 def _committed_steps(tries: list[dict[str, Any]]) -> list[int]:
@@ -120,6 +150,16 @@ def test_lost_group_costs_one_step_and_the_replacement_heals_bitwise(
         # Healed from A at the quorum of step j + 1: never trained from its own start.
         assert tries[0]["step"] == rejoin and ("heal", rejoin, 2, 0) in tries[0]["events"]
         assert _committed_steps(tries) == list(range(rejoin, workers.STEPS))
+    # What `plait status` showed while B was gone: B left, A's leave, B's heartbeat ageing.
+    (job,) = results["left"].fault_tolerant_jobs
+    assert [(g.replica_group, g.state) for g in job.groups] == [(0, "participating"), (1, "left")]
+    assert ("leave", 2, 1) in [(e.kind, e.previous, e.participants) for e in job.events]
+    ages = {b.replica_group: b.age_seconds for b in results["left"].lighthouse.heartbeats}
+    assert ages[1] > ages[0]
+    # And once B' healed: its heal at the rejoin step, after A's leave.
+    events = [(e.replica_group, e.kind, e.step) for e in results["end"].events]
+    leave = events.index(next(e for e in events if e[1] == "leave"))
+    assert (1, "heal", rejoin) in events[leave:]
     replay = run_distributed(workers.replay, 1, ranks, layout, timeout=TIMEOUT)[0]
     for rank, (rank_a, rank_b) in enumerate(zip(results["A"], results["B'"], strict=True)):
         for name, value in rank_a["weights"].items():
