@@ -49,7 +49,8 @@ class _Overlap:
         return self.numel * self.dtype.itemsize
 
 
-def _shapes(chunks: Mapping[str, Sequence[TensorChunk]]) -> ChunkShapes:
+def chunk_shapes(chunks: Mapping[str, Sequence[TensorChunk]]) -> ChunkShapes:
+    """What the plan needs of some chunks: their offsets, shapes and dtypes, by key."""
     return {
         key: [(tuple(c.offsets), tuple(c.tensor.shape), str(c.tensor.dtype)) for c in listed]
         for key, listed in chunks.items()
@@ -73,7 +74,7 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _plan(held: ChunkShapes, wanted: ChunkShapes) -> list[_Overlap]:
+def plan_overlaps(held: ChunkShapes, wanted: ChunkShapes) -> list[_Overlap]:
     """Every overlap of a chunk `held` by one rank with a chunk `wanted` by another, in one
     order that both ranks compute alike (sorted keys, then held, then wanted index)."""
     overlaps = []
@@ -167,13 +168,15 @@ def plan_exchange(
     replicated tensor is held by one rank); a wanted chunk they do not cover is an error."""
     shapes: list[tuple[ChunkShapes, ChunkShapes] | None] = [None] * group.size
     # Offsets and shapes only: the plan's input, small beside the tensors.
-    dist.all_gather_object(shapes, (_shapes(held), _shapes(wanted)), group=group.process_group)
+    dist.all_gather_object(
+        shapes, (chunk_shapes(held), chunk_shapes(wanted)), group=group.process_group
+    )
     me = group.rank_of(dist.get_rank())
     held_by = [s[0] for s in shapes if s is not None]
     wanted_by = [s[1] for s in shapes if s is not None]
-    incoming = tuple(tuple(_plan(held_by[src], wanted_by[me])) for src in range(group.size))
-    _check_coverage(wanted, incoming)
-    outgoing = tuple(tuple(_plan(held_by[me], wanted_by[dst])) for dst in range(group.size))
+    incoming = tuple(tuple(plan_overlaps(held_by[src], wanted_by[me])) for src in range(group.size))
+    check_coverage(wanted, incoming)
+    outgoing = tuple(tuple(plan_overlaps(held_by[me], wanted_by[dst])) for dst in range(group.size))
     return ExchangePlan(group=group, outgoing=outgoing, incoming=incoming)
 
 
@@ -196,9 +199,10 @@ def exchange_chunks(
     return exchange.received_bytes
 
 
-def _check_coverage(
+def check_coverage(
     wanted: Mapping[str, Sequence[TensorChunk]], incoming: Sequence[Sequence[_Overlap]]
 ) -> None:
+    """Every element of every wanted chunk arrives exactly once, or an `ExchangeError`."""
     covered: dict[tuple[str, int], int] = {}
     for overlaps in incoming:
         for o in overlaps:

@@ -96,6 +96,7 @@ def _try_record(outcome: Any) -> dict[str, Any]:
         "committed": outcome.committed,
         "participants": outcome.participants,
         "events": [(e.kind, e.step, e.participants, e.previous) for e in outcome.events],
+        "event_seconds": [(e.kind, e.seconds) for e in outcome.events],
     }
 
 
@@ -146,7 +147,8 @@ def layout_group_rank(
             # B' asks first: the lighthouse then forms the quorum with both groups at once.
             _wait_until_asked(lighthouse, 1, "group B'")
             waited = True
-        tries.append(_try_record(steps.step()))
+        started = time.perf_counter()
+        tries.append(_try_record(steps.step()) | {"seconds": time.perf_counter() - started})
     weights = held_weights(engine)
     steps.close()
     engine.close()
