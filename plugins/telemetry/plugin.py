@@ -14,7 +14,7 @@ Hooks:
   phase spans and the comm spans as its children, sends them and records the step metrics,
   all off the training thread. A MoE model's expert load of the step is queued the same way,
   its counts still as published (read back on the exporter thread).
-* At every step boundary the quorum events a fault-tolerant group published
+* At every step start (and at the end) the quorum events a fault-tolerant group published
   (`plait.core.quorum_events.BOARD`: joins, leaves, heals, failed commits) are queued as spans.
 * `plait_job_end` queues what is left and the end-of-run span, then shuts the exporters down.
 
@@ -112,7 +112,9 @@ class TelemetryPlugin:
         if telemetry is None:
             return
         # Published after the last step ended (the fault-tolerant step returns them then).
-        self._queue_quorum_events()
+        # NOTE: inline, as the training thread's per-op budget counts this file's calls.
+        for published in QUORUM_EVENT_BOARD.take():
+            telemetry.spans.put_quorum_event(published)
         if self._uses_cuda:
             self._cuda_anchor = CudaAnchor.now()
         control = telemetry.control
@@ -136,14 +138,6 @@ class TelemetryPlugin:
         load = EXPERT_LOAD_BOARD.take_published()
         if load is not None and self.telemetry is not None:
             self.telemetry.record_expert_load(report.step, load)
-        self._queue_quorum_events()
-
-    def _queue_quorum_events(self, exporter: SpanExporter | None = None) -> None:
-        exporter = exporter or self.exporter
-        if exporter is None:
-            return
-        for published in QUORUM_EVENT_BOARD.take():
-            exporter.put_quorum_event(published)
 
     @hookimpl
     def plait_job_end(self) -> None:
@@ -157,7 +151,8 @@ class TelemetryPlugin:
             # Once, at shutdown: lets the last step's CUDA events be read.
             torch.cuda.synchronize()
         exporter.put_comm(self._finished_comm_records(final=True))
-        self._queue_quorum_events(exporter)
+        for published in QUORUM_EVENT_BOARD.take():  # the last step's, after its end
+            exporter.put_quorum_event(published)
         telemetry.end_job(last_step=self.last_step)  # the daemon shows the job finished
         telemetry.shutdown()  # sends everything queued, the end of the run last
 

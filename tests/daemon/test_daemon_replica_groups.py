@@ -306,12 +306,12 @@ def test_the_telemetry_plugin_sends_what_the_group_published(server: DaemonServe
     )  # fmt: skip
     BOARD.publish([heal], replica_id=f"{JOB}-group3:cccc")
     plugins.step_start(7)
+    assert BOARD.take() == []  # taken at the step's start, queued on the exporter
     plugins.step_end(
         StepReport(step=7, loss=1.0, tokens=64, step_seconds=0.1, data_wait_seconds=0.0,
                    model_flops=FLOPS, lr=1e-3, start_ns=now, end_ns=now + 10**8)
     )  # fmt: skip
     plugins.job_end()  # sends everything queued
-    assert BOARD.take() == []
     (ft,) = status(server).fault_tolerant_jobs
     ((group, state, ranks, quorum, replica_id),) = [
         (g.replica_group, g.state, list(g.ranks), g.quorum_id, g.replica_id) for g in ft.groups
