@@ -128,39 +128,36 @@ def groups_of(step: int) -> tuple[int, ...]:
     return tuple(range(GROUPS)) if step < LEAVE_STEP else tuple(range(GROUPS - 1))
 
 
-def replay(rank: int, world_size: int, full: bool) -> dict[str, torch.Tensor]:
-    """One process, no replica groups: every step on the whole global batch (`full`), or on the
-    shares of the groups in the step's quorum only (what the job trains on with
-    `keep_global_batch` off), in micro-batches of one share each."""
+def replays(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """One process, no replica groups, the run twice: `full`, every step on the whole global
+    batch; `shrunk`, every step on the shares of the groups in the step's quorum only (what the
+    job trains on with `keep_global_batch` off). Micro-batches of one share each."""
     del rank, world_size
     overrides = job_config(group=0, lighthouse="127.0.0.1:1", keep=False)
     overrides["train"]["micro_batch_size"] = SHARE_ROWS
     del overrides["fault_tolerance"]
     config = load_config(overrides)
-    engine = Engine(config=config)
-    whole = build_batches(
-        config.data,
-        seq_len=config.data.seq_len,
-        global_batch_size=GLOBAL_BATCH,
-        dp_rank=0,
-        dp_size=1,
-        seed=config.train.seed,
-    )
-    shares = [
-        build_batches(
+
+    def sampler(dp_rank: int, dp_size: int) -> Any:
+        return build_batches(
             config.data,
             seq_len=config.data.seq_len,
             global_batch_size=GLOBAL_BATCH,
-            dp_rank=group,
-            dp_size=GROUPS,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
             seed=config.train.seed,
         )
-        for group in range(GROUPS)
-    ]
-    for step in range(STEPS):
-        if full:
-            batch = whole.batch_at(step)
-        else:
-            batch = concatenate_rows([shares[group].batch_at(step) for group in groups_of(step)])
-        engine.train_step(batch)
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+    whole, shares = sampler(0, 1), [sampler(group, GROUPS) for group in range(GROUPS)]
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    for name in ("full", "shrunk"):
+        engine = Engine(config=config)
+        for step in range(STEPS):
+            if name == "full":
+                batch = whole.batch_at(step)
+            else:
+                batch = concatenate_rows([shares[g].batch_at(step) for g in groups_of(step)])
+            engine.train_step(batch)
+        weights[name] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        engine.close()
+    return weights

@@ -94,10 +94,10 @@ def test_keep_global_batch_trains_every_step_on_the_whole_batch(tmp_path: Path, 
     a, b = (result["weights"] for result in survivors)
     for name, value in a.items():
         torch.testing.assert_close(value, b[name], **TOLERANCE, msg=f"{name}: A != B")
-    full, shrunk = (
-        run_distributed(workers.replay, 1, f, timeout=TIMEOUT)[0] for f in (True, False)
+    replays = run_distributed(workers.replays, 1, timeout=TIMEOUT)[0]
+    expected, other = (
+        (replays["full"], replays["shrunk"]) if keep else (replays["shrunk"], replays["full"])
     )
-    expected, other = (full, shrunk) if keep else (shrunk, full)
     for name, value in a.items():
         torch.testing.assert_close(value, expected[name], **TOLERANCE, msg=f"{name}")
     # The flag changes the run: the other replay is far outside the tolerance.
