@@ -126,7 +126,8 @@ class ReplicaGroupCommit(ParallelRuntime):
     def _share_of_global_batch(self, device: torch.device) -> float:
         """N_g / Σ N over the live groups: this group's scored tokens (the engine's count, over
         the group's ranks), or its shares where the loss is not a token mean."""
-        weights = self._step_state.runner.weights if self._step_state is not None else None
+        step, self._step_state = self._step_state, None  # not kept past the step: its batch
+        weights = step.runner.weights if step is not None else None
         mine = (
             weights.global_scored.to(device, torch.float64).reshape(1)
             if weights is not None
