@@ -61,7 +61,8 @@ class ReplicaGroupCommit(ParallelRuntime):
         self._layouts_differ_now = False
 
     def action_handlers(self, step: StepState) -> dict[type, Any]:
-        self._step_state = step  # its token weights, once the engine has counted them
+        if self.weigh_by_tokens:
+            self._step_state = step  # its token weights, once the engine has counted them
         return {}
 
     def _optimizer_gradients(self) -> list[torch.Tensor]:
