@@ -20,7 +20,7 @@ of its ranks each (`link_traffic.hierarchical_applies`). ZeRO++ on several nodes
 every dp rank may keep hpZ's secondary shards (`secondary_shard`: backward gathers inside the
 node) wherever the dp group spans nodes of several dp ranks each and nothing else (no cp, no ep);
 with `SearchSpace.quantized_comm` only — the codecs change what is computed — hierarchical
-ZeRO-3 may quantize the parameter all-gather's cross-node hop (qwZ int8) and hierarchical
+ZeRO-3 without cp may quantize the parameter all-gather's cross-node hop (qwZ int8) and hierarchical
 ZeRO-2/3 the gradient reduce-scatter's (qgZ int8 or int4). Memory is checked later
 (`search.py`).
 """
@@ -359,9 +359,9 @@ def _data_parallel(
 def _zero_plus_plus(job: Job, space: SearchSpace, mesh: Layout) -> Iterator[tuple[bool, str, str]]:
     """(hpZ, qwZ codec, qgZ codec) choices for a mesh, as the runtime accepts them
     (`plait.plugins.zero`): hpZ with ZeRO-3 over every dp rank (no HSDP, cp or ep) whose dp
-    group spans several nodes of several ranks each; a codec only on a hierarchical group of
-    ZeRO-3 (weights) or ZeRO-2/3 (gradients) over every dp rank, and only when the space allows
-    quantized communication."""
+    group spans several nodes of several ranks each; a codec only on a hierarchical dp group (no
+    cp) of ZeRO-3 (weights) or ZeRO-2/3 (gradients) over every dp rank, and only when the space
+    allows quantized communication."""
     from plait.planner.link_traffic import hierarchical_applies
 
     whole_dp = mesh.zero >= 2 and not mesh.dp_shard and mesh.ep == 1
@@ -372,7 +372,8 @@ def _zero_plus_plus(job: Job, space: SearchSpace, mesh: Layout) -> Iterator[tupl
     if space.secondary_shard and spans and mesh.zero == 3 and mesh.cp == 1:
         secondary.append(True)
     weights, grads = [NO_CODEC], [NO_CODEC]
-    if space.quantized_comm and spans and mesh.dp_algorithm == HIERARCHICAL:
+    # the hierarchical algorithm takes over the dp groups only, not dp × cp: no codec with cp
+    if space.quantized_comm and spans and mesh.dp_algorithm == HIERARCHICAL and mesh.cp == 1:
         grads += GRADIENT_CODECS
         if mesh.zero == 3:
             weights += WEIGHT_CODECS

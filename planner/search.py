@@ -107,10 +107,13 @@ def why_slower(candidate: Candidate, best: Candidate, *, top: int = 2) -> str:
     """The terms that cost `candidate` the most time over `best`, e.g. "+38 ms pipeline bubble"."""
     if candidate is best:
         return "fastest"
-    if candidate.time.total <= best.time.total:  # quantized, and ahead by too little to rank first
+    if candidate.time.total <= best.time.total:  # ranked second on memory or numerics
         ahead = best.time.total - candidate.time.total
-        gain = f"{QUANTIZED_MIN_GAIN:.0%}"
-        return f"{_seconds(ahead)} faster, under {gain}: exact numerics ranked first"
+        if candidate.layout.quantized and not best.layout.quantized and ahead > 0:
+            gain = f"{QUANTIZED_MIN_GAIN:.0%}"
+            return f"{_seconds(ahead)} faster, under {gain}: exact numerics ranked first"
+        more = (candidate.memory.total - best.memory.total) / 2**30
+        return f"as fast, {more:+.1f} GiB of memory"
     ours, theirs = candidate.time.terms(), best.time.terms()
     deltas = sorted(((ours[k] - theirs[k], k) for k in ours), reverse=True)
     total = candidate.time.total - best.time.total

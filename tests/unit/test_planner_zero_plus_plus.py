@@ -179,6 +179,8 @@ def test_codecs_are_planned_only_when_quantized_comm_is_allowed() -> None:
     for x in enumerate_layouts(job, _space(quantized=True)):
         if x.quantized:
             assert x.dp_algorithm == "hierarchical" and x.dp_shard == 0 and x.zero == 3
+    cp2 = dataclasses.replace(_space(quantized=True), fixed={"tp": 1, "pp": 1, "cp": 2})
+    assert not any(x.quantized for x in enumerate_layouts(job, cp2))  # ZeRO's group is dp × cp
     allowed = plan(job, _space(quantized=True)).best
     exact = plan(job, _space(quantized=False)).best
     assert allowed.layout.quantized and allowed.layout.quantize_weights == "int8"
