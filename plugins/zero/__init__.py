@@ -38,7 +38,7 @@ from functools import partial
 from torch import nn
 
 from plait.core.comm import Group
-from plait.core.comm_algorithms import HIERARCHICAL, chosen_algorithm
+from plait.core.comm_algorithms import HIERARCHICAL, chosen_algorithm, config_rank_sets
 from plait.core.config import PlaitConfig
 from plait.core.errors import ConfigError
 from plait.core.hookspecs import hookimpl
@@ -196,6 +196,22 @@ def check_codecs(context: ShardContext, config: ZeroConfig, stage: int, group: G
                 f"{where}: the {group.name} group ({list(group.ranks)}) has no cross-node hop "
                 f"to encode (nodes: {described}); under HSDP its collectives stay inside a node"
             )
+        # The hierarchical algorithm takes over the dp groups it built sub-groups for at
+        # configure time, no other: any other group's ops would run unencoded.
+        taken_over = set(config_rank_sets(context.config))
+        experts = context.expert_parallel
+        groups = [group]
+        if experts is not None and experts.degree > 1 and experts.expert_data_group.size > 1:
+            groups.append(experts.expert_data_group)
+        for other in groups:
+            if tuple(other.ranks) not in taken_over:
+                raise ConfigError(
+                    f"{where}: the hierarchical algorithm encodes the dp groups only, and ZeRO "
+                    f"reduces over the {other.name} group ({list(other.ranks)}), which is none "
+                    "of them (parallel.cp > 1 makes it dp × cp; parallel.ep > 1 reduces expert "
+                    "parameters over the expert-data-parallel group): its ops would run "
+                    "unencoded; unset the codec or parallel.cp / parallel.ep"
+                )
 
 
 for _name, _stage in STAGES.items():

@@ -11,6 +11,7 @@ import torch
 
 from plait.core.comm import QUANTIZE, QUANTIZE_BLOCK
 from plait.core.engine import Engine
+from plait.core.errors import ConfigError
 from plait.core.link_bytes import encoded_bytes
 from plait.core.plugins import Plugins
 from plait.core.testing import merged_config
@@ -106,12 +107,26 @@ def _expected_inter(engine: Engine, runtime: FullyShardedRuntime, job: str) -> i
     return microbatches * per_microbatch
 
 
+def refused(overrides: dict[str, Any]) -> str:
+    """Build a ZeRO engine with `overrides`; return the configuration error it raised."""
+    try:
+        Engine(config=merged_config(overrides), plugins=Plugins.create(autoload=False)).close()
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
 def train_codecs(rank: int, world_size: int, address: str) -> dict[str, Any]:
     """The op checks, then each job of `JOBS` trained for `STEPS` steps under ZeRO-3 with
     hierarchical collectives: losses, the gathered (decoded) and exact parameters, the counts
     of encoded and unencoded requests, and the formulas' cross-node bytes per step."""
     as_nodes(rank, world_size, 2)
-    out: dict[str, Any] = {}
+    # Under context parallelism ZeRO reduces over dp × cp, a group the hierarchical algorithm
+    # does not take over (it builds the dp groups' hierarchies): a codec would encode nothing.
+    cp = {"parallel": {"dp_strategy": "zero3", "cp": 2}, "comm": {"algorithm": "hierarchical"}}
+    out: dict[str, Any] = {
+        "refused_under_cp": refused({**cp, "zero": {"quantize_gradients": "int8"}}),
+    }
     for job_id, job in JOBS.items():
         overrides: dict[str, Any] = {
             "train": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 1},

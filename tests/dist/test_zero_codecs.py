@@ -3,7 +3,8 @@ reduce-scatter (qgZ, int8 and int4) stay within their derived bounds of the exac
 that do not divide the block, and come close to them (a broken codec exceeds them); ZeRO-3 with
 the codecs trains close to one process, its decoded parameters within one hop's bound of the
 exact masters; hpZ trains as one process does; the spans' cross-node bytes are the encoded
-sizes (and, under hpZ, forward's gathers only); nothing ran unencoded."""
+sizes (and, under hpZ, forward's gathers only); nothing ran unencoded; a codec under context
+parallelism, whose dp × cp group the hierarchical algorithm does not take over, is refused."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def test_codecs_stay_within_their_derived_bounds_and_send_the_encoded_bytes() ->
     reference = single["one"]
 
     for rank, result in enumerate(ranks):
+        message = result["refused_under_cp"]
+        assert "zero.quantize_gradients = 'int8': the hierarchical algorithm encodes" in message
+        assert "which is none of them (parallel.cp > 1 makes it dp × cp" in message, message
         for op, (error, bound, coded) in result["ops"].items():
             assert bool((error <= bound * (1 + ULPS) + 1e-12).all()), (rank, op)
             # Round to nearest lands within half a step, and some element comes close to it:
