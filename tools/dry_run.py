@@ -194,8 +194,10 @@ def print_dry_run(
         "activations MiB": m.activations,
         "logits MiB": m.logits,
         "buffers MiB": m.buffers,
-        "total MiB": m.total,
     }
+    if m.secondary_shards:  # hpZ: every unit's node share, kept from its forward to its backward
+        columns["hpZ shards MiB"] = m.secondary_shards
+    columns["total MiB"] = m.total
     for column in columns:
         table.add_column(column, justify="right")
     table.add_row(*(v if isinstance(v, str) else f"{v / 2**20:,.1f}" for v in columns.values()))
