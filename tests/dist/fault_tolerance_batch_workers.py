@@ -1,14 +1,16 @@
 """Replica-group ranks for the keep-the-global-batch test, and the one-process replays.
 
-Three groups of one rank train together until group C leaves after step `LEAVE_STEP - 1`
-(it closes its manager: the lighthouse leaves it out once its heartbeats stop); A and B train
-the remaining steps without it. With `keep_global_batch` on, A also reads C's share (the first
-missing share goes to the first live group), so A trains on two shares and B on one, and the
-cross-group average must weigh them 2 : 1.
+Three groups of one rank train together until group C dies (SIGKILL) inside the forward of step
+`DEATH_STEP`: A and B do not commit that try, roll it back (data position included) and retry it
+without C, then train the remaining steps without it. With `keep_global_batch` on, A also reads
+C's share (the first missing share goes to the first live group), so A trains on two shares and
+B on one, and the cross-group average must weigh them 2 : 1.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coord
 from plait.plugins.fault_tolerance.batch_share import concatenate_rows
 
 STEPS = 4
-LEAVE_STEP = 2  # C's last step is LEAVE_STEP - 1
+DEATH_STEP = 2  # C dies in its forward; A and B retry it without C
 GROUPS = 3
 GLOBAL_BATCH = 6  # 2 rows per group
 SHARE_ROWS = GLOBAL_BATCH // GROUPS
@@ -103,9 +105,11 @@ def replica_group_rank(
     )
     ids = {(marker_dir / f"manager-{g}").read_text() for g in range(GROUPS)}
     wait_for(lambda: ids <= set(read_lighthouse(lighthouse).heartbeats), "the lighthouse")
-    last_step = LEAVE_STEP if group == GROUPS - 1 else STEPS
     tries: list[dict[str, Any]] = []
-    while engine.global_step < last_step:
+    while engine.global_step < STEPS:
+        if group == GROUPS - 1 and engine.global_step == DEATH_STEP:
+            # After this step's quorum and share exchange: A and B fail in the step itself.
+            engine.module.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
         outcome = steps.step()
         tries.append(
             {
@@ -125,7 +129,7 @@ def replica_group_rank(
 
 def groups_of(step: int) -> tuple[int, ...]:
     """The groups in step `step`'s quorum."""
-    return tuple(range(GROUPS)) if step < LEAVE_STEP else tuple(range(GROUPS - 1))
+    return tuple(range(GROUPS)) if step < DEATH_STEP else tuple(range(GROUPS - 1))
 
 
 def replays(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:

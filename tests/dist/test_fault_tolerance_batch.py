@@ -1,9 +1,10 @@
 """`fault_tolerance.keep_global_batch`: a step without some groups still trains on the whole batch.
 
-Three replica groups of one rank each train under a hosted lighthouse; group C leaves after step
-1. With the flag on, A takes C's share (A trains on two shares, B on one, weighed 2 : 1) and the
-run equals one process training on the whole global batch every step; with it off, the run
-equals one process training on the live groups' shares only, which is not the same run.
+Three replica groups of one rank each train under a hosted lighthouse; group C dies (SIGKILL)
+inside step 2, which A and B roll back and retry without it. With the flag on, A takes C's share
+from then on (A trains on two shares, B on one, weighed 2 : 1) and the run equals one process
+training on the whole global batch every step; with it off, the run equals one process training
+on the live groups' shares only, which is not the same run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.core.testing import RankFailure, run_distributed
 from plait.daemon.lighthouse import HostedLighthouse, LighthouseSettings
 from tests.dist import fault_tolerance_batch_workers as workers
 
@@ -58,10 +59,11 @@ def _run(tmp_path: Path, *, keep: bool) -> list[dict[str, Any]]:
             group.join(TIMEOUT)
     finally:
         lighthouse.stop()
-    for index, group in enumerate(groups):
+    *survivors, dead = groups
+    for index, group in enumerate(survivors):
         assert group.error is None, f"group {index}: {group.error}"
-        assert group.result is not None
-    return [group.result for group in groups if group.result is not None]
+    assert isinstance(dead.error, RankFailure) and "code -9" in str(dead.error), dead.error
+    return [group.result for group in survivors if group.result is not None]
 
 
 def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -70,22 +72,24 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 @pytest.mark.parametrize("keep", [True, False], ids=["keep", "shrink"])
 def test_keep_global_batch_trains_every_step_on_the_whole_batch(tmp_path: Path, keep: bool) -> None:
-    results = _run(tmp_path, keep=keep)
-    survivors = results[: workers.GROUPS - 1]
+    survivors = _run(tmp_path, keep=keep)
+    death = workers.DEATH_STEP
     for group, result in enumerate(survivors):
         tries = result["tries"]
-        # Nothing failed: C left between steps, so every step committed at its first try.
-        assert [t["step"] for t in tries] == list(range(workers.STEPS))
-        assert all(t["committed"] for t in tries)
-        assert [t["participants"] for t in tries] == [
+        # The step C died in was tried with it, not committed, and retried without it.
+        assert [t["step"] for t in tries] == [*range(death + 1), *range(death, workers.STEPS)]
+        assert [t["committed"] for t in tries].count(False) == 1
+        assert not tries[death]["committed"] and tries[death]["participants"] == workers.GROUPS
+        committed = [t for t in tries if t["committed"]]
+        assert [t["participants"] for t in committed] == [
             len(workers.groups_of(s)) for s in range(workers.STEPS)
         ]
-        # Each group stepped its data position once per step, for every group's rows.
+        # One data position for every group's rows: once per committed step, back on a failure.
         assert result["data_step"] == workers.STEPS
         if keep:
             taken = (group, 2) if group == 0 else (group,)
-            assert [t["shares"] for t in tries] == [(group,)] * workers.LEAVE_STEP + [taken] * (
-                workers.STEPS - workers.LEAVE_STEP
+            assert [t["shares"] for t in tries] == [(group,)] * (death + 1) + [taken] * (
+                workers.STEPS - death
             )
         else:
             assert all(t["shares"] == () for t in tries)
