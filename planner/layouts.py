@@ -349,9 +349,16 @@ def _data_parallel(
         if "dp_shard" in space.fixed and space.fixed["dp_shard"] != dp_shard:
             continue
         yield dp_shard, FLAT
+        # The runtime's hierarchical algorithm takes over the dp axis's groups only
+        # (`plait.core.comm_algorithms.config_rank_sets`): not HSDP's replica groups, nor the
+        # dp × cp group that gradients reduce over with cp > 1. Those run flat rings, so a
+        # hierarchical row there would promise traffic the run does not have.
+        whole_dp_group = dp_shard in (0, dp) and cp == 1
         flat = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp_shard)
-        if space.hierarchical and hierarchical_applies(
-            flat, world=job.world, per_node=job.per_node
+        if (
+            space.hierarchical
+            and whole_dp_group
+            and hierarchical_applies(flat, world=job.world, per_node=job.per_node)
         ):
             yield dp_shard, HIERARCHICAL
 

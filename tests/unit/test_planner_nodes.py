@@ -158,12 +158,14 @@ def test_enumeration_offers_shards_inside_a_node_and_hierarchical_where_it_matte
     job = _seven_b(45e9)
     layouts = set(enumerate_layouts(job, _space(0, 3)))
     zero3 = {(x.dp_shard, x.dp_algorithm) for x in layouts if x.zero == 3}
-    # dp_shard 16 is plain ZeRO-3 (0); the replica group of dp_shard 8 is one rank per node
-    assert zero3 == {
-        (0, "flat"), (0, "hierarchical"), (2, "flat"), (2, "hierarchical"), (4, "flat"),
-        (4, "hierarchical"), (8, "flat"),
-    }  # fmt: skip
+    # dp_shard 16 is plain ZeRO-3 (0); HSDP's replica groups run flat rings (the hierarchical
+    # algorithm takes over the dp axis's groups only), so no `shardN hierarchical` row
+    assert zero3 == {(0, "flat"), (0, "hierarchical"), (2, "flat"), (4, "flat"), (8, "flat")}
     assert {x.dp_shard for x in layouts if x.zero == 0} == {0}
+    # with cp > 1 gradients reduce over dp x cp, a group the algorithm does not take over
+    with_cp = dataclasses.replace(_space(0, 3), fixed={"tp": 1, "pp": 1, "cp": 2})
+    cp_layouts = list(enumerate_layouts(job, with_cp))
+    assert cp_layouts and {x.dp_algorithm for x in cp_layouts} == {"flat"}
     one_node = dataclasses.replace(job, world=8)
     assert {(x.dp_shard, x.dp_algorithm) for x in enumerate_layouts(one_node, _space(3))} == {
         (0, "flat")

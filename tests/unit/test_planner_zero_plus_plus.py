@@ -21,6 +21,7 @@ from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace, enumerat
 from plait.planner.memory_model import estimate_memory, stage_parameters
 from plait.planner.published import resolve_shape
 from plait.planner.search import QUANTIZED_MIN_GAIN, plan, price, why_slower
+from plait.tools.plan_commands import quantized_notes
 
 # 4 layers of width 64: 204,288 parameters (fp32), divisible by 4 ranks but not by 4·256, so
 # every rank's chunk ends in a padded codec block
@@ -294,4 +295,12 @@ def test_plan_shows_the_codecs_and_says_they_change_the_numerics(tmp_path, monke
     lines = _plan_cli(tmp_path, monkeypatch)
     text = " ".join(" ".join(lines).split())
     assert "qwZ-" not in text and "qgZ-" not in text
-    assert "--allow-quantized-comm lets the plan quantize" in text
+    # No printed row here can take a codec (HSDP, or cp > 1): no hint either.
+    assert "--allow-quantized-comm" not in text
+    # Where the best row is hierarchical ZeRO-3 over every dp rank, the plan says how to have
+    # the codecs planned.
+    unquantized = plan(_seven_b(SLOW, 13.5), _space(quantized=False))  # 12.4 GiB usable
+    assert unquantized.best.layout.dp_algorithm == "hierarchical"
+    assert not unquantized.best.layout.dp_shard
+    (hint,) = quantized_notes(unquantized, top=1, allowed=False)
+    assert "--allow-quantized-comm lets the plan quantize" in hint
