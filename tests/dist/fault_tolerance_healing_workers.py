@@ -27,7 +27,7 @@ from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import build_batches
 from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
-from tests.dist.fault_tolerance_workers import wait_for, write_marker
+from tests.dist.fault_tolerance_workers import replay_schedule, wait_for, write_marker
 
 HEAL_STEPS = 4
 JOIN_STEP = 2  # the first step B' takes part in, healed from A
@@ -218,49 +218,13 @@ def replay(
     schedule: tuple[tuple[int, ...], ...],
     global_batch_size: int,
 ) -> dict[str, torch.Tensor]:
-    """`schedule[s]` lists the groups whose gradients step s averages; one process replays it:
-    each group's gradient the mean of its `ranks` ranks' (one addition, then the division),
-    each step the mean of the participating groups' gradients the same way, as the group's
-    reduction and the quorum's all-reduce compute them."""
+    """`schedule` replayed in one process (`fault_tolerance_workers.replay_schedule`)."""
     del rank, world_size
-    config = load_config(
-        job_config(
-            group=0,
-            lighthouse="127.0.0.1:1",
-            dp_strategy="ddp",
-            steps=len(schedule),
-            global_batch_size=global_batch_size,
-        )
+    config = job_config(
+        group=0,
+        lighthouse="127.0.0.1:1",
+        dp_strategy="ddp",
+        steps=len(schedule),
+        global_batch_size=global_batch_size,
     )
-    config.fault_tolerance.replica_group = -1
-    engine = Engine(config=config)
-    params = [p for p in engine.module.parameters() if p.requires_grad]
-    rank_batches = [
-        build_batches(
-            config.data,
-            seq_len=config.data.seq_len,
-            global_batch_size=config.train.global_batch_size,
-            dp_rank=data_rank,
-            dp_size=2 * ranks,
-            seed=config.train.seed,
-        )
-        for data_rank in range(2 * ranks)
-    ]
-
-    def mean(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return tensors[0] if len(tensors) == 1 else (tensors[0] + tensors[1]) / len(tensors)
-
-    for step, groups in enumerate(schedule):
-        group_grads: list[list[torch.Tensor]] = []
-        for group in groups:
-            rank_grads: list[list[torch.Tensor]] = []
-            for group_rank in range(ranks):
-                inputs, targets = rank_batches[group * ranks + group_rank].batch_at(step)
-                engine.optimizer.zero_grad(set_to_none=True)
-                engine.loss_fn(engine.module(inputs), targets).backward()
-                rank_grads.append([p.grad.detach().clone() for p in params])
-            group_grads.append([mean(list(g)) for g in zip(*rank_grads, strict=True)])
-        for param, grads in zip(params, zip(*group_grads, strict=True), strict=True):
-            param.grad = mean(list(grads))
-        engine.optimizer_step()
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return replay_schedule(config, ranks, schedule)

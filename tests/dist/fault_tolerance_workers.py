@@ -198,14 +198,23 @@ def participants_of(step: int) -> tuple[int, ...]:
 def replay(
     rank: int, world_size: int, ranks: int, layout: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """The same schedule in one process: each group's gradient the mean of its `ranks` ranks'
-    (one addition, then the division), each step the mean of the participating groups'
-    gradients the same way, as the group's reduction and the quorum's all-reduce compute them."""
+    """The test's schedule (`participants_of`) replayed in one process (`replay_schedule`)."""
     del rank, world_size
     # One process holds every parameter whole: a plain optimizer over them, whatever the groups'
     # inner layout.
     single = {**layout, "dp_strategy": "ddp"}
-    config = load_config(job_config(group=0, lighthouse="127.0.0.1:1", layout=single))
+    config = job_config(group=0, lighthouse="127.0.0.1:1", layout=single)
+    return replay_schedule(config, ranks, tuple(participants_of(s) for s in range(STEPS)))
+
+
+def replay_schedule(
+    config_dict: dict[str, Any], ranks: int, schedule: tuple[tuple[int, ...], ...]
+) -> dict[str, torch.Tensor]:
+    """`schedule[s]` lists the groups whose gradients step s averages; one process replays it:
+    each group's gradient the mean of its `ranks` ranks' (one addition, then the division),
+    each step the mean of the participating groups' gradients the same way, as the group's
+    reduction and the quorum's all-reduce compute them. Returns the weights at the end."""
+    config = load_config(config_dict)
     config.fault_tolerance.replica_group = -1
     engine = Engine(config=config)
     params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -224,9 +233,9 @@ def replay(
     def mean(tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0] if len(tensors) == 1 else (tensors[0] + tensors[1]) / len(tensors)
 
-    for step in range(STEPS):
+    for step, groups in enumerate(schedule):
         group_grads: list[list[torch.Tensor]] = []
-        for group in participants_of(step):
+        for group in groups:
             rank_grads: list[list[torch.Tensor]] = []
             for group_rank in range(ranks):
                 inputs, targets = rank_batches[group * ranks + group_rank].batch_at(step)
