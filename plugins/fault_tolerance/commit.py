@@ -10,7 +10,7 @@ Each group's gradient is the token-weighted mean over the rows it trained on. Gr
 on equal shares weigh the same (torchft's AVG). When the job keeps its global batch
 (`batch_share.py`), a survivor trains on more than its own share, so the groups are weighed by
 the tokens each trained on (the rows, where the loss is not a token mean): group g's gradient
-times N_g / Σ N, summed. With one live group that factor is exactly 1.
+times N_g / Σ N, summed (`_weighted_sum`).
 
 The all-reduce adds rank i's buffers of every group element by element: groups of one inner
 layout reduce the optimizer's gradients as they hold them; when the quorum mixes layouts (a
@@ -53,6 +53,9 @@ class ReplicaGroupCommit(ParallelRuntime):
         self.weigh_by_tokens = weigh_by_tokens
         # This step's shares (set by the step driver) and token counts (read from the step).
         self.shares_trained = 1
+        # Shared by every group (set with keep_global_batch): the scale groups weigh against.
+        self.global_shares = 1
+        self.global_batch_tokens = 1.0  # train.global_batch_size × data.seq_len
         self._step_state: StepState | None = None
         # Made on first need (collective over the group): groups of other inner layouts.
         self._split_factory = split_factory
@@ -92,8 +95,7 @@ class ReplicaGroupCommit(ParallelRuntime):
         """`flat` (this rank's gradients, in whichever split every group shares) averaged
         across the quorum, in place."""
         if self.weigh_by_tokens:
-            flat.mul_(self._share_of_global_batch(flat.device))
-            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            self._weighted_sum(flat)
         else:
             # Sum, then divide by the participants (torchft's AVG): exact with two contributors.
             self.manager.allreduce(flat).wait()
@@ -124,20 +126,30 @@ class ReplicaGroupCommit(ParallelRuntime):
         self._layouts_judged_for = quorum if self.manager.errored() is None else None
         return self._layouts_differ_now
 
-    def _share_of_global_batch(self, device: torch.device) -> float:
-        """N_g / Σ N over the live groups: this group's scored tokens (the engine's count, over
-        the group's ranks), or its shares where the loss is not a token mean."""
+    def _weighted_sum(self, flat: torch.Tensor) -> None:
+        """`flat` ← Σ N_g · flat_g / Σ N_g over the live groups, N_g this group's scored tokens
+        (the engine's count, over the group's ranks), or its shares where the loss is not a token
+        mean. The gradients are summed first, pre-scaled by N_g / a bound every group shares (no
+        overflow, one scale everywhere), and the counts after: a peer that dies in the step
+        breaks the large all-reduce on every survivor at once, where a one-element all-reduce
+        first could leave a survivor waiting out `step_timeout_seconds` on a peer that already
+        gave up."""
         step, self._step_state = self._step_state, None  # not kept past the step: its batch
         weights = step.runner.weights if step is not None else None
-        mine = (
-            weights.global_scored.to(device, torch.float64).reshape(1)
-            if weights is not None
-            else torch.tensor([float(self.shares_trained)], dtype=torch.float64, device=device)
-        )
+        if weights is not None:
+            mine = weights.global_scored.to(flat.device, torch.float64).reshape(1)
+            bound = self.global_batch_tokens
+        else:
+            mine = torch.tensor(
+                [float(self.shares_trained)], dtype=torch.float64, device=flat.device
+            )
+            bound = float(self.global_shares)
+        flat.mul_(float(mine) / bound)
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         total = mine.clone()
         self.manager.allreduce(total, reduce_op=ReduceOp.SUM).wait()
-        # After a failed all-reduce the total is garbage; the step will not commit anyway.
-        return float(mine / total.clamp(min=1.0))
+        # After a failed all-reduce the sums are garbage; the step does not commit.
+        flat.mul_(bound / max(float(total), 1.0))
 
     def skip_step(self) -> bool:
         self.committed = bool(self.manager.should_commit())

@@ -131,6 +131,10 @@ class FaultTolerantSteps:
             device=engine.device,
         )
         self.commit.weigh_by_tokens = True
+        self.commit.global_shares = settings.replica_groups
+        self.commit.global_batch_tokens = float(
+            engine.config.train.global_batch_size * engine.config.data.seq_len
+        )
 
     @property
     def writes_checkpoints(self) -> bool:
