@@ -3,8 +3,9 @@
 Ranks poll from their telemetry exporter thread (`ControlRegistry.poll`), which registers them
 on the first call and hands them the orders waiting for them; they answer in chunks
 (`ControlRegistry.deliver`). An operator's request (`ControlRegistry.open`) addresses ranks of
-one job; the gRPC thread serving it waits (`ControlRegistry.wait`) until every rank delivered,
-failed, stopped polling or ran out of time, and every rank gets an `Outcome` that says which.
+one job (every replica group of it, or one); the gRPC thread serving it waits
+(`ControlRegistry.wait`) until every rank delivered, failed, stopped polling or ran out of time,
+and every rank gets an `Outcome` that says which. Ranks are keyed by (job, replica group, rank).
 
 A profile is taken in two rounds. Every rank first makes its profiler ready (the first
 `torch.profiler` start in a process costs seconds, spent off the training thread); then the
@@ -24,6 +25,7 @@ import itertools
 import threading
 from collections.abc import Callable, Collection, Sequence
 
+from plait.core.telemetry_schema import NO_REPLICA_GROUP
 from plait.daemon.control_records import (
     CANCEL,
     CAPTURE_KINDS,
@@ -46,6 +48,7 @@ from plait.daemon.control_records import (
     Order,
     Outcome,
     ProfileSpec,
+    RankAddress,
     RankDelivery,
     RankHello,
     Refusal,
@@ -53,6 +56,7 @@ from plait.daemon.control_records import (
     ago,
     describe_outcome,
     first_common_step,
+    rank_label,
 )
 
 # A rank silent this long is forgotten (asked for, it is then an unknown job or rank).
@@ -66,7 +70,8 @@ class ControlRegistry:
         self.limits = limits or ControlLimits()
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
-        self._endpoints: dict[tuple[str, int], Endpoint] = {}
+        # (job, replica group, rank) -> endpoint: two groups' rank 0 are two endpoints.
+        self._endpoints: dict[tuple[str, int, int], Endpoint] = {}
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count(1)
         self.refused = 0
@@ -89,7 +94,7 @@ class ControlRegistry:
             endpoint.pending = [
                 o
                 for o in endpoint.pending
-                if o.ack not in acked and not self._answered(o, hello.rank)
+                if o.ack not in acked and not self._answered(o, hello.address)
             ]
             orders = list(endpoint.pending)
             # Cancels are sent once: a rank that missed one finds its request gone anyway.
@@ -101,26 +106,26 @@ class ControlRegistry:
     def _forget(self, now_ns: int) -> None:
         """Drop ranks silent for `FORGET_AFTER_SECONDS` (a long-lived daemon sees many jobs
         come and go); a rank an open request still waits for is kept."""
-        waited = {(r.job_id, rank) for r in self._requests.values() for rank in r.deliveries}
+        waited = {(r.job_id, *address) for r in self._requests.values() for address in r.deliveries}
         for key, endpoint in list(self._endpoints.items()):
             if key not in waited and (now_ns - endpoint.last_poll_ns) / 1e9 > FORGET_AFTER_SECONDS:
                 del self._endpoints[key]
 
-    def _answered(self, order: Order, rank: int) -> bool:
+    def _answered(self, order: Order, address: RankAddress) -> bool:
         """The order's request is over, or this rank has answered it (cancels always go)."""
         if order.kind == CANCEL:
             return False
         request = self._requests.get(order.request_id)
         if request is None or request.closed:
             return True
-        delivery = request.deliveries.get(rank)
+        delivery = request.deliveries.get(address)
         return delivery is None or delivery.done
 
     def _note_rank_state(self, hello: RankHello, now_ns: int) -> bool:
         """Readiness and departure of a rank for every open request; True if any changed."""
         changed = False
         for request in self._requests.values():
-            delivery = request.deliveries.get(hello.rank)
+            delivery = request.deliveries.get(hello.address)
             if request.job_id != hello.job_id or delivery is None or delivery.done:
                 continue
             if hello.leaving:
@@ -138,13 +143,14 @@ class ControlRegistry:
             if request is None or request.closed:
                 self.rejected_chunks += 1
                 return False, f"no open request {chunk.request_id!r} (finished or timed out)"
-            delivery = request.deliveries.get(chunk.rank)
+            delivery = request.deliveries.get(chunk.address)
+            label = rank_label(chunk.replica_group, chunk.rank)
             if request.job_id != chunk.job_id or delivery is None:
                 self.rejected_chunks += 1
-                return False, f"rank {chunk.rank} of job {chunk.job_id!r} was not asked"
+                return False, f"{label} of job {chunk.job_id!r} was not asked"
             if delivery.done:
                 self.rejected_chunks += 1
-                return False, f"rank {chunk.rank} already answered ({delivery.state})"
+                return False, f"{label} already answered ({delivery.state})"
             if request.kind == PROFILE and chunk.plan != request.plan:
                 self.rejected_chunks += 1
                 return False, f"plan {chunk.plan} was replaced by plan {request.plan}"
@@ -195,12 +201,24 @@ class ControlRegistry:
 
     # -- operators ------------------------------------------------------------------------------
 
-    def endpoints(self, job_id: str = "", now_ns: int = 0) -> list[EndpointView]:
+    def endpoints(
+        self, job_id: str = "", now_ns: int = 0, replica_group: int | None = None
+    ) -> list[EndpointView]:
         with self.lock:
-            return [self._view(e, now_ns) for e in self._job_endpoints(job_id)]
+            return [self._view(e, now_ns) for e in self._job_endpoints(job_id, replica_group)]
 
-    def _job_endpoints(self, job_id: str) -> list[Endpoint]:
-        return [e for key, e in sorted(self._endpoints.items()) if not job_id or key[0] == job_id]
+    def _job_endpoints(self, job_id: str, replica_group: int | None = None) -> list[Endpoint]:
+        """The job's endpoints (every job's when `job_id` is empty), of one replica group when
+        `replica_group` is given; ordered by job, group, rank."""
+        return [
+            e
+            for key, e in sorted(self._endpoints.items())
+            if (not job_id or key[0] == job_id)
+            and (replica_group is None or key[1] == replica_group)
+        ]
+
+    def _endpoint_of(self, request: Request, address: RankAddress) -> Endpoint | None:
+        return self._endpoints.get((request.job_id, *address))
 
     def _view(self, endpoint: Endpoint, now_ns: int) -> EndpointView:
         return EndpointView(
@@ -221,32 +239,66 @@ class ControlRegistry:
         known_jobs: Collection[str] = (),
         profile: ProfileSpec | None = None,
         step_wait_seconds: float = 0.0,
+        replica_group: int | None = None,
     ) -> Request:
         """Start a request and queue its orders; `Refusal` when no addressed rank can take it.
 
-        `known_jobs` are jobs the daemon knows from their telemetry (a job whose ranks export
-        spans but never poll is named as such, not as unknown)."""
+        `ranks` are ranks within each replica group the request reaches: every group of the job
+        on this daemon, or only `replica_group` when given. `known_jobs` are jobs the daemon
+        knows from their telemetry (a job whose ranks export spans but never poll is named as
+        such, not as unknown)."""
         if not job_id:
             raise Refusal("invalid_argument", "a job id is required (--job)")
+        if replica_group is not None and replica_group < 0:
+            raise Refusal("invalid_argument", f"replica_group: must be >= 0, got {replica_group}")
         with self.lock:
-            endpoints = {e.hello.rank: e for e in self._job_endpoints(job_id)}
-            if not endpoints:
+            job_endpoints = self._job_endpoints(job_id)
+            if not job_endpoints:
                 raise self._unknown_job(job_id, known_jobs)
-            wanted = sorted(set(ranks)) if ranks else sorted(endpoints)
-            deliveries: dict[int, RankDelivery] = {}
+            endpoints = {
+                e.hello.address: e
+                for e in job_endpoints
+                if replica_group is None or e.hello.replica_group == replica_group
+            }
+            if not endpoints:
+                raise self._unknown_group(job_id, replica_group, job_endpoints)
+            groups = sorted({a.replica_group for a in endpoints} - {NO_REPLICA_GROUP})
+            if kind == PROFILE and replica_group is None and groups:
+                # Each replica group is its own world with its own collectives: one merged trace
+                # and its cross-rank analysis are of one world (rank 0 of two groups would be
+                # one process, and their collectives matched as one).
+                self.refused += 1
+                raise Refusal(
+                    "invalid_argument",
+                    f"replica_group: job {job_id!r} is fault tolerant; a profile takes one "
+                    f"replica group at a time (--replica-group; on this daemon: "
+                    f"{', '.join(map(str, groups))})",
+                )
+            wanted = sorted(a for a in endpoints if not ranks or a.rank in ranks)
+            deliveries: dict[RankAddress, RankDelivery] = {}
             excluded: list[Outcome] = []
-            for rank in wanted:
-                endpoint = endpoints.get(rank)
-                if endpoint is None:
-                    excluded.append(
-                        Outcome(job_id, rank, "", UNKNOWN_RANK, "this daemon never heard from it")
+            never_heard = sorted(set(ranks) - {a.rank for a in wanted})
+            unknown_group = NO_REPLICA_GROUP if replica_group is None else replica_group
+            for rank in never_heard:
+                excluded.append(
+                    Outcome(
+                        job_id, rank, "", UNKNOWN_RANK, "this daemon never heard from it",
+                        replica_group=unknown_group,
                     )
-                elif endpoint.left_ns:
+                )  # fmt: skip
+            for address in wanted:
+                endpoint = endpoints[address]
+                if endpoint.left_ns:
                     excluded.append(self._outcome(endpoint, LEFT, now_ns))
                 elif not endpoint.polling(now_ns, self.limits.poll_patience_seconds):
                     excluded.append(self._outcome(endpoint, NOT_POLLING, now_ns))
                 else:
-                    deliveries[rank] = RankDelivery(rank=rank, host=endpoint.hello.host)
+                    deliveries[address] = RankDelivery(
+                        rank=address.rank,
+                        host=endpoint.hello.host,
+                        replica_group=address.replica_group,
+                    )
+            excluded.sort(key=lambda o: o.address)
             if not deliveries:
                 self.refused += 1
                 raise Refusal(
@@ -275,9 +327,26 @@ class ControlRegistry:
                 max_bytes=request.max_bytes,
                 step_wait_seconds=step_wait_seconds,
             )
-            for rank in deliveries:
-                endpoints[rank].pending.append(order)
+            for address in deliveries:
+                endpoints[address].pending.append(order)
             return request
+
+    def _unknown_group(
+        self, job_id: str, replica_group: int | None, job_endpoints: list[Endpoint]
+    ) -> Refusal:
+        self.refused += 1
+        groups = sorted({e.hello.replica_group for e in job_endpoints})
+        if groups == [NO_REPLICA_GROUP]:
+            return Refusal(
+                "not_found",
+                f"job {job_id!r} has no replica groups on this daemon (not a fault-tolerant "
+                f"job); leave out the replica group to reach its ranks",
+            )
+        return Refusal(
+            "not_found",
+            f"no replica group {replica_group} of job {job_id!r} on this daemon (it knows "
+            f"groups: {', '.join(str(g) for g in groups if g != NO_REPLICA_GROUP)})",
+        )
 
     def _unknown_job(self, job_id: str, known_jobs: Collection[str]) -> Refusal:
         self.refused += 1
@@ -287,7 +356,7 @@ class ControlRegistry:
                 f"the ranks of job {job_id!r} send telemetry but never polled this daemon's "
                 "control channel (a plait without it, or telemetry that ended)",
             )
-        polled = sorted({job for job, _ in self._endpoints} | set(known_jobs))
+        polled = sorted({key[0] for key in self._endpoints} | set(known_jobs))
         return Refusal(
             "not_found",
             f"no job {job_id!r} on this daemon"
@@ -330,7 +399,10 @@ class ControlRegistry:
             detail = f"its run ended {ago(now_ns, endpoint.left_ns)}"
         else:
             detail = f"last polled {ago(now_ns, endpoint.last_poll_ns)}"
-        return Outcome(hello.job_id, hello.rank, hello.host, state, detail, endpoint.last_poll_ns)
+        return Outcome(
+            hello.job_id, hello.rank, hello.host, state, detail, endpoint.last_poll_ns,
+            replica_group=hello.replica_group,
+        )  # fmt: skip
 
     def get(self, request_id: str) -> Request | None:
         with self.lock:
@@ -343,7 +415,7 @@ class ControlRegistry:
             for delivery in request.deliveries.values():
                 if not delivery.done and delivery.state != "ready":
                     delivery.fail(NOT_READY, "its profiler was not ready in time")
-                    self._cancel(request, delivery.rank, "not ready in time")
+                    self._cancel(request, delivery.address, "not ready in time")
             request.planned_here = start_step is None
             request.expires_ns = 0
             self._plan(request, start_step, now_ns)
@@ -353,9 +425,9 @@ class ControlRegistry:
     def _plan(
         self, request: Request, start_step: int | None, now_ns: int, *, at_least: int = 0
     ) -> None:
-        ranks = [r for r, d in request.deliveries.items() if not d.done]
+        addresses = [a for a, d in request.deliveries.items() if not d.done]
         if start_step is None:
-            views = [self._view(self._endpoints[(request.job_id, r)], now_ns) for r in ranks]
+            views = [self._view(self._endpoints[(request.job_id, *a)], now_ns) for a in addresses]
             # Each new plan after a miss looks twice as far ahead.
             lookahead = self.limits.plan_lookahead_seconds * 2**request.replans
             start_step = first_common_step(views, now_ns=now_ns, lookahead_seconds=lookahead)
@@ -369,12 +441,12 @@ class ControlRegistry:
             profile=request.profile,
             max_bytes=request.max_bytes,
         )
-        for rank in ranks:
-            delivery = request.deliveries[rank]
+        for address in addresses:
+            delivery = request.deliveries[address]
             delivery.state, delivery.plan = "asked to start", request.plan
             delivery.parts.clear()
             delivery.received_bytes = delivery.next_index = 0
-            endpoint = self._endpoints[(request.job_id, rank)]
+            endpoint = self._endpoints[(request.job_id, *address)]
             endpoint.pending = [o for o in endpoint.pending if o.request_id != request.request_id]
             endpoint.pending.append(order)
 
@@ -412,7 +484,7 @@ class ControlRegistry:
         for delivery in request.deliveries.values():
             if delivery.done:
                 continue
-            endpoint = self._endpoints.get((request.job_id, delivery.rank))
+            endpoint = self._endpoint_of(request, delivery.address)
             if endpoint is None or endpoint.polling(now_ns, self.limits.poll_patience_seconds):
                 continue
             outcome = self._outcome(endpoint, NOT_POLLING, now_ns)
@@ -428,33 +500,34 @@ class ControlRegistry:
         request.closed = True
         self._requests.pop(request.request_id, None)
         outcomes = list(request.excluded)
-        for rank, delivery in sorted(request.deliveries.items()):
+        for address, delivery in sorted(request.deliveries.items()):
             if not delivery.done:
-                delivery.fail(TIMED_OUT, self._timeout_detail(request, rank))
-                self._cancel(request, rank, reason)
-            endpoint = self._endpoints.get((request.job_id, rank))
+                delivery.fail(TIMED_OUT, self._timeout_detail(request, address))
+                self._cancel(request, address, reason)
+            endpoint = self._endpoint_of(request, address)
             outcomes.append(
                 Outcome(
                     request.job_id,
-                    rank,
+                    address.rank,
                     delivery.host,
                     delivery.state,
                     delivery.detail,
                     endpoint.last_poll_ns if endpoint else 0,
+                    replica_group=address.replica_group,
                 )
             )
         self._changed.notify_all()
-        return sorted(outcomes, key=lambda o: o.rank)
+        return sorted(outcomes, key=lambda o: o.address)
 
-    def _timeout_detail(self, request: Request, rank: int) -> str:
-        endpoint = self._endpoints.get((request.job_id, rank))
+    def _timeout_detail(self, request: Request, address: RankAddress) -> str:
+        endpoint = self._endpoint_of(request, address)
         step = endpoint.hello.step if endpoint else -1
         if request.kind == PROFILE and request.start_step >= 0:
             return f"no trace in time (asked to start at step {request.start_step}, at step {step})"
         return f"no answer in time (at step {step})"
 
-    def _cancel(self, request: Request, rank: int, reason: str) -> None:
-        endpoint = self._endpoints.get((request.job_id, rank))
+    def _cancel(self, request: Request, address: RankAddress, reason: str) -> None:
+        endpoint = self._endpoint_of(request, address)
         if endpoint is not None:
             endpoint.pending = [o for o in endpoint.pending if o.request_id != request.request_id]
             endpoint.pending.append(Order(request.request_id, CANCEL, reason=reason))

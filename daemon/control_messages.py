@@ -2,12 +2,17 @@
 
 Plain functions, one per message, used by the servicer (`plait.daemon.control_service`) and by
 the CLI (which plans a start step over several daemons' endpoints and renders analyses).
+
+A rank's replica group travels as an optional field: unset means an ordinary job
+(`NO_REPLICA_GROUP` in the records), so an ordinary job's messages are as they always were.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
+from plait.core.telemetry_schema import NO_REPLICA_GROUP
 from plait.daemon import trace_analysis
 from plait.daemon.control_records import (
     CANCEL,
@@ -21,11 +26,29 @@ from plait.daemon.control_records import (
     Outcome,
     ProfileSpec,
     RankHello,
+    rank_label,
 )
 from plait.daemon.deliveries import RankStacksRecord
 from plait.proto.plait.v1 import control_pb2
 
 # --------------------------------------------------------------------------------------------
+
+
+class _WithReplicaGroup(Protocol):
+    def HasField(self, field_name: str) -> bool: ...
+
+    @property
+    def replica_group(self) -> int: ...
+
+
+def replica_group_of(message: _WithReplicaGroup) -> int:
+    """The replica group a message carries (`NO_REPLICA_GROUP` when unset)."""
+    return message.replica_group if message.HasField("replica_group") else NO_REPLICA_GROUP
+
+
+def replica_group_field(replica_group: int) -> int | None:
+    """The value for a message's optional `replica_group` (None, left unset: an ordinary job)."""
+    return None if replica_group == NO_REPLICA_GROUP else replica_group
 
 
 def hello_from(request: control_pb2.PollRequest) -> RankHello:
@@ -43,6 +66,7 @@ def hello_from(request: control_pb2.PollRequest) -> RankHello:
         busy=tuple(request.busy),
         ready=tuple(request.ready),
         leaving=request.leaving,
+        replica_group=replica_group_of(request),
     )
 
 
@@ -58,6 +82,8 @@ def poll_problem(request: control_pb2.PollRequest) -> str:
         return f"step: must be in [-1, {MAX_STEP}], got {request.step}"
     if request.clock_rtt_nano < 0:
         return f"clock_rtt_nano: must be >= 0, got {request.clock_rtt_nano}"
+    if request.HasField("replica_group") and request.replica_group < 0:
+        return f"replica_group: must be >= 0 (or unset), got {request.replica_group}"
     return ""
 
 
@@ -106,6 +132,7 @@ def endpoint_message(view: EndpointView) -> control_pb2.ControlEndpoint:
         clock_offset_nano=hello.clock_offset_ns,
         clock_rtt_nano=hello.clock_rtt_ns,
         left=view.left,
+        replica_group=replica_group_field(hello.replica_group),
     )
 
 
@@ -118,6 +145,7 @@ def endpoint_view(message: control_pb2.ControlEndpoint) -> EndpointView:
             world_size=message.world_size,
             host=message.host,
             step=message.step,
+            replica_group=replica_group_of(message),
         ),
         last_poll_ns=message.last_poll_unix_nano,
         steps_per_second=message.steps_per_second,
@@ -134,6 +162,7 @@ def outcome_message(outcome: Outcome) -> control_pb2.RankOutcome:
         state=outcome.state,
         detail=outcome.detail,
         last_poll_unix_nano=outcome.last_poll_ns,
+        replica_group=replica_group_field(outcome.replica_group),
     )
 
 
@@ -179,11 +208,16 @@ def analysis_message(analysis: trace_analysis.TraceAnalysis) -> control_pb2.Trac
 
 
 def stacks_message(
-    job_id: str, rank: int, host: str, record: RankStacksRecord
+    job_id: str,
+    rank: int,
+    host: str,
+    record: RankStacksRecord,
+    replica_group: int = NO_REPLICA_GROUP,
 ) -> control_pb2.RankStacks:
     return control_pb2.RankStacks(
         job_id=job_id,
         rank=rank,
+        replica_group=replica_group_field(replica_group),
         host=host,
         pid=record.pid,
         step=record.step,
@@ -210,7 +244,8 @@ def stacks_message(
 def outcomes_text(outcomes: Iterable[control_pb2.RankOutcome]) -> str:
     """The ranks that did not deliver, one clause each (empty when all did)."""
     return "; ".join(
-        f"rank {o.rank} {o.state}" + (f" ({o.detail})" if o.detail else "")
+        f"{rank_label(replica_group_of(o), o.rank)} {o.state}"
+        + (f" ({o.detail})" if o.detail else "")
         for o in outcomes
         if o.state != DELIVERED
     )

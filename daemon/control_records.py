@@ -3,6 +3,10 @@
 Plain frozen dataclasses and the planning arithmetic, shared by the daemon's registry
 (`plait.daemon.control`), its gRPC translation and the CLI (which plans one start step for
 several daemons). No gRPC types.
+
+A rank is addressed by (job, replica group, rank): a fault-tolerant job runs several replica
+groups, each its own world with ranks 0..n-1 under one job id, so two groups' rank 0 on one node
+are two endpoints. An ordinary job's ranks are in no group (`NO_REPLICA_GROUP`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from plait.core.telemetry_schema import NO_REPLICA_GROUP
 
 PROFILE, STACKS, MEMORY, CANCEL = "profile", "stacks", "memory", "cancel"
 CAPTURE_KINDS = (PROFILE, MEMORY)  # the kinds limited in concurrency
@@ -34,6 +41,21 @@ TERMINAL = frozenset(
     {DELIVERED, NOT_POLLING, LEFT, NOT_READY, MISSED, TIMED_OUT, FAILED, OVER_LIMIT, REJECTED,
      UNKNOWN_RANK}
 )  # fmt: skip
+
+
+class RankAddress(NamedTuple):
+    """A rank within a job: its replica group (`NO_REPLICA_GROUP` in an ordinary job) and its
+    rank in that group's world. Sorts by group, then rank."""
+
+    replica_group: int
+    rank: int
+
+
+def rank_label(replica_group: int, rank: int) -> str:
+    """ "rank 3", or "group 1 rank 3" in a fault-tolerant job."""
+    if replica_group == NO_REPLICA_GROUP:
+        return f"rank {rank}"
+    return f"group {replica_group} rank {rank}"
 
 
 class Refusal(Exception):
@@ -95,10 +117,15 @@ class RankHello:
     busy: tuple[str, ...] = ()  # "request_id:plan" of orders it works on
     ready: tuple[str, ...] = ()  # request ids whose profiler is ready
     leaving: bool = False
+    replica_group: int = NO_REPLICA_GROUP
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
+    def address(self) -> RankAddress:
+        return RankAddress(self.replica_group, self.rank)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.job_id, self.replica_group, self.rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +204,11 @@ class Outcome:
     state: str
     detail: str = ""
     last_poll_ns: int = 0
+    replica_group: int = NO_REPLICA_GROUP
+
+    @property
+    def address(self) -> RankAddress:
+        return RankAddress(self.replica_group, self.rank)
 
 
 @dataclass
@@ -196,6 +228,11 @@ class RankDelivery:
     clock_offset_ns: int = 0
     clock_rtt_ns: int = 0
     expected_bytes: int = 0
+    replica_group: int = NO_REPLICA_GROUP
+
+    @property
+    def address(self) -> RankAddress:
+        return RankAddress(self.replica_group, self.rank)
 
     @property
     def done(self) -> bool:
@@ -214,7 +251,7 @@ class Request:
     kind: str
     job_id: str
     created_ns: int
-    deliveries: dict[int, RankDelivery]
+    deliveries: dict[RankAddress, RankDelivery]
     excluded: list[Outcome]  # addressed ranks that were never asked, and why
     profile: ProfileSpec | None = None
     max_bytes: int = 0
@@ -226,6 +263,10 @@ class Request:
     closed: bool = False
     # A prepared profile nobody collects (its caller went away) is closed after this time.
     expires_ns: int = 0
+
+    def delivery(self, rank: int, replica_group: int = NO_REPLICA_GROUP) -> RankDelivery:
+        """The delivery of one addressed rank (KeyError: the request did not ask it)."""
+        return self.deliveries[RankAddress(replica_group, rank)]
 
     @property
     def received_bytes(self) -> int:
@@ -286,10 +327,15 @@ class Chunk:
     clock_offset_ns: int = 0
     clock_rtt_ns: int = 0
     total_bytes: int = 0  # the whole delivery's size, said on its first chunk
+    replica_group: int = NO_REPLICA_GROUP
+
+    @property
+    def address(self) -> RankAddress:
+        return RankAddress(self.replica_group, self.rank)
 
 
 def describe_outcome(outcome: Outcome) -> str:
-    return f"rank {outcome.rank} {outcome.state}" + (
+    return f"{rank_label(outcome.replica_group, outcome.rank)} {outcome.state}" + (
         f" ({outcome.detail})" if outcome.detail else ""
     )
 

@@ -26,6 +26,8 @@ from plait.daemon.control_messages import (
     order_message,
     outcome_message,
     poll_problem,
+    replica_group_field,
+    replica_group_of,
     stacks_message,
 )
 from plait.daemon.control_records import (
@@ -137,6 +139,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             clock_offset_ns=request.clock_offset_nano,
             clock_rtt_ns=request.clock_rtt_nano,
             total_bytes=request.total_bytes,
+            replica_group=replica_group_of(request),
         )
         accepted, reason = self.registry.deliver(chunk, self.clock())
         return control_pb2.DeliverAck(accepted=accepted, reason=reason)
@@ -166,6 +169,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         *,
         profile: ProfileSpec | None = None,
         step_wait_seconds: float = 0.0,
+        replica_group: int | None = None,
     ) -> Request:
         try:
             return self.registry.open(
@@ -176,6 +180,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 known_jobs=self.store.job_ids(),
                 profile=profile,
                 step_wait_seconds=step_wait_seconds,
+                replica_group=replica_group,
             )
         except Refusal as refusal:
             self._abort(context, refusal)
@@ -203,7 +208,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
         if request.seconds:
             views = [
                 v
-                for v in self.registry.endpoints(request.job_id, self.clock())
+                for v in self.registry.endpoints(
+                    request.job_id, self.clock(), _group_filter(request)
+                )
                 if not request.ranks or v.hello.rank in request.ranks
             ]
             steps = steps_for_seconds(request.seconds, views)
@@ -224,13 +231,20 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self, request: control_pb2.ProfileRequest, context: grpc.ServicerContext
     ) -> control_pb2.PrepareProfileResponse:
         spec = self._profile_spec(request, context)
-        opened = self._open(context, PROFILE, request.job_id, request.ranks, profile=spec)
+        opened = self._open(
+            context,
+            PROFILE,
+            request.job_id,
+            request.ranks,
+            profile=spec,
+            replica_group=_group_filter(request),
+        )
         deadline = self._deadline(request.timeout_seconds, self.limits.prepare_timeout_seconds)
         self.registry.wait(
             opened, lambda r: r.all_ready(), deadline_ns=deadline, clock=self.clock,
             stopping=self.stopping,
         )  # fmt: skip
-        ready = [r for r, d in opened.deliveries.items() if d.state == "ready"]
+        ready = [a for a, d in opened.deliveries.items() if d.state == "ready"]
         if not ready:
             outcomes = self.registry.close(opened, self.clock())
             context.abort(
@@ -238,15 +252,15 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 "no rank made its profiler ready: " + describe_outcomes(outcomes),
             )
         self.registry.prepared(opened, self.clock())
-        views = {v.hello.rank: v for v in self.registry.endpoints(request.job_id, self.clock())}
+        views = {v.hello.address: v for v in self.registry.endpoints(request.job_id, self.clock())}
         not_taking_part = list(opened.excluded) + [
-            Outcome(opened.job_id, rank, d.host, d.state, d.detail)
-            for rank, d in opened.deliveries.items()
+            Outcome(opened.job_id, a.rank, d.host, d.state, d.detail, replica_group=a.replica_group)
+            for a, d in opened.deliveries.items()
             if d.done
         ]
         return control_pb2.PrepareProfileResponse(
             request_id=opened.request_id,
-            endpoints=[endpoint_message(views[r]) for r in sorted(ready) if r in views],
+            endpoints=[endpoint_message(views[a]) for a in sorted(ready) if a in views],
             outcomes=[outcome_message(o) for o in not_taking_part],
             steps=spec.steps,
             daemon_unix_nano=self.clock(),
@@ -306,13 +320,13 @@ class ControlService(control_pb2_grpc.ControlServicer):
         rejection, the others are kept."""
         with self.store.lock:
             coordinates = {
-                w.identity.rank: dict(w.identity.coordinates)
+                (w.identity.replica_group, w.identity.rank): dict(w.identity.coordinates)
                 for w in self.store.windows(opened.job_id)
             }
         captures: list[RankCapture] = []
         checked: list[Outcome] = []
         for outcome in outcomes:
-            delivery = opened.deliveries.get(outcome.rank)
+            delivery = opened.deliveries.get(outcome.address)
             if outcome.state != DELIVERED or delivery is None:
                 checked.append(outcome)
                 continue
@@ -329,34 +343,39 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     rank=outcome.rank,
                     host=outcome.host,
                     trace=trace,
-                    coordinates=coordinates.get(outcome.rank, {}),
+                    coordinates=coordinates.get(outcome.address, {}),
                     clock_offset_ns=delivery.clock_offset_ns,
                     clock_rtt_ns=delivery.clock_rtt_ns,
                     first_step=delivery.first_step,
                     last_step=delivery.last_step,
-                    spans=self._step_spans(opened.job_id, outcome.rank, delivery),
+                    spans=self._step_spans(opened.job_id, delivery),
                 )
             )
             checked.append(outcome)
         return captures, checked
 
     def _step_spans(
-        self, job_id: str, rank: int, delivery: RankDelivery
+        self, job_id: str, delivery: RankDelivery
     ) -> list[tuple[RankIdentity, SpanRecord]]:
         """plait's spans of the recorded steps (they reached the daemon before the trace: the
-        rank flushes its exporter before it delivers)."""
+        rank flushes its exporter before it delivers), of the delivering rank's replica group."""
         first, last = delivery.first_step, delivery.last_step
-        spans = self.store.spans_in(job_id=job_id, ranks=[rank], start_ns=0, end_ns=None)
+        spans = self.store.spans_in(job_id=job_id, ranks=[delivery.rank], start_ns=0, end_ns=None)
         return [
             (identity, span)
             for identity, span in spans
-            if span.step is not None and first <= span.step <= last and span.kind != "expert_load"
+            if identity.replica_group == delivery.replica_group
+            and span.step is not None
+            and first <= span.step <= last
+            and span.kind != "expert_load"
         ]
 
     def Stacks(
         self, request: control_pb2.StacksRequest, context: grpc.ServicerContext
     ) -> control_pb2.StacksResponse:
-        opened = self._open(context, STACKS, request.job_id, request.ranks)
+        opened = self._open(
+            context, STACKS, request.job_id, request.ranks, replica_group=_group_filter(request)
+        )
         deadline = self._deadline(request.timeout_seconds, self.limits.stacks_timeout_seconds)
         self.registry.wait(
             opened, lambda r: r.all_done(), deadline_ns=deadline, clock=self.clock,
@@ -365,7 +384,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         outcomes = self.registry.close(opened, self.clock())
         ranks, checked = [], []
         for outcome in outcomes:
-            delivery = opened.deliveries.get(outcome.rank)
+            delivery = opened.deliveries.get(outcome.address)
             if outcome.state == DELIVERED and delivery is not None:
                 try:
                     check_parts(STACKS, delivery.parts)
@@ -374,7 +393,15 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     self.bad_deliveries += 1
                     outcome = _rejected(outcome, str(exc))
                 else:
-                    ranks.append(stacks_message(opened.job_id, outcome.rank, outcome.host, record))
+                    ranks.append(
+                        stacks_message(
+                            opened.job_id,
+                            outcome.rank,
+                            outcome.host,
+                            record,
+                            replica_group=outcome.replica_group,
+                        )
+                    )
             checked.append(outcome)
         return control_pb2.StacksResponse(
             ranks=ranks, outcomes=[outcome_message(o) for o in checked]
@@ -384,7 +411,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self, request: control_pb2.MemoryRequest, context: grpc.ServicerContext
     ) -> control_pb2.MemoryResponse:
         wait = request.step_wait_seconds or self.limits.memory_step_wait_seconds
-        opened = self._open(context, MEMORY, request.job_id, request.ranks, step_wait_seconds=wait)
+        opened = self._open(
+            context,
+            MEMORY,
+            request.job_id,
+            request.ranks,
+            step_wait_seconds=wait,
+            replica_group=_group_filter(request),
+        )
         deadline = self._deadline(
             request.timeout_seconds, wait + self.limits.stacks_timeout_seconds
         )
@@ -395,7 +429,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         outcomes = self.registry.close(opened, self.clock())
         files, checked = [], []
         for outcome in outcomes:
-            delivery = opened.deliveries.get(outcome.rank)
+            delivery = opened.deliveries.get(outcome.address)
             if outcome.state == DELIVERED and delivery is not None:
                 try:
                     parts = read_memory(delivery.parts)
@@ -404,7 +438,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     outcome = _rejected(outcome, str(exc))
                 else:
                     files.extend(
-                        control_pb2.RankFile(rank=outcome.rank, name=name, data=data)
+                        control_pb2.RankFile(
+                            rank=outcome.rank,
+                            name=name,
+                            data=data,
+                            replica_group=replica_group_field(outcome.replica_group),
+                        )
                         for name, data in sorted(parts.items(), key=lambda kv: kv[0] != MEMORY_PART)
                     )
             checked.append(outcome)
@@ -413,7 +452,20 @@ class ControlService(control_pb2_grpc.ControlServicer):
         )
 
 
+def _group_filter(
+    request: control_pb2.ProfileRequest | control_pb2.StacksRequest | control_pb2.MemoryRequest,
+) -> int | None:
+    """The one replica group an operator's request addresses (None: every group)."""
+    return request.replica_group if request.HasField("replica_group") else None
+
+
 def _rejected(outcome: Outcome, reason: str) -> Outcome:
     return Outcome(
-        outcome.job_id, outcome.rank, outcome.host, REJECTED, reason, outcome.last_poll_ns
+        outcome.job_id,
+        outcome.rank,
+        outcome.host,
+        REJECTED,
+        reason,
+        outcome.last_poll_ns,
+        replica_group=outcome.replica_group,
     )

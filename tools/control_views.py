@@ -61,10 +61,24 @@ def top_op_columns() -> list[Column[control_pb2.TopOp]]:
     ]
 
 
+def _rank_of(message: control_pb2.RankOutcome | control_pb2.RankStacks) -> str:
+    """ "rank 3", or "group 1 rank 3" for a rank of a fault-tolerant job's replica group."""
+    from plait.daemon.control_messages import replica_group_of
+    from plait.daemon.control_records import rank_label
+
+    return rank_label(replica_group_of(message), message.rank)
+
+
+def _stacks_order(stacks: control_pb2.RankStacks) -> tuple[str, int, int]:
+    from plait.daemon.control_messages import replica_group_of
+
+    return (stacks.job_id, replica_group_of(stacks), stacks.rank)
+
+
 def outcome_lines(outcomes: Sequence[control_pb2.RankOutcome]) -> list[Text]:
     return [
         Text(
-            f"rank {o.rank}{f' ({o.host})' if o.host else ''}: {o.state}"
+            f"{_rank_of(o)}{f' ({o.host})' if o.host else ''}: {o.state}"
             + (f": {o.detail}" if o.detail else ""),
             style="yellow",
         )
@@ -129,14 +143,14 @@ def _frame_lines(frames: Sequence[control_pb2.StackFrame], indent: str) -> list[
 
 
 def rank_header(stacks: control_pb2.RankStacks) -> str:
-    header = f"rank {stacks.rank} · {stacks.host} · pid {stacks.pid} · step {stacks.step}"
+    header = f"{_rank_of(stacks)} · {stacks.host} · pid {stacks.pid} · step {stacks.step}"
     return header + "".join(f"\n  in collective: {op}" for op in stacks.in_flight)
 
 
 def render_stacks(ranks: Sequence[control_pb2.RankStacks], *, all_threads: bool = True) -> Text:
     """Each rank's threads, the training thread first, frames as a traceback prints them."""
     text = Text()
-    for stacks in sorted(ranks, key=lambda s: (s.job_id, s.rank)):
+    for stacks in sorted(ranks, key=_stacks_order):
         text.append(rank_header(stacks) + "\n", style="bold")
         for thread in stacks.threads:
             if not all_threads and not thread.training:
@@ -151,7 +165,7 @@ def render_stacks(ranks: Sequence[control_pb2.RankStacks], *, all_threads: bool 
 def render_hang_stacks(ranks: Sequence[control_pb2.RankStacks]) -> Text:
     """Under a hang: where each rank of the group's training thread is (innermost frames)."""
     text = Text("stacks of the ranks in the hung collectives (innermost last):\n", style="red")
-    for stacks in sorted(ranks, key=lambda s: (s.job_id, s.rank)):
+    for stacks in sorted(ranks, key=_stacks_order):
         text.append(rank_header(stacks) + "\n", style="bold")
         training = [t for t in stacks.threads if t.training] or list(stacks.threads[:1])
         for thread in training:
@@ -169,10 +183,14 @@ def _bytes(value: object) -> str:
 
 
 def memory_columns() -> list[Column[tuple[int, dict]]]:
+    """Rows: (rank, its memory report); a fault-tolerant job's reports carry their
+    `replica_group` (the column is dropped when no row has one)."""
+
     def state(report: dict, key: str) -> object:
         return (report.get("model_state") or {}).get(key)
 
     return [
+        Column("group", lambda r: str(r[1].get("replica_group", ""))),
         Column("rank", lambda r: str(r[0]), keep_empty=True),
         Column("step", lambda r: str(r[1].get("step", -1))),
         Column("RSS", lambda r: _bytes(r[1].get("rss_bytes")), keep_empty=True),

@@ -1,8 +1,9 @@
 """`--json` output of the daemon commands: plain JSON a script reads without protobuf.
 
 Messages become objects with every field present (defaults included, field names as in the
-`.proto`), integers stay JSON numbers (protobuf's own JSON mapping writes 64-bit integers as
-strings), and a host that could not be reached is an entry with its `error`, never a gap.
+`.proto`; an unset `optional` scalar, which means "not applicable", is left out), integers stay
+JSON numbers (protobuf's own JSON mapping writes 64-bit integers as strings), and a host that
+could not be reached is an entry with its `error`, never a gap.
 Figures are in base units (seconds, bytes, FLOP/s, fractions), as in the messages.
 """
 
@@ -31,6 +32,10 @@ def message_dict(message: Message) -> dict[str, Any]:
             out[field.name] = [_scalar(v, field) for v in value]
         elif field.message_type is not None and not message.HasField(field.name):
             out[field.name] = None
+        elif field.has_presence and not message.HasField(field.name):
+            # An unset optional scalar says "not applicable" (a replica group outside fault
+            # tolerance): left out, not written as its zero.
+            continue
         else:
             out[field.name] = _scalar(value, field)
     return out

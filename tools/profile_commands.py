@@ -11,6 +11,11 @@ control channel (`plait.v1.Control`) and combines the answers:
 * `stacks` prints every thread's Python stack of every rank;
 * `memory` writes each rank's files into a directory, named by rank.
 
+A fault-tolerant job runs several replica groups under one job id, each with ranks 0..n-1: the
+commands reach every group's ranks (`--replica-group G`: only group G's, `--ranks` then being
+ranks within it), and name each rank with its group (`replica_group` in `--json`; absent for an
+ordinary job, whose output is unchanged).
+
 A rank that did not answer is named with its reason and the others are kept; a daemon that
 does not know the job says so. The command exits 1 when any rank or host did not answer.
 """
@@ -56,6 +61,14 @@ Job = Annotated[str, typer.Option("--job", help="job id (see `plait status`)")]
 Ranks = Annotated[
     str | None, typer.Option("--ranks", help="only these ranks: 0,1,4 (default: every rank)")
 ]
+ReplicaGroup = Annotated[
+    int | None,
+    typer.Option(
+        "--replica-group",
+        min=0,
+        help="a fault-tolerant job: only this replica group's ranks (default: every group)",
+    ),
+]
 CLOCK_SAMPLES = 5
 # Planning a start step across daemons: each daemon's ranks poll within half a second, and
 # the collect calls reach every daemon within the call latency.
@@ -77,6 +90,16 @@ def parse_ranks(text: str | None) -> list[int]:
     if any(r < 0 for r in ranks):
         raise typer.BadParameter(f"--ranks takes ranks >= 0, got {text!r}")
     return ranks
+
+
+def rank_file_prefix(replica_group: int | None, rank: int) -> str:
+    """ "rank3", or "group1.rank3" for a rank of a fault-tolerant job's replica group (two
+    groups' rank 3 write different files)."""
+    return f"rank{rank}" if replica_group is None else f"group{replica_group}.rank{rank}"
+
+
+def _group_of(message: control_pb2.RankFile | control_pb2.ControlEndpoint) -> int | None:
+    return message.replica_group if message.HasField("replica_group") else None
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -129,6 +152,7 @@ def profile(
         bool, typer.Option("--record-shapes", help="record operator input shapes")
     ] = False,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the traces", min=1)] = 120.0,
+    replica_group: ReplicaGroup = None,
     as_json: Json = False,
 ) -> None:
     """Record N steps of every rank with torch.profiler: one merged Perfetto trace, analysed."""
@@ -139,7 +163,7 @@ def profile(
     wanted = parse_ranks(ranks)
     targets = resolve_hosts(hosts)
     if seconds and len(targets) > 1:
-        steps, seconds = _steps_for_seconds(targets, job, wanted, seconds), 0.0
+        steps, seconds = _steps_for_seconds(targets, job, wanted, seconds, replica_group), 0.0
     request = control_pb2.ProfileRequest(
         job_id=job,
         ranks=wanted,
@@ -148,6 +172,7 @@ def profile(
         with_stack=with_stack,
         record_shapes=record_shapes,
         timeout_seconds=timeout,
+        replica_group=replica_group,
     )
     if not as_json:
         what = f"{steps} steps" if steps else f"{seconds:g}s"
@@ -246,7 +271,9 @@ def _common_start(prepared: dict[str, control_pb2.PrepareProfileResponse]) -> in
     )
 
 
-def _steps_for_seconds(hosts: list[str], job: str, ranks: list[int], seconds: float) -> int:
+def _steps_for_seconds(
+    hosts: list[str], job: str, ranks: list[int], seconds: float, replica_group: int | None
+) -> int:
     """--seconds over several hosts: one step count for all, from every rank's pace."""
     from plait.daemon.control_messages import endpoint_view
     from plait.daemon.control_records import steps_for_seconds
@@ -264,7 +291,9 @@ def _steps_for_seconds(hosts: list[str], job: str, ranks: list[int], seconds: fl
         endpoint_view(e)
         for response in listed.values()
         for e in response.endpoints
-        if e.polling and (not ranks or e.rank in ranks)
+        if e.polling
+        and (not ranks or e.rank in ranks)
+        and (replica_group is None or _group_of(e) == replica_group)
     ]
     steps = steps_for_seconds(seconds, views)
     if not steps:
@@ -314,9 +343,16 @@ def merged_capture(
 
 
 def fetch_stacks(
-    hosts: list[str], job: str, ranks: Sequence[int], timeout: float
+    hosts: list[str],
+    job: str,
+    ranks: Sequence[int],
+    timeout: float,
+    replica_group: int | None = None,
 ) -> tuple[list[control_pb2.RankStacks], list[control_pb2.RankOutcome], list[tuple[str, str]]]:
-    request = control_pb2.StacksRequest(job_id=job, ranks=ranks, timeout_seconds=timeout)
+    """Every addressed rank's stacks from every daemon (`replica_group`: only that group's)."""
+    request = control_pb2.StacksRequest(
+        job_id=job, ranks=ranks, timeout_seconds=timeout, replica_group=replica_group
+    )
     answered, errors = _split(
         call_all(
             hosts,
@@ -335,10 +371,13 @@ def stacks(
     hosts: Hosts = None,
     ranks: Ranks = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the ranks", min=0.5)] = 10.0,
+    replica_group: ReplicaGroup = None,
     as_json: Json = False,
 ) -> None:
     """Every thread's Python stack on every rank, taken while the training thread is stuck."""
-    found, outcomes, errors = fetch_stacks(resolve_hosts(hosts), job, parse_ranks(ranks), timeout)
+    found, outcomes, errors = fetch_stacks(
+        resolve_hosts(hosts), job, parse_ranks(ranks), timeout, replica_group
+    )
     if as_json:
         _emit_json(
             "stacks",
@@ -370,11 +409,15 @@ def memory(
     wait: Annotated[
         float, typer.Option(help="seconds to wait for a step to meter", min=0.1)
     ] = 10.0,
+    replica_group: ReplicaGroup = None,
     as_json: Json = False,
 ) -> None:
     """Each rank's memory: CUDA allocator snapshot, RSS, model state and activations, by rank."""
     request = control_pb2.MemoryRequest(
-        job_id=job, ranks=parse_ranks(ranks), step_wait_seconds=wait
+        job_id=job,
+        ranks=parse_ranks(ranks),
+        step_wait_seconds=wait,
+        replica_group=replica_group,
     )
     answered, errors = _split(
         call_all(
@@ -387,13 +430,17 @@ def memory(
     written, reports = [], []
     for response in answered.values():
         for file in response.files:
-            path = output / f"rank{file.rank}.{file.name}"
+            group = _group_of(file)
+            path = output / f"{rank_file_prefix(group, file.rank)}.{file.name}"
             path.write_bytes(file.data)
             written.append(str(path))
             if file.name == "memory.json":
-                reports.append((file.rank, json.loads(file.data)))
+                report = json.loads(file.data)
+                if group is not None:
+                    report["replica_group"] = group
+                reports.append((file.rank, report))
     outcomes = [o for response in answered.values() for o in response.outcomes]
-    reports.sort(key=lambda r: r[0])
+    reports.sort(key=lambda r: (r[1].get("replica_group", -1), r[0]))
     if as_json:
         _emit_json(
             "memory",

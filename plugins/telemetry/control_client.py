@@ -4,10 +4,10 @@
 Three seams, one per thread:
 
 * **the span exporter's thread** calls `tick()` each time it wakes: at most every poll interval
-  (`$PLAIT_CONTROL_POLL_MS`, default 500) it polls the daemon with who the rank is, the step it
-  is in and its clock estimate, and takes the orders waiting: stacks are taken and sent right
-  there (`plait.plugins.telemetry.stacks`), a profile or memory capture is handed to
-  `ProfileCapture` / `MemoryCapture`;
+  (`$PLAIT_CONTROL_POLL_MS`, default 500) it polls the daemon with who the rank is (job, replica
+  group in a fault-tolerant job, rank), the step it is in and its clock estimate, and takes the
+  orders waiting: stacks are taken and sent right there (`plait.plugins.telemetry.stacks`), a
+  profile or memory capture is handed to `ProfileCapture` / `MemoryCapture`;
 * **the training thread** tells it where step boundaries are: the telemetry plugin writes
   `step` and reads `armed` in its step hooks, and calls `step_started` / `step_finished` only
   when a capture is armed (another loop calls those two at every step); when nothing was
@@ -170,6 +170,13 @@ class ControlClient:
             self._handle(order)
         self._rearm()
 
+    @property
+    def _replica_group(self) -> int | None:
+        """The rank's replica group as the messages carry it: unset outside fault tolerance
+        (two groups' rank 0 on one node are two endpoints only if the daemon hears the group)."""
+        group = self.info.replica_group
+        return group if group >= 0 else None
+
     def poll(self, *, leaving: bool = False) -> list[control_pb2.RankOrder]:
         info = self.info
         offset, rtt = self.clock.best
@@ -187,6 +194,7 @@ class ControlClient:
             busy=[*self.profile.busy(), *self.memory.busy()],
             ready=self.profile.ready(),
             leaving=leaving,
+            replica_group=self._replica_group,
         )
         sent = time.time_ns()
         try:
@@ -308,6 +316,7 @@ class ControlClient:
                 data=data,
                 last=index == len(chunks) - 1,
                 total_bytes=total,
+                replica_group=self._replica_group,
                 error=error,
                 missed=missed,
                 first_step=first_step,

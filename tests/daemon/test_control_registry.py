@@ -78,7 +78,7 @@ def test_orders_repeat_until_acknowledged_and_stop_once_answered(registry: Contr
     assert registry.deliver(Chunk(request.request_id, "job", 1, part="stacks.json", data=b"{}",
                                   last=True, total_bytes=2), S) == (True, "")  # fmt: skip
     assert registry.poll(hello(1), S) == []  # answered: nothing to repeat
-    assert request.deliveries[1].state == DELIVERED and not request.all_done()
+    assert request.delivery(1).state == DELIVERED and not request.all_done()
 
 
 def test_a_rank_that_goes_quiet_while_asked_is_given_up_before_the_deadline(
@@ -122,7 +122,7 @@ def test_a_profile_is_prepared_then_started_at_the_first_step_every_rank_will_re
         registry.poll(hello(1, step=9 + 2 * t), t * S)
     request = registry.open(PROFILE, "job", [], now_ns=3 * S, profile=ProfileSpec(steps=2))
     registry.poll(hello(0, step=16, ready=(request.request_id,)), 3 * S)
-    assert request.deliveries[0].state == "ready" and not request.all_ready()
+    assert request.delivery(0).state == "ready" and not request.all_ready()
     registry.poll(hello(1, step=15, ready=(request.request_id,)), 3 * S)
     assert request.all_ready()
     start = registry.start_profile(request, None, now_ns=3 * S)
@@ -149,7 +149,7 @@ def test_a_miss_plans_again_further_ahead_and_drops_traces_of_the_old_plan(
                    missed=True, first_step=40, last=True)  # fmt: skip
     assert registry.deliver(missed, 0) == (True, "")
     assert request.plan == 2 and request.start_step >= 41 > first
-    assert request.deliveries[0].state == "asked to start" and not request.deliveries[0].parts
+    assert request.delivery(0).state == "asked to start" and not request.delivery(0).parts
     accepted, reason = registry.deliver(ok, 0)  # a late chunk of plan 1
     assert not accepted and "replaced by plan 2" in reason
 
@@ -161,7 +161,7 @@ def test_a_prepare_that_does_not_finish_drops_the_slow_rank(registry: ControlReg
     registry.poll(hello(0, ready=(request.request_id,)), 0)
     registry.start_profile(request, 50, now_ns=0)
     assert request.start_step == 50 and not request.planned_here
-    assert request.deliveries[1].state == NOT_READY
+    assert request.delivery(1).state == NOT_READY
     assert [o.kind for o in registry.poll(hello(1), 0)] == ["cancel"]
 
 
@@ -174,8 +174,8 @@ def test_size_limits_per_rank_and_per_request(registry: ControlRegistry) -> None
     accepted, reason = registry.deliver(
         Chunk(rid, "job", 0, index=1, part="stacks.json", data=b"a" * 20), 0
     )
-    assert not accepted and request.deliveries[0].state == OVER_LIMIT and "MiB" in reason
-    assert not request.deliveries[0].parts  # what came is let go
+    assert not accepted and request.delivery(0).state == OVER_LIMIT and "MiB" in reason
+    assert not request.delivery(0).parts  # what came is let go
     out_of_order = registry.deliver(Chunk(rid, "job", 1, index=3, data=b"a"), 0)
     assert out_of_order == (False, "chunk 3 arrived, 0 expected")
     assert registry.rejected_chunks == 2
@@ -189,7 +189,7 @@ def test_a_delivery_shorter_than_announced_is_rejected(registry: ControlRegistry
     assert registry.deliver(first, 0) == (True, "")
     last = Chunk(request.request_id, "job", 0, index=1, part="stacks.json", data=b"c", last=True)
     assert registry.deliver(last, 0) == (False, "the delivery ended at 3 of 5 bytes")
-    assert request.deliveries[0].state == "rejected" and not request.deliveries[0].parts
+    assert request.delivery(0).state == "rejected" and not request.delivery(0).parts
 
 
 def test_one_capture_per_job_and_a_daemon_wide_limit(registry: ControlRegistry) -> None:
@@ -212,7 +212,7 @@ def test_a_prepared_profile_nobody_collects_expires(registry: ControlRegistry) -
     ttl = int(registry.limits.prepared_ttl_seconds * S)
     registry.poll(hello(0), ttl + S)
     registry.open(PROFILE, "job", [], now_ns=ttl + S, profile=ProfileSpec(steps=1))
-    assert request.closed and request.deliveries[0].state == TIMED_OUT
+    assert request.closed and request.delivery(0).state == TIMED_OUT
 
 
 def test_a_rank_leaving_mid_request_answers_for_itself_at_once(registry: ControlRegistry) -> None:
@@ -226,7 +226,7 @@ def test_a_rank_leaving_mid_request_answers_for_itself_at_once(registry: Control
     waiter.start()
     registry.poll(hello(0, leaving=True), 0)
     waiter.join(timeout=30)
-    assert not waiter.is_alive() and request.deliveries[0].state == LEFT
+    assert not waiter.is_alive() and request.delivery(0).state == LEFT
 
 
 def _view(step: int, rate: float, polled_ns: int) -> EndpointView:

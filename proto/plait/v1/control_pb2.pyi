@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PollRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "device", "coordinates", "step", "clock_offset_nano", "clock_rtt_nano", "busy", "ready", "leaving")
+    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "device", "coordinates", "step", "clock_offset_nano", "clock_rtt_nano", "busy", "ready", "leaving", "replica_group")
     class CoordinatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class PollRequest(_message.Message):
     BUSY_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -42,7 +43,8 @@ class PollRequest(_message.Message):
     busy: _containers.RepeatedScalarFieldContainer[str]
     ready: _containers.RepeatedScalarFieldContainer[str]
     leaving: bool
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., clock_offset_nano: _Optional[int] = ..., clock_rtt_nano: _Optional[int] = ..., busy: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., clock_offset_nano: _Optional[int] = ..., clock_rtt_nano: _Optional[int] = ..., busy: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., leaving: _Optional[bool] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class PollResponse(_message.Message):
     __slots__ = ("daemon_unix_nano", "orders", "max_chunk_bytes")
@@ -105,7 +107,7 @@ class CancelOrder(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class DeliverChunk(_message.Message):
-    __slots__ = ("request_id", "job_id", "rank", "plan", "part", "index", "data", "last", "total_bytes", "error", "missed", "first_step", "last_step", "clock_offset_nano", "clock_rtt_nano")
+    __slots__ = ("request_id", "job_id", "rank", "plan", "part", "index", "data", "last", "total_bytes", "error", "missed", "first_step", "last_step", "clock_offset_nano", "clock_rtt_nano", "replica_group")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class DeliverChunk(_message.Message):
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     CLOCK_OFFSET_NANO_FIELD_NUMBER: _ClassVar[int]
     CLOCK_RTT_NANO_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     job_id: str
     rank: int
@@ -136,7 +139,8 @@ class DeliverChunk(_message.Message):
     last_step: int
     clock_offset_nano: int
     clock_rtt_nano: int
-    def __init__(self, request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., plan: _Optional[int] = ..., part: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., error: _Optional[str] = ..., missed: _Optional[bool] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., clock_offset_nano: _Optional[int] = ..., clock_rtt_nano: _Optional[int] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., plan: _Optional[int] = ..., part: _Optional[str] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., error: _Optional[str] = ..., missed: _Optional[bool] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., clock_offset_nano: _Optional[int] = ..., clock_rtt_nano: _Optional[int] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class DeliverAck(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -153,7 +157,7 @@ class ListEndpointsRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ControlEndpoint(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "device", "coordinates", "step", "steps_per_second", "last_poll_unix_nano", "polling", "clock_offset_nano", "clock_rtt_nano", "left")
+    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "device", "coordinates", "step", "steps_per_second", "last_poll_unix_nano", "polling", "clock_offset_nano", "clock_rtt_nano", "left", "replica_group")
     class CoordinatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +179,7 @@ class ControlEndpoint(_message.Message):
     CLOCK_OFFSET_NANO_FIELD_NUMBER: _ClassVar[int]
     CLOCK_RTT_NANO_FIELD_NUMBER: _ClassVar[int]
     LEFT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -189,7 +194,8 @@ class ControlEndpoint(_message.Message):
     clock_offset_nano: int
     clock_rtt_nano: int
     left: bool
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., last_poll_unix_nano: _Optional[int] = ..., polling: _Optional[bool] = ..., clock_offset_nano: _Optional[int] = ..., clock_rtt_nano: _Optional[int] = ..., left: _Optional[bool] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., last_poll_unix_nano: _Optional[int] = ..., polling: _Optional[bool] = ..., clock_offset_nano: _Optional[int] = ..., clock_rtt_nano: _Optional[int] = ..., left: _Optional[bool] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class ListEndpointsResponse(_message.Message):
     __slots__ = ("endpoints", "daemon_unix_nano")
@@ -200,7 +206,7 @@ class ListEndpointsResponse(_message.Message):
     def __init__(self, endpoints: _Optional[_Iterable[_Union[ControlEndpoint, _Mapping]]] = ..., daemon_unix_nano: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
-    __slots__ = ("job_id", "ranks", "steps", "seconds", "with_stack", "record_shapes", "timeout_seconds")
+    __slots__ = ("job_id", "ranks", "steps", "seconds", "with_stack", "record_shapes", "timeout_seconds", "replica_group")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +214,7 @@ class ProfileRequest(_message.Message):
     WITH_STACK_FIELD_NUMBER: _ClassVar[int]
     RECORD_SHAPES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     steps: int
@@ -215,7 +222,8 @@ class ProfileRequest(_message.Message):
     with_stack: bool
     record_shapes: bool
     timeout_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ..., seconds: _Optional[float] = ..., with_stack: _Optional[bool] = ..., record_shapes: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ..., seconds: _Optional[float] = ..., with_stack: _Optional[bool] = ..., record_shapes: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class PrepareProfileResponse(_message.Message):
     __slots__ = ("request_id", "endpoints", "outcomes", "steps", "daemon_unix_nano")
@@ -242,20 +250,22 @@ class CollectProfileRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start_step: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class RankOutcome(_message.Message):
-    __slots__ = ("job_id", "rank", "host", "state", "detail", "last_poll_unix_nano")
+    __slots__ = ("job_id", "rank", "host", "state", "detail", "last_poll_unix_nano", "replica_group")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     LAST_POLL_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     host: str
     state: str
     detail: str
     last_poll_unix_nano: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., last_poll_unix_nano: _Optional[int] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., last_poll_unix_nano: _Optional[int] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class ProfileResponse(_message.Message):
     __slots__ = ("request_id", "trace_json_gz", "trace_bytes", "analysis", "outcomes", "start_step", "steps")
@@ -354,14 +364,16 @@ class CrossRankSummary(_message.Message):
     def __init__(self, slowest_rank: _Optional[int] = ..., slowest_class: _Optional[str] = ..., excess_seconds: _Optional[float] = ..., others_wait_seconds: _Optional[float] = ..., verdict: _Optional[str] = ...) -> None: ...
 
 class StacksRequest(_message.Message):
-    __slots__ = ("job_id", "ranks", "timeout_seconds")
+    __slots__ = ("job_id", "ranks", "timeout_seconds", "replica_group")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     timeout_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_seconds: _Optional[float] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class StackFrame(_message.Message):
     __slots__ = ("file", "line", "function", "code")
@@ -390,7 +402,7 @@ class ThreadStack(_message.Message):
     def __init__(self, thread_id: _Optional[int] = ..., name: _Optional[str] = ..., training: _Optional[bool] = ..., daemon: _Optional[bool] = ..., frames: _Optional[_Iterable[_Union[StackFrame, _Mapping]]] = ...) -> None: ...
 
 class RankStacks(_message.Message):
-    __slots__ = ("job_id", "rank", "host", "pid", "step", "taken_unix_nano", "threads", "in_flight")
+    __slots__ = ("job_id", "rank", "host", "pid", "step", "taken_unix_nano", "threads", "in_flight", "replica_group")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +411,7 @@ class RankStacks(_message.Message):
     TAKEN_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     host: str
@@ -407,7 +420,8 @@ class RankStacks(_message.Message):
     taken_unix_nano: int
     threads: _containers.RepeatedCompositeFieldContainer[ThreadStack]
     in_flight: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., taken_unix_nano: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[ThreadStack, _Mapping]]] = ..., in_flight: _Optional[_Iterable[str]] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., taken_unix_nano: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[ThreadStack, _Mapping]]] = ..., in_flight: _Optional[_Iterable[str]] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class StacksResponse(_message.Message):
     __slots__ = ("ranks", "outcomes")
@@ -418,26 +432,30 @@ class StacksResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankStacks, _Mapping]]] = ..., outcomes: _Optional[_Iterable[_Union[RankOutcome, _Mapping]]] = ...) -> None: ...
 
 class MemoryRequest(_message.Message):
-    __slots__ = ("job_id", "ranks", "timeout_seconds", "step_wait_seconds")
+    __slots__ = ("job_id", "ranks", "timeout_seconds", "step_wait_seconds", "replica_group")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     timeout_seconds: float
     step_wait_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_seconds: _Optional[float] = ..., step_wait_seconds: _Optional[float] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_seconds: _Optional[float] = ..., step_wait_seconds: _Optional[float] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class RankFile(_message.Message):
-    __slots__ = ("rank", "name", "data")
+    __slots__ = ("rank", "name", "data", "replica_group")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     name: str
     data: bytes
-    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    replica_group: int
+    def __init__(self, rank: _Optional[int] = ..., name: _Optional[str] = ..., data: _Optional[bytes] = ..., replica_group: _Optional[int] = ...) -> None: ...
 
 class MemoryResponse(_message.Message):
     __slots__ = ("files", "outcomes")
