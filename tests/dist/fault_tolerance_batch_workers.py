@@ -4,7 +4,9 @@ Three groups of one rank train together until group C dies (SIGKILL) inside the 
 `DEATH_STEP`: A and B do not commit that try, roll it back (data position included) and retry it
 without C, then train the remaining steps without it. With `keep_global_batch` on, A also reads
 C's share (the first missing share goes to the first live group), so A trains on two shares and
-B on one, and the cross-group average must weigh them 2 : 1.
+B on one, and the cross-group average must weigh them 2 : 1. On a corpus of documents one per
+row (`write_padded_corpus`), rows score different numbers of tokens, so the weights must be the
+groups' scored tokens, not their rows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from plait.core.config import load_config
@@ -22,6 +25,9 @@ from plait.core.engine import Engine
 from plait.core.testing import merged_config
 from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.data import build_batches
+from plait.plugins.data.documents_file import starts_from_lengths
+from plait.plugins.data.token_files import TokenDirectoryWriter
+from plait.plugins.data.tokenizer import token_dtype
 from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
 from plait.plugins.fault_tolerance.batch_share import concatenate_rows
 
@@ -33,10 +39,25 @@ SHARE_ROWS = GLOBAL_BATCH // GROUPS
 MARKER_WAIT_SECONDS = 60.0
 
 
-def job_config(*, group: int, lighthouse: str, keep: bool) -> dict[str, Any]:
+def write_padded_corpus(directory: Path) -> str:
+    """Documents of 2 to 17 tokens (byte ids of the tiny model), read one per row of 16 padded
+    (`packing = "none"`): every row scores a different number of tokens."""
+    lengths = np.random.default_rng(11).integers(2, 18, size=400)
+    tokens = np.random.default_rng(12).integers(1, 255, size=int(lengths.sum()))
+    with TokenDirectoryWriter(directory, dtype=token_dtype(256), documents=True) as writer:
+        writer.write(tokens, document_starts=starts_from_lengths(lengths))
+        writer.commit(vocab_size=256, tokenizer="bytes", sources=(), eos_id=0)
+    return str(directory)
+
+
+def job_config(*, group: int, lighthouse: str, keep: bool, corpus: str = "") -> dict[str, Any]:
     return merged_config(
         {
-            "data": {"seq_len": 16},
+            "data": {
+                "seq_len": 16,
+                "path": corpus,
+                "packing": "none" if corpus else "concat_split",
+            },
             # A share is one micro-batch: a survivor with two shares must run two, not one of 4.
             "train": {
                 "global_batch_size": GLOBAL_BATCH,
@@ -76,12 +97,12 @@ def write_marker(path: Path, text: str) -> None:
 
 
 def replica_group_rank(
-    rank: int, world_size: int, group: int, lighthouse: str, markers: str, keep: bool
+    rank: int, world_size: int, group: int, lighthouse: str, markers: str, keep: bool, corpus: str
 ) -> dict[str, Any]:
     """Group `group`'s only rank: every try of every step, the final weights and data step."""
     del rank, world_size
     marker_dir = Path(markers)
-    config = load_config(job_config(group=group, lighthouse=lighthouse, keep=keep))
+    config = load_config(job_config(group=group, lighthouse=lighthouse, keep=keep, corpus=corpus))
     engine = Engine(config=config)
     dp_rank, dp_size = replica_data_coordinates(
         dp_rank=engine.mesh.coordinate("dp"),
@@ -132,12 +153,12 @@ def groups_of(step: int) -> tuple[int, ...]:
     return tuple(range(GROUPS)) if step < DEATH_STEP else tuple(range(GROUPS - 1))
 
 
-def replays(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+def replays(rank: int, world_size: int, corpus: str) -> dict[str, dict[str, torch.Tensor]]:
     """One process, no replica groups, the run twice: `full`, every step on the whole global
     batch; `shrunk`, every step on the shares of the groups in the step's quorum only (what the
     job trains on with `keep_global_batch` off). Micro-batches of one share each."""
     del rank, world_size
-    overrides = job_config(group=0, lighthouse="127.0.0.1:1", keep=False)
+    overrides = job_config(group=0, lighthouse="127.0.0.1:1", keep=False, corpus=corpus)
     overrides["train"]["micro_batch_size"] = SHARE_ROWS
     del overrides["fault_tolerance"]
     config = load_config(overrides)

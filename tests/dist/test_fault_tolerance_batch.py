@@ -4,7 +4,10 @@ Three replica groups of one rank each train under a hosted lighthouse; group C d
 inside step 2, which A and B roll back and retry without it. With the flag on, A takes C's share
 from then on (A trains on two shares, B on one, weighed 2 : 1) and the run equals one process
 training on the whole global batch every step; with it off, the run equals one process training
-on the live groups' shares only, which is not the same run.
+on the live groups' shares only, which is not the same run. The flag-on case reads documents one
+per padded row, so the shares score different numbers of tokens and the groups must be weighed by
+tokens (the flag-off case averages groups equally, as torchft does, so it reads the token stream,
+where every row scores alike).
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 class Group(threading.Thread):
     """One replica group's rank, run in the background; `result` or `error` when done."""
 
-    def __init__(self, group: int, lighthouse: str, markers: Path, keep: bool) -> None:
+    def __init__(self, group: int, lighthouse: str, markers: Path, keep: bool, corpus: str) -> None:
         super().__init__(daemon=True)
-        self.args = (group, lighthouse, str(markers), keep)
+        self.args = (group, lighthouse, str(markers), keep, corpus)
         self.result: dict[str, Any] | None = None
         self.error: BaseException | None = None
 
@@ -45,14 +48,16 @@ class Group(threading.Thread):
             self.error = exc
 
 
-def _run(tmp_path: Path, *, keep: bool) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, *, keep: bool, corpus: str) -> list[dict[str, Any]]:
     lighthouse = HostedLighthouse(
         LighthouseSettings(
             bind="127.0.0.1:0", join_timeout_seconds=30.0, heartbeat_timeout_seconds=1.0
         )
     )
     try:
-        groups = [Group(g, lighthouse.address, tmp_path, keep) for g in range(workers.GROUPS)]
+        groups = [
+            Group(g, lighthouse.address, tmp_path, keep, corpus) for g in range(workers.GROUPS)
+        ]
         for group in groups:
             group.start()
         for group in groups:
@@ -72,7 +77,8 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 @pytest.mark.parametrize("keep", [True, False], ids=["keep", "shrink"])
 def test_keep_global_batch_trains_every_step_on_the_whole_batch(tmp_path: Path, keep: bool) -> None:
-    survivors = _run(tmp_path, keep=keep)
+    corpus = workers.write_padded_corpus(tmp_path / "corpus") if keep else ""
+    survivors = _run(tmp_path, keep=keep, corpus=corpus)
     death = workers.DEATH_STEP
     for group, result in enumerate(survivors):
         tries = result["tries"]
@@ -98,7 +104,7 @@ def test_keep_global_batch_trains_every_step_on_the_whole_batch(tmp_path: Path, 
     a, b = (result["weights"] for result in survivors)
     for name, value in a.items():
         torch.testing.assert_close(value, b[name], **TOLERANCE, msg=f"{name}: A != B")
-    replays = run_distributed(workers.replays, 1, timeout=TIMEOUT)[0]
+    replays = run_distributed(workers.replays, 1, corpus, timeout=TIMEOUT)[0]
     expected, other = (
         (replays["full"], replays["shrunk"]) if keep else (replays["shrunk"], replays["full"])
     )
