@@ -58,6 +58,14 @@ def rank_label(replica_group: int, rank: int) -> str:
     return f"group {replica_group} rank {rank}"
 
 
+def rank_file_prefix(replica_group: int, rank: int) -> str:
+    """ "rank3", or "group1.rank3" for a rank of a replica group: the start of the names of the
+    files a rank's answer is kept in (two groups' rank 3 write different files)."""
+    if replica_group == NO_REPLICA_GROUP:
+        return f"rank{rank}"
+    return f"group{replica_group}.rank{rank}"
+
+
 class Refusal(Exception):
     """An operator's request the daemon will not start; `code` names the kind of reason
     ("not_found", "failed_precondition", "resource_exhausted", "invalid_argument")."""

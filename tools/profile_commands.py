@@ -92,12 +92,6 @@ def parse_ranks(text: str | None) -> list[int]:
     return ranks
 
 
-def rank_file_prefix(replica_group: int | None, rank: int) -> str:
-    """ "rank3", or "group1.rank3" for a rank of a fault-tolerant job's replica group (two
-    groups' rank 3 write different files)."""
-    return f"rank{rank}" if replica_group is None else f"group{replica_group}.rank{rank}"
-
-
 def _group_of(message: control_pb2.RankFile | control_pb2.ControlEndpoint) -> int | None:
     return message.replica_group if message.HasField("replica_group") else None
 
@@ -426,12 +420,16 @@ def memory(
             stub=ControlStub,
         )
     )
+    from plait.core.telemetry_schema import NO_REPLICA_GROUP
+    from plait.daemon.control_records import rank_file_prefix
+
     output.mkdir(parents=True, exist_ok=True)
     written, reports = [], []
     for response in answered.values():
         for file in response.files:
             group = _group_of(file)
-            path = output / f"{rank_file_prefix(group, file.rank)}.{file.name}"
+            prefix = rank_file_prefix(NO_REPLICA_GROUP if group is None else group, file.rank)
+            path = output / f"{prefix}.{file.name}"
             path.write_bytes(file.data)
             written.append(str(path))
             if file.name == "memory.json":

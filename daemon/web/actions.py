@@ -19,6 +19,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from plait.core.telemetry_schema import NO_REPLICA_GROUP
+from plait.daemon.control_messages import replica_group_of
+from plait.daemon.control_records import rank_file_prefix
 from plait.daemon.control_service import ControlService
 from plait.daemon.web.page_data import LocalCallError, LocalContext
 from plait.proto.plait.v1 import control_pb2
@@ -116,12 +119,17 @@ class Actions:
         capture, folder = self.captures.new()
         written, reports = [], []
         for file in response.files:
-            name = _safe(f"rank{file.rank}.{file.name}")
+            # A fault-tolerant job's groups each have a rank 0: their files are named apart.
+            group = replica_group_of(file)
+            name = _safe(f"{rank_file_prefix(group, file.rank)}.{file.name}")
             (folder / name).write_bytes(file.data)
             written.append(f"files/{capture}/{name}")
             if file.name == "memory.json":
-                reports.append((file.rank, json.loads(file.data)))
-        reports.sort(key=lambda r: r[0])
+                report = json.loads(file.data)
+                if group != NO_REPLICA_GROUP:
+                    report["replica_group"] = group
+                reports.append((file.rank, report))
+        reports.sort(key=lambda r: (r[1].get("replica_group", NO_REPLICA_GROUP), r[0]))
         return {
             "files": written,
             "ranks": [{"rank": rank, **report} for rank, report in reports],
