@@ -337,12 +337,20 @@ def hang_stacks(hosts: list[str], hangs: list[Hang]) -> list[control_pb2.RankSta
     from plait.daemon.hangs import merge_hangs
     from plait.tools.profile_commands import fetch_stacks
 
-    wanted: dict[str, set[int]] = {}
+    # (job, replica group): a fault-tolerant job's hang is in one group's world, whose ranks
+    # are asked, not the same rank numbers of the other groups.
+    wanted: dict[tuple[str, int], set[int]] = {}
     for hang in merge_hangs(hangs):
-        wanted.setdefault(hang.job_id, set()).update(hang.group_ranks)
+        wanted.setdefault((hang.job_id, hang.replica_group), set()).update(hang.group_ranks)
     found = []
-    for job_id, ranks in sorted(wanted.items()):
-        stacks, _, _ = fetch_stacks(hosts, job_id, sorted(ranks), HANG_STACKS_TIMEOUT_SECONDS)
+    for (job_id, replica_group), ranks in sorted(wanted.items()):
+        stacks, _, _ = fetch_stacks(
+            hosts,
+            job_id,
+            sorted(ranks),
+            HANG_STACKS_TIMEOUT_SECONDS,
+            replica_group if replica_group >= 0 else None,
+        )
         found.extend(stacks)
     return found
 
