@@ -15,7 +15,7 @@ from rich.table import Table
 from plait.tools.output import make_console
 
 if TYPE_CHECKING:
-    from plait.plugins.data.prepare_documents import PrepareReport
+    from plait.plugins.data.corpus_preparation import PrepareReport
     from plait.plugins.data.token_files import TokenFile
 
 app = typer.Typer(
@@ -76,8 +76,8 @@ def prepare(
         TransferSpeedColumn,
     )
 
+    from plait.plugins.data.corpus_preparation import default_workers, prepare_documents
     from plait.plugins.data.errors import DataError
-    from plait.plugins.data.prepare_documents import default_workers, prepare_documents
     from plait.plugins.data.token_files import TokenFile
     from plait.plugins.data.tokenizer import get_tokenizer
 

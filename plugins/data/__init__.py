@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from plait.plugins.data.corpus import bundled_corpus_dir, bundled_corpus_file
+    from plait.plugins.data.corpus_preparation import PrepareReport, prepare_documents
     from plait.plugins.data.errors import DataError, TokenFileError
     from plait.plugins.data.packed_sampler import PackedBatch, PackedBatches
-    from plait.plugins.data.prepare_documents import PrepareReport, prepare_documents
     from plait.plugins.data.sampler import Batch, TokenBatches, build_batches
     from plait.plugins.data.token_files import TokenFile, TokenFileMeta, prepare_token_files
     from plait.plugins.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer, token_dtype
@@ -34,7 +34,7 @@ _EXPORTS = {
     "DataError": "errors",
     "PackedBatch": "packed_sampler",
     "PackedBatches": "packed_sampler",
-    "PrepareReport": "prepare_documents",
+    "PrepareReport": "corpus_preparation",
     "TokenBatches": "sampler",
     "TokenFile": "token_files",
     "TokenFileError": "errors",
@@ -44,7 +44,7 @@ _EXPORTS = {
     "bundled_corpus_dir": "corpus",
     "bundled_corpus_file": "corpus",
     "get_tokenizer": "tokenizer",
-    "prepare_documents": "prepare_documents",
+    "prepare_documents": "corpus_preparation",
     "prepare_token_files": "token_files",
     "token_dtype": "tokenizer",
 }

@@ -13,7 +13,7 @@ A prepared directory holds:
   the binary files.
 
 `prepare_token_files` writes text files as one stream with no boundaries and no EOS (the bundled
-corpus); `plait.plugins.data.prepare_documents` writes documents. A version-1 directory (written
+corpus); `plait.plugins.data.corpus_preparation` writes documents. A version-1 directory (written
 before documents existed) is still read, as one stream with no boundaries.
 
 `meta.json` is written last and every file is renamed into place, so a directory with a

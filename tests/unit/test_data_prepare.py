@@ -328,3 +328,15 @@ def test_a_corrupt_documents_file_is_an_error(tmp_path: Path) -> None:
         DataError, match=r"documents\.bin: 8 bytes on disk, but meta\.json records 3"
     ):
         TokenFile(out)
+
+
+def test_the_package_gives_the_function_whatever_was_imported_before() -> None:
+    # A submodule named like the function would replace it on the package once imported
+    # (`plait data prepare` imports the module that defines it).
+    import importlib
+
+    import plait.plugins.data as data
+    import plait.plugins.data.corpus_preparation  # noqa: F401
+
+    assert callable(data.prepare_documents)
+    assert callable(importlib.import_module("plait.plugins.data").prepare_documents)
