@@ -66,6 +66,7 @@ RESOURCE_NUMBERS = (
     schema.RESOURCE_RESTART_ATTEMPT, schema.RESOURCE_PEAK_FLOPS, schema.RESOURCE_NUM_PARAMS,
     schema.RESOURCE_FLOPS_PER_TOKEN, schema.RESOURCE_TOKENS_PER_STEP, schema.RESOURCE_PROCESS_PID,
     schema.RESOURCE_MESH_COORD_PREFIX + "dp", schema.RESOURCE_MESH_DEGREE_PREFIX + "dp",
+    schema.RESOURCE_REPLICA_GROUP,
 )  # fmt: skip
 SPAN_NUMBERS: dict[str, tuple[str, ...]] = {
     "step": (schema.SPAN_STEP, schema.SPAN_STEP_TOKENS, schema.SPAN_STEP_MODEL_FLOPS,
@@ -76,6 +77,8 @@ SPAN_NUMBERS: dict[str, tuple[str, ...]] = {
              schema.SPAN_COMM_PEER, schema.SPAN_COMM_GROUP_RANKS,
              schema.SPAN_COMM_BYTES_INTRA_NODE, schema.SPAN_COMM_BYTES_INTER_NODE),
     "expert_load": (schema.SPAN_STEP, schema.SPAN_MOE_TOKENS_PER_EXPERT, schema.SPAN_MOE_DROPPED),
+    "quorum": (schema.SPAN_STEP, schema.SPAN_QUORUM_ID, schema.SPAN_QUORUM_PARTICIPANTS,
+               schema.SPAN_QUORUM_PREVIOUS),
     "job_end": (schema.SPAN_STEP,),
 }  # fmt: skip
 SPAN_TIMES = ("start", "end")  # the span's own start and end (fixed64 on the wire)
@@ -88,7 +91,7 @@ NOT_NUMBERS = {
     "RESOURCE_MESH_COORD_PREFIX", "RESOURCE_MESH_DEGREE_PREFIX", "SPAN_STEP_SKIPPED",
     "SPAN_PHASE", "SPAN_COMM_OP", "SPAN_COMM_DTYPE", "SPAN_COMM_GROUP", "SPAN_COMM_PURPOSE",
     "SPAN_COMM_ASYNC", "SPAN_COMM_ALGORITHM", "SPAN_PHASE_ATTRIBUTE_PREFIX", "SPAN_JOB_OUTCOME",
-    "SPAN_MOE_LAYER",
+    "SPAN_MOE_LAYER", "SPAN_QUORUM_EVENT", "SPAN_QUORUM_DETAIL", "SPAN_REPLICA_ID",
 }  # fmt: skip
 
 
@@ -131,6 +134,11 @@ def _spans(base_ns: int, step: int) -> dict[str, tuple[str, dict[str, Any]]]:
         "expert_load": (schema.EXPERT_LOAD_SPAN_NAME, {
             schema.SPAN_STEP: step, schema.SPAN_MOE_LAYER: "layers.0.moe",
             schema.SPAN_MOE_TOKENS_PER_EXPERT: [10, 30], schema.SPAN_MOE_DROPPED: 1}),
+        "quorum": (schema.QUORUM_EVENT_SPAN_NAME, {
+            schema.SPAN_STEP: step, schema.SPAN_QUORUM_EVENT: schema.QUORUM_EVENT_JOIN,
+            schema.SPAN_QUORUM_ID: step, schema.SPAN_QUORUM_PARTICIPANTS: 2,
+            schema.SPAN_QUORUM_PREVIOUS: 1, schema.SPAN_QUORUM_DETAIL: "",
+            schema.SPAN_REPLICA_ID: "job-group0:1"}),
     }  # fmt: skip
 
 
