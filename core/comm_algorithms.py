@@ -112,6 +112,8 @@ METRICS = "metrics"  # loss and other reported values
 GRAD_NORM = "grad_norm"  # the global gradient norm for clipping
 LOSS_SCALE = "loss_scale"  # the fp16 loss scaler's inf/nan vote
 NONFINITE_CHECK = "nonfinite_check"  # the NaN/Inf guard's vote (plugins/resilience)
+HEAL = "heal"  # fault tolerance: a healing group moving a live peer's state among its ranks
+GRAD_SPLIT = "grad_split"  # fault tolerance: gradients into / out of the layout-free split
 BARRIER = "barrier"
 GENERIC = "generic"  # the default when a caller names none
 
@@ -136,6 +138,8 @@ PURPOSES = frozenset(
         GRAD_NORM,
         LOSS_SCALE,
         NONFINITE_CHECK,
+        HEAL,
+        GRAD_SPLIT,
         BARRIER,
         GENERIC,
     }

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from plait.core.comm import Group
+from plait.core.comm_algorithms import GRAD_SPLIT
 from plait.core.errors import PlaitError
 from plait.core.state_chunks import TensorChunk, first_replica, layout_for, region_chunks
 from plait.core.state_layout import Region
@@ -191,7 +192,7 @@ class GradientSplit:
             canonical,
             comm=comm,
             device=device,
-            purpose="grad_sync",
+            purpose=GRAD_SPLIT,
         )
         all_reduce_mean(buffer)
         self._from_canonical.run(
@@ -199,7 +200,7 @@ class GradientSplit:
             self._gradient_chunks(senders_only=False),
             comm=comm,
             device=device,
-            purpose="grad_sync",
+            purpose=GRAD_SPLIT,
         )
 
 

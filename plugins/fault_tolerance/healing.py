@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from plait.core.comm import world_group
+from plait.core.comm_algorithms import HEAL
 from plait.core.errors import PlaitError
 from plait.core.state_chunks import (
     Staging,
@@ -126,7 +127,7 @@ def load_heal_state(engine: Any, batches: Any, state: dict[str, Any]) -> int:
     }
     group = world_group()
     received = exchange_chunks(
-        held, wanted, comm=engine.comm, group=group, device=engine.device, purpose="heal"
+        held, wanted, comm=engine.comm, group=group, device=engine.device, purpose=HEAL
     )
     staging.write_back()
     # A rank's peer may hold no piece of a parameter (a ZeRO shard elsewhere): the group's
