@@ -74,6 +74,14 @@ def _shown(value: Any) -> str:
     return text if len(text) <= MAX_VALUE_REPR else text[: MAX_VALUE_REPR - 3] + "..."
 
 
+def _one_of(attributes: Any, name: str, allowed: tuple[str, ...]) -> str:
+    """A required string attribute that must be one of `allowed`, else the span is rejected."""
+    value = read_str(attributes, name, required=True)
+    if value not in allowed:
+        raise Rejected(name, OUT_OF_RANGE, f"{_shown(value)} is not one of {', '.join(allowed)}")
+    return value
+
+
 def _as_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise Rejected(name, WRONG_TYPE, f"expected an integer, got {_shown(value)}")
@@ -402,12 +410,7 @@ def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
     if kind == schema.SPAN_KIND_PHASE:
         return SpanStatics(kind, phase=read_str(attributes, schema.SPAN_PHASE))
     if kind == schema.SPAN_KIND_JOB_END:
-        outcome = read_str(attributes, schema.SPAN_JOB_OUTCOME, required=True)
-        if outcome not in schema.JOB_OUTCOMES:
-            allowed = ", ".join(schema.JOB_OUTCOMES)
-            raise Rejected(
-                schema.SPAN_JOB_OUTCOME, OUT_OF_RANGE, f"{_shown(outcome)} is not one of {allowed}"
-            )
+        outcome = _one_of(attributes, schema.SPAN_JOB_OUTCOME, schema.JOB_OUTCOMES)
         return SpanStatics(kind, outcome=outcome)
     if kind == schema.SPAN_KIND_EXPERT_LOAD:
         layer = read_str(attributes, schema.SPAN_MOE_LAYER, required=True)
@@ -420,12 +423,7 @@ def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
             )
         return SpanStatics(kind, expert_layer=layer, tokens_per_expert=tokens)
     if kind == schema.SPAN_KIND_QUORUM:
-        event = read_str(attributes, schema.SPAN_QUORUM_EVENT, required=True)
-        if event not in schema.QUORUM_EVENTS:
-            allowed = ", ".join(schema.QUORUM_EVENTS)
-            raise Rejected(
-                schema.SPAN_QUORUM_EVENT, OUT_OF_RANGE, f"{_shown(event)} is not one of {allowed}"
-            )
+        event = _one_of(attributes, schema.SPAN_QUORUM_EVENT, schema.QUORUM_EVENTS)
         detail = read_str(attributes, schema.SPAN_QUORUM_DETAIL)
         return SpanStatics(
             kind, quorum=(event, detail, read_str(attributes, schema.SPAN_REPLICA_ID))

@@ -24,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from rich.console import Console
 from typer.testing import CliRunner
 
+from plait.core import telemetry_schema as schema
 from plait.core.peak_flops import PeakFlops
 from plait.core.quorum_events import PublishedQuorumEvent, QuorumEvent
 from plait.core.step import StepReport
@@ -340,3 +341,23 @@ def test_a_hang_names_the_replica_group_of_its_ranks() -> None:
     (hang,) = find_hangs(beats, now_ns=now, timeout_seconds=2.0)
     assert (hang.replica_group, hang.entered_ranks, hang.missing_ranks) == (1, (0,), (1,))
     assert hang.describe().startswith(f"job {JOB} replica group 1: all_reduce seq 7")
+
+
+@pytest.mark.parametrize(
+    ("span_name", "attribute", "allowed"),
+    [
+        (schema.QUORUM_EVENT_SPAN_NAME, schema.SPAN_QUORUM_EVENT, schema.QUORUM_EVENTS),
+        (schema.JOB_END_SPAN_NAME, schema.SPAN_JOB_OUTCOME, schema.JOB_OUTCOMES),
+    ],
+)
+def test_an_unknown_event_or_outcome_is_rejected_naming_what_is_allowed(
+    span_name: str, attribute: str, allowed: tuple[str, ...]
+) -> None:
+    from plait.daemon.decoder import OUT_OF_RANGE, Rejected, span_statics
+
+    for value in allowed:  # each allowed value decodes
+        span_statics(span_name, {schema.SPAN_STEP: 1, attribute: value})
+    with pytest.raises(Rejected) as caught:
+        span_statics(span_name, {schema.SPAN_STEP: 1, attribute: "exploded"})
+    assert caught.value.attribute == attribute and caught.value.reason == OUT_OF_RANGE
+    assert all(value in caught.value.detail for value in allowed)
