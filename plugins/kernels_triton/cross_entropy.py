@@ -1,12 +1,17 @@
 """Triton fused softmax cross-entropy, chunked over the vocabulary.
 
-One program per row walks the vocabulary in blocks with an online softmax (running max and
-running sum of exponentials), so a row of any vocabulary size never has to fit in registers.
-A second walk over the same row writes the gradient w.r.t. the logits *during the forward*,
-into one buffer the size of the logits: the backward only scales it by the incoming gradient
-(in place), so a full-vocabulary gradient is never materialised twice and no softmax is ever
-stored. This is the scheme of Liger's fused cross-entropy, with the buffer kept separate from
-the logits so callers may still read their logits afterwards.
+The forward walks each row once: one program per row, vocabulary blocks in turn, an online
+softmax (running max, running sum of exponentials) so that a row of any vocabulary size never
+has to fit in registers. It keeps the row's log-sum-exp (fp32, one number per row), never a
+softmax. The backward walks the row once more and writes `(softmax − one_hot(target)) · scale`
+straight from the logits and that log-sum-exp, with `scale = d(loss) / n_valid` read on the
+device.
+
+That is the least traffic a softmax cross-entropy can move: the logits read twice, their
+gradient written once — what `torch.compile` of the reference moves too. Writing the gradient
+during the forward (Liger's scheme) saves the second read only by writing into the logits in
+place; kept beside them, as callers may still read their logits, it costs a logits-sized buffer
+from forward to backward and one more read and write to scale it by the incoming gradient.
 """
 
 from __future__ import annotations
@@ -24,20 +29,17 @@ DEFAULT_VOCAB_BLOCK = 4096
 
 @triton.jit
 def _cross_entropy_fwd(
-    logits_ptr, targets_ptr, grad_ptr, losses_ptr, n_valid_ptr,
-    stride_logits, stride_grad, vocab, ignore_index, BLOCK_V: tl.constexpr,
+    logits_ptr, targets_ptr, losses_ptr, lse_ptr, stride_logits, vocab, ignore_index,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * stride_logits
-    grad_row = grad_ptr + row * stride_grad
     target = tl.load(targets_ptr + row)
     if target == ignore_index:
-        for start in range(0, vocab, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            tl.store(grad_row + cols, 0.0, mask=cols < vocab)
         tl.store(losses_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
         return
-    # Pass 1: online softmax statistics over vocabulary blocks.
+    # Online softmax statistics over vocabulary blocks.
     running_max = -float("inf")
     running_sum = 0.0
     for start in range(0, vocab, BLOCK_V):
@@ -52,42 +54,93 @@ def _cross_entropy_fwd(
     logsumexp = running_max + tl.log(running_sum)
     target_logit = tl.load(logits_row + target).to(tl.float32)
     tl.store(losses_ptr + row, logsumexp - target_logit)
-    # Pass 2: d(mean loss)/d(logits) = (softmax - one_hot(target)) / n_valid.
-    inv_n_valid = 1.0 / tl.load(n_valid_ptr)
+    tl.store(lse_ptr + row, logsumexp)
+
+
+@triton.jit
+def _cross_entropy_bwd(
+    logits_ptr, targets_ptr, lse_ptr, scale_ptr, grad_ptr, stride_logits, stride_grad, vocab,
+    ignore_index, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * stride_logits
+    grad_row = grad_ptr + row * stride_grad
+    target = tl.load(targets_ptr + row)
+    if target == ignore_index:
+        for start in range(0, vocab, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            tl.store(grad_row + cols, 0.0, mask=cols < vocab)
+        return
+    logsumexp = tl.load(lse_ptr + row)
+    # d(loss)/d(logits) = (softmax - one_hot(target)) · d(loss) / n_valid.
+    scale = tl.load(scale_ptr)
     for start in range(0, vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab
         block = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
         grad = tl.exp(block - logsumexp) - tl.where(cols == target, 1.0, 0.0)
-        tl.store(grad_row + cols, (grad * inv_n_valid).to(grad_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_row + cols, (grad * scale).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-def cross_entropy_forward(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, vocab_block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean loss, d(loss)/d(logits)): the gradient is written by the forward (module doc)."""
+def _check_shapes(logits: torch.Tensor, targets: torch.Tensor) -> None:
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(
             f"softmax_cross_entropy: logits must be (N, V) and targets (N,); got "
             f"{tuple(logits.shape)} and {tuple(targets.shape)}"
         )
+
+
+def _vocab_block(vocab: int, vocab_block: int) -> int:
+    return min(vocab_block, triton.next_power_of_2(vocab))
+
+
+def cross_entropy_forward(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, vocab_block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, per-row log-sum-exp, number of scored rows): the last two, both fp32 on the
+    device, are what `cross_entropy_backward` needs beside the logits and targets."""
+    _check_shapes(logits, targets)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     targets = targets.contiguous()
     n_rows, vocab = logits.shape
-    # Counted on the device and read by the kernel: no host synchronisation per step.
+    # Counted on the device and read by the backward: no host synchronisation per step.
     n_valid = (targets != ignore_index).sum().to(torch.float32)
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows:
         _cross_entropy_fwd[(n_rows,)](
-            logits, targets, grad, losses, n_valid.clamp_min(1.0),
-            logits.stride(0), grad.stride(0), vocab, ignore_index,
-            BLOCK_V=min(vocab_block, triton.next_power_of_2(vocab)),
+            logits, targets, losses, lse, logits.stride(0), vocab, ignore_index,
+            BLOCK_V=_vocab_block(vocab, vocab_block),
         )  # fmt: skip
     # In fp32 whatever the logits' dtype; 0 / 0 = nan when every target is ignored, as
     # torch's mean reduction gives.
-    return losses.sum() / n_valid, grad
+    return losses.sum() / n_valid, lse, n_valid
+
+
+def cross_entropy_backward(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    n_valid: torch.Tensor,
+    ignore_index: int,
+    vocab_block: int,
+) -> torch.Tensor:
+    """d(loss)/d(logits) of `cross_entropy_forward`, for an incoming gradient `dloss`."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    targets = targets.contiguous()
+    n_rows, vocab = logits.shape
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    # Rows with no scored target get zeros whatever the scale; clamping keeps it finite.
+    scale = (dloss.to(torch.float32) / n_valid.clamp_min(1.0)).reshape(1)
+    if n_rows:
+        _cross_entropy_bwd[(n_rows,)](
+            logits, targets, lse, scale, grad, logits.stride(0), grad.stride(0), vocab,
+            ignore_index, BLOCK_V=_vocab_block(vocab, vocab_block),
+        )  # fmt: skip
+    return grad
 
 
 class SoftmaxCrossEntropyFunction(torch.autograd.Function):
@@ -101,22 +154,14 @@ class SoftmaxCrossEntropyFunction(torch.autograd.Function):
         ignore_index: int,
         vocab_block: int,
     ) -> torch.Tensor:
-        loss, grad = cross_entropy_forward(logits, targets, ignore_index, vocab_block)
-        ctx.save_for_backward(grad)
-        ctx.grad_consumed = False
+        loss, lse, n_valid = cross_entropy_forward(logits, targets, ignore_index, vocab_block)
+        ctx.save_for_backward(logits, targets, lse, n_valid)
+        ctx.ignore_index, ctx.vocab_block = ignore_index, vocab_block
         return loss
 
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (grad,) = ctx.saved_tensors
-        if ctx.grad_consumed:
-            raise RuntimeError(
-                "softmax_cross_entropy (triton) scales its precomputed gradient in place and "
-                "cannot run backward twice through one graph (retain_graph=True)"
-            )
-        ctx.grad_consumed = True
-        # The forward already wrote d(loss)/d(logits); scale the one buffer in place.
-        grad.mul_(dloss.to(grad.dtype))
+        grad = cross_entropy_backward(dloss, *ctx.saved_tensors, ctx.ignore_index, ctx.vocab_block)
         return grad, None, None, None
 
 

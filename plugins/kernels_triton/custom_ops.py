@@ -17,9 +17,9 @@ Covered: rms_norm, layer_norm, swiglu, bias_gelu, rope, softmax_cross_entropy. N
 attention (its log-sum-exp output and document ids) nor adamw_step and grouped_mm (in place,
 data-shaped): under compile they still break the graph.
 
-Cross-entropy's eager backward scales the forward's gradient buffer in place; its custom op
-returns the scaled gradient as a new tensor instead (a compiled graph must not mutate a saved
-output), one more logits-sized buffer while the backward runs.
+Cross-entropy's forward returns the loss with the per-row log-sum-exp and the count of scored
+rows, which its backward op reads beside the logits: as eager, nothing logits-sized is kept
+between forward and backward but the logits.
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ from torch import Tensor
 from plait.plugins.kernels_triton import cross_entropy as eager_cross_entropy
 from plait.plugins.kernels_triton import elementwise as eager_elementwise
 from plait.plugins.kernels_triton import norms as eager_norms
-from plait.plugins.kernels_triton.cross_entropy import DEFAULT_VOCAB_BLOCK, cross_entropy_forward
+from plait.plugins.kernels_triton.cross_entropy import (
+    DEFAULT_VOCAB_BLOCK,
+    cross_entropy_backward,
+    cross_entropy_forward,
+)
 from plait.plugins.kernels_triton.elementwise import (
     bias_gelu_backward,
     bias_gelu_forward,
@@ -233,31 +237,63 @@ def _rope_grad(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
 rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
 
 
-# -- softmax_cross_entropy: the gradient comes out of the forward ------------------------------
+# -- softmax_cross_entropy --------------------------------------------------------------------
 
 
 @torch.library.custom_op(f"{NAMESPACE}::softmax_cross_entropy", mutates_args=())
 def cross_entropy_op(
     logits: Tensor, targets: Tensor, ignore_index: int, vocab_block: int
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     return cross_entropy_forward(logits, targets, ignore_index, vocab_block)
 
 
 @cross_entropy_op.register_fake
 def _(
     logits: Tensor, targets: Tensor, ignore_index: int, vocab_block: int
-) -> tuple[Tensor, Tensor]:
-    loss = logits.new_empty((), dtype=torch.float32)
-    return loss, logits.new_empty(logits.shape)
+) -> tuple[Tensor, Tensor, Tensor]:
+    scalar = logits.new_empty((), dtype=torch.float32)
+    return scalar, logits.new_empty(logits.shape[:1], dtype=torch.float32), torch.empty_like(scalar)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::softmax_cross_entropy_backward", mutates_args=())
+def cross_entropy_backward_op(
+    dloss: Tensor,
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    n_valid: Tensor,
+    ignore_index: int,
+    vocab_block: int,
+) -> Tensor:
+    return cross_entropy_backward(dloss, logits, targets, lse, n_valid, ignore_index, vocab_block)
+
+
+@cross_entropy_backward_op.register_fake
+def _(
+    dloss: Tensor,
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    n_valid: Tensor,
+    ignore_index: int,
+    vocab_block: int,
+) -> Tensor:
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _cross_entropy_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    ctx.save_for_backward(output[1])
+    logits, targets, ctx.ignore_index, ctx.vocab_block = inputs
+    ctx.save_for_backward(logits, targets, output[1], output[2])
 
 
-def _cross_entropy_grad(ctx: Any, dloss: Tensor, _dgrad: Tensor) -> tuple[Tensor | None, ...]:
-    (grad,) = ctx.saved_tensors
-    return grad * dloss.to(grad.dtype), None, None, None
+def _cross_entropy_grad(
+    ctx: Any, dloss: Tensor, _dlse: Tensor, _dn_valid: Tensor
+) -> tuple[Tensor | None, ...]:
+    logits, targets, lse, n_valid = ctx.saved_tensors
+    grad = cross_entropy_backward_op(
+        dloss, logits, targets, lse, n_valid, ctx.ignore_index, ctx.vocab_block
+    )
+    return grad, None, None, None
 
 
 cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)

@@ -135,19 +135,26 @@ def test_softmax_cross_entropy_matches_reference(rows: int, vocab: int, vocab_bl
     _compare(ours, theirs, [(rows, vocab)], seed=11, tol={"atol": 1e-6, "rtol": 1e-5})
 
 
-def test_softmax_cross_entropy_keeps_one_gradient_buffer_and_all_ignored_is_nan() -> None:
+def test_softmax_cross_entropy_keeps_only_the_logits_and_all_ignored_is_nan() -> None:
     logits = torch.randn(5, 67, requires_grad=True)
     targets = torch.full((5,), -100)
     loss = softmax_cross_entropy(logits, targets)
     assert torch.isnan(loss), "mean over zero targets must be nan, as torch's reduction is"
     targets[2] = 3
     loss = softmax_cross_entropy(logits, targets, vocab_block=16)
+    # Between forward and backward: the logits themselves and per-row numbers, no softmax and
+    # no gradient buffer.
     saved = loss.grad_fn.saved_tensors
-    assert len(saved) == 1 and saved[0].shape == logits.shape  # one buffer, no softmax copy
-    loss.backward(torch.tensor(2.0))
+    assert [t.numel() for t in saved if t.numel() >= logits.shape[1]] == [logits.numel()]
+    assert any(t.data_ptr() == logits.data_ptr() for t in saved)
+    loss.backward(torch.tensor(2.0), retain_graph=True)
     expected = torch.zeros_like(logits)
     expected[2] = 2.0 * (torch.softmax(logits[2].detach(), -1) - torch.eye(67)[3])
     torch.testing.assert_close(logits.grad, expected, atol=1e-6, rtol=1e-5)
+    # The gradient is made by the backward, from the incoming gradient: a second backward
+    # through the same graph adds it again.
+    loss.backward(torch.tensor(-0.5))
+    torch.testing.assert_close(logits.grad, expected * 0.75, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
