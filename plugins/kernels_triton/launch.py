@@ -15,7 +15,7 @@ import triton
 # a two-pass (looped) kernel would be needed.
 MAX_FUSED_ROW_BYTES = 65536
 
-# Under the interpreter, programs run one after another on the host: a few are enough to
+# Under the interpreter, programs run one after another on the host: a few "SMs" are enough to
 # exercise the strided loops, and more only cost time.
 INTERPRETER_PROGRAMS = 4
 
@@ -37,26 +37,25 @@ def row_block_size(n_cols: int, element_size: int) -> int:
     return block
 
 
-def row_warps(block: int) -> dict[str, int]:
+def default_row_warps(block: int) -> int:
     """Warps for a program that holds one row of `block` elements: enough threads that each
     keeps a few vectors of it in registers (the thresholds Apex's and Liger's norm kernels
-    use). Nothing under the interpreter, which takes no warps."""
-    if interpreting():
-        return {}
+    use). The row kernels' tuner starts from it and tries its neighbours."""
     if block < 2048:
-        return {"num_warps": 4}
+        return 4
     if block < 8192:
-        return {"num_warps": 8}
-    return {"num_warps": 16 if block < 16384 else 32}
+        return 8
+    return 16 if block < 16384 else 32
 
 
-def backward_programs(n_rows: int, device: torch.device) -> int:
-    """How many persistent programs a row-reduction backward launches: one per SM on CUDA."""
+def backward_programs(n_rows: int, device: torch.device, per_sm: int = 1) -> int:
+    """How many persistent programs a row-reduction backward launches: `per_sm` per SM on
+    CUDA, never more than there are rows."""
     if device.type == "cuda" and not interpreting():
-        programs = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
-        programs = INTERPRETER_PROGRAMS
-    return max(1, min(n_rows, programs))
+        sms = INTERPRETER_PROGRAMS
+    return max(1, min(n_rows, sms * per_sm))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -50,14 +50,19 @@ Bench = Callable[[str, "Tile", Callable[[], object]], float]
 @dataclass(frozen=True, slots=True)
 class Tile:
     """One launch configuration: the kernel's block sizes (its `tl.constexpr` parameters) and,
-    compiled, the warps per program and the software-pipelining depth."""
+    compiled, the warps per program and the software-pipelining depth; `host` holds what the
+    launcher itself reads and the kernel never sees (how many persistent programs per SM)."""
 
     blocks: tuple[tuple[str, int], ...]
     num_warps: int = 4
     num_stages: int = 2
+    host: tuple[tuple[str, int], ...] = ()
 
     def __getitem__(self, name: str) -> int:
         return dict(self.blocks)[name]
+
+    def host_setting(self, name: str, default: int) -> int:
+        return dict(self.host).get(name, default)
 
     def launch_options(self) -> dict[str, int]:
         """Keyword arguments for the kernel launch. The interpreter takes no warps or stages."""
@@ -67,22 +72,29 @@ class Tile:
         return options
 
     def to_json(self) -> dict[str, Any]:
-        return {"blocks": dict(self.blocks), "num_warps": self.num_warps,
+        data = {"blocks": dict(self.blocks), "num_warps": self.num_warps,
                 "num_stages": self.num_stages}  # fmt: skip
+        return data | ({"host": dict(self.host)} if self.host else {})
 
     @classmethod
     def from_json(cls, data: Any) -> Tile:
-        return tile(int(data["num_warps"]), int(data["num_stages"]), **{
+        host_data = data.get("host", {}) if isinstance(data, dict) else {}
+        host = {str(name): int(value) for name, value in dict(host_data).items()}
+        return tile(int(data["num_warps"]), int(data["num_stages"]), host=host, **{
             str(name): int(size) for name, size in dict(data["blocks"]).items()
         })  # fmt: skip
 
     def __str__(self) -> str:
-        sizes = " ".join(f"{name}={size}" for name, size in self.blocks)
-        return f"{sizes} warps={self.num_warps} stages={self.num_stages}"
+        settings = [*self.blocks, ("warps", self.num_warps), ("stages", self.num_stages),
+                    *self.host]  # fmt: skip
+        return " ".join(f"{name}={value}" for name, value in settings)
 
 
-def tile(num_warps: int, num_stages: int, **blocks: int) -> Tile:
-    return Tile(tuple(sorted(blocks.items())), num_warps, num_stages)
+def tile(
+    num_warps: int, num_stages: int, *, host: dict[str, int] | None = None, **blocks: int
+) -> Tile:
+    return Tile(tuple(sorted(blocks.items())), num_warps, num_stages,
+                tuple(sorted((host or {}).items())))  # fmt: skip
 
 
 class TileStore:
@@ -227,32 +239,51 @@ class TileTuner:
             return dict(self._chosen)
 
     def choose(
-        self, key: tuple[Hashable, ...], run: Callable[[Tile], object], device: torch.device
+        self,
+        key: tuple[Hashable, ...],
+        run: Callable[[Tile], object],
+        device: torch.device,
+        *,
+        among: Sequence[Tile] | None = None,
+        default: Tile | None = None,
     ) -> Tile:
         """The tile for problem `key` on `device`. `run(tile)` launches the kernel with it on
-        the real inputs; it is called for every candidate the first time a key is seen."""
+        the real inputs; it is called for every candidate the first time a key is seen.
+
+        `among` and `default` narrow the candidates and move the default for this problem,
+        where those depend on it (a row kernel's warps on the row's width); the key must then
+        decide them, and each must be one of the tuner's candidates."""
+        candidates = self.candidates if among is None else tuple(among)
+        default = self.default if default is None else default
         bench = _settings.bench
         if bench is None:
             if device.type != "cuda" or interpreting() or os.environ.get(AUTOTUNE_ENV) == "0":
-                return self.default
+                return default
             bench = cuda_bench
         memo = (str(device), key)  # the device's name is read only when a key is new
         with self._lock:
             found = self._chosen.get(memo)
         if found is not None:
             return found
+        if default not in candidates or not set(candidates) <= set(self.candidates):
+            raise ValueError(
+                f"{self.kernel}: {default} and {[str(c) for c in candidates]} must be among "
+                "the tuner's candidates, the default among those chosen from"
+            )
         device_name = _device_name(device)
         store = _settings.store or default_store()
         key_text = "|".join(str(part) for part in key)
-        chosen = self._stored(store, device_name, key_text)
+        chosen = self._stored(store, device_name, key_text, candidates)
         if chosen is None:
-            chosen = self._fastest(bench, run)
+            chosen = self._fastest(bench, run, candidates, default)
             store.put(device_name, self.kernel, key_text, chosen)
         with self._lock:
             self._chosen[memo] = chosen
         return chosen
 
-    def _stored(self, store: TileStore, device_name: str, key: str) -> Tile | None:
+    def _stored(
+        self, store: TileStore, device_name: str, key: str, candidates: Sequence[Tile]
+    ) -> Tile | None:
         data = store.get(device_name, self.kernel, key)
         if data is None:
             return None
@@ -261,12 +292,18 @@ class TileTuner:
         except (KeyError, TypeError, ValueError):
             return None
         # A tile this version no longer offers is tuned again rather than trusted.
-        return stored if stored in self.candidates else None
+        return stored if stored in candidates else None
 
-    def _fastest(self, bench: Bench, run: Callable[[Tile], object]) -> Tile:
+    def _fastest(
+        self,
+        bench: Bench,
+        run: Callable[[Tile], object],
+        candidates: Sequence[Tile],
+        default: Tile,
+    ) -> Tile:
         untunable = _untunable_errors()
         timings: dict[Tile, float] = {}
-        for candidate in self.candidates:
+        for candidate in candidates:
             try:
                 timings[candidate] = bench(
                     self.kernel, candidate, lambda candidate=candidate: run(candidate)
@@ -274,7 +311,7 @@ class TileTuner:
             except untunable:
                 continue
         if not timings:
-            return self.default
+            return default
         return min(timings, key=timings.__getitem__)
 
 

@@ -90,3 +90,76 @@ def test_a_real_timing_chooses_keeps_and_reads_back(tmp_path: Path) -> None:
     with tuning(bench=counting, store=TileStore(path)):  # a new process: read back
         attention(q, k, v, causal=True)
     assert timed == []
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_every_norm_tile_compiles_and_computes(op: str, tmp_path: Path) -> None:
+    """Each warps × programs-per-SM tile of the norms' backward (and each forward warps) at a
+    Llama-like width, in bf16, against the fp32 reference."""
+    from plait.plugins.kernels_triton import norms
+    from plait.plugins.kernels_triton.tuning import TileStore, tuning
+
+    forward = getattr(norms, f"{op.upper()}_FORWARD_TILES")
+    backward = getattr(norms, f"{op.upper()}_BACKWARD_TILES")
+    forward_tiles, _ = norms._row_candidates(4096, False)
+    backward_tiles, _ = norms._row_candidates(4096, True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [torch.randn(3000, 4096, device="cuda", generator=generator)]
+    leaves += [torch.rand(4096, device="cuda", generator=generator) + 0.5]
+    leaves += [torch.randn(4096, device="cuda", generator=generator)] if op == "layer_norm" else []
+    for index, wanted_backward in enumerate(backward_tiles):
+        wanted = {forward.kernel: forward_tiles[index % len(forward_tiles)],
+                  backward.kernel: wanted_backward}  # fmt: skip
+
+        def bench(
+            kernel: str, candidate: object, run: Callable[[], object], wanted: dict = wanted
+        ) -> float:
+            if candidate != wanted[kernel]:
+                return 1.0
+            run()
+            return 0.0
+
+        ours = [t.bfloat16().requires_grad_() for t in leaves]
+        theirs = [t.bfloat16().float().requires_grad_() for t in leaves]
+        with tuning(bench=bench, store=TileStore(tmp_path / f"{index}.json")):
+            out = getattr(norms, op)(*ours, 1e-5)
+            upstream = torch.randn(out.shape, device="cuda", generator=generator)
+            out.float().backward(upstream)
+            chosen = set(forward.chosen().values()) | set(backward.chosen().values())
+        assert chosen == set(wanted.values())
+        expected = getattr(reference, op)(*theirs, 1e-5)
+        expected.backward(upstream)
+        torch.testing.assert_close(out.float(), expected, **BF16)
+        # dx per row; dweight and dbias sum 3000 rows: bf16 rounding of the inputs dominates.
+        for position, (mine, ref) in enumerate(zip(ours, theirs, strict=True)):
+            tolerance = BF16 if position == 0 else {"atol": 2.0, "rtol": 4e-2}
+            torch.testing.assert_close(mine.grad.float(), ref.grad, **tolerance)
+
+
+def test_the_norms_are_tuned_by_timing(tmp_path: Path) -> None:
+    """Real CUDA-event timing chooses the norms' tiles at the 1B Llama's width; the choice and
+    its time against the default's are printed for the record."""
+    from plait.plugins.kernels_triton import norms
+    from plait.plugins.kernels_triton.tuning import TileStore, cuda_bench, tuning
+
+    times: dict[tuple[str, str], float] = {}
+
+    def recording(kernel: str, candidate: object, run: Callable[[], object]) -> float:
+        times[kernel, str(candidate)] = cuda_bench(kernel, candidate, run)
+        return times[kernel, str(candidate)]
+
+    x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tuners = {norms.RMS_NORM_FORWARD_TILES: False, norms.RMS_NORM_BACKWARD_TILES: True}
+    with tuning(bench=recording, store=TileStore(tmp_path / "tiles.json")):
+        norms.rms_norm(x, weight, 1e-6).sum().backward()
+        chosen_by = {tuner: set(tuner.chosen().values()) for tuner in tuners}
+    for tuner, backward in tuners.items():
+        tried, default = norms._row_candidates(2048, backward)
+        assert {c for k, c in times if k == tuner.kernel} == {str(t) for t in tried}
+        (chosen,) = chosen_by[tuner]
+        fastest = min((ms, c) for (k, c), ms in times.items() if k == tuner.kernel)[1]
+        assert str(chosen) == fastest
+        print(f"{tuner.kernel} 8192×2048 bf16 on {torch.cuda.get_device_name()}: {chosen} "
+              f"{times[tuner.kernel, str(chosen)]:.4f} ms, default {default} "
+              f"{times[tuner.kernel, str(default)]:.4f} ms")  # fmt: skip

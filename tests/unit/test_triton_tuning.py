@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton")
 
 from plait.plugins.kernels_triton import attention as attention_module  # noqa: E402
 from plait.plugins.kernels_triton import grouped_gemm as grouped_module  # noqa: E402
+from plait.plugins.kernels_triton import norms as norms_module  # noqa: E402
 from plait.plugins.kernels_triton.tuning import (  # noqa: E402
     Bench,
     Tile,
@@ -70,10 +71,12 @@ def _forced_run(
     ours_fn: Callable[..., torch.Tensor],
     reference_fn: Callable[..., torch.Tensor],
     store: TileStore,
+    wanted: dict[str, Tile] | None = None,
 ) -> Prefer:
-    """Forward and backward with each tuner forced to its candidate `index`, against the torch
-    reference; every tuner must have chosen what it was told."""
-    wanted = {tuner.kernel: _candidate(tuner, index) for tuner in tuners}
+    """Forward and backward with each tuner forced to its candidate `index` (or to the tile
+    `wanted` names for it), against the torch reference; every tuner must have chosen what it
+    was told."""
+    wanted = wanted or {tuner.kernel: _candidate(tuner, index) for tuner in tuners}
     generator = torch.Generator().manual_seed(index)
     ours = [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
     theirs = [t.detach().clone().requires_grad_() for t in ours]
@@ -127,6 +130,87 @@ def test_every_grouped_gemm_tile_computes_grouped_gemm(index: int, tmp_path: Pat
         lambda x, weight: grouped_reference(x, weight, counts),
         TileStore(tmp_path / "tiles.json"),
     )
+
+
+# The norms: 50 rows of 200 (a 256 block, padded), more rows than any count of programs tried.
+NORM_ROWS, NORM_HIDDEN, NORM_BLOCK = 50, 200, 256
+NORM_FORWARD, NORM_BACKWARD = (
+    norms_module._row_candidates(NORM_BLOCK, backward) for backward in (False, True)
+)
+
+
+@pytest.mark.parametrize("index", range(len(NORM_BACKWARD[0])))
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_every_norm_tile_computes_the_norm(op: str, index: int, tmp_path: Path) -> None:
+    forward, backward = (
+        getattr(norms_module, f"{op.upper()}_{p}_TILES") for p in ("FORWARD", "BACKWARD")
+    )
+    wanted = {
+        forward.kernel: NORM_FORWARD[0][index % len(NORM_FORWARD[0])],
+        backward.kernel: NORM_BACKWARD[0][index],
+    }
+    shapes = [(NORM_ROWS, NORM_HIDDEN), (NORM_HIDDEN,)] + (
+        [(NORM_HIDDEN,)] if op == "layer_norm" else []
+    )
+    eps = 1e-5
+    bench = _forced_run(
+        (forward, backward),
+        index,
+        shapes,
+        lambda *tensors: getattr(norms_module, op)(*tensors, eps),
+        lambda *tensors: getattr(reference, op)(*tensors, eps),
+        TileStore(tmp_path / "tiles.json"),
+        wanted=wanted,
+    )
+    # Only the warps a 256-wide row can use are tried: the default 4 and 8, not 16 or 32.
+    assert {tile.num_warps for tile in bench.asked} == {4, 8}
+    assert len(bench.asked) == len(NORM_FORWARD[0]) + len(NORM_BACKWARD[0]) == 2 + 8
+
+
+def test_the_chosen_programs_per_sm_shape_the_norm_backward(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from plait.plugins.kernels_triton.launch import INTERPRETER_PROGRAMS
+
+    grids: list[tuple[int, ...]] = []
+    kernel = norms_module._rms_norm_bwd
+
+    class Recording:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(norms_module, "_rms_norm_bwd", Recording())
+    backward = norms_module.RMS_NORM_BACKWARD_TILES
+    for per_sm in (2, 8):
+        (wanted,) = [
+            t
+            for t in NORM_BACKWARD[0]
+            if t.num_warps == 4 and t.host_setting("programs_per_sm", 0) == per_sm
+        ]
+        forward = norms_module.RMS_NORM_FORWARD_TILES
+        with tuning(
+            bench=Prefer({backward.kernel: wanted, forward.kernel: NORM_FORWARD[1]}),
+            store=TileStore(tmp_path / f"{per_sm}.json"),
+        ):
+            x = torch.randn(NORM_ROWS, NORM_HIDDEN, requires_grad=True)
+            norms_module.rms_norm(x, torch.ones(NORM_HIDDEN), 1e-6).sum().backward()
+        # The last launch is the one that made the gradients: with the chosen tile.
+        assert grids[-1] == (min(NORM_ROWS, INTERPRETER_PROGRAMS * per_sm),)
+
+
+def test_a_tile_with_host_settings_round_trips_through_the_file(tmp_path: Path) -> None:
+    chosen = tile(8, 3, host={"programs_per_sm": 4})
+    assert Tile.from_json(json.loads(json.dumps(chosen.to_json()))) == chosen
+    assert str(chosen) == "warps=8 stages=3 programs_per_sm=4"
+    # An entry written before the tile had host settings is not one of the norms' tiles: it
+    # is tuned again rather than trusted.
+    assert Tile.from_json({"blocks": {}, "num_warps": 8, "num_stages": 3}) not in NORM_BACKWARD[0]
+
+
+def test_a_narrowed_choice_must_stay_among_the_candidates(tuner: TileTuner) -> None:
+    with tuning(bench=lambda kernel, candidate, run: 0.0), pytest.raises(ValueError, match="among"):
+        tuner.choose(("float32", 1), lambda _: None, CPU, among=(SMALL, LARGE), default=HUGE)
 
 
 # --- the tuner itself, on a kernel of its own -------------------------------------------------
@@ -258,9 +342,15 @@ def test_a_default_outside_the_candidates_is_refused() -> None:
 def test_row_kernels_take_warps_by_row_width_when_compiled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from plait.plugins.kernels_triton.launch import row_warps
+    from plait.plugins.kernels_triton.launch import default_row_warps
 
-    assert row_warps(4096) == {}  # the interpreter takes no warps
+    assert norms_module.tile(8, 3).launch_options() == {}  # the interpreter takes no warps
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     widths = (1024, 2048, 4096, 8192, 16384)
-    assert [row_warps(block)["num_warps"] for block in widths] == [4, 8, 8, 16, 32]
+    assert [default_row_warps(block) for block in widths] == [4, 8, 8, 16, 32]
+    # The tuner tries the neighbours of the default a row of that width can use.
+    tried = [
+        sorted({t.num_warps for t in norms_module._row_candidates(b, False)[0]})
+        for b in (64, 1024, 2048, 4096, 16384)
+    ]
+    assert tried == [[4], [4, 8], [4, 8, 16], [4, 8, 16], [16, 32]]
