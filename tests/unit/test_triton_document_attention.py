@@ -358,7 +358,8 @@ from triton.compiler.errors import CompilationError
 from plait.plugins.kernels_triton import attention
 
 CONSTEXPRS = {"CAUSAL": True, "DOCUMENTS": True, "COUNT_VISITS": False, "BLOCK_M": 64,
-              "BLOCK_N": 64, "BLOCK_D": 64, "PRECISION": "tf32", "visits_ptr": None}
+              "BLOCK_N": 64, "BLOCK_D": 64, "EVEN_D": False, "PRECISION": "tf32",
+              "visits_ptr": None}
 IDS = ("q_doc_ptr", "k_doc_ptr", "key_lo_ptr", "key_hi_ptr", "query_lo_ptr", "query_hi_ptr")
 found = {}
 for name in sys.argv[1:]:

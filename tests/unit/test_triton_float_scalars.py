@@ -30,7 +30,7 @@ from triton.compiler.errors import CompilationError
 from plait.plugins.kernels_triton import attention
 
 CONSTEXPRS = {"CAUSAL": True, "DOCUMENTS": False, "COUNT_VISITS": False, "BLOCK_M": 64,
-              "BLOCK_N": 64, "BLOCK_D": 64, "PRECISION": "ieee"}
+              "BLOCK_N": 64, "BLOCK_D": 64, "EVEN_D": True, "PRECISION": "ieee"}
 found = {}
 for name in sys.argv[1:]:
     kernel = getattr(attention, name)
