@@ -26,8 +26,8 @@ from plait.core.records import KernelRecord
 PROVIDER = "triton"
 
 # op name -> (module inside this package, function), imported on first request.
-# The row and point-wise ops come through `custom_ops`: the kernels' autograd.Functions when
-# eager, one custom op each under torch.compile.
+# The row, point-wise and attention ops come through `custom_ops`: the kernels'
+# autograd.Functions when eager, one custom op each under torch.compile.
 _IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
     "rms_norm": ("custom_ops", "rms_norm"),
     "layer_norm": ("custom_ops", "layer_norm"),
@@ -35,7 +35,7 @@ _IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
     "bias_gelu": ("custom_ops", "bias_gelu"),
     "rope": ("custom_ops", "rope"),
     "softmax_cross_entropy": ("custom_ops", "softmax_cross_entropy"),
-    "attention": ("attention", "attention"),
+    "attention": ("custom_ops", "attention"),
     "adamw_step": ("adamw", "adamw_step"),
     "grouped_mm": ("grouped_gemm", "grouped_mm"),
 }
@@ -45,7 +45,8 @@ _DESCRIPTIONS: dict[str, str] = {
     "swiglu": "fused silu(gate)·up, forward and backward",
     "bias_gelu": "fused bias + tanh-GELU, forward and backward",
     "rope": "rotary embedding (rotate_half), forward and inverse-rotation backward",
-    "softmax_cross_entropy": "cross-entropy chunked over the vocabulary, gradient in forward",
+    "softmax_cross_entropy": "cross-entropy chunked over the vocabulary (online log-sum-exp), "
+    "gradient written by the backward",
     "attention": "FlashAttention-2 style causal attention with GQA and document masking "
     "(walks only each document's tiles), forward and backward",
     "adamw_step": "fused AdamW update, fp32 math, in place",

@@ -452,7 +452,7 @@ DKDV_TILES = TileTuner(
 )
 
 
-def _given_tile(block_m: int | None, block_n: int | None) -> Tile | None:
+def given_tile(block_m: int | None, block_n: int | None) -> Tile | None:
     """The tile the caller fixed with `block_m` / `block_n`, used by every kernel; None: tune."""
     if block_m is None and block_n is None:
         return None
@@ -469,6 +469,116 @@ def _problem(
     _, n_heads, seq_len, head_dim = q.shape
     return (str(q.dtype).removeprefix("torch."), _head_block(head_dim), causal,
             power_of_two_class(seq_len), n_heads // n_kv_heads, documents)  # fmt: skip
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    given: Tile | None,
+    ranges: BlockRanges,
+    visits: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) with lse the base-2 log-sum-exp of log2(e)-scaled scores (B, H, Sq), fp32:
+    what `attention_backward` reads. `given` fixes the tile (else tuned); `ranges` holds the
+    document ids, if any."""
+    batch, n_heads, seq_q, head_dim = q.shape
+    n_kv_heads, seq_k = k.shape[1], k.shape[2]
+    if k.shape != (batch, n_kv_heads, seq_k, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"attention: q {tuple(q.shape)} needs k and v of shape (batch, kv_heads, "
+            f"seq_k, {head_dim}); got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if n_heads % n_kv_heads:
+        raise ValueError(f"attention: {n_heads} heads are not a multiple of {n_kv_heads}")
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    block_d = _head_block(head_dim)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, n_heads, seq_q, dtype=torch.float32, device=q.device)
+    documents = ranges.documents is not None
+
+    def launch(chosen: Tile) -> None:
+        n_blocks = triton.cdiv(seq_q, chosen["BLOCK_M"])
+        counts = _visit_counts(visits, "forward", batch * n_heads, n_blocks, q.device)
+        _attn_fwd[(n_blocks, batch * n_heads)](
+            q, k, v, out, lse, *ranges.pointers("keys", chosen["BLOCK_M"]), counts,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            n_heads, n_heads // n_kv_heads, seq_q, seq_k, head_dim, sm_scale * LOG2_E,
+            CAUSAL=causal, DOCUMENTS=documents, COUNT_VISITS=counts is not None,
+            BLOCK_D=block_d, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
+            **chosen.launch_options(),
+        )  # fmt: skip
+
+    problem = _problem(q, n_kv_heads, causal, documents)
+    launch(given or FORWARD_TILES.choose(problem, launch, q.device))
+    return out, lse
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    given: Tile | None,
+    ranges: BlockRanges,
+    visits: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `attention_forward`; `dlse` is the gradient of the natural-log lse."""
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    documents = ranges.documents is not None
+    batch, n_heads, seq_q, head_dim = q.shape
+    n_kv_heads, seq_k = k.shape[1], k.shape[2]
+    group_size = n_heads // n_kv_heads
+    block_d = _head_block(head_dim)
+    dout = _unit_last_stride(dout)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    delta = torch.empty_like(lse)
+    delta_rows = (given or DEFAULT_TILE)["BLOCK_M"]
+    _attn_bwd_delta[(triton.cdiv(seq_q, delta_rows), batch * n_heads)](
+        out, dout, delta, *_strides(out), *_strides(dout), n_heads, seq_q, head_dim,
+        BLOCK_M=delta_rows, BLOCK_D=block_d,
+    )  # fmt: skip
+    if dlse is not None:
+        # dS += P · dlse, i.e. delta − dlse in dS = P · (dP − delta).
+        delta = delta - dlse.float()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    common = dict(
+        CAUSAL=causal, DOCUMENTS=documents, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype),
+    )  # fmt: skip
+
+    def launch_dq(chosen: Tile) -> None:
+        n_blocks = triton.cdiv(seq_q, chosen["BLOCK_M"])
+        counts = _visit_counts(visits, "backward_dq", batch * n_heads, n_blocks, q.device)
+        _attn_bwd_dq[(n_blocks, batch * n_heads)](
+            q, k, v, dout, lse, delta, dq, *ranges.pointers("keys", chosen["BLOCK_M"]),
+            counts, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+            n_heads, group_size, seq_q, seq_k, head_dim, sm_scale * LOG2_E, sm_scale,
+            COUNT_VISITS=counts is not None, EVEN_D=head_dim == block_d, **common,
+            **chosen.launch_options(),
+        )  # fmt: skip
+
+    def launch_dkdv(chosen: Tile) -> None:
+        n_blocks = triton.cdiv(seq_k, chosen["BLOCK_N"])
+        counts = _visit_counts(visits, "backward_dkdv", batch * n_kv_heads, n_blocks, q.device)
+        _attn_bwd_dkdv[(n_blocks, batch * n_kv_heads)](
+            q, k, v, dout, lse, delta, dk, dv, *ranges.pointers("queries", chosen["BLOCK_N"]),
+            counts, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+            n_heads, n_kv_heads, group_size, seq_q, seq_k, head_dim, sm_scale * LOG2_E,
+            sm_scale, COUNT_VISITS=counts is not None, **common, **chosen.launch_options(),
+        )  # fmt: skip
+
+    problem = _problem(q, n_kv_heads, causal, documents)
+    launch_dq(given or DQ_TILES.choose(problem, launch_dq, q.device))
+    launch_dkdv(given or DKDV_TILES.choose(problem, launch_dkdv, q.device))
+    return dq, dk, dv
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -488,37 +598,10 @@ class AttentionFunction(torch.autograd.Function):
         documents: DocumentIds | None = None,
         visits: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        batch, n_heads, seq_q, head_dim = q.shape
-        n_kv_heads, seq_k = k.shape[1], k.shape[2]
-        if k.shape != (batch, n_kv_heads, seq_k, head_dim) or v.shape != k.shape:
-            raise ValueError(
-                f"attention: q {tuple(q.shape)} needs k and v of shape (batch, kv_heads, "
-                f"seq_k, {head_dim}); got k {tuple(k.shape)}, v {tuple(v.shape)}"
-            )
-        if n_heads % n_kv_heads:
-            raise ValueError(f"attention: {n_heads} heads are not a multiple of {n_kv_heads}")
-        q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-        block_d = _head_block(head_dim)
-        sm_scale = 1.0 / math.sqrt(head_dim)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(batch, n_heads, seq_q, dtype=torch.float32, device=q.device)
+        given = given_tile(block_m, block_n)
         ranges = BlockRanges(documents)
-
-        def launch(chosen: Tile) -> None:
-            n_blocks = triton.cdiv(seq_q, chosen["BLOCK_M"])
-            counts = _visit_counts(visits, "forward", batch * n_heads, n_blocks, q.device)
-            _attn_fwd[(n_blocks, batch * n_heads)](
-                q, k, v, out, lse, *ranges.pointers("keys", chosen["BLOCK_M"]), counts,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-                n_heads, n_heads // n_kv_heads, seq_q, seq_k, head_dim, sm_scale * LOG2_E,
-                CAUSAL=causal, DOCUMENTS=documents is not None, COUNT_VISITS=counts is not None,
-                BLOCK_D=block_d, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
-                **chosen.launch_options(),
-            )  # fmt: skip
-
-        given = _given_tile(block_m, block_n)
-        problem = _problem(q, n_kv_heads, causal, documents is not None)
-        launch(given or FORWARD_TILES.choose(problem, launch, q.device))
+        q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+        out, lse = attention_forward(q, k, v, causal, given, ranges, visits)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = causal
         ctx.given_tile = given
@@ -533,59 +616,10 @@ class AttentionFunction(torch.autograd.Function):
     def backward(
         ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        given: Tile | None = ctx.given_tile
-        ranges: BlockRanges = ctx.ranges
-        visits: dict[str, torch.Tensor] | None = ctx.visits
-        documents = ranges.documents is not None
-        batch, n_heads, seq_q, head_dim = q.shape
-        n_kv_heads, seq_k = k.shape[1], k.shape[2]
-        group_size = n_heads // n_kv_heads
-        block_d = _head_block(head_dim)
-        dout = _unit_last_stride(dout)
-        sm_scale = 1.0 / math.sqrt(head_dim)
-        delta = torch.empty_like(lse)
-        delta_rows = (given or DEFAULT_TILE)["BLOCK_M"]
-        _attn_bwd_delta[(triton.cdiv(seq_q, delta_rows), batch * n_heads)](
-            out, dout, delta, *_strides(out), *_strides(dout), n_heads, seq_q, head_dim,
-            BLOCK_M=delta_rows, BLOCK_D=block_d,
-        )  # fmt: skip
-        if dlse is not None:
-            # dS += P · dlse, i.e. delta − dlse in dS = P · (dP − delta).
-            delta = delta - dlse.float()
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        common = dict(
-            CAUSAL=ctx.causal, DOCUMENTS=documents, BLOCK_D=block_d,
-            PRECISION=dot_precision(q.dtype),
-        )  # fmt: skip
-
-        def launch_dq(chosen: Tile) -> None:
-            n_blocks = triton.cdiv(seq_q, chosen["BLOCK_M"])
-            counts = _visit_counts(visits, "backward_dq", batch * n_heads, n_blocks, q.device)
-            _attn_bwd_dq[(n_blocks, batch * n_heads)](
-                q, k, v, dout, lse, delta, dq, *ranges.pointers("keys", chosen["BLOCK_M"]),
-                counts, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-                n_heads, group_size, seq_q, seq_k, head_dim, sm_scale * LOG2_E, sm_scale,
-                COUNT_VISITS=counts is not None, EVEN_D=head_dim == block_d, **common,
-                **chosen.launch_options(),
-            )  # fmt: skip
-
-        def launch_dkdv(chosen: Tile) -> None:
-            n_blocks = triton.cdiv(seq_k, chosen["BLOCK_N"])
-            counts = _visit_counts(visits, "backward_dkdv", batch * n_kv_heads, n_blocks, q.device)
-            _attn_bwd_dkdv[(n_blocks, batch * n_kv_heads)](
-                q, k, v, dout, lse, delta, dk, dv, *ranges.pointers("queries", chosen["BLOCK_N"]),
-                counts, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-                n_heads, n_kv_heads, group_size, seq_q, seq_k, head_dim, sm_scale * LOG2_E,
-                sm_scale, COUNT_VISITS=counts is not None, **common, **chosen.launch_options(),
-            )  # fmt: skip
-
-        problem = _problem(q, n_kv_heads, ctx.causal, documents)
-        launch_dq(given or DQ_TILES.choose(problem, launch_dq, q.device))
-        launch_dkdv(given or DKDV_TILES.choose(problem, launch_dkdv, q.device))
-        return dq, dk, dv, None, None, None, None, None, None
+        grads = attention_backward(
+            dout, dlse, *ctx.saved_tensors, ctx.causal, ctx.given_tile, ctx.ranges, ctx.visits
+        )
+        return *grads, None, None, None, None, None, None
 
 
 def _visit_counts(
@@ -599,7 +633,7 @@ def _visit_counts(
     return visits[kernel]
 
 
-def _check_blocks(block_m: int | None, block_n: int | None) -> None:
+def check_blocks(block_m: int | None, block_n: int | None) -> None:
     for name, block in (("block_m", block_m), ("block_n", block_n)):
         if block is not None and (block < 16 or block & (block - 1)):
             raise ValueError(f"{name} must be a power of two of at least 16, got {block}")
@@ -629,7 +663,7 @@ def attention(
     (`plait.core.documents`), which lets every program walk only the tiles of its documents.
     A query that sees no key has output 0 and lse -inf, and passes no gradient.
     """
-    _check_blocks(block_m, block_n)
+    check_blocks(block_m, block_n)
     documents = document_ids_of(q, k, document_ids, key_document_ids)
     return AttentionFunction.apply(q, k, v, causal, block_m, block_n, return_lse, documents)
 
@@ -670,7 +704,7 @@ def tiles_visited(
     """Runs attention forward and backward and returns, per kernel ("forward", "backward_dq",
     "backward_dkdv"), how many key (or query) tiles each program walked: (programs, blocks)
     int32. For tests and benchmarks of the tile skipping; the kernels count only when asked."""
-    _check_blocks(block_m, block_n)
+    check_blocks(block_m, block_n)
     documents = document_ids_of(q, k, document_ids, key_document_ids)
     visits: dict[str, torch.Tensor] = {}
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))

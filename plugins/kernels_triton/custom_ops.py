@@ -13,9 +13,10 @@ hands out for these ops (`load_kernel`): they call the custom op while
 `cross_entropy`) otherwise, which skip the dispatcher's per-call cost. Both run the same
 launchers.
 
-Covered: rms_norm, layer_norm, swiglu, bias_gelu, rope, softmax_cross_entropy. Not yet
-attention (its log-sum-exp output and document ids) nor adamw_step and grouped_mm (in place,
-data-shaped): under compile they still break the graph.
+Covered: rms_norm, layer_norm, swiglu, bias_gelu, rope, softmax_cross_entropy, attention (its
+document ids go in as the validated id tensors, its log-sum-exp comes out base 2 beside the
+output). Not adamw_step and grouped_mm (in place, data-shaped): under compile they still break
+the graph.
 
 Cross-entropy's forward returns the loss with the per-row log-sum-exp and the count of scored
 rows, which its backward op reads beside the logits: as eager, nothing logits-sized is kept
@@ -29,9 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from plait.plugins.kernels_triton import attention as eager_attention
 from plait.plugins.kernels_triton import cross_entropy as eager_cross_entropy
 from plait.plugins.kernels_triton import elementwise as eager_elementwise
 from plait.plugins.kernels_triton import norms as eager_norms
+from plait.plugins.kernels_triton.attention import LOG2_E, attention_backward, attention_forward
 from plait.plugins.kernels_triton.cross_entropy import (
     DEFAULT_VOCAB_BLOCK,
     cross_entropy_backward,
@@ -49,6 +52,11 @@ from plait.plugins.kernels_triton.norms import (
     layer_norm_forward,
     rms_norm_backward,
     rms_norm_forward,
+)
+from plait.plugins.kernels_triton.varlen_attention import (
+    BlockRanges,
+    DocumentIds,
+    document_ids_of,
 )
 
 NAMESPACE = "plait"
@@ -299,6 +307,110 @@ def _cross_entropy_grad(
 cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
 
 
+# -- attention --------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
+def attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    block_m: int | None,
+    block_n: int | None,
+    query_ids: Tensor | None,
+    key_ids: Tensor | None,
+    ids_in_order: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    documents = _documents(query_ids, key_ids, ids_in_order)
+    given = eager_attention.given_tile(block_m, block_n)
+    return attention_forward(q, k, v, causal, given, BlockRanges(documents))
+
+
+@attention_op.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    block_m: int | None,
+    block_n: int | None,
+    query_ids: Tensor | None,
+    key_ids: Tensor | None,
+    ids_in_order: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    batch, n_heads, seq_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, n_heads, seq_q), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    block_m: int | None,
+    block_n: int | None,
+    query_ids: Tensor | None,
+    key_ids: Tensor | None,
+    ids_in_order: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    documents = _documents(query_ids, key_ids, ids_in_order)
+    given = eager_attention.given_tile(block_m, block_n)
+    return attention_backward(dout, dlse, q, k, v, out, lse, causal, given, BlockRanges(documents))
+
+
+@attention_backward_op.register_fake
+def _(
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    block_m: int | None,
+    block_n: int | None,
+    query_ids: Tensor | None,
+    key_ids: Tensor | None,
+    ids_in_order: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _documents(
+    query_ids: Tensor | None, key_ids: Tensor | None, ids_in_order: Tensor | None
+) -> DocumentIds | None:
+    """The validated ids `DocumentIds.of` made before the op (the op takes tensors only)."""
+    if query_ids is None or key_ids is None or ids_in_order is None:
+        return None
+    return DocumentIds(query_ids, key_ids, ids_in_order)
+
+
+def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    q, k, v, ctx.causal, ctx.block_m, ctx.block_n, query_ids, key_ids, in_order = inputs
+    ctx.save_for_backward(q, k, v, *output, query_ids, key_ids, in_order)
+
+
+def _attention_grad(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, query_ids, key_ids, in_order = ctx.saved_tensors
+    # The op's lse is base 2 (lse · log2 e); the kernels take the natural one's gradient.
+    dlse_natural = None if dlse is None else dlse * LOG2_E
+    dq, dk, dv = attention_backward_op(
+        dout, dlse_natural, q, k, v, out, lse, ctx.causal, ctx.block_m, ctx.block_n,
+        query_ids, key_ids, in_order,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
 # -- what the provider hands out: the custom op under the compiler, the Function otherwise -----
 
 
@@ -352,3 +464,31 @@ def softmax_cross_entropy(
     return eager_cross_entropy.softmax_cross_entropy(
         logits, targets, ignore_index, vocab_block=vocab_block
     )
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = True,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    return_lse: bool = False,
+    document_ids: Tensor | None = None,
+    key_document_ids: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`attention.attention`, one graph node under `torch.compile` (two with its lse)."""
+    if not torch.compiler.is_compiling():
+        return eager_attention.attention(
+            q, k, v, causal, block_m=block_m, block_n=block_n, return_lse=return_lse,
+            document_ids=document_ids, key_document_ids=key_document_ids,
+        )  # fmt: skip
+    eager_attention.check_blocks(block_m, block_n)
+    documents = document_ids_of(q, k, document_ids, key_document_ids)
+    ids = (None, None, None) if documents is None else (
+        documents.queries, documents.keys, documents.in_order
+    )  # fmt: skip
+    out, lse = attention_op(q, k, v, causal, block_m, block_n, *ids)
+    # The kernel keeps log2 of the sum over exp2 of log2(e)-scaled scores.
+    return (out, lse / LOG2_E) if return_lse else out

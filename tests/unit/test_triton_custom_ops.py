@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from plait.plugins.kernels_triton.custom_ops import (
+    attention,
     bias_gelu,
     layer_norm,
     rms_norm,
@@ -38,8 +39,14 @@ def block(
     """Every covered op once, with plain torch code between them for the compiler to fuse."""
     h = swiglu(rms_norm(x, w, 1e-6), x) + 1
     h = bias_gelu(layer_norm(h, w, b, 1e-5), b) * 2
-    h = rope(h.view(2, 8, 2, 32), cos, sin).reshape(16, 64)
-    return softmax_cross_entropy(h, targets)
+    h = rope(h.view(2, 8, 2, 32), cos, sin)
+    # (batch 2, heads 2, seq 8, head 32); two documents in the second row; the lse is used, so
+    # both of its gradients reach the backward.
+    heads = h.transpose(1, 2)
+    ids = torch.tensor([[0] * 8, [0] * 3 + [1] * 5], dtype=torch.int32)
+    out, lse = attention(heads, heads[:, :1], heads[:, 1:], return_lse=True, document_ids=ids)
+    h = out.transpose(1, 2).reshape(16, 64)
+    return softmax_cross_entropy(h, targets) + lse.mean()
 
 
 def _inputs() -> list[torch.Tensor]:
@@ -82,5 +89,27 @@ def test_the_graph_holds_one_node_per_kernel() -> None:
     ops = sorted(t.removeprefix("plait.") for t in targets if t.startswith("plait."))
     assert ops == sorted(
         ["rms_norm.default", "layer_norm.default", "swiglu.default", "bias_gelu.default",
-         "rope.default", "softmax_cross_entropy.default"]
+         "rope.default", "attention.default", "softmax_cross_entropy.default"]
     ), targets  # fmt: skip
+
+
+def test_attention_compiles_once_for_two_lengths_with_symbolic_shapes() -> None:
+    """Under `dynamic=True` the op's fake implementation takes symbolic shapes: one graph, no
+    break, for two sequence lengths, and the gradients of eager."""
+    torch._dynamo.reset()
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, True).square().mean()
+
+    frames = counters["stats"]["unique_graphs"]
+    compiled = torch.compile(loss, dynamic=True, fullgraph=True, backend="aot_eager")
+    generator = torch.Generator().manual_seed(3)
+    for seq in (24, 40):
+        q, k, v = (torch.randn(2, heads, seq, 16, generator=generator) for heads in (4, 2, 2))
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        eager = [t.clone().requires_grad_() for t in (q, k, v)]
+        compiled(*ours).backward()
+        loss(*eager).backward()
+        for got, want in zip(ours, eager, strict=True):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - frames == 1
