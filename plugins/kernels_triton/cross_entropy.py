@@ -5,7 +5,8 @@ softmax (running max, running sum of exponentials) so that a row of any vocabula
 has to fit in registers. It keeps the row's log-sum-exp (fp32, one number per row), never a
 softmax. The backward walks the row once more and writes `(softmax − one_hot(target)) · scale`
 straight from the logits and that log-sum-exp, with `scale = d(loss) / n_valid` read on the
-device.
+device. The warps per row are tuned per GPU model at the first launch (`tuning.py`); both
+kernels write their outputs whole, so timing them has no side effect.
 
 That is the least traffic a softmax cross-entropy can move: the logits read twice, their
 gradient written once — what `torch.compile` of the reference moves too. Writing the gradient
@@ -22,9 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.plugins.kernels_triton.tuning import Tile, TileTuner, power_of_two_class, tile
+
 # A vocabulary block per iteration; large enough to keep loads wide on a GPU, small enough that
 # a 128k-token vocabulary is walked in a few dozen steps.
 DEFAULT_VOCAB_BLOCK = 4096
+
+# Triton's launch defaults (4 warps, 3 stages) and more warps per row: a row is walked block
+# by block, each block reduced across the program's warps.
+_WARPS_TILES = [tile(warps, 3) for warps in (4, 8, 16)]
+FORWARD_TILES = TileTuner("softmax_cross_entropy.forward", _WARPS_TILES, default=_WARPS_TILES[0])
+BACKWARD_TILES = TileTuner("softmax_cross_entropy.backward", _WARPS_TILES, default=_WARPS_TILES[0])
 
 
 @triton.jit
@@ -94,6 +103,12 @@ def _vocab_block(vocab: int, vocab_block: int) -> int:
     return min(vocab_block, triton.next_power_of_2(vocab))
 
 
+def _problem(logits: torch.Tensor, block: int) -> tuple[str, int, int, int]:
+    n_rows, vocab = logits.shape
+    dtype = str(logits.dtype).removeprefix("torch.")
+    return dtype, block, power_of_two_class(vocab), power_of_two_class(n_rows)
+
+
 def cross_entropy_forward(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, vocab_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,11 +123,16 @@ def cross_entropy_forward(
     n_valid = (targets != ignore_index).sum().to(torch.float32)
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    if n_rows:
+    block = _vocab_block(vocab, vocab_block)
+
+    def launch(chosen: Tile) -> None:
         _cross_entropy_fwd[(n_rows,)](
             logits, targets, losses, lse, logits.stride(0), vocab, ignore_index,
-            BLOCK_V=_vocab_block(vocab, vocab_block),
+            BLOCK_V=block, **chosen.launch_options(),
         )  # fmt: skip
+
+    if n_rows:
+        launch(FORWARD_TILES.choose(_problem(logits, block), launch, logits.device))
     # In fp32 whatever the logits' dtype; 0 / 0 = nan when every target is ignored, as
     # torch's mean reduction gives.
     return losses.sum() / n_valid, lse, n_valid
@@ -135,11 +155,16 @@ def cross_entropy_backward(
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     # Rows with no scored target get zeros whatever the scale; clamping keeps it finite.
     scale = (dloss.to(torch.float32) / n_valid.clamp_min(1.0)).reshape(1)
-    if n_rows:
+    block = _vocab_block(vocab, vocab_block)
+
+    def launch(chosen: Tile) -> None:
         _cross_entropy_bwd[(n_rows,)](
             logits, targets, lse, scale, grad, logits.stride(0), grad.stride(0), vocab,
-            ignore_index, BLOCK_V=_vocab_block(vocab, vocab_block),
+            ignore_index, BLOCK_V=block, **chosen.launch_options(),
         )  # fmt: skip
+
+    if n_rows:
+        launch(BACKWARD_TILES.choose(_problem(logits, block), launch, logits.device))
     return grad
 
 

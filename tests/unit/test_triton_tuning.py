@@ -24,6 +24,7 @@ pytestmark = [
 triton = pytest.importorskip("triton")
 
 from plait.plugins.kernels_triton import attention as attention_module  # noqa: E402
+from plait.plugins.kernels_triton import cross_entropy as cross_entropy_module  # noqa: E402
 from plait.plugins.kernels_triton import grouped_gemm as grouped_module  # noqa: E402
 from plait.plugins.kernels_triton import norms as norms_module  # noqa: E402
 from plait.plugins.kernels_triton.tuning import (  # noqa: E402
@@ -165,6 +166,24 @@ def test_every_norm_tile_computes_the_norm(op: str, index: int, tmp_path: Path) 
     # Only the warps a 256-wide row can use are tried: the default 4 and 8, not 16 or 32.
     assert {tile.num_warps for tile in bench.asked} == {4, 8}
     assert len(bench.asked) == len(NORM_FORWARD[0]) + len(NORM_BACKWARD[0]) == 2 + 8
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_every_cross_entropy_tile_computes_cross_entropy(index: int, tmp_path: Path) -> None:
+    targets = torch.tensor([3, -100, 70, 0, 99, 41, -100])
+
+    def ours(logits: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_module.softmax_cross_entropy(logits, targets, vocab_block=32)
+
+    bench = _forced_run(
+        (cross_entropy_module.FORWARD_TILES, cross_entropy_module.BACKWARD_TILES),
+        index,
+        [(7, 100)],
+        ours,
+        lambda logits: reference.softmax_cross_entropy(logits, targets, -100),
+        TileStore(tmp_path / "tiles.json"),
+    )
+    assert {tile.num_warps for tile in bench.asked} == {4, 8, 16}
 
 
 def test_the_chosen_programs_per_sm_shape_the_norm_backward(

@@ -171,9 +171,12 @@ def cross_entropy_cases() -> Iterator[KernelCase]:
     from plait.plugins.kernels_triton import cross_entropy
 
     block = cross_entropy.DEFAULT_VOCAB_BLOCK
-    for kernel in (cross_entropy._cross_entropy_fwd, cross_entropy._cross_entropy_bwd):
-        # Triton's launch defaults: 4 warps, 3 stages.
-        yield KernelCase("cross_entropy", kernel, {"BLOCK_V": block}, 4, 3, f"block {block}")
+    tuned = ((cross_entropy._cross_entropy_fwd, cross_entropy.FORWARD_TILES),
+             (cross_entropy._cross_entropy_bwd, cross_entropy.BACKWARD_TILES))  # fmt: skip
+    for kernel, tuner in tuned:
+        for chosen in tuner.candidates:
+            yield KernelCase("cross_entropy", kernel, {"BLOCK_V": block}, chosen.num_warps,
+                             chosen.num_stages, f"block {block}")  # fmt: skip
 
 
 def attention_cases(head_dim: int = LLAMA_1B_HEAD_DIM) -> Iterator[KernelCase]:
