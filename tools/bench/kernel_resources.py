@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,6 @@ class Resources:
     shared_bytes: int | None = None
     tensor_core_ops: int | None = None
     async_copies: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _signature(case: KernelCase) -> tuple[dict[str, str], dict[tuple[int], Any], dict]:
