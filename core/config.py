@@ -257,6 +257,19 @@ class FaultInjectionSection(Section):
         "rank",
         description="'rank': the rank alone; 'node': its torchrun agent first (a node lost)",
     )
+    signal: Literal["SIGKILL", "SIGSTOP"] = Field(
+        "SIGKILL",
+        description="'SIGKILL': the rank dies; 'SIGSTOP': it hangs, stopped with its "
+        "connections open (scope 'rank' only)",
+    )
+
+    @model_validator(mode="after")
+    def _stop_one_rank_only(self) -> FaultInjectionSection:
+        if self.signal == "SIGSTOP" and self.scope == "node":
+            raise ValueError(
+                "signal = 'SIGSTOP' stops one rank: it goes with scope = 'rank', not 'node'"
+            )
+        return self
 
 
 class CheckpointIOSection(Section):

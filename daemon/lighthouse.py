@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plait.daemon.security import SecurityError, bind_host, is_loopback
@@ -76,18 +76,22 @@ _HEARTBEAT_LINE = re.compile(r"^\s*(\S+): seen ([0-9.]+)(ns|µs|us|ms|s) ago", r
 _SECONDS_PER_UNIT = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _QUORUM_ID_LINE = re.compile(r"Current quorum_id: (-?\d+)")
 _WAITING = re.compile(r"\[(\d+)/(\d+) participants healthy\]")
+# A member of the previous quorum: its replica id in bold, then the step it asked at.
+_MEMBER = re.compile(r"<b>([^<]+)</b>\s*<br/?>\s*Step:\s*(-?\d+)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LighthouseView:
     """What a lighthouse reports of itself: the current quorum id, every replica group it hears
     heartbeats from (replica id → seconds since the last one), how many groups have asked for
-    the next quorum and wait for it, and that quorum's status."""
+    the next quorum and wait for it, that quorum's status, and the members of the last quorum
+    it formed (replica id → the step it asked at), kept after they died."""
 
     quorum_id: int
     heartbeats: dict[str, float]
     waiting: int
     next_quorum: str
+    previous_quorum: dict[str, int] = field(default_factory=dict)
 
 
 # plait names a group `<job>-group<N>` (`plait.plugins.fault_tolerance.replica_group`); torchft
@@ -123,4 +127,16 @@ def parse_lighthouse_status(page: str) -> LighthouseView:
         },
         waiting=int(waiting.group(2)) if waiting else 0,
         next_quorum=status.group(1).strip() if status else "",
+        previous_quorum={
+            replica: int(step) for replica, step in _MEMBER.findall(_previous_quorum(page))
+        },
     )
+
+
+def _previous_quorum(page: str) -> str:
+    """The page's "Previous Quorum" section (up to the heartbeats), or "" before any."""
+    start = page.find("Previous Quorum")
+    if start < 0:
+        return ""
+    end = page.find("Heartbeats", start)
+    return page[start : end if end >= 0 else len(page)]

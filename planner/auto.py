@@ -339,6 +339,7 @@ def auto_overrides(
         + "; ".join(f"{c.layout.describe()} ({why_slower(c, best)})" for c in result.ranked[1:3])
         + ")",
         highlight=False,
+        markup=False,  # a device's name is the machine's, not plait's
     )
     note = quantized_comm_note(best.layout)
     if note:

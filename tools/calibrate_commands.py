@@ -34,6 +34,7 @@ def report_calibration(console: Console, *, force: bool = False) -> None:
         f"probe GFLOP/s: {probes} · measured by {calibration.measured_by} · {_share(calibration)}"
         f" · cached in {path}",
         highlight=False,
+        markup=False,
     )
 
 

@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.text import Text
 
 from plait.core.errors import PlaitError
-from plait.tools.output import make_console
+from plait.tools.output import make_console, print_error
 
 app = typer.Typer(help="Inspect, export, import and convert checkpoints.", no_args_is_help=True)
 console = make_console()
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}", highlight=False)
+    print_error(console, exc)
     raise typer.Exit(2)
 
 
@@ -41,9 +42,9 @@ def info(
         weights = read_checkpoint(directory, prefix="model.", with_objects=False)
     except PlaitError as exc:
         _fail(exc)
-    console.print(f"[green]ok[/green] {directory}", highlight=False, soft_wrap=True)
+    console.print(Text.assemble(("ok", "green"), f" {directory}"), soft_wrap=True)
     for label, value in info_rows(directory, objects.get("meta", {}), weights):
-        console.print(f"{label:<10} {value}", highlight=False, soft_wrap=True)
+        console.print(f"{label:<10} {value}", highlight=False, soft_wrap=True, markup=False)
 
 
 def info_rows(
@@ -127,6 +128,7 @@ def export(
         f"wrote {len(weights)} tensors as an HF {chosen.model_type} ({chosen.architecture}) "
         f"to {output}",
         highlight=False,
+        markup=False,
     )
 
 
@@ -176,16 +178,19 @@ def import_(
     except PlaitError as exc:
         _fail(exc)
     for note in imported.notes:
-        console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        console.print(Text.assemble(("note:", "yellow"), f" {note}"))
     console.print(
         f"wrote {path} (an HF {imported.family.model_type} as plait's {imported.model}); "
         "train from it with:",
         highlight=False,
+        markup=False,
     )
-    console.print(f'  --set checkpoint_io.init_from="{path}"', highlight=False)
+    console.print(f'  --set checkpoint_io.init_from="{path}"', highlight=False, markup=False)
     console.print(f"  --set model.name={imported.model} --set model.size=tiny", highlight=False)
     for key, value in imported.overrides.items():
-        console.print(f"  --set model.overrides.{key}={json.dumps(value)}", highlight=False)
+        console.print(
+            f"  --set model.overrides.{key}={json.dumps(value)}", highlight=False, markup=False
+        )
 
 
 @app.command()
@@ -205,13 +210,13 @@ def convert(
             state = read_checkpoint(source)
             output.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, output)
-            console.print(f"wrote {len(state)} entries to {output}", highlight=False)
+            console.print(f"wrote {len(state)} entries to {output}", highlight=False, markup=False)
         elif to == "dcp":
             state = torch.load(source, map_location="cpu", weights_only=False)
             if not isinstance(state, dict):
                 raise PlaitError(f"{source} does not hold a dict of checkpoint entries")
             path = write_checkpoint(output, step, state)
-            console.print(f"wrote {path}", highlight=False)
+            console.print(f"wrote {path}", highlight=False, markup=False)
         else:
             raise PlaitError(f"--to {to!r} is not supported; allowed: torch, dcp")
     except PlaitError as exc:

@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import click
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 from typer.core import TyperGroup
 
 from plait.core.errors import PlaitError
-from plait.tools.output import make_console
+from plait.tools.output import make_console, print_error
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
@@ -118,7 +120,7 @@ def _options(
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}", highlight=False)
+    print_error(console, exc)
     raise typer.Exit(2)
 
 
@@ -190,7 +192,7 @@ def train(
             node_rank = slurm.node_rank if node_rank is None else node_rank
             rdzv_endpoint = rdzv_endpoint or slurm.rdzv_endpoint
             rdzv_id = rdzv_id or slurm.job_id
-            console.print(slurm.describe(), highlight=False)
+            console.print(slurm.describe(), highlight=False, markup=False)
         nnodes = nnodes or "1"
         # An elastic range (MIN:MAX) is checked at its largest size; every rank checks again.
         max_nodes = int(nnodes.rpartition(":")[2])
@@ -254,7 +256,7 @@ def train(
     except ChildFailedError as exc:
         # One line with the root cause; torchrun's report and the ranks' tracebacks go to a file.
         line = failure_line(exc, launch_log_path(cfg.train.run_dir), launch_log.lines)
-        console.print(f"[red]training failed:[/red] {line}", highlight=False, soft_wrap=True)
+        print_error(console, line, label="training failed:", soft_wrap=True)
         raise typer.Exit(1) from None
     except SignalException as exc:
         # torchrun passed the signal on to the ranks, which finished their step and saved
@@ -266,7 +268,7 @@ def train(
         )
         raise typer.Exit(128 + int(exc.sigval)) from None
     except Exception as exc:  # torchrun's ChildFailedError carries the failing ranks
-        console.print(f"[red]training failed:[/red] {exc}", highlight=False)
+        print_error(console, exc, label="training failed:")
         raise typer.Exit(1) from None
 
 
@@ -324,7 +326,9 @@ def config_validate(
         check_config(cfg, Plugins.create(blocked=cfg.plugins.disable), world_size=world_size)
     except PlaitError as exc:
         _fail(exc)
-    console.print(f"[green]ok[/green]: {file} is valid on {world_size} ranks", highlight=False)
+    console.print(
+        f"[green]ok[/green]: {escape(str(file))} is valid on {world_size} ranks", highlight=False
+    )
 
 
 @app.command()
@@ -348,7 +352,8 @@ def plugins(
         table.add_column(column, overflow="fold")
     for info in manager.info():
         hooks = ", ".join(h.removeprefix("plait_") for h in info.hooks)
-        table.add_row(info.name, info.distribution, hooks, ", ".join(info.provides))
+        cells = (info.name, info.distribution, hooks, ", ".join(info.provides))
+        table.add_row(*(Text(cell) for cell in cells))
     console.print(table)
 
 
@@ -426,7 +431,9 @@ def init(
     except PlaitError as exc:
         _fail(exc)
     console.print(
-        f"wrote {written}; next: plait train {written} --nproc-per-node 2", highlight=False
+        f"wrote {written}; next: plait train {written} --nproc-per-node 2",
+        highlight=False,
+        markup=False,
     )
 
 
@@ -515,7 +522,7 @@ def main() -> None:
     try:
         app()
     except PlaitError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        print_error(console, exc)
         sys.exit(2)
 
 

@@ -25,6 +25,8 @@ from typing import Annotated
 import grpc
 import typer
 from rich.live import Live
+from rich.markup import escape
+from rich.text import Text
 
 from plait.core.daemon_address import DEFAULT_DAEMON_ADDRESS
 from plait.daemon.config import (
@@ -60,7 +62,7 @@ from plait.tools.daemon_views import (
     render_top,
 )
 from plait.tools.daemon_worlds import marked_superseded, superseded_jobs, without_jobs
-from plait.tools.output import make_console
+from plait.tools.output import make_console, print_error
 
 __all__ = ["JobSummary", "aggregate_jobs", "app", "render_hangs", "render_top"]
 
@@ -239,25 +241,27 @@ def daemon(
         )
         server = DaemonServer(config=config)
     except (OSError, RuntimeError, SecurityError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        print_error(console, exc)
         raise typer.Exit(2) from None
     if calibrate:
         # Before any rank starts, so ranks of this host read the cache instead of measuring.
         from plait.tools.calibrate_commands import report_calibration
 
         report_calibration(console)
+    address = server.address
     console.print(
-        f"plait daemon listening on [bold]{server.address}[/bold] "
-        f"(ranks export with telemetry.daemon = {server.address!r} or PLAIT_DAEMON); "
-        f"{server.nvml.status}",
+        f"plait daemon listening on [bold]{escape(address)}[/bold] "
+        f"(ranks export with telemetry.daemon = {escape(repr(address))} or PLAIT_DAEMON); "
+        f"{escape(server.nvml.status)}",
         highlight=False,
     )
     if server.web is not None:
-        console.print(f"live web page on [bold]{server.web.url}[/bold]", highlight=False)
+        console.print(f"live web page on [bold]{escape(server.web.url)}[/bold]", highlight=False)
     if server.lighthouse is not None:
+        lighthouse_address = server.lighthouse.address
         console.print(
-            f"lighthouse on [bold]{server.lighthouse.address}[/bold] (replica groups set "
-            f"fault_tolerance.lighthouse = {server.lighthouse.address!r})",
+            f"lighthouse on [bold]{escape(lighthouse_address)}[/bold] (replica groups set "
+            f"fault_tolerance.lighthouse = {escape(repr(lighthouse_address))})",
             highlight=False,
         )
     serve(server, grace=grace)
@@ -617,7 +621,7 @@ def trace(
 
     targets = resolve_hosts(hosts)
     if seconds > 0:
-        console.print(f"capturing {seconds:g}s of spans from {', '.join(targets)} …")
+        console.print(f"capturing {seconds:g}s of spans from {', '.join(targets)} …", markup=False)
     request = daemon_pb2.CaptureTraceRequest(seconds=seconds, job_id=job, ranks=ranks or [])
     results = call_all(
         targets, lambda stub: stub.CaptureTrace(request, timeout=seconds + RPC_TIMEOUT_SECONDS)
@@ -625,7 +629,7 @@ def trace(
     documents, span_count, failed = [], 0, False
     for host, result in results.items():
         if isinstance(result, grpc.RpcError):
-            console.print(f"[red]{host}: {error_text(result)}[/red]", highlight=False)
+            console.print(Text.assemble((f"{host}: {error_text(result)}", "red")))
             failed = True
             continue
         documents.append(json.loads(result.chrome_trace_json))  # type: ignore[attr-defined]
@@ -636,6 +640,7 @@ def trace(
         f"wrote {span_count} spans from {_traced_ranks(merged)} to {output} "
         "(open in https://ui.perfetto.dev)",
         highlight=False,
+        markup=False,
     )
     if failed:
         raise typer.Exit(1)

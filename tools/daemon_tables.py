@@ -5,7 +5,9 @@ and the rows. Below `NARROW_WIDTH` columns a table keeps to what a person needs 
 terminal: columns with nothing to show are dropped, so are columns marked `wide_only`, and
 job ids are shortened to the shortest form that still tells the jobs apart. Cells carry bare
 numbers, the unit is in the header ("step ms", not "123.4 ms" in every cell), so columns stay
-narrow enough that rich never has to cut a word into `tok…`.
+narrow enough that rich never has to cut a word into `tok…`. A cell is plain text: hosts, job
+ids, device names and error details come from the daemons and are shown as they are; only a
+column marked `markup` (its cells plait's own figures) styles them with rich markup.
 
 To add a column to a view, add a `Column` to its list; nothing else changes.
 """
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
+from rich.cells import cell_len
 from rich.table import Table
 from rich.text import Text
 
@@ -33,13 +36,16 @@ class Column(Generic[Row]):
     """One column: its header (unit included) and the text of its cell for a row."""
 
     header: str
-    cell: Callable[[Row], str]  # rich markup allowed
+    cell: Callable[[Row], str]  # plain text, or rich markup when `markup`
     justify: Literal["left", "right", "center"] = "right"
     wide_only: bool = False  # shown only at NARROW_WIDTH columns or more
     keep_empty: bool = False  # a key column: shown even when empty, never dropped to fit
     wraps: bool = False  # free text (lists, explanations): wraps inside its cell
     priority: int = 1  # when a table is too wide, the lowest go first (rightmost first)
     narrow_header: str = ""  # a shorter header for below NARROW_WIDTH columns
+    # Cells are rich markup (plait's own styling of its own figures); otherwise they are text
+    # shown as it is, brackets included, since it may come from outside plait.
+    markup: bool = False
 
     def title(self, width: int) -> str:
         return self.narrow_header if self.narrow_header and is_narrow(width) else self.header
@@ -58,18 +64,18 @@ def build_table(
     header; free-text columns wrap; if the table is still too wide, columns go by priority.
     """
     rows = list(rows)
-    cells = [[column.cell(row) for column in columns] for row in rows]
+    cells = [[_cell_text(column, row) for column in columns] for row in rows]
     keep = [
         i
         for i, column in enumerate(columns)
         if not is_narrow(width)
         or (
             not column.wide_only
-            and (column.keep_empty or not rows or any(r[i] not in EMPTY_CELLS for r in cells))
+            and (column.keep_empty or not rows or any(r[i].plain not in EMPTY_CELLS for r in cells))
         )
     ]
     natural = [
-        max([_cell_len(column.title(width))] + [_cell_len(r[i]) for r in cells])
+        max([_cell_len(Text.from_markup(column.title(width)))] + [_cell_len(r[i]) for r in cells])
         for i, column in enumerate(columns)
     ]
     need = [
@@ -96,8 +102,13 @@ def build_table(
     return table
 
 
-def _cell_len(markup: str) -> int:
-    return max((Text.from_markup(line).cell_len for line in markup.split("\n")), default=0)
+def _cell_text(column: Column[Row], row: Row) -> Text:
+    text = column.cell(row)
+    return Text.from_markup(text) if column.markup else Text(text)
+
+
+def _cell_len(text: Text) -> int:
+    return max((cell_len(line) for line in text.plain.split("\n")), default=0)
 
 
 def short_job_ids(job_ids: Iterable[str], width: int) -> dict[str, str]:

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -192,7 +193,7 @@ class StatusView:
             for column in ("host", "reason", "items"):
                 table.add_column(column)
             for host, reason, count in rejects:
-                table.add_row(host, reason, str(count))
+                table.add_row(Text(host), Text(reason), str(count))
             parts.append(table)
         forwarding = [d for d in self.daemons if d.state.HasField("forwarder")]
         if forwarding:
@@ -220,14 +221,16 @@ def forwarding_table(daemons: Sequence[DaemonRow]) -> Table:
         f = d.state.forwarder
         dropped = ", ".join(f"{r}: {n}" for r, n in sorted(f.dropped_by_reason.items()))
         table.add_row(
-            d.host,
-            f.endpoint,
+            Text(d.host),
+            Text(f.endpoint),
             f"{f.forwarded_requests} requests",
             str(f.retries),
             f"{f.queued_requests} ({format_bytes(f.queued_bytes)} of "
             f"{format_bytes(f.queue_capacity_bytes)})",
-            f"{f.dropped_spans} spans, {f.dropped_metric_points} points"
-            + (f" ({dropped})" if dropped else ""),
+            Text(
+                f"{f.dropped_spans} spans, {f.dropped_metric_points} points"
+                + (f" ({dropped})" if dropped else "")
+            ),
         )
     return table
 
@@ -246,9 +249,9 @@ def render_hangs(reports: list[Hang], jobs: Mapping[str, str] | None = None) -> 
         missing += [f"{r} (no daemon sees it)" for r in hang.unreported_ranks]
         replica_group = f" replica group {hang.replica_group}" if hang.replica_group >= 0 else ""
         table.add_row(
-            jobs.get(hang.job_id, hang.job_id) + replica_group,
-            f"{hang.group} {list(hang.group_ranks)}",
-            f"{hang.op} ({hang.purpose})" if hang.purpose else hang.op,
+            Text(jobs.get(hang.job_id, hang.job_id) + replica_group),
+            Text(f"{hang.group} {list(hang.group_ranks)}"),
+            Text(f"{hang.op} ({hang.purpose})" if hang.purpose else hang.op),
             str(hang.seq),
             f"{hang.waiting_seconds:.1f}",
             ", ".join(map(str, hang.entered_ranks)) or "-",
@@ -440,7 +443,7 @@ class TopView:
         if wrong_peaks or any(is_calibration_error(j.mfu) for j in self.jobs):
             parts.append(
                 Text.from_markup(
-                    f"[red]calibration error[/red] ({', '.join(wrong_peaks) or 'job'}): "
+                    f"[red]calibration error[/red] ({escape(', '.join(wrong_peaks)) or 'job'}): "
                     + CALIBRATION_ADVICE
                 )
             )
@@ -492,7 +495,7 @@ def _class_column(
         is_dominant = DOMINANT_FIELDS.get(r.dominant) == attribute
         return f"[bold]{milliseconds(value)}[/bold]" if is_dominant else milliseconds(value)
 
-    return Column(header, cell, narrow_header=narrow_header)
+    return Column(header, cell, narrow_header=narrow_header, markup=True)
 
 
 def bottleneck_columns(
@@ -533,7 +536,7 @@ def straggler_columns(
         Column("step Δ", lambda s: f"{s.step_score:+.0%}"),
         Column("compute ms", lambda s: milliseconds(s.median_compute_seconds)),
         Column("compute Δ", lambda s: f"{s.compute_score:+.0%}"),
-        Column("", lambda s: "[red]STRAGGLER[/red]" if s.flagged else "", "left"),
+        Column("", lambda s: "[red]STRAGGLER[/red]" if s.flagged else "", "left", markup=True),
     ]
 
 

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from plait.tools.output import make_console
+from plait.tools.output import make_console, print_error
 
 if TYPE_CHECKING:
     from plait.plugins.data.corpus_preparation import PrepareReport
@@ -106,14 +108,14 @@ def prepare(
             )
         token_file = TokenFile(report.directory)
     except (DataError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(console, exc, soft_wrap=True, highlight=True)
         raise typer.Exit(1) from None
     _print_prepared(report, token_file)
 
 
 def _print_prepared(report: PrepareReport, token_file: TokenFile) -> None:
     meta = report.meta
-    table = Table(title=f"token files in {report.directory}", show_footer=True)
+    table = Table(title=f"token files in {escape(str(report.directory))}", show_footer=True)
     table.add_column("input", footer="total")
     table.add_column("bytes", justify="right", footer=f"{sum(s.bytes for s in meta.sources):,}")
     table.add_column("documents", justify="right", footer=f"{meta.documents:,}")
@@ -121,7 +123,7 @@ def _print_prepared(report: PrepareReport, token_file: TokenFile) -> None:
     table.add_column("bad rows", justify="right", footer=f"{report.skipped_total:,}")
     for source in meta.sources:
         table.add_row(
-            source.path,
+            Text(source.path),
             f"{source.bytes:,}",
             f"{source.documents:,}",
             f"{source.tokens:,}",
@@ -130,7 +132,7 @@ def _print_prepared(report: PrepareReport, token_file: TokenFile) -> None:
     console.print(table)
     eos = report.eos
     console.print(
-        f"tokenizer [bold]{meta.tokenizer}[/bold], EOS id {eos.eos_id}"
+        f"tokenizer [bold]{escape(meta.tokenizer)}[/bold], EOS id {eos.eos_id}"
         + (" (added by plait)" if eos.added else " (the tokenizer's own)")
         + f", vocab {meta.vocab_size:,}, dtype {meta.dtype}, {token_file.nbytes:,} bytes in "
         f"tokens.bin, sha256 {meta.sha256[:16]}…"
@@ -161,7 +163,7 @@ def info(
     try:
         token_file = TokenFile(directory, verify_checksum=verify)
     except DataError as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(console, exc, soft_wrap=True, highlight=True)
         raise typer.Exit(1) from None
     meta = token_file.meta
     documents = token_file.documents
@@ -186,9 +188,9 @@ def info(
             ("skipped rows", ", ".join(f"{r}: {n:,}" for r, n in meta.skipped_rows.items()))
         )
     rows.append(("sha256", meta.sha256 + (" (verified)" if verify else "")))
-    table = Table(show_header=False, title=str(token_file.directory))
+    table = Table(show_header=False, title=escape(str(token_file.directory)))
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(key, Text(value))
     console.print(table)
     if documents is None:
         if png is not None:
@@ -207,4 +209,5 @@ def info(
         from plait.plugins.data.document_stats import write_histogram_png
 
         title = f"{token_file.directory.name}: document lengths"
-        console.print(f"histogram written to {write_histogram_png(stats, png, title=title)}")
+        written = write_histogram_png(stats, png, title=title)
+        console.print(f"histogram written to {written}", markup=False)

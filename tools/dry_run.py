@@ -141,7 +141,10 @@ def micro_batch_size(config: PlaitConfig, plugins: Plugins, degrees: dict[str, i
 def print_dry_run(
     config: PlaitConfig, plugins: Plugins, *, world_size: int, per_node: int, console: Console
 ) -> None:
-    """Print the mesh, its groups and the estimate for the rank with the most memory."""
+    """Print the mesh, its groups and the estimate for the rank with the most memory.
+
+    Names in these lines come from the config and plugins (model, strategy, schedule and
+    algorithm names), so the lines are printed without markup: a bracket in one shows as is."""
     from rich.table import Table
 
     from plait.core.comm_algorithms import chosen_algorithm
@@ -160,12 +163,15 @@ def print_dry_run(
         + (f" · transforms {transforms}" if transforms else ""),
         highlight=False,
         soft_wrap=True,
+        markup=False,
     )
     nodes = HostMap.assumed(max(1, world_size // per_node), per_node)
-    console.print(f"nodes: {nodes.describe()} · comm {chosen_algorithm(config, nodes).name}")
+    console.print(
+        f"nodes: {nodes.describe()} · comm {chosen_algorithm(config, nodes).name}", markup=False
+    )
     for axis, groups in mesh_groups(degrees).items():
         shown = " ".join(str(g) for g in groups[:8]) + (" …" if len(groups) > 8 else "")
-        console.print(f"{axis} groups: {shown}", highlight=False, soft_wrap=True)
+        console.print(f"{axis} groups: {shown}", highlight=False, soft_wrap=True, markup=False)
     train = config.train
     size = micro_batch_size(config, plugins, degrees)
     line = microbatch_line(
@@ -175,7 +181,7 @@ def print_dry_run(
         schedule=config.schedule.name,
         pp=degrees["pp"],
     )
-    console.print(line, highlight=False, soft_wrap=True)
+    console.print(line, highlight=False, soft_wrap=True, markup=False)
     # The planner's activations are those of the micro-batch that runs.
     config = config.model_copy(
         update={"train": train.model_copy(update={"micro_batch_size": size})}

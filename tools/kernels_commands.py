@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from plait.core.errors import PlaitError
-from plait.tools.output import make_console
+from plait.tools.output import make_console, print_error
 
 if TYPE_CHECKING:
     from plait.core.kernel_selection import ChoiceStore
@@ -95,31 +97,32 @@ def kernels_table(
 ) -> None:
     """List, per op and device type, the provider the config's kernel selection resolves to."""
     if dtype not in DTYPES:
-        console.print(f"[red]error:[/red] --dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        print_error(console, f"--dtype {dtype!r}; allowed: {', '.join(DTYPES)}", highlight=True)
         raise typer.Exit(2)
     try:
         chosen, installed, prefer = resolve_providers(config, overrides, dtype=dtype)
     except PlaitError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        print_error(console, exc)
         raise typer.Exit(2) from None
-    table = Table(title=f"kernel providers for {dtype} (prefer = {prefer})")
+    # Provider names come from plugins and `prefer` from the config: shown as they are.
+    table = Table(title=f"kernel providers for {dtype} (prefer = {escape(str(prefer))})")
     table.add_column("op", style="bold", no_wrap=True)
     for device in DEVICE_TYPES:
         table.add_column(device)
     table.add_column("installed providers (device types)", style="dim")
     errors: list[str] = []
     for op, by_device in chosen.items():
-        cells = []
+        cells: list[str | Text] = []
         for device, provider in by_device.items():
             if provider.startswith("error:"):
                 errors.append(f"{op} on {device}: {provider.removeprefix('error: ')}")
                 cells.append(f"[red]unresolved ({len(errors)})[/red]")
             else:
-                cells.append(provider)
-        table.add_row(op, *cells, "; ".join(installed[op]) or "(none)")
+                cells.append(Text(provider))
+        table.add_row(op, *cells, Text("; ".join(installed[op]) or "(none)"))
     console.print(table)
     for number, error in enumerate(errors, start=1):
-        console.print(f"[red]({number})[/red] {error}", highlight=False)
+        print_error(console, error, label=f"({number})")
     print_measured_choices()
     console.print(
         "[dim]Triton answers CPU only under TRITON_INTERPRET=1 and only when asked by name "
@@ -140,10 +143,12 @@ def print_measured_choices(store: ChoiceStore | None = None) -> None:
     store = store or default_store()
     by_machine = store.choices()
     if not by_machine:
-        console.print(f"[dim]no measured kernel choices in {store.path}[/dim]", highlight=False)
+        console.print(
+            f"[dim]no measured kernel choices in {escape(str(store.path))}[/dim]", highlight=False
+        )
         return
     for machine, choices in sorted(by_machine.items()):
-        table = Table(title=f"measured kernel choices: {machine}", title_justify="left")
+        table = Table(title=f"measured kernel choices: {escape(machine)}", title_justify="left")
         table.add_column("op", style="bold", no_wrap=True)
         table.add_column("device/dtype", no_wrap=True)
         table.add_column("first-call shapes")
@@ -156,9 +161,10 @@ def print_measured_choices(store: ChoiceStore | None = None) -> None:
                 for provider, seconds in sorted(choice.timings.items(), key=lambda t: t[1])
             )
             skipped = "; ".join(f"{provider}: {why}" for provider, why in choice.skipped.items())
-            table.add_row(
+            cells = (
                 choice.op, f"{choice.device}/{choice.dtype}", choice.shapes, choice.provider,
                 f"{choice.timed}: {timings}", skipped or "-",
             )  # fmt: skip
+            table.add_row(*(Text(cell) for cell in cells))
         console.print(table)
-    console.print(f"[dim]from {store.path}[/dim]", highlight=False)
+    console.print(f"[dim]from {escape(str(store.path))}[/dim]", highlight=False)

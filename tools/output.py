@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 # The width of a console writing to a file or a pipe: wide enough that no table or line of
 # plait's is ever cut or folded; a table still takes only the width its cells need.
@@ -45,3 +46,26 @@ def heading(console: Console, title: str) -> None:
         console.print(line + "─" * max(LOG_HEADING_WIDTH - len(line), 3), highlight=False)
     else:
         console.rule(title)
+
+
+def print_error(
+    console: Console,
+    message: object,
+    *,
+    label: str = "error:",
+    soft_wrap: bool = False,
+    highlight: bool = False,
+) -> None:
+    """`error: <message>`: the label in red, the message exactly as it reads.
+
+    A message carries text that is not plait's own: an exception's, a rank's failure line, a
+    daemon's gRPC details, a path, a value the operator typed. Such text has square brackets
+    of its own (every Gloo error starts with its source location,
+    `[/__w/pytorch/.../pair.cc:553]`), which rich markup would read as a tag: a closing one
+    raises `MarkupError` in place of the line, `[red]` turns into a colour. So the message goes
+    into a `Text`, which is never parsed for markup or emoji codes. Elsewhere the CLI escapes
+    such text inside markup with `rich.markup.escape`, puts it in tables as `Text` cells, or
+    prints a line without markup of plait's with `markup=False`.
+    """
+    text = console.render_str(str(message), markup=False, emoji=False, highlight=highlight)
+    console.print(Text.assemble((label, "red"), " ", text), soft_wrap=soft_wrap)

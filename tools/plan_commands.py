@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 from typer.core import TyperGroup
 
 from plait.core.errors import PlaitError
-from plait.tools.output import make_console
+from plait.tools.output import make_console, print_error
 
 
 class _DefaultSearch(TyperGroup):
@@ -46,7 +48,7 @@ Links = Annotated[
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}", highlight=False)
+    print_error(console, exc)
     raise typer.Exit(2)
 
 
@@ -70,7 +72,7 @@ def _device(name: str, links: Path | None) -> Any:
             intra=calibration.intra.link() if calibration.intra else None,
             inter=calibration.inter.link() if calibration.inter else None,
         )
-        console.print(f"links from {path} ({calibration.source})", highlight=False)
+        console.print(f"links from {path} ({calibration.source})", highlight=False, markup=False)
     elif links is not None:
         raise PlaitError(f"--links: {links} does not exist")
     return device
@@ -94,13 +96,13 @@ def render_plan(result: Any, *, top: int) -> Table:
         time = candidate.time
         table.add_row(
             str(index),
-            candidate.layout.describe(),
+            Text(candidate.layout.describe()),
             f"{candidate.memory.total / 2**30:.1f}",
             f"{time.total:.3f}",
             f"{time.mfu:.1%}",
             f"{time.cross_node_bytes / 1e9:.2f}",
             f"{time.cross_node_seconds:.3f}",
-            why_slower(candidate, best),
+            Text(why_slower(candidate, best)),
         )
     return table
 
@@ -165,6 +167,7 @@ def search(
         f"{job.device.name} ({per_node} per node), global batch {global_batch} × {seq_len}; "
         f"{result.considered} layouts, {result.rejected_for_memory} do not fit",
         highlight=False,
+        markup=False,
     )
     if not result.ranked:
         smallest = result.smallest_rejected
@@ -175,7 +178,7 @@ def search(
                 f"{smallest.memory.total / 2**30:.1f} GiB)"
             )
         console.print(
-            f"[red]no layout fits in {job.device.usable_memory / 2**30:.1f} GiB{hint}[/red]"
+            f"[red]no layout fits in {job.device.usable_memory / 2**30:.1f} GiB{escape(hint)}[/red]"
         )
         raise typer.Exit(1)
     console.print(render_plan(result, top=top))
@@ -259,8 +262,9 @@ def calibrate(
                     f"  {own.op}: α {own.alpha * 1e6:.1f} µs, β {own.beta / 1e9:.2f} GB/s from "
                     f"{own.samples} spans",
                     highlight=False,
+                    markup=False,
                 )
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", markup=False)
 
 
 @app.command()
@@ -302,7 +306,8 @@ def explain(
         _fail(PlaitError(f"could not read the breakdown from {', '.join(targets)}: {exc}"))
         return
     table = Table(
-        title=f"{layout.describe()}: predicted vs measured, ms per step ({explanation.ranks} ranks)"
+        title=f"{escape(layout.describe())}: predicted vs measured, ms per step "
+        f"({explanation.ranks} ranks)"
     )
     for column in ("term", "predicted", "measured", "error"):
         table.add_column(column, justify="left" if column == "term" else "right")
@@ -320,4 +325,4 @@ def explain(
         f"{(explanation.predicted_step - explanation.measured_step) * 1e3:+.1f}",
     )
     console.print(table)
-    console.print(explanation.verdict(), highlight=False)
+    console.print(explanation.verdict(), highlight=False, markup=False)

@@ -53,6 +53,7 @@ from plait.tools.daemon_client import (
     resolve_hosts,
 )
 from plait.tools.daemon_tables import build_table
+from plait.tools.output import print_error
 
 app = typer.Typer(help="Profile, stack dumps and memory of a job's ranks, through the daemons.")
 console = Console()
@@ -97,7 +98,7 @@ def _group_of(message: control_pb2.RankFile | control_pb2.ControlEndpoint) -> in
 
 
 def _fail(message: str, code: int = 1) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    print_error(console, message)
     raise typer.Exit(code)
 
 
@@ -170,7 +171,10 @@ def profile(
     )
     if not as_json:
         what = f"{steps} steps" if steps else f"{seconds:g}s"
-        console.print(f"preparing the profilers of job {job} ({what}) on {', '.join(targets)} …")
+        console.print(
+            f"preparing the profilers of job {job} ({what}) on {', '.join(targets)} …",
+            markup=False,
+        )
     prepared, errors = _split(
         call_all(
             targets,
@@ -220,6 +224,7 @@ def profile(
             f"wrote {output}: ranks {delivered} of job {job}, steps {first.start_step}–{last} "
             "(open in https://ui.perfetto.dev)",
             highlight=False,
+            markup=False,
         )
         console.print(render_analysis(analysis, console.width))
         for line in [*outcome_lines(outcomes), *error_lines(errors)]:
@@ -451,7 +456,7 @@ def memory(
         )
     else:
         console.print(build_table("memory", memory_columns(), reports, console.width))
-        console.print(f"wrote {len(written)} files to {output}", highlight=False)
+        console.print(f"wrote {len(written)} files to {output}", highlight=False, markup=False)
         for line in [*outcome_lines(outcomes), *error_lines(errors)]:
             console.print(line)
     if errors or any(o.state != "delivered" for o in outcomes):

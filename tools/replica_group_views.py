@@ -12,7 +12,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from plait.proto.plait.v1 import daemon_pb2
 from plait.tools import daemon_json
@@ -110,10 +112,13 @@ def render_fault_tolerance(
     houses: Sequence[HostLighthouse],
     names: Mapping[str, str],
 ) -> list[Table]:
-    """A replica-group table and an event table per job, a table per hosted lighthouse."""
+    """A replica-group table and an event table per job, a table per hosted lighthouse.
+
+    Job ids, replica ids, addresses and errors come from the daemons: escaped in titles (rich
+    markup), plain `Text` in cells, so their brackets show as they are."""
     tables = []
     for job in jobs:
-        name = names.get(job.job_id, job.job_id)
+        name = escape(names.get(job.job_id, job.job_id))
         quorum = f"quorum {job.quorum_id}" if job.quorum_id >= 0 else "no quorum yet"
         groups = Table(
             title=f"replica groups of {name} ({job.state}; {quorum}, "
@@ -124,12 +129,12 @@ def render_fault_tolerance(
         for g in job.groups:
             groups.add_row(
                 str(g.replica_group),
-                g.state if g.state == "participating" else f"[red]{g.state}[/red]",
+                Text.assemble((g.state, "" if g.state == "participating" else "red")),
                 ",".join(map(str, g.ranks)) or "-",
                 str(g.ranks_live),
                 str(g.step),
                 f"{g.quorum_id} ({g.participants} groups)" if g.quorum_id >= 0 else "-",
-                g.replica_id or "-",
+                Text(g.replica_id or "-"),
             )
         tables.append(groups)
         if job.events:
@@ -149,19 +154,19 @@ def render_fault_tolerance(
                 events.add_row(
                     _time_of_day(e.start_unix_nano),
                     str(e.replica_group),
-                    e.kind,
+                    Text(e.kind),
                     str(e.step),
                     str(e.quorum_id),
                     f"{e.previous} -> {e.participants}",
                     f"{e.seconds:.2f}",
-                    e.detail or "-",
+                    Text(e.detail or "-"),
                 )
             tables.append(events)
     for house in houses:
         status = house.status
-        title = f"lighthouse {status.address} on {house.host}"
+        title = f"lighthouse {escape(status.address)} on {escape(house.host)}"
         if status.error:
-            title += f": [red]not read ({status.error})[/red]"
+            title += f": [red]not read ({escape(status.error)})[/red]"
         else:
             title += f" (quorum {status.quorum_id}, {status.waiting} waiting for the next)"
         table = Table(title=title)
@@ -169,9 +174,9 @@ def render_fault_tolerance(
             table.add_column(column)
         for beat in status.heartbeats:
             table.add_row(
-                names.get(beat.job_id, beat.job_id) or "-",
+                Text(names.get(beat.job_id, beat.job_id) or "-"),
                 str(beat.replica_group) if beat.replica_group >= 0 else "-",
-                beat.replica_id,
+                Text(beat.replica_id),
                 f"{beat.age_seconds:.1f}",
             )
         tables.append(table)

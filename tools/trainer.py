@@ -24,6 +24,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 from plait.core.config import PlaitConfig, load_config
 from plait.core.engine import Engine
@@ -131,7 +132,8 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
         from plait.tools.banner import run_lines
 
         for line in run_lines(engine, rank_peak, batches):
-            console.print(line, highlight=False, soft_wrap=True)
+            # Paths, model names and config values: plain text.
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
     live = is_leader and console.is_terminal
     progress = Progress(
         TextColumn("[bold]step {task.completed}/{task.total}"),
@@ -160,7 +162,9 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
                     # One report per group: its rank 0 logs them and sends them to the daemon.
                     QUORUM_EVENT_BOARD.publish(outcome.events, replica_id=replica_groups.replica_id)
                 for event in outcome.events if is_leader else ():
-                    console.print(event.describe(), highlight=False, soft_wrap=True)
+                    # A failed commit carries the peer's error, Gloo's `[/path/pair.cc:553]`
+                    # included: plain text, never markup.
+                    console.print(event.describe(), highlight=False, soft_wrap=True, markup=False)
             else:
                 batch = batches.next_batch()
                 loss = engine.train_step(batch, data_start_ns=data_start)
@@ -278,7 +282,7 @@ def _stop_gracefully(
         where = "no checkpoint (checkpoint_io.dir is not set)"
     message = f"stopped by {signal_name(signum)} after step {steps_done}: {where}"
     if is_leader:
-        console.print(f"[yellow]{message}[/yellow]", highlight=False)
+        console.print(Text(message, style="yellow"), highlight=False)
     return message
 
 

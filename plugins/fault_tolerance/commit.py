@@ -20,6 +20,7 @@ ZeRO-3 group healed from a ZeRO-1 one) every group reduces through the canonical
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,14 @@ from plait.core.sharding import ParallelRuntime, StepState
 
 if TYPE_CHECKING:
     from plait.plugins.fault_tolerance.gradient_split import GradientSplit
+
+
+class _Layouts(enum.Enum):
+    """What the groups of a quorum hold their optimizer's gradients as."""
+
+    SAME = "same"  # every group one layout: reduce the gradients as held
+    DIFFER = "differ"  # some group another: reduce through the canonical split
+    UNKNOWN = "unknown"  # the judging all-reduce failed on some rank of this group
 
 
 class ReplicaGroupCommit(ParallelRuntime):
@@ -45,6 +54,7 @@ class ReplicaGroupCommit(ParallelRuntime):
         optimizer: torch.optim.Optimizer,
         weigh_by_tokens: bool = False,
         split_factory: Callable[[], GradientSplit] | None = None,
+        group_max: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.manager = manager
         self.optimizer = optimizer
@@ -62,6 +72,9 @@ class ReplicaGroupCommit(ParallelRuntime):
         self._split: GradientSplit | None = None
         self._layouts_judged_for: int | None = None
         self._layouts_differ_now = False
+        # Max-reduces a tensor over the group's own ranks (its torchrun world, not torchft's
+        # cross-group one), so every rank of the group takes the same path through a step.
+        self._group_max = group_max
 
     def action_handlers(self, step: StepState) -> dict[type, Any]:
         if self.weigh_by_tokens:
@@ -82,7 +95,13 @@ class ReplicaGroupCommit(ParallelRuntime):
         grads = self._optimizer_gradients()
         if not grads:
             return
-        if self._layouts_differ(grads[0].device):
+        layouts = self._judge_layouts(grads[0].device)
+        if layouts is _Layouts.UNKNOWN:
+            # Some rank of the group lost a peer while judging: the step cannot commit (that
+            # rank votes against it), and averaging now could leave this group's ranks on
+            # different paths, one of them waiting in a collective the others never enter.
+            return
+        if layouts is _Layouts.DIFFER:
             assert self._split is not None
             self._split.average(self._average)
             return
@@ -100,16 +119,18 @@ class ReplicaGroupCommit(ParallelRuntime):
             # Sum, then divide by the participants (torchft's AVG): exact with two contributors.
             self.manager.allreduce(flat).wait()
 
-    def _layouts_differ(self, device: torch.device) -> bool:
+    def _judge_layouts(self, device: torch.device) -> _Layouts:
         """Whether some group of this quorum holds its optimizer's gradients in another layout
         (then all of them average through the canonical split). Asked once per quorum, by every
         group alike: a sum over the quorum of each group's fingerprint and its square is
-        n·Σf² = (Σf)² exactly when every f is the same."""
+        n·Σf² = (Σf)² exactly when every f is the same. `UNKNOWN` when the sums' all-reduce
+        failed on any rank of this group (a peer died): its sums are garbage, and the ranks must
+        not split on them (one would enter the canonical split's collectives alone)."""
         if self._split_factory is None:
-            return False
+            return _Layouts.SAME
         quorum = int(self.manager._quorum_id)  # torchft 0.2 has no public getter for it
         if quorum == self._layouts_judged_for:
-            return self._layouts_differ_now
+            return _Layouts.DIFFER if self._layouts_differ_now else _Layouts.SAME
         if self._split is None:
             self._split = self._split_factory()
         first, second = self._split.fingerprint
@@ -118,13 +139,21 @@ class ReplicaGroupCommit(ParallelRuntime):
         )
         self.manager.allreduce(sums, reduce_op=ReduceOp.SUM).wait()
         groups = self.manager.num_participants()
-        self._layouts_differ_now = bool(
-            groups * sums[2] != sums[0] ** 2 or groups * sums[3] != sums[1] ** 2
+        differ = bool(groups * sums[2] != sums[0] ** 2 or groups * sums[3] != sums[1] ** 2)
+        # One small all-reduce over the group's ranks, once per quorum: any rank's failure or
+        # verdict becomes every rank's.
+        verdict = torch.tensor(
+            [float(self.manager.errored() is not None), float(differ)], device=device
         )
-        # After a failed all-reduce the sums are garbage and the step does not commit: judge
-        # again on the retry's quorum.
-        self._layouts_judged_for = quorum if self.manager.errored() is None else None
-        return self._layouts_differ_now
+        if self._group_max is not None:
+            self._group_max(verdict)
+        if verdict[0]:
+            # Judge again on the retry's quorum.
+            self._layouts_judged_for = None
+            return _Layouts.UNKNOWN
+        self._layouts_judged_for = quorum
+        self._layouts_differ_now = bool(verdict[1])
+        return _Layouts.DIFFER if self._layouts_differ_now else _Layouts.SAME
 
     def _weighted_sum(self, flat: torch.Tensor) -> None:
         """`flat` ← Σ N_g · flat_g / Σ N_g over the live groups, N_g this group's scored tokens

@@ -12,17 +12,27 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from plait.core.comm import world_group
+from plait.core.comm_algorithms import GENERIC
 from plait.core.config import FaultToleranceSection
 from plait.core.errors import PlaitError
 from plait.plugins.fault_tolerance.batch_share import GlobalBatchKeeper
 from plait.plugins.fault_tolerance.commit import ReplicaGroupCommit
 from plait.plugins.fault_tolerance.gradient_split import GradientSplit
+from plait.plugins.fault_tolerance.group_loss import GroupLossExit
 from plait.plugins.fault_tolerance.healing import heal_state, load_heal_state
+from plait.plugins.fault_tolerance.job_progress import (
+    JobProgress,
+    agree_on_job_progress,
+    lighthouse_answers,
+)
 from plait.plugins.fault_tolerance.quorum_events import QuorumEvent, QuorumWatch
 from plait.plugins.fault_tolerance.replica_group import open_manager
 
@@ -59,22 +69,40 @@ class FaultTolerantSteps:
     """Drive an engine's steps through torchft's manager; see the module docstring."""
 
     def __init__(
-        self, *, engine: Any, batches: Any, manager: Any, store: Any, restarted: bool = False
+        self,
+        *,
+        engine: Any,
+        batches: Any,
+        manager: Any,
+        store: Any,
+        restarted: bool = False,
+        job_reached: JobProgress | None = None,
+        lighthouse: str = "",
+        quorum_timeout: float = 0.0,
     ) -> None:
         self.engine, self.batches = engine, batches
         self.manager, self._store = manager, store
         # A group torchrun restarted has trained before: it must not start over from step 0.
         self.restarted = restarted
+        # How far the job had come at the lighthouse before this group joined (None: unknown);
+        # a group alone at step 0 of a job that trained must not start it over either.
+        self.job_reached = job_reached
+        self.lighthouse, self.quorum_timeout = lighthouse, quorum_timeout
         self._first_quorum = True
         self.commit = ReplicaGroupCommit(
             manager=manager,
             optimizer=engine.optimizer,
             # Used only when a group of another inner layout joins the quorum.
             split_factory=lambda: GradientSplit(engine, group=world_group()),
+            group_max=lambda tensor: engine.comm.all_reduce(
+                tensor, group=world_group(), op="max", purpose=GENERIC
+            ),
         )
         # After the group's data-parallel runtime: it averages what that runtime reduced.
         engine.runtimes.append(self.commit)
         self.watch = QuorumWatch()
+        # Started by `attach` (it owns the process's signal wakeup fd); inert until then.
+        self.group_loss = GroupLossExit(replica_group=-1)
         # Set by `keep_global_batch`: survivors also read the missing groups' shares.
         self.shares: GlobalBatchKeeper | None = None
 
@@ -97,9 +125,12 @@ class FaultTolerantSteps:
             load_heal_state(engine, batches, state)
             holder[0].watch.healed_to(int(state["step"]))
 
+        job_id = job_id or engine._job_info().job_id
+        # Read before this group's first quorum replaces the lighthouse's last one.
+        job_reached = agree_on_job_progress(settings.lighthouse, job_id)
         manager, store = open_manager(
             settings=settings,
-            job_id=job_id or engine._job_info().job_id,
+            job_id=job_id,
             device=engine.device,
             state_dict=lambda: heal_state(engine, batches),
             load_state_dict=load,
@@ -110,8 +141,12 @@ class FaultTolerantSteps:
             manager=manager,
             store=store,
             restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
+            job_reached=job_reached,
+            lighthouse=settings.lighthouse,
+            quorum_timeout=settings.quorum_timeout_seconds,
         )
         holder.append(steps)
+        steps.group_loss = GroupLossExit(replica_group=settings.replica_group).start()
         if settings.keep_global_batch:
             steps.keep_global_batch(settings)
         steps.resume_from(engine.global_step)
@@ -153,7 +188,7 @@ class FaultTolerantSteps:
         """One try of the next step; on failure everything is as before it, ready to retry."""
         engine = self.engine
         quorum_start = time.time_ns()
-        self.manager.start_quorum()  # blocks for the quorum; heals this group if behind
+        self._join_quorum()  # blocks for the quorum; heals this group if behind
         participants = self.manager.num_participants()
         quorum_id = int(self.manager._quorum_id)  # torchft 0.2 has no public getter for it
         self.watch.quorum(
@@ -207,15 +242,66 @@ class FaultTolerantSteps:
             shares=shares,
         )
 
+    def _join_quorum(self) -> None:
+        """torchft's quorum for this step, asked again by every rank of the group while the
+        lighthouse answers but has formed none within `quorum_timeout_seconds`: a group that
+        hangs keeps heartbeating, and the lighthouse waits up to its join timeout for it before
+        it leaves it out, which may well be longer. Giving up there would end the very group
+        that fault tolerance keeps alive."""
+        engine = self.engine
+        while True:
+            timed_out: TimeoutError | None = None
+            try:
+                self.manager.start_quorum()
+            except TimeoutError as exc:
+                timed_out = exc
+            # Every rank asks again if any timed out (one that was answered just in time too):
+            # the group's ranks must enter the step together.
+            verdict = torch.tensor([float(timed_out is not None)], device=engine.device)
+            engine.comm.all_reduce(verdict, group=world_group(), op="max", purpose=GENERIC)
+            if not verdict.item():
+                return
+            alive = torch.tensor([float(lighthouse_answers(self.lighthouse))], device=engine.device)
+            engine.comm.all_reduce(alive, group=world_group(), op="min", purpose=GENERIC)
+            if not alive.item():
+                raise PlaitError(
+                    f"no quorum within {self.quorum_timeout:g} s (fault_tolerance."
+                    f"quorum_timeout_seconds), and the lighthouse at {self.lighthouse} does not "
+                    "answer"
+                ) from timed_out
+            if engine.mesh.rank == 0:
+                print(
+                    f"plait: no quorum within {self.quorum_timeout:g} s: the lighthouse waits for "
+                    "a replica group that has not asked (hung, or starting); asking again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            # torchft re-raises a failed quorum at the next start; this one has been dealt with.
+            self.manager._quorum_future = None
+
     def _refuse_starting_over(self, participants: int) -> None:
-        """A restarted group alone at step 0 found no live peer to heal from and no checkpoint:
-        training on would silently start the run over from initial weights."""
+        """A group alone at step 0 of a job that has trained — torchrun restarted it, or the
+        lighthouse's last quorum had the job further on — found no live peer to heal from and no
+        checkpoint: training on would silently start the run over from initial weights."""
         first, self._first_quorum = self._first_quorum, False
-        if first and self.restarted and participants == 1 and self.engine.global_step == 0:
+        if not first or participants != 1 or self.engine.global_step != 0:
+            return
+        remedy = (
+            "Set checkpoint_io.dir to the job's checkpoint directory (and checkpoint_io.every) "
+            "so a group can resume from disk"
+        )
+        if self.restarted:
             raise NoStateToResume(
                 "this replica group was restarted, but no live group is left to heal from and "
-                "no checkpoint was resumed: it would train from its initial weights. Set "
-                "checkpoint_io.dir (and checkpoint_io.every) so a group can resume from disk"
+                f"no checkpoint was resumed: it would train from its initial weights. {remedy}"
+            )
+        reached = self.job_reached
+        if reached is not None and reached.step > 0:
+            raise NoStateToResume(
+                f"job {reached.job_id!r} had trained {reached.step} steps at the lighthouse's "
+                f"last quorum ({reached.replica_id}), but no live replica group is left to heal "
+                "this group from and no checkpoint was resumed: it would train from its initial "
+                f"weights. {remedy}, or start a new run under another telemetry.job_id"
             )
 
     def step_until_committed(self, *, data_start_ns: int | None = None) -> StepOutcome:
@@ -239,4 +325,5 @@ class FaultTolerantSteps:
             group["lr"] = rate
 
     def close(self) -> None:
+        self.group_loss.stop()
         self.manager.shutdown(wait=False)

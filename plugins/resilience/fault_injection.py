@@ -1,4 +1,5 @@
-"""Fault injection for restart tests: a rank SIGKILLs itself after a given step.
+"""Fault injection for restart and hang tests: a rank SIGKILLs (or SIGSTOPs) itself after a
+given step.
 
 With `scope = "node"` it first SIGKILLs its torchrun agent (its parent process), so the node
 leaves the job as a crashed machine does: no agent is left to restart it, and the other nodes
@@ -36,14 +37,24 @@ class FaultInjector:
 
     @hookimpl
     def plait_step_end(self, report: StepReport) -> None:
-        if report.step + 1 == self.config.kill_after_step and self._armed():
-            what = "its node" if self.config.scope == "node" else "itself"
+        if report.step + 1 != self.config.kill_after_step or not self._armed():
+            return
+        if self.config.signal == "SIGSTOP":
+            # A hung rank: alive, its sockets open, answering nothing until SIGCONT or SIGKILL.
             print(
-                f"fault injection: rank {self.config.rank} kills {what} after step "
-                f"{report.step + 1}",
+                f"fault injection: rank {self.config.rank} stops itself (SIGSTOP, pid "
+                f"{os.getpid()}) after step {report.step + 1}",
                 file=sys.stderr,
                 flush=True,
             )
-            if self.config.scope == "node":
-                os.kill(os.getppid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        what = "its node" if self.config.scope == "node" else "itself"
+        print(
+            f"fault injection: rank {self.config.rank} kills {what} after step {report.step + 1}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.config.scope == "node":
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
