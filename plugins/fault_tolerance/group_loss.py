@@ -56,6 +56,8 @@ class GroupLossExit:
         self._read_fd = -1
         self._write_fd = -1
         self._thread: threading.Thread | None = None
+        # Set each time the thread has judged the signals it was woken for (and stayed).
+        self.judged = threading.Event()
 
     def start(self) -> GroupLossExit:
         """Install the wakeup fd (main thread only) and start the watching thread. Does nothing
@@ -83,6 +85,7 @@ class GroupLossExit:
                 return
             if AGENT_STOP_SIGNALS.intersection(received) and sibling_exited(self.environ):
                 self._leave()
+            self.judged.set()
 
     def _leave(self) -> None:
         rank = self.environ.get("RANK", "?")

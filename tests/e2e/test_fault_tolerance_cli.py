@@ -276,8 +276,6 @@ def _lose_a_rank(
     # The lost group failed with its own report, printed as text (Gloo's `[/path.cc:N]` in it).
     assert lost_code != 0, lost.text()
     assert "training failed:" in lost.text() and "MarkupError" not in lost.text(), lost.text()
-    if not hung:
-        assert "leaving the job now" in lost.text(), lost.text()
     # The survivor: the same two worker processes from the first step to the last, every step
     # logged, and no wait for the dead group beyond the lighthouse's heartbeat timeout.
     for rank in (0, 1):
