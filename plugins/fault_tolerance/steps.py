@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from plait.core.comm import world_group
 from plait.core.comm_algorithms import GENERIC
@@ -248,7 +249,6 @@ class FaultTolerantSteps:
         hangs keeps heartbeating, and the lighthouse waits up to its join timeout for it before
         it leaves it out, which may well be longer. Giving up there would end the very group
         that fault tolerance keeps alive."""
-        engine = self.engine
         while True:
             timed_out: TimeoutError | None = None
             try:
@@ -257,19 +257,15 @@ class FaultTolerantSteps:
                 timed_out = exc
             # Every rank asks again if any timed out (one that was answered just in time too):
             # the group's ranks must enter the step together.
-            verdict = torch.tensor([float(timed_out is not None)], device=engine.device)
-            engine.comm.all_reduce(verdict, group=world_group(), op="max", purpose=GENERIC)
-            if not verdict.item():
+            if not self._any_rank(timed_out is not None):
                 return
-            alive = torch.tensor([float(lighthouse_answers(self.lighthouse))], device=engine.device)
-            engine.comm.all_reduce(alive, group=world_group(), op="min", purpose=GENERIC)
-            if not alive.item():
+            if self._any_rank(not lighthouse_answers(self.lighthouse)):
                 raise PlaitError(
                     f"no quorum within {self.quorum_timeout:g} s (fault_tolerance."
                     f"quorum_timeout_seconds), and the lighthouse at {self.lighthouse} does not "
                     "answer"
                 ) from timed_out
-            if engine.mesh.rank == 0:
+            if not dist.is_initialized() or dist.get_rank() == 0:
                 print(
                     f"plait: no quorum within {self.quorum_timeout:g} s: the lighthouse waits for "
                     "a replica group that has not asked (hung, or starting); asking again",
@@ -278,6 +274,15 @@ class FaultTolerantSteps:
                 )
             # torchft re-raises a failed quorum at the next start; this one has been dealt with.
             self.manager._quorum_future = None
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank of this group (one small all-reduce over the
+        group's own ranks; none for a group of one rank)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        verdict = torch.tensor([float(flag)], device=self.engine.device)
+        self.engine.comm.all_reduce(verdict, group=world_group(), op="max", purpose=GENERIC)
+        return bool(verdict.item())
 
     def _refuse_starting_over(self, participants: int) -> None:
         """A group alone at step 0 of a job that has trained — torchrun restarted it, or the

@@ -105,3 +105,61 @@ def test_the_status_page_is_read_whatever_unit_its_heartbeat_ages_are_in() -> No
     assert view.heartbeats == pytest.approx(
         {"job-group0:a1": 3.5e-6, "job-group1:b2": 2.5e-3, "job-group1:c3": 7.25}
     )
+
+
+# torchft 0.2's page after a quorum of two groups (one recovering), as a lighthouse served it.
+PREVIOUS_QUORUM_PAGE = """
+Current quorum_id: 2 <br>
+Next quorum status: New quorum not ready [0/0 participants healthy][2 heartbeating]
+
+<h3>Previous Quorum</h3>
+Previous quorum id: 2 <br>
+Num participants: 2 <br>
+<div>
+<div class="member
+ recovering
+">
+  <b>J-group0:89f72b5d-aca3-4287-8008-ef3e16e393ec</b> <br/>
+  Step: 0 <br/>
+  Manager: http://127.0.0.1:38903 <br/>
+</div>
+<div class="member
+">
+  <b>J-group1:826cca92-9a4f-474b-b68c-4d995798770c</b> <br/>
+  Step: 18 <br/>
+  Manager: http://127.0.0.1:34779 <br/>
+</div>
+</div>
+<h2>Heartbeats</h2>
+<ul>
+  <li class="heartbeat">
+    J-group0:89f72b5d-aca3-4287-8008-ef3e16e393ec: seen 0.051658082s ago
+  </li>
+</ul>
+"""
+
+
+def test_the_previous_quorums_members_and_steps_are_read() -> None:
+    view = parse_lighthouse_status(PREVIOUS_QUORUM_PAGE)
+    assert view.previous_quorum == {
+        "J-group0:89f72b5d-aca3-4287-8008-ef3e16e393ec": 0,
+        "J-group1:826cca92-9a4f-474b-b68c-4d995798770c": 18,
+    }
+    assert parse_lighthouse_status("Current quorum_id: -1 <br>").previous_quorum == {}
+
+
+def test_a_jobs_progress_is_its_furthest_group_in_the_last_quorum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from plait.daemon import lighthouse
+    from plait.plugins.fault_tolerance.job_progress import job_progress_at
+
+    page = PREVIOUS_QUORUM_PAGE.replace("<b>J-group0", "<b>other-job-group0").replace(
+        "Step: 0", "Step: 99"
+    )
+    monkeypatch.setattr(
+        lighthouse, "read_lighthouse", lambda *_, **__: parse_lighthouse_status(page)
+    )
+    found = job_progress_at("127.0.0.1:1", "J")
+    assert found is not None and (found.step, found.replica_id.split(":")[0]) == (18, "J-group1")
+    assert job_progress_at("127.0.0.1:1", "nobody") is None
