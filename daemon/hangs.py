@@ -26,9 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from plait.core import telemetry_schema as names
-from plait.daemon.decoder import GaugePoint
+
+if TYPE_CHECKING:  # the daemon's decoder: the CLI merges hangs without it
+    from plait.daemon.decoder import GaugePoint
 
 DEFAULT_HANG_TIMEOUT_SECONDS = 60.0
 # A rank whose last heartbeat is older than this no longer vouches for its in-flight ops

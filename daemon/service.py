@@ -2,14 +2,15 @@
 
 What the figures mean is decided in `plait.daemon.analysis` (plain dataclasses, no gRPC); this
 module only takes the store's lock around an analysis and turns its records into `plait.v1`
-messages. The exporters' points come from the same analysis (`plait.daemon.points`).
+messages (hang reports and straggler scores with `plait.daemon.report_messages`, which the CLI
+reads too). The exporters' points come from the same analysis (`plait.daemon.points`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +42,11 @@ from plait.daemon.host import HostCollector, HostSample
 from plait.daemon.ingest_pool import PoolStats
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.replica_groups import fault_tolerance_views
+from plait.daemon.report_messages import hang_message, straggler_message
 from plait.daemon.security import CallCounters
 from plait.daemon.shared_answers import SharedAnswers
 from plait.daemon.store import TelemetryStore
-from plait.daemon.stragglers import DEFAULT_THRESHOLD, RankTiming, StragglerScore, score_ranks
+from plait.daemon.stragglers import DEFAULT_THRESHOLD
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc, metrics_pb2
 
 __all__ = ["DEFAULT_METRICS_WINDOW_STEPS", "DaemonExtras", "DaemonService", "daemon_points"]
@@ -200,75 +202,6 @@ def host_metrics(sample: HostSample) -> metrics_pb2.HostMetrics:
         net_recv_bytes_per_second=sample.net_recv_bytes_per_second,
         sampled_unix_nano=sample.sampled_ns,
     )
-
-
-def straggler_message(score: StragglerScore) -> metrics_pb2.StragglerScore:
-    t = score.timing
-    return metrics_pb2.StragglerScore(
-        job_id=t.job_id,
-        rank=t.rank,
-        host=t.host,
-        steps=t.steps,
-        median_step_seconds=t.median_step_seconds,
-        median_compute_seconds=t.median_compute_seconds,
-        step_score=score.step_score,
-        compute_score=score.compute_score,
-        flagged=score.flagged,
-    )
-
-
-def hang_message(hang: Hang, hostname: str) -> metrics_pb2.CollectiveHang:
-    return metrics_pb2.CollectiveHang(
-        job_id=hang.job_id,
-        group=hang.group,
-        group_ranks=hang.group_ranks,
-        op=hang.op,
-        seq=hang.seq,
-        purpose=hang.purpose,
-        entered_ranks=hang.entered_ranks,
-        missing_ranks=hang.missing_ranks,
-        unreported_ranks=hang.unreported_ranks,
-        entered_unix_nano=hang.entered_ns,
-        waiting_seconds=hang.waiting_seconds,
-        host=hostname,
-        replica_group=hang.replica_group,
-    )
-
-
-def hang_from_message(message: metrics_pb2.CollectiveHang) -> Hang:
-    return Hang(
-        job_id=message.job_id,
-        group=message.group,
-        group_ranks=tuple(message.group_ranks),
-        op=message.op,
-        seq=message.seq,
-        purpose=message.purpose,
-        entered_ranks=tuple(message.entered_ranks),
-        missing_ranks=tuple(message.missing_ranks),
-        unreported_ranks=tuple(message.unreported_ranks),
-        entered_ns=message.entered_unix_nano,
-        waiting_seconds=message.waiting_seconds,
-        replica_group=message.replica_group,
-    )
-
-
-def rescore_stragglers(
-    responses: Sequence[daemon_pb2.GetBottleneckResponse], threshold: float
-) -> list[metrics_pb2.StragglerScore]:
-    """Score every host's ranks against the medians of all hosts' ranks (one job, one scale)."""
-    timings = [
-        RankTiming(
-            job_id=s.job_id,
-            rank=s.rank,
-            host=s.host,
-            steps=s.steps,
-            median_step_seconds=s.median_step_seconds,
-            median_compute_seconds=s.median_compute_seconds,
-        )
-        for response in responses
-        for s in response.stragglers
-    ]
-    return [straggler_message(score) for score in score_ranks(timings, threshold)]
 
 
 @dataclass

@@ -1,9 +1,13 @@
 """The `plait` command line: train, config, plugins, demo, init, and the mounted command groups.
 
 Operator commands (daemon, status, top, trace, bottleneck), `plait data`, `plait schedule` and
-`plait kernels` live in their own modules and are mounted here. Modules listed in
-`LAZY_MODULES` (those that load gRPC, the daemon or torch at import) are imported only when one
-of their commands runs: `plait --help` lists their commands from their source, read with `ast`.
+`plait kernels` live in their own modules and are mounted here. A command group's module
+(`plait data`, `plait ckpt`, …) is imported when one of its commands runs or `plait --help`
+lists it. Modules listed in `LAZY_MODULES` (those that load gRPC, the daemon or torch at
+import) are imported only when one of their commands runs: `plait --help` lists their commands
+from their source, read with `ast`. Of a module's commands, only the one that runs is built
+(typer builds a command from every parameter's annotations), so `plait top --once --json`, which
+an operator polls and a script calls in a loop, pays for its own imports and little else.
 """
 
 from __future__ import annotations
@@ -33,28 +37,34 @@ if TYPE_CHECKING:
 
 
 class _LazyCommands(TyperGroup):
-    """The top-level group: commands of `LAZY_MODULES` are imported when they run; while help
-    is formatted they are stand-ins carrying the name and help read from the module's source."""
+    """The top-level group: the mounted command groups are imported when asked for (listed
+    after plait's own, in `MOUNTED_APPS` order), commands of `LAZY_MODULES` when they run;
+    while help is formatted those are stand-ins carrying the name and help read from the
+    module's source."""
 
     _listing = False
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         names = super().list_commands(ctx)
+        names += [name for name in _lazy_groups() if name not in names]
         return names + [name for name in _lazy_help() if name not in names]
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         command = super().get_command(ctx, cmd_name)
         if command is not None:
             return command
-        module_name = _lazy_owner().get(cmd_name)
-        if module_name is None:
-            return None
-        if self._listing:
-            return click.Command(cmd_name, help=_lazy_help()[cmd_name])
-        group = typer.main.get_group(importlib.import_module(module_name).app)
-        for name, loaded in group.commands.items():
-            self.add_command(loaded, name)
-        return self.commands.get(cmd_name)
+        if cmd_name in _GROUP_MODULES:
+            command = _mounted_group(_GROUP_MODULES[cmd_name], cmd_name)
+        else:
+            module_name = _lazy_owner(cmd_name)
+            if module_name is None:
+                return None
+            if self._listing:
+                return click.Command(cmd_name, help=_module_help(module_name)[cmd_name])
+            command = _merged_command(importlib.import_module(module_name).app, cmd_name)
+        if command is not None:
+            self.add_command(command, cmd_name)
+        return command
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         self._listing = True
@@ -91,6 +101,8 @@ MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
 # Command modules merged at the top level whose imports are slow (gRPC and the daemon's
 # exporters): their commands are listed from their source and imported when one runs.
 LAZY_MODULES: tuple[str, ...] = ("plait.tools.daemon_commands", "plait.tools.profile_commands")
+# {name under `plait`: module} of the mounted command groups, imported when asked for.
+_GROUP_MODULES: dict[str, str] = {name: module for module, name in MOUNTED_APPS if name}
 
 Overrides = Annotated[
     list[str] | None,
@@ -475,44 +487,82 @@ def _literal(node: ast.expr) -> Any:
         return None
 
 
-_LAZY_HELP: dict[str, str] | None = None
-_LAZY_OWNER: dict[str, str] = {}
+_LAZY_HELP: dict[str, dict[str, str]] = {}  # {module: {command: first help line}}
+
+
+def _module_help(module_name: str) -> dict[str, str]:
+    if module_name not in _LAZY_HELP:
+        _LAZY_HELP[module_name] = command_help_from_source(module_name)
+    return _LAZY_HELP[module_name]
 
 
 def _lazy_help() -> dict[str, str]:
-    global _LAZY_HELP
-    if _LAZY_HELP is None:
-        _LAZY_HELP = {}
-        for module_name in LAZY_MODULES:
-            for name, text in command_help_from_source(module_name).items():
-                _LAZY_HELP[name] = text
-                _LAZY_OWNER[name] = module_name
-    return _LAZY_HELP
+    """`{command: first help line}` of every command of `LAZY_MODULES`, in their order."""
+    return {name: text for module in LAZY_MODULES for name, text in _module_help(module).items()}
 
 
-def _lazy_owner() -> dict[str, str]:
-    _lazy_help()
-    return _LAZY_OWNER
+def _lazy_owner(cmd_name: str) -> str | None:
+    """The module of `LAZY_MODULES` that holds `cmd_name`: their sources are parsed in turn
+    until one has it (parsing one costs more than a small command's own run)."""
+    return next((m for m in LAZY_MODULES if cmd_name in _module_help(m)), None)
+
+
+def _lazy_groups() -> dict[str, str]:
+    """`_GROUP_MODULES` less the groups that are not part of this build."""
+    return {
+        name: module
+        for name, module in _GROUP_MODULES.items()
+        if importlib.util.find_spec(module) is not None
+    }
+
+
+def _holder() -> typer.Typer:
+    """An empty app that builds commands with `app`'s settings, as `app`'s own build does."""
+    return typer.Typer(
+        rich_markup_mode=app.rich_markup_mode, pretty_exceptions_short=app.pretty_exceptions_short
+    )
+
+
+def _mounted_group(module_name: str, name: str) -> click.Command | None:
+    """The module's command group, built as `app.add_typer(module.app, name=name)` mounts it;
+    None when the module is not part of this build."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return None
+        raise
+    holder = _holder()
+    holder.add_typer(module.app, name=name)
+    return typer.main.get_group(holder).commands[name]
+
+
+def _merged_command(sub: typer.Typer, name: str) -> click.Command | None:
+    """The command `name` of `sub`, built alone: its siblings are built if they run."""
+    holder = _holder()
+    holder.registered_commands = [
+        info
+        for info in sub.registered_commands
+        if info.callback is not None
+        and (info.name or typer.main.get_command_name(info.callback.__name__)) == name
+    ]
+    return typer.main.get_group(holder).commands.get(name)
 
 
 def _mount_apps() -> None:
     for module_name, name in MOUNTED_APPS:
-        if module_name in LAZY_MODULES:
-            continue  # mounted by _LazyCommands when one of its commands runs
+        if name is not None or module_name in LAZY_MODULES:
+            continue  # mounted by _LazyCommands when asked for
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name == module_name:
                 continue  # that command group is not part of this build
             raise
-        sub = module.app
-        if name is None:
-            for command in sub.registered_commands:
-                app.registered_commands.append(command)
-            for group in sub.registered_groups:
-                app.registered_groups.append(group)
-        else:
-            app.add_typer(sub, name=name)
+        for command in module.app.registered_commands:
+            app.registered_commands.append(command)
+        for group in module.app.registered_groups:
+            app.registered_groups.append(group)
 
 
 _mount_apps()

@@ -20,11 +20,10 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import grpc
 import typer
-from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
@@ -34,9 +33,8 @@ from plait.daemon.config import (
     DEFAULT_STALE_FLOOR_SECONDS,
     DEFAULT_STALE_STEP_MULTIPLE,
 )
-from plait.daemon.hangs import Hang
-from plait.daemon.service import hang_from_message, rescore_stragglers
-from plait.proto.plait.v1 import control_pb2, daemon_pb2
+from plait.daemon.report_messages import hang_from_message, rescore_stragglers
+from plait.proto.plait.v1 import daemon_pb2
 from plait.proto.plait.v1.daemon_pb2_grpc import DaemonStub as Stub
 from plait.tools import daemon_json
 from plait.tools.daemon_client import (
@@ -49,7 +47,6 @@ from plait.tools.daemon_client import (
     resolve_hosts,
 )
 from plait.tools.daemon_jobs import expert_rows
-from plait.tools.daemon_pictures import JobFigures, write_bottleneck_png
 from plait.tools.daemon_views import (
     BottleneckView,
     DaemonRow,
@@ -63,6 +60,10 @@ from plait.tools.daemon_views import (
 )
 from plait.tools.daemon_worlds import marked_superseded, superseded_jobs, without_jobs
 from plait.tools.output import make_console, print_error
+
+if TYPE_CHECKING:
+    from plait.daemon.hangs import Hang
+    from plait.proto.plait.v1 import control_pb2
 
 __all__ = ["JobSummary", "aggregate_jobs", "app", "render_hangs", "render_top"]
 
@@ -339,13 +340,16 @@ def hang_stacks(hosts: list[str], hangs: list[Hang]) -> list[control_pb2.RankSta
     """Where the ranks of each hung collective are: every rank of its group, the ones stuck in
     it and the ones that never came, asked for their stacks through the control channel."""
     from plait.daemon.hangs import merge_hangs
-    from plait.tools.profile_commands import fetch_stacks
 
     # (job, replica group): a fault-tolerant job's hang is in one group's world, whose ranks
     # are asked, not the same rank numbers of the other groups.
     wanted: dict[tuple[str, int], set[int]] = {}
     for hang in merge_hangs(hangs):
         wanted.setdefault((hang.job_id, hang.replica_group), set()).update(hang.group_ranks)
+    if not wanted:
+        return []  # nothing is hung: the control channel's client is not even imported
+    from plait.tools.profile_commands import fetch_stacks
+
     found = []
     for (job_id, replica_group), ranks in sorted(wanted.items()):
         stacks, _, _ = fetch_stacks(
@@ -472,6 +476,8 @@ def top(
         if view.errors:
             raise typer.Exit(1)
         return
+    from rich.live import Live  # only the live screen needs it: --once and --json print once
+
     request = daemon_pb2.StreamMetricsRequest(
         job_id=job, window_steps=window_steps, interval_seconds=interval, include_finished=show_all
     )
@@ -538,6 +544,9 @@ def bottleneck(
     view, metrics = bottleneck_view(call_all(resolve_hosts(hosts), query), threshold)
     ranks = view.ranks
     if png is not None and ranks:
+        # Imported here: only a command asked for a picture needs the picture's module.
+        from plait.tools.daemon_pictures import JobFigures, write_bottleneck_png
+
         summaries = {
             j.job_id: JobFigures(
                 mfu=j.mfu if j.peak_flops > 0 else None, step_seconds=j.step_seconds

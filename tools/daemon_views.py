@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
 from rich.markup import escape
@@ -16,13 +17,6 @@ from rich.table import Table
 from rich.text import Text
 
 from plait.core.mfu import CALIBRATION_ADVICE, format_mfu, is_calibration_error, mfu
-from plait.daemon.bottleneck import (
-    CLASS_LABELS,
-    RankBreakdown,
-    RankContext,
-    advice,
-    job_dominant,
-)
 from plait.daemon.hangs import Hang, merge_hangs
 from plait.proto.plait.v1 import control_pb2, daemon_pb2, metrics_pb2
 from plait.tools.control_views import render_hang_stacks
@@ -49,6 +43,9 @@ from plait.tools.replica_group_views import (
     merge_fault_tolerant_jobs,
     render_fault_tolerance,
 )
+
+if TYPE_CHECKING:
+    from plait.daemon.bottleneck import RankBreakdown
 
 HostError = tuple[str, str]  # (address, error text)
 
@@ -462,6 +459,9 @@ def render_top(
 
 # --------------------------------------------------------------------------------------------
 # plait bottleneck
+#
+# Its class labels and advice come from the daemon's bottleneck analysis, imported by the
+# functions below: `plait status` and `plait top` never load it.
 # --------------------------------------------------------------------------------------------
 
 # (header, header below 120 columns, BottleneckBreakdown field), in the order the classes
@@ -501,6 +501,8 @@ def _class_column(
 def bottleneck_columns(
     jobs: Mapping[str, str], rows: Sequence[metrics_pb2.BottleneckBreakdown], width: int
 ) -> list[Column[metrics_pb2.BottleneckBreakdown]]:
+    from plait.daemon.bottleneck import CLASS_LABELS
+
     narrow = is_narrow(width)
     return [
         Column(
@@ -558,6 +560,8 @@ class BottleneckView:
     errors: list[HostError]
 
     def render(self, width: int) -> Group:
+        from plait.daemon.bottleneck import CLASS_LABELS
+
         jobs = short_job_ids([r.job_id for r in self.ranks], width)
         parts: list[RenderableType] = [
             build_table(
@@ -587,6 +591,8 @@ class BottleneckView:
 
 
 def breakdown_from_message(r: metrics_pb2.BottleneckBreakdown) -> RankBreakdown:
+    from plait.daemon.bottleneck import RankBreakdown
+
     return RankBreakdown(
         steps=r.steps,
         step_seconds=r.step_seconds,
@@ -614,6 +620,8 @@ def job_verdicts(
 ) -> list[JobVerdict]:
     """One verdict per job over the ranks of every host, advised for the job's device and
     mesh (from `ListRanks`; the lowest rank speaks for the job)."""
+    from plait.daemon.bottleneck import RankContext, advice, job_dominant
+
     by_job: dict[str, list[metrics_pb2.BottleneckBreakdown]] = {}
     for r in ranks:
         by_job.setdefault(r.job_id, []).append(r)
