@@ -60,8 +60,10 @@ class GroupLossExit:
         self.judged = threading.Event()
 
     def start(self) -> GroupLossExit:
-        """Install the wakeup fd (main thread only) and start the watching thread. Does nothing
-        when another part of the process already owns the wakeup fd."""
+        """Install the wakeup fd and start the watching thread. Does nothing off the main
+        thread, or when another part of the process already owns the wakeup fd."""
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach the main thread only; its owner decides about them
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # the C handler must never block on a full pipe
         previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
