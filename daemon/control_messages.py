@@ -29,6 +29,7 @@ from plait.daemon.control_records import (
     rank_label,
 )
 from plait.daemon.deliveries import RankStacksRecord
+from plait.daemon.job_directory import JobNode, WorldReport
 from plait.proto.plait.v1 import control_pb2
 
 # --------------------------------------------------------------------------------------------
@@ -49,6 +50,41 @@ def replica_group_of(message: _WithReplicaGroup) -> int:
 def replica_group_field(replica_group: int) -> int | None:
     """The value for a message's optional `replica_group` (None, left unset: an ordinary job)."""
     return None if replica_group == NO_REPLICA_GROUP else replica_group
+
+
+def job_nodes_problem(request: control_pb2.PollRequest) -> str:
+    """Why a poll's node list cannot be kept ("" if it can); the poll itself still counts."""
+    nodes = request.job_nodes
+    if len(nodes) > request.world_size:
+        return f"job_nodes: {len(nodes)} nodes for a world of {request.world_size}"
+    indices = sorted(n.node for n in nodes)
+    if indices != list(range(len(nodes))):
+        return f"job_nodes: node indices {indices[:8]} are not 0..{len(nodes) - 1}"
+    if request.self_node not in indices:
+        return f"self_node: {request.self_node} is none of the {len(nodes)} nodes"
+    for node in nodes:
+        _, sep, port = node.daemon.rpartition(":")
+        if not sep or not port.isdigit():
+            return f"job_nodes[{node.node}].daemon: {node.daemon!r} is not HOST:PORT"
+        if any(not 0 <= r < request.world_size for r in node.ranks):
+            return f"job_nodes[{node.node}].ranks: outside [0, {request.world_size})"
+    return ""
+
+
+def world_report(request: control_pb2.PollRequest, now_ns: int) -> WorldReport:
+    """The job's node list a rank sent with its poll."""
+    return WorldReport(
+        job_id=request.job_id,
+        replica_group=replica_group_of(request),
+        nodes=tuple(
+            sorted(
+                (JobNode(n.node, n.host, n.daemon, tuple(n.ranks)) for n in request.job_nodes),
+                key=lambda n: n.node,
+            )
+        ),
+        here=request.self_node,
+        reported_unix_nano=now_ns,
+    )
 
 
 def hello_from(request: control_pb2.PollRequest) -> RankHello:

@@ -23,12 +23,14 @@ from plait.daemon.control_messages import (
     analysis_message,
     endpoint_message,
     hello_from,
+    job_nodes_problem,
     order_message,
     outcome_message,
     poll_problem,
     replica_group_field,
     replica_group_of,
     stacks_message,
+    world_report,
 )
 from plait.daemon.control_records import (
     DELIVERED,
@@ -55,6 +57,7 @@ from plait.daemon.deliveries import (
     read_stacks,
     read_trace,
 )
+from plait.daemon.job_directory import JobDirectory
 from plait.daemon.profile_trace import RankCapture, merge_captures
 from plait.daemon.store import RankIdentity, SpanRecord, TelemetryStore
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc
@@ -83,14 +86,17 @@ class ControlService(control_pb2_grpc.ControlServicer):
         store: TelemetryStore,
         *,
         stopping: threading.Event,
+        directory: JobDirectory | None = None,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self.registry = registry
+        self.directory = directory
         self.store = store
         self.stopping = stopping
         self.clock = clock
         self.limits = registry.limits
         self.bad_deliveries = 0
+        self.bad_job_nodes = 0
 
     def _abort(self, context: grpc.ServicerContext, refusal: Refusal) -> None:
         context.abort(REFUSAL_CODES.get(refusal.code, grpc.StatusCode.UNKNOWN), str(refusal))
@@ -112,7 +118,21 @@ class ControlService(control_pb2_grpc.ControlServicer):
             daemon_unix_nano=self.clock(),
             orders=[order_message(o) for o in orders],
             max_chunk_bytes=self.limits.max_chunk_bytes,
+            wants_job_nodes=self._note_job_nodes(request),
         )
+
+    def _note_job_nodes(self, request: control_pb2.PollRequest) -> bool:
+        """Keep the job's node list a rank sent; whether this daemon still lacks one."""
+        if self.directory is None:
+            return False
+        group = replica_group_of(request)
+        if request.job_nodes:
+            if job_nodes_problem(request):
+                self.bad_job_nodes += 1  # the poll counts; the list is not kept
+                return False
+            self.directory.report(world_report(request, self.clock()))
+            return False
+        return not self.directory.knows(request.job_id, group)
 
     def Deliver(
         self, request: control_pb2.DeliverChunk, context: grpc.ServicerContext

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from plait.core.daemon_auth import TOKEN_ENV
+from plait.core.daemon_auth import TOKEN_ENV, DaemonClientAuth
 
 AUTHORIZATION = "authorization"
 # The transport accepts this many times `max_request_bytes`, so the guard (not gRPC) answers for
@@ -130,6 +130,24 @@ class SecurityConfig:
                 f"binding {bind!r} (not loopback) requires {' and '.join(missing)}; "
                 "pass --insecure to listen without them on a trusted network"
             )
+
+    def peer_auth(self) -> DaemonClientAuth:
+        """How this daemon calls the other daemons of a job: a fleet shares one token and one
+        trust root. The client variables (`$PLAIT_DAEMON_TOKEN`, `$PLAIT_DAEMON_CA_CERT`, ...)
+        win where set; else this daemon's own token, its certificate as the root it trusts
+        (a fleet certificate, or one signed by the CA it names) and, under mutual TLS, its
+        certificate and key as the client's."""
+        from_env = DaemonClientAuth.from_env()
+        mutual = self.client_ca is not None and self.tls_cert and self.tls_key
+        return DaemonClientAuth(
+            token=from_env.token or self.token,
+            ca_cert=from_env.ca_cert
+            or (self.tls_cert.read_bytes() if self.tls_cert is not None else None),
+            client_cert=from_env.client_cert
+            or (self.tls_cert.read_bytes() if mutual and self.tls_cert else None),
+            client_key=from_env.client_key
+            or (self.tls_key.read_bytes() if mutual and self.tls_key else None),
+        )
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls:

@@ -14,12 +14,14 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import replace
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
@@ -35,6 +37,8 @@ from plait.daemon.hangs import Hang
 from plait.daemon.host import HostCollector
 from plait.daemon.ingest_pool import IngestPool
 from plait.daemon.interpreter import serving_interpreter
+from plait.daemon.job_directory import JobDirectory
+from plait.daemon.job_questions import JobQuestions, PeerChannels
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.otlp import IngestLimiter, add_receivers
 from plait.daemon.security import OVERSIZE_HEADROOM, CallCounters, CallGuard, SecurityConfig
@@ -189,9 +193,22 @@ class DaemonServer:
         daemon_pb2_grpc.add_DaemonServicer_to_server(self.service, self.server)
         # The control channel: ranks poll it, operators profile, dump stacks and memory.
         self.control = ControlRegistry(config.control)
-        self.control_service = ControlService(self.control, self.store, stopping=self.stopping)
+        # Where each job's other daemons are: the node lists the ranks send with their polls.
+        self.directory = JobDirectory()
+        self.control_service = ControlService(
+            self.control, self.store, stopping=self.stopping, directory=self.directory
+        )
         self.extras.control_stats = self._control_stats
         control_pb2_grpc.add_ControlServicer_to_server(self.control_service, self.server)
+        self.peers = PeerChannels(self.security.peer_auth())
+        self.extras.job_questions = JobQuestions(
+            directory=self.directory,
+            hostname=self.host.hostname,
+            handlers=self._job_question_handlers(),
+            holds_job=self._holds_job,
+            channels=self.peers,
+        )
+        self.extras.prometheus_address = config.prometheus or ""
         # Bound here, so a taken port fails the daemon's start as the gRPC bind does.
         self.web = self._web_page(config.web) if config.web is not None else None
         self.lighthouse = self._lighthouse(config.lighthouse)
@@ -201,6 +218,28 @@ class DaemonServer:
             reflection.enable_server_reflection(
                 (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
             )
+
+    def _job_question_handlers(self) -> dict[str, Callable[[Any, Any], Message]]:
+        """The methods a peer daemon may ask for a job (`plait.daemon.job_questions`)."""
+        service, control = self.service, self.control_service
+        return {
+            "Daemon/Status": service.Status,
+            "Daemon/ListRanks": service.ListRanks,
+            "Daemon/GetMetrics": service.GetMetrics,
+            "Daemon/GetBottleneck": service.GetBottleneck,
+            "Control/ListEndpoints": control.ListEndpoints,
+            "Control/Clock": control.Clock,
+            "Control/Stacks": control.Stacks,
+            "Control/Memory": control.Memory,
+        }
+
+    def _holds_job(self, job_id: str) -> bool:
+        """Ranks of `job_id` reported here: spans or metrics, a poll, or the job's node list."""
+        return (
+            job_id in self.store.job_ids()
+            or self.directory.reports(job_id) != []
+            or self.control.endpoints(job_id, now_ns=time.time_ns()) != []
+        )
 
     def _web_page(self, bind: str) -> WebPage:
         """The live page (`plait.daemon.web`): another translation of the same services."""
@@ -279,6 +318,7 @@ class DaemonServer:
             self.upstream.stop(flush_seconds=max(grace, 1.0))
         if self.lighthouse is not None:
             self.lighthouse.stop()
+        self.peers.close()
 
     def _watch_hangs(self) -> None:
         """Report each new hang once (log + OpenTelemetry event); forget it when it clears."""

@@ -40,6 +40,8 @@ from plait.daemon.forwarding import ForwarderStats
 from plait.daemon.hangs import DEFAULT_HANG_TIMEOUT_SECONDS, Hang, find_hangs
 from plait.daemon.host import HostCollector, HostSample
 from plait.daemon.ingest_pool import PoolStats
+from plait.daemon.job_questions import PROTOCOL as JOB_PROTOCOL
+from plait.daemon.job_questions import JobQuestions
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.replica_groups import fault_tolerance_views
 from plait.daemon.report_messages import hang_message, straggler_message
@@ -224,6 +226,10 @@ class DaemonExtras:
     control_stats: Callable[[], dict[str, int]] | None = None
     # HOST:PORT of the torchft lighthouse the daemon hosts ("" when none): read by Status.
     lighthouse_address: str = ""
+    # HOST:PORT of the Prometheus /metrics endpoint ("" when none): read by Status.
+    prometheus_address: str = ""
+    # The job questions across daemons (`AskJob`, `ListJobDaemons`), when the server wires them.
+    job_questions: JobQuestions | None = None
 
 
 class DaemonService(daemon_pb2_grpc.DaemonServicer):
@@ -355,6 +361,8 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             lighthouse=(
                 lighthouse_message(extras.lighthouse_address) if extras.lighthouse_address else None
             ),
+            protocol=JOB_PROTOCOL,
+            prometheus_address=extras.prometheus_address,
             **self._ingest_status(),
             **(extras.control_stats() if extras.control_stats else {}),
         )
@@ -461,6 +469,26 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
             stragglers=[straggler_message(s) for s in view.stragglers],
             straggler_threshold=threshold,
         )
+
+    def ListJobDaemons(
+        self, request: daemon_pb2.ListJobDaemonsRequest, context: grpc.ServicerContext
+    ) -> daemon_pb2.ListJobDaemonsResponse:
+        return self._job_questions(context).list_daemons(request.job_id)
+
+    def AskJob(
+        self, request: daemon_pb2.AskJobRequest, context: grpc.ServicerContext
+    ) -> daemon_pb2.AskJobResponse:
+        if not request.job_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: empty")
+        if request.deadline_seconds < 0 or request.max_in_flight < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative deadline or max_in_flight")
+        return self._job_questions(context).ask(request)
+
+    def _job_questions(self, context: grpc.ServicerContext) -> JobQuestions:
+        questions = self.extras.job_questions
+        if questions is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon answers no job questions")
+        return questions
 
     def CaptureTrace(
         self, request: daemon_pb2.CaptureTraceRequest, context: grpc.ServicerContext

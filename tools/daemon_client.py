@@ -21,6 +21,7 @@ Hosts = Annotated[
 ]
 Json = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead")]
 RPC_TIMEOUT_SECONDS = 10.0
+MAX_CONCURRENT_HOSTS = 64  # daemons asked at once when addressed directly
 
 Result = TypeVar("Result")
 
@@ -62,7 +63,7 @@ def call_each(
             channel.close()
 
     hosts = list(calls)
-    with ThreadPoolExecutor(max_workers=max(len(hosts), 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(max(len(hosts), 1), MAX_CONCURRENT_HOSTS)) as pool:
         return dict(zip(hosts, pool.map(one, hosts), strict=True))
 
 

@@ -35,7 +35,6 @@ from plait.daemon.config import (
 )
 from plait.daemon.report_messages import hang_from_message, rescore_stragglers
 from plait.proto.plait.v1 import daemon_pb2
-from plait.proto.plait.v1.daemon_pb2_grpc import DaemonStub as Stub
 from plait.tools import daemon_json
 from plait.tools.daemon_client import (
     RPC_TIMEOUT_SECONDS,
@@ -44,9 +43,15 @@ from plait.tools.daemon_client import (
     call_all,
     error_text,
     open_stub,
-    resolve_hosts,
 )
 from plait.tools.daemon_jobs import expert_rows
+from plait.tools.daemon_targets import (
+    DEFAULT_DEADLINE_SECONDS,
+    Coverage,
+    Deadline,
+    HostsFile,
+    Targets,
+)
 from plait.tools.daemon_views import (
     BottleneckView,
     DaemonRow,
@@ -277,25 +282,24 @@ def daemon(
 @app.command()
 def status(
     hosts: Hosts = None,
-    job: Annotated[str, typer.Option(help="job id")] = "",
+    job: Annotated[str, typer.Option(help="job id: every daemon of the job answers")] = "",
+    hosts_file: HostsFile = None,
+    deadline: Deadline = DEFAULT_DEADLINE_SECONDS,
     as_json: Json = False,
     show_all: ShowAll = False,
 ) -> None:
     """Show each daemon's state, its jobs (state, worlds, restarts) and the ranks reporting."""
-    metrics_request = daemon_pb2.GetMetricsRequest(job_id=job, include_finished=show_all)
-
-    def query(
-        stub: Stub,
-    ) -> tuple[
-        daemon_pb2.StatusResponse, daemon_pb2.ListRanksResponse, daemon_pb2.GetMetricsResponse
-    ]:
-        return (
-            stub.Status(daemon_pb2.StatusRequest(), timeout=RPC_TIMEOUT_SECONDS),
-            stub.ListRanks(daemon_pb2.ListRanksRequest(job_id=job), timeout=RPC_TIMEOUT_SECONDS),
-            stub.GetMetrics(metrics_request, timeout=RPC_TIMEOUT_SECONDS),
-        )
-
-    results = call_all(resolve_hosts(hosts), query)
+    targets = Targets.resolve(hosts, job, hosts_file, deadline)
+    results, coverage = targets.ask(
+        [
+            ("Daemon/Status", daemon_pb2.StatusRequest()),
+            ("Daemon/ListRanks", daemon_pb2.ListRanksRequest(job_id=job)),
+            (
+                "Daemon/GetMetrics",
+                daemon_pb2.GetMetricsRequest(job_id=job, include_finished=show_all),
+            ),
+        ]
+    )
     daemons, ranks, metrics, errors = [], [], [], []
     answered = {h: r for h, r in results.items() if not isinstance(r, grpc.RpcError)}
     # Jobs whose ranks on a host an elastic shrink left behind: superseded by another host's.
@@ -326,17 +330,29 @@ def status(
         errors=errors,
         jobs=aggregate_jobs(metrics),
         experts=expert_rows(metrics),
-        hang_stacks=hang_stacks(resolve_hosts(hosts), hangs),
+        hang_stacks=hang_stacks(targets, hangs),
     )
     if as_json:
-        _emit_json("status", status_document(view))
+        _emit_json("status", {**status_document(view), **coverage_document(coverage)})
     else:
         console.print(view.render(console.width))
+        print_coverage(coverage)
     if errors:
         raise typer.Exit(1)
 
 
-def hang_stacks(hosts: list[str], hangs: list[Hang]) -> list[control_pb2.RankStacks]:
+def coverage_document(coverage: Coverage | None) -> dict:
+    """The `daemons` key of a job-wide command's JSON: asked, answered, the missing ones."""
+    return {"job_daemons": coverage.document()} if coverage is not None else {}
+
+
+def print_coverage(coverage: Coverage | None) -> None:
+    if coverage is not None:
+        style = "yellow" if coverage.missing else "dim"
+        console.print(Text(coverage.line(), style=style))
+
+
+def hang_stacks(targets: Targets, hangs: list[Hang]) -> list[control_pb2.RankStacks]:
     """Where the ranks of each hung collective are: every rank of its group, the ones stuck in
     it and the ones that never came, asked for their stacks through the control channel."""
     from plait.daemon.hangs import merge_hangs
@@ -353,7 +369,7 @@ def hang_stacks(hosts: list[str], hangs: list[Hang]) -> list[control_pb2.RankSta
     found = []
     for (job_id, replica_group), ranks in sorted(wanted.items()):
         stacks, _, _ = fetch_stacks(
-            hosts,
+            targets,
             job_id,
             sorted(ranks),
             HANG_STACKS_TIMEOUT_SECONDS,
@@ -447,7 +463,11 @@ def top_document(view: TopView) -> dict:
 @app.command()
 def top(
     hosts: Hosts = None,
-    job: Annotated[str, typer.Option(help="job id (default: every job)")] = "",
+    job: Annotated[
+        str, typer.Option(help="job id: every daemon of the job answers (default: every job)")
+    ] = "",
+    hosts_file: HostsFile = None,
+    deadline: Deadline = DEFAULT_DEADLINE_SECONDS,
     interval: Annotated[float, typer.Option(help="seconds between refreshes", min=0.1)] = 1.0,
     window_steps: Annotated[int, typer.Option(help="steps averaged per figure", min=0)] = 20,
     once: Annotated[bool, typer.Option("--once", help="print one snapshot and exit")] = False,
@@ -457,31 +477,30 @@ def top(
     show_all: ShowAll = False,
 ) -> None:
     """Live per-rank table: step, tokens/s, MFU, step time, communication share, memory."""
-    targets = resolve_hosts(hosts)
+    targets = Targets.resolve(hosts, job, hosts_file, deadline)
+    request = daemon_pb2.GetMetricsRequest(
+        job_id=job, window_steps=window_steps, include_finished=show_all
+    )
     if once or as_json:
-        request = daemon_pb2.GetMetricsRequest(
-            job_id=job, window_steps=window_steps, include_finished=show_all
-        )
-        results = call_all(
-            targets, lambda stub: stub.GetMetrics(request, timeout=RPC_TIMEOUT_SECONDS)
-        )
-        latest = {
-            h: error_text(r) if isinstance(r, grpc.RpcError) else r for h, r in results.items()
-        }
+        latest, coverage = latest_metrics(targets, request)
         view = TopView.from_latest(latest, show_superseded=show_all)
         if as_json:
-            _emit_json("top", top_document(view))
+            _emit_json("top", {**top_document(view), **coverage_document(coverage)})
         else:
             console.print(view.render(console.width))
+            print_coverage(coverage)
         if view.errors:
             raise typer.Exit(1)
         return
     from rich.live import Live  # only the live screen needs it: --once and --json print once
 
-    request = daemon_pb2.StreamMetricsRequest(
+    if targets.job_wide:
+        _top_job(targets, request, interval, show_all)
+        return
+    stream = daemon_pb2.StreamMetricsRequest(
         job_id=job, window_steps=window_steps, interval_seconds=interval, include_finished=show_all
     )
-    followers = [_Follower(host, request) for host in targets]
+    followers = [_Follower(host, stream) for host in targets.hosts]
     try:
         with Live(console=console, refresh_per_second=max(1.0, 1.0 / interval)) as live:
             while True:
@@ -496,6 +515,36 @@ def top(
             follower.stop()
 
 
+def latest_metrics(
+    targets: Targets, request: daemon_pb2.GetMetricsRequest
+) -> tuple[dict[str, daemon_pb2.GetMetricsResponse | str], Coverage | None]:
+    """Every daemon's metrics now (an error's text for one that gave none)."""
+    results, coverage = targets.ask([("Daemon/GetMetrics", request)])
+    latest = {
+        h: error_text(r) if isinstance(r, grpc.RpcError) else r[0] for h, r in results.items()
+    }
+    return latest, coverage
+
+
+def _top_job(
+    targets: Targets, request: daemon_pb2.GetMetricsRequest, interval: float, show_all: bool
+) -> None:
+    """The live screen of a whole job: the job's daemons asked once per refresh."""
+    from rich.console import Group
+    from rich.live import Live
+
+    try:
+        with Live(console=console, refresh_per_second=max(1.0, 1.0 / interval)) as live:
+            while True:
+                latest, coverage = latest_metrics(targets, request)
+                table = render_top(latest, console.width, show_superseded=show_all)
+                line = Text(coverage.line(), style="dim") if coverage is not None else Text("")
+                live.update(Group(table, line))
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
 # --------------------------------------------------------------------------------------------
 # plait bottleneck
 # --------------------------------------------------------------------------------------------
@@ -504,7 +553,11 @@ def top(
 @app.command()
 def bottleneck(
     hosts: Hosts = None,
-    job: Annotated[str, typer.Option(help="job id (default: every job)")] = "",
+    job: Annotated[
+        str, typer.Option(help="job id: every daemon of the job answers (default: every job)")
+    ] = "",
+    hosts_file: HostsFile = None,
+    deadline: Deadline = DEFAULT_DEADLINE_SECONDS,
     window_steps: Annotated[int, typer.Option(help="steps averaged per rank", min=0)] = 20,
     threshold: Annotated[
         float, typer.Option(help="flag ranks this much slower than the median", min=0.0)
@@ -520,28 +573,21 @@ def bottleneck(
         straggler_threshold=threshold,
         include_finished=show_all,
     )
-
-    def query(
-        stub: Stub,
-    ) -> tuple[
-        daemon_pb2.GetBottleneckResponse,
-        daemon_pb2.ListRanksResponse,
-        daemon_pb2.GetMetricsResponse,
-    ]:
-        # The rank listing tells the advice each job's device and mesh; the metrics give the
-        # picture's titles their MFU.
-        return (
-            stub.GetBottleneck(request, timeout=RPC_TIMEOUT_SECONDS),
-            stub.ListRanks(daemon_pb2.ListRanksRequest(job_id=job), timeout=RPC_TIMEOUT_SECONDS),
-            stub.GetMetrics(
+    # The rank listing tells the advice each job's device and mesh; the metrics give the
+    # picture's titles their MFU.
+    results, coverage = Targets.resolve(hosts, job, hosts_file, deadline).ask(
+        [
+            ("Daemon/GetBottleneck", request),
+            ("Daemon/ListRanks", daemon_pb2.ListRanksRequest(job_id=job)),
+            (
+                "Daemon/GetMetrics",
                 daemon_pb2.GetMetricsRequest(
                     job_id=job, window_steps=window_steps, include_finished=show_all
                 ),
-                timeout=RPC_TIMEOUT_SECONDS,
             ),
-        )
-
-    view, metrics = bottleneck_view(call_all(resolve_hosts(hosts), query), threshold)
+        ]
+    )
+    view, metrics = bottleneck_view(results, threshold)  # type: ignore[arg-type]
     ranks = view.ranks
     if png is not None and ranks:
         # Imported here: only a command asked for a picture needs the picture's module.
@@ -555,9 +601,13 @@ def bottleneck(
         }
         write_bottleneck_png(ranks, png, summaries)
     if as_json:
-        _emit_json("bottleneck", bottleneck_document(view, png if ranks else None))
+        _emit_json(
+            "bottleneck",
+            {**bottleneck_document(view, png if ranks else None), **coverage_document(coverage)},
+        )
     else:
         console.print(view.render(console.width))
+        print_coverage(coverage)
         if png is not None and ranks:
             console.print(f"wrote {png}", highlight=False)
     if view.errors:
@@ -624,11 +674,12 @@ def trace(
     ),
     job: Annotated[str, typer.Option(help="job id (default: every job)")] = "",
     ranks: Annotated[list[int] | None, typer.Option("--rank", help="only these ranks")] = None,
+    hosts_file: HostsFile = None,
 ) -> None:
     """Capture the ranks' spans as a Chrome trace (open it in https://ui.perfetto.dev)."""
     from plait.daemon.chrome_trace import merge_traces
 
-    targets = resolve_hosts(hosts)
+    targets = Targets.resolve(hosts, job, hosts_file).addresses()
     if seconds > 0:
         console.print(f"capturing {seconds:g}s of spans from {', '.join(targets)} …", markup=False)
     request = daemon_pb2.CaptureTraceRequest(seconds=seconds, job_id=job, ranks=ranks or [])

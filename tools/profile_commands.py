@@ -26,6 +26,7 @@ import gzip
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -50,9 +51,9 @@ from plait.tools.daemon_client import (
     call_all,
     call_each,
     error_text,
-    resolve_hosts,
 )
 from plait.tools.daemon_tables import build_table
+from plait.tools.daemon_targets import HostsFile, Targets
 from plait.tools.output import print_error
 
 app = typer.Typer(help="Profile, stack dumps and memory of a job's ranks, through the daemons.")
@@ -148,6 +149,7 @@ def profile(
     ] = False,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the traces", min=1)] = 120.0,
     replica_group: ReplicaGroup = None,
+    hosts_file: HostsFile = None,
     as_json: Json = False,
 ) -> None:
     """Record N steps of every rank with torch.profiler: one merged Perfetto trace, analysed."""
@@ -156,7 +158,7 @@ def profile(
     if not (output.name.endswith(".json") or output.name.endswith(".json.gz")):
         _fail(f"-o must name a .json or .json.gz file, got {output}", 2)
     wanted = parse_ranks(ranks)
-    targets = resolve_hosts(hosts)
+    targets = Targets.resolve(hosts, job, hosts_file).addresses()
     if seconds and len(targets) > 1:
         steps, seconds = _steps_for_seconds(targets, job, wanted, seconds, replica_group), 0.0
     request = control_pb2.ProfileRequest(
@@ -342,26 +344,29 @@ def merged_capture(
 
 
 def fetch_stacks(
-    hosts: list[str],
+    targets: Targets,
     job: str,
     ranks: Sequence[int],
     timeout: float,
     replica_group: int | None = None,
 ) -> tuple[list[control_pb2.RankStacks], list[control_pb2.RankOutcome], list[tuple[str, str]]]:
-    """Every addressed rank's stacks from every daemon (`replica_group`: only that group's)."""
+    """Every addressed rank's stacks from every daemon (`replica_group`: only that group's);
+    from every daemon of the job when `targets` is job-wide."""
     request = control_pb2.StacksRequest(
         job_id=job, ranks=ranks, timeout_seconds=timeout, replica_group=replica_group
     )
-    answered, errors = _split(
-        call_all(
-            hosts,
-            lambda stub: stub.Stacks(request, timeout=timeout + EXTRA_RPC_SECONDS),
-            stub=ControlStub,
-        )
+    results, _ = _for_job(targets, job, timeout).ask(
+        [("Control/Stacks", request)], timeout=timeout + EXTRA_RPC_SECONDS
     )
-    stacks = [s for response in answered.values() for s in response.ranks]
-    outcomes = [o for response in answered.values() for o in response.outcomes]
+    answered, errors = _split(results)
+    stacks = [s for (response,) in answered.values() for s in response.ranks]
+    outcomes = [o for (response,) in answered.values() for o in response.outcomes]
     return stacks, outcomes, errors
+
+
+def _for_job(targets: Targets, job: str, wait: float) -> Targets:
+    """`targets` asking about `job`, with a deadline past the ranks' own `wait`."""
+    return replace(targets, job=job, deadline=max(targets.deadline, wait + EXTRA_RPC_SECONDS))
 
 
 @app.command()
@@ -371,11 +376,12 @@ def stacks(
     ranks: Ranks = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the ranks", min=0.5)] = 10.0,
     replica_group: ReplicaGroup = None,
+    hosts_file: HostsFile = None,
     as_json: Json = False,
 ) -> None:
     """Every thread's Python stack on every rank, taken while the training thread is stuck."""
     found, outcomes, errors = fetch_stacks(
-        resolve_hosts(hosts), job, parse_ranks(ranks), timeout, replica_group
+        Targets.resolve(hosts, job, hosts_file), job, parse_ranks(ranks), timeout, replica_group
     )
     if as_json:
         _emit_json(
@@ -409,6 +415,7 @@ def memory(
         float, typer.Option(help="seconds to wait for a step to meter", min=0.1)
     ] = 10.0,
     replica_group: ReplicaGroup = None,
+    hosts_file: HostsFile = None,
     as_json: Json = False,
 ) -> None:
     """Each rank's memory: CUDA allocator snapshot, RSS, model state and activations, by rank."""
@@ -418,13 +425,10 @@ def memory(
         step_wait_seconds=wait,
         replica_group=replica_group,
     )
-    answered, errors = _split(
-        call_all(
-            resolve_hosts(hosts),
-            lambda stub: stub.Memory(request, timeout=wait + 2 * EXTRA_RPC_SECONDS),
-            stub=ControlStub,
-        )
-    )
+    targets = _for_job(Targets.resolve(hosts, job, hosts_file), job, wait + EXTRA_RPC_SECONDS)
+    results, _ = targets.ask([("Control/Memory", request)], timeout=wait + 2 * EXTRA_RPC_SECONDS)
+    answered, errors = _split(results)
+    answered = {host: response for host, (response,) in answered.items()}
     from plait.core.telemetry_schema import NO_REPLICA_GROUP
     from plait.daemon.control_records import rank_file_prefix
 

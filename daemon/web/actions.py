@@ -23,7 +23,7 @@ from plait.core.telemetry_schema import NO_REPLICA_GROUP
 from plait.daemon.control_messages import replica_group_of
 from plait.daemon.control_records import rank_file_prefix
 from plait.daemon.control_service import ControlService
-from plait.daemon.web.page_data import LocalCallError, LocalContext
+from plait.daemon.local_calls import LocalCallError, LocalContext
 from plait.proto.plait.v1 import control_pb2
 from plait.tools import daemon_json
 from plait.tools.control_views import profile_document

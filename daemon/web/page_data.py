@@ -11,11 +11,10 @@ the straggler threshold are the CLI's defaults, so both ask the same question.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
-
-import grpc
+from typing import Any
 
 from plait.daemon.hangs import merge_hangs
+from plait.daemon.local_calls import LocalContext
 from plait.daemon.service import DaemonService
 from plait.proto.plait.v1 import daemon_pb2
 from plait.tools.daemon_commands import (
@@ -27,24 +26,6 @@ from plait.tools.daemon_views import TopView
 
 # `plait top`'s and `plait bottleneck`'s default --window-steps.
 WINDOW_STEPS = 20
-
-
-class LocalCallError(Exception):
-    """A service refused an in-process call (what a gRPC client would see as its status)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
-
-
-class LocalContext:
-    """The part of `grpc.ServicerContext` the daemon's services use, for in-process calls."""
-
-    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
-        raise LocalCallError(code, details)
-
-    def is_active(self) -> bool:
-        return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from plait.proto.plait.v1 import control_pb2, control_pb2_grpc
 
 if TYPE_CHECKING:
     from plait.core.step import JobInfo
+    from plait.plugins.telemetry.job_nodes import JobNodes
 
 logger = logging.getLogger("plait.telemetry")
 
@@ -120,6 +121,10 @@ class ControlClient:
         self._disabled = False  # the daemon has no control service
         self._stacks_sent: deque[str] = deque(maxlen=64)
         self.polls = 0
+        # The job's nodes (`job_nodes.gather_job_nodes`), sent by a node's first rank with its
+        # first poll and whenever the daemon says it has none (it restarted).
+        self.job_nodes: JobNodes | None = None
+        self._send_job_nodes = True
 
     # -- the training thread --------------------------------------------------------------------
 
@@ -196,6 +201,12 @@ class ControlClient:
             leaving=leaving,
             replica_group=self._replica_group,
         )
+        nodes = self.job_nodes
+        carries_nodes = nodes is not None and nodes.reporter and self._send_job_nodes
+        if carries_nodes:
+            assert nodes is not None
+            request.job_nodes.extend(nodes.nodes)
+            request.self_node = nodes.self_node
         sent = time.time_ns()
         try:
             response = self._stub.Poll(request, timeout=CALL_TIMEOUT_SECONDS)
@@ -211,6 +222,7 @@ class ControlClient:
         self._failed = False
         self.polls += 1
         self._chunk_bytes = response.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        self._send_job_nodes = response.wants_job_nodes and not carries_nodes
         return list(response.orders)
 
     def _handle(self, order: control_pb2.RankOrder) -> None:

@@ -3,9 +3,10 @@
 Hooks:
 
 * `plait_configure` reads the daemon address (`telemetry.daemon`, else `$PLAIT_DAEMON`).
-* `plait_job_start` builds the rank's telemetry (`rank_telemetry.RankTelemetry`): the span
-  exporter thread and the metric providers, with the `JobInfo` as resource attributes; no
-  daemon → one warning and every other hook is a no-op.
+* `plait_job_start` learns the job's nodes and their daemons (`job_nodes`, one all-gather)
+  and builds the rank's telemetry (`rank_telemetry.RankTelemetry`): the span exporter thread
+  and the metric providers, with the `JobInfo` as resource attributes; no daemon → one
+  warning and every other hook is a no-op.
 * `plait_communicate` (`wrapper=True`) records every op the comm facade issues: op, bytes,
   dtype, group name and ranks, sequence number, purpose, start and end, what carried it out
   and the bytes it sent inside and across nodes (`comm_links`, from the world's host map).
@@ -41,6 +42,7 @@ from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
 from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor, track_async_completion
 from plait.plugins.telemetry.exporter import SpanExporter
+from plait.plugins.telemetry.job_nodes import gather_job_nodes
 from plait.plugins.telemetry.otlp_spans import comm_attributes
 from plait.plugins.telemetry.rank_telemetry import RankTelemetry
 
@@ -91,10 +93,15 @@ class TelemetryPlugin:
         if self.telemetry is not None:
             return
         self._uses_cuda = info.device.startswith("cuda")
+        address = resolve_daemon_address(self.configured_address)
+        # Collective, so before anything that may differ between ranks (a daemon one node
+        # cannot reach): every rank learns where the job's daemons are.
+        job_nodes = gather_job_nodes(address)
         self.links = CommLinks(info.rank, known_host_map())
-        telemetry = RankTelemetry.start(info, resolve_daemon_address(self.configured_address))
+        telemetry = RankTelemetry.start(info, address)
         if telemetry is None:
             return
+        telemetry.control.job_nodes = job_nodes
         self.exporter = telemetry.spans
         self.telemetry = telemetry
         telemetry.start_heartbeat(self.comm_in_flight)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PollRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "device", "coordinates", "step", "clock_offset_nano", "clock_rtt_nano", "busy", "ready", "leaving", "replica_group")
+    __slots__ = ("job_id", "rank", "world_size", "host", "pid", "device", "coordinates", "step", "clock_offset_nano", "clock_rtt_nano", "busy", "ready", "leaving", "replica_group", "job_nodes", "self_node")
     class CoordinatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class PollRequest(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    JOB_NODES_FIELD_NUMBER: _ClassVar[int]
+    SELF_NODE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -44,17 +46,33 @@ class PollRequest(_message.Message):
     ready: _containers.RepeatedScalarFieldContainer[str]
     leaving: bool
     replica_group: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., clock_offset_nano: _Optional[int] = ..., clock_rtt_nano: _Optional[int] = ..., busy: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., leaving: _Optional[bool] = ..., replica_group: _Optional[int] = ...) -> None: ...
+    job_nodes: _containers.RepeatedCompositeFieldContainer[JobNode]
+    self_node: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., coordinates: _Optional[_Mapping[str, int]] = ..., step: _Optional[int] = ..., clock_offset_nano: _Optional[int] = ..., clock_rtt_nano: _Optional[int] = ..., busy: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., leaving: _Optional[bool] = ..., replica_group: _Optional[int] = ..., job_nodes: _Optional[_Iterable[_Union[JobNode, _Mapping]]] = ..., self_node: _Optional[int] = ...) -> None: ...
+
+class JobNode(_message.Message):
+    __slots__ = ("node", "host", "daemon", "ranks")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    host: str
+    daemon: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node: _Optional[int] = ..., host: _Optional[str] = ..., daemon: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PollResponse(_message.Message):
-    __slots__ = ("daemon_unix_nano", "orders", "max_chunk_bytes")
+    __slots__ = ("daemon_unix_nano", "orders", "max_chunk_bytes", "wants_job_nodes")
     DAEMON_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     ORDERS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WANTS_JOB_NODES_FIELD_NUMBER: _ClassVar[int]
     daemon_unix_nano: int
     orders: _containers.RepeatedCompositeFieldContainer[RankOrder]
     max_chunk_bytes: int
-    def __init__(self, daemon_unix_nano: _Optional[int] = ..., orders: _Optional[_Iterable[_Union[RankOrder, _Mapping]]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    wants_job_nodes: bool
+    def __init__(self, daemon_unix_nano: _Optional[int] = ..., orders: _Optional[_Iterable[_Union[RankOrder, _Mapping]]] = ..., max_chunk_bytes: _Optional[int] = ..., wants_job_nodes: _Optional[bool] = ...) -> None: ...
 
 class RankOrder(_message.Message):
     __slots__ = ("request_id", "profile", "stacks", "memory", "cancel")

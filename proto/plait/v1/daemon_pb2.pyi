@@ -13,7 +13,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder", "job_states", "stale_floor_seconds", "stale_step_multiple", "stale_ceiling_seconds", "ingest_workers", "ingest_worker_requests", "ingest_worker_restarts", "control_endpoints", "control_refused", "control_rejected", "fault_tolerant_jobs", "lighthouse")
+    __slots__ = ("version", "hostname", "bind_address", "uptime_seconds", "job_ids", "ranks", "spans_received", "metric_points_received", "spans_ignored", "window_steps", "window_spans", "ingest_queue_capacity", "spans_dropped", "metric_points_dropped", "calls_rejected", "hangs", "hang_timeout_seconds", "gpu_collector", "exporters", "spans_rejected", "metric_points_rejected", "rejected_by_reason", "calls_rejected_by_reason", "forwarder", "job_states", "stale_floor_seconds", "stale_step_multiple", "stale_ceiling_seconds", "ingest_workers", "ingest_worker_requests", "ingest_worker_restarts", "control_endpoints", "control_refused", "control_rejected", "fault_tolerant_jobs", "lighthouse", "protocol", "prometheus_address")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class StatusResponse(_message.Message):
     CONTROL_REJECTED_FIELD_NUMBER: _ClassVar[int]
     FAULT_TOLERANT_JOBS_FIELD_NUMBER: _ClassVar[int]
     LIGHTHOUSE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PROMETHEUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     bind_address: str
@@ -107,7 +109,9 @@ class StatusResponse(_message.Message):
     control_rejected: int
     fault_tolerant_jobs: _containers.RepeatedCompositeFieldContainer[FaultTolerantJob]
     lighthouse: LighthouseStatus
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ..., job_states: _Optional[_Mapping[str, str]] = ..., stale_floor_seconds: _Optional[float] = ..., stale_step_multiple: _Optional[float] = ..., stale_ceiling_seconds: _Optional[float] = ..., ingest_workers: _Optional[int] = ..., ingest_worker_requests: _Optional[int] = ..., ingest_worker_restarts: _Optional[int] = ..., control_endpoints: _Optional[int] = ..., control_refused: _Optional[int] = ..., control_rejected: _Optional[int] = ..., fault_tolerant_jobs: _Optional[_Iterable[_Union[FaultTolerantJob, _Mapping]]] = ..., lighthouse: _Optional[_Union[LighthouseStatus, _Mapping]] = ...) -> None: ...
+    protocol: int
+    prometheus_address: str
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., bind_address: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., job_ids: _Optional[_Iterable[str]] = ..., ranks: _Optional[int] = ..., spans_received: _Optional[int] = ..., metric_points_received: _Optional[int] = ..., spans_ignored: _Optional[int] = ..., window_steps: _Optional[int] = ..., window_spans: _Optional[int] = ..., ingest_queue_capacity: _Optional[int] = ..., spans_dropped: _Optional[int] = ..., metric_points_dropped: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., hangs: _Optional[_Iterable[_Union[_metrics_pb2.CollectiveHang, _Mapping]]] = ..., hang_timeout_seconds: _Optional[float] = ..., gpu_collector: _Optional[str] = ..., exporters: _Optional[_Iterable[str]] = ..., spans_rejected: _Optional[int] = ..., metric_points_rejected: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., calls_rejected_by_reason: _Optional[_Mapping[str, int]] = ..., forwarder: _Optional[_Union[ForwarderStatus, _Mapping]] = ..., job_states: _Optional[_Mapping[str, str]] = ..., stale_floor_seconds: _Optional[float] = ..., stale_step_multiple: _Optional[float] = ..., stale_ceiling_seconds: _Optional[float] = ..., ingest_workers: _Optional[int] = ..., ingest_worker_requests: _Optional[int] = ..., ingest_worker_restarts: _Optional[int] = ..., control_endpoints: _Optional[int] = ..., control_refused: _Optional[int] = ..., control_rejected: _Optional[int] = ..., fault_tolerant_jobs: _Optional[_Iterable[_Union[FaultTolerantJob, _Mapping]]] = ..., lighthouse: _Optional[_Union[LighthouseStatus, _Mapping]] = ..., protocol: _Optional[int] = ..., prometheus_address: _Optional[str] = ...) -> None: ...
 
 class ReplicaGroupStatus(_message.Message):
     __slots__ = ("replica_group", "state", "ranks", "ranks_live", "step", "replica_id", "quorum_id", "participants", "world_size", "restarts")
@@ -327,3 +331,95 @@ class CaptureTraceResponse(_message.Message):
     span_count: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, chrome_trace_json: _Optional[bytes] = ..., span_count: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class JobDaemon(_message.Message):
+    __slots__ = ("node", "host", "address", "ranks", "replica_group")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    host: str
+    address: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    replica_group: int
+    def __init__(self, node: _Optional[int] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., replica_group: _Optional[int] = ...) -> None: ...
+
+class ListJobDaemonsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobDaemonsResponse(_message.Message):
+    __slots__ = ("job_id", "daemons", "reported_unix_nano", "hostname")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMONS_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    daemons: _containers.RepeatedCompositeFieldContainer[JobDaemon]
+    reported_unix_nano: int
+    hostname: str
+    def __init__(self, job_id: _Optional[str] = ..., daemons: _Optional[_Iterable[_Union[JobDaemon, _Mapping]]] = ..., reported_unix_nano: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class JobQuestion(_message.Message):
+    __slots__ = ("method", "request")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    request: bytes
+    def __init__(self, method: _Optional[str] = ..., request: _Optional[bytes] = ...) -> None: ...
+
+class AskJobRequest(_message.Message):
+    __slots__ = ("job_id", "questions", "deadline_seconds", "max_in_flight", "addresses", "local_only", "protocol")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    QUESTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    questions: _containers.RepeatedCompositeFieldContainer[JobQuestion]
+    deadline_seconds: float
+    max_in_flight: int
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    local_only: bool
+    protocol: int
+    def __init__(self, job_id: _Optional[str] = ..., questions: _Optional[_Iterable[_Union[JobQuestion, _Mapping]]] = ..., deadline_seconds: _Optional[float] = ..., max_in_flight: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., local_only: _Optional[bool] = ..., protocol: _Optional[int] = ...) -> None: ...
+
+class DaemonAnswer(_message.Message):
+    __slots__ = ("node", "host", "address", "responses", "error", "seconds", "job_id", "protocol")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    host: str
+    address: str
+    responses: _containers.RepeatedScalarFieldContainer[bytes]
+    error: str
+    seconds: float
+    job_id: str
+    protocol: int
+    def __init__(self, node: _Optional[int] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., responses: _Optional[_Iterable[bytes]] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., job_id: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
+
+class AskJobResponse(_message.Message):
+    __slots__ = ("job_id", "answers", "protocol", "deadline_seconds", "source")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    answers: _containers.RepeatedCompositeFieldContainer[DaemonAnswer]
+    protocol: int
+    deadline_seconds: float
+    source: str
+    def __init__(self, job_id: _Optional[str] = ..., answers: _Optional[_Iterable[_Union[DaemonAnswer, _Mapping]]] = ..., protocol: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...

@@ -65,6 +65,16 @@ class DaemonStub:
                 request_serializer=plait_dot_v1_dot_daemon__pb2.CaptureTraceRequest.SerializeToString,
                 response_deserializer=plait_dot_v1_dot_daemon__pb2.CaptureTraceResponse.FromString,
                 _registered_method=True)
+        self.ListJobDaemons = channel.unary_unary(
+                '/plait.v1.Daemon/ListJobDaemons',
+                request_serializer=plait_dot_v1_dot_daemon__pb2.ListJobDaemonsRequest.SerializeToString,
+                response_deserializer=plait_dot_v1_dot_daemon__pb2.ListJobDaemonsResponse.FromString,
+                _registered_method=True)
+        self.AskJob = channel.unary_unary(
+                '/plait.v1.Daemon/AskJob',
+                request_serializer=plait_dot_v1_dot_daemon__pb2.AskJobRequest.SerializeToString,
+                response_deserializer=plait_dot_v1_dot_daemon__pb2.AskJobResponse.FromString,
+                _registered_method=True)
 
 
 class DaemonServicer:
@@ -112,6 +122,23 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobDaemons(self, request, context):
+        """The daemons of a job, one per node, as the job's ranks reported them (each node's first rank,
+        once per world): what `--job J` fans out to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AskJob(self, request, context):
+        """The same questions to every daemon of a job at once, within a deadline: each daemon's
+        answers, or why it gave none. With `local_only`, this daemon's own answers alone (what a
+        daemon asks its peers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +171,16 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.CaptureTrace,
                     request_deserializer=plait_dot_v1_dot_daemon__pb2.CaptureTraceRequest.FromString,
                     response_serializer=plait_dot_v1_dot_daemon__pb2.CaptureTraceResponse.SerializeToString,
+            ),
+            'ListJobDaemons': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobDaemons,
+                    request_deserializer=plait_dot_v1_dot_daemon__pb2.ListJobDaemonsRequest.FromString,
+                    response_serializer=plait_dot_v1_dot_daemon__pb2.ListJobDaemonsResponse.SerializeToString,
+            ),
+            'AskJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.AskJob,
+                    request_deserializer=plait_dot_v1_dot_daemon__pb2.AskJobRequest.FromString,
+                    response_serializer=plait_dot_v1_dot_daemon__pb2.AskJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +345,60 @@ class Daemon:
             '/plait.v1.Daemon/CaptureTrace',
             plait_dot_v1_dot_daemon__pb2.CaptureTraceRequest.SerializeToString,
             plait_dot_v1_dot_daemon__pb2.CaptureTraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobDaemons(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/plait.v1.Daemon/ListJobDaemons',
+            plait_dot_v1_dot_daemon__pb2.ListJobDaemonsRequest.SerializeToString,
+            plait_dot_v1_dot_daemon__pb2.ListJobDaemonsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AskJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/plait.v1.Daemon/AskJob',
+            plait_dot_v1_dot_daemon__pb2.AskJobRequest.SerializeToString,
+            plait_dot_v1_dot_daemon__pb2.AskJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
