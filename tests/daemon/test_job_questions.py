@@ -75,8 +75,7 @@ def nodes_of(*addresses: str) -> list[control_pb2.JobNode]:
     """One node per address, node i holding rank i, all on this machine (as two torchrun
     agents on one machine are two nodes): loopback addresses stay as they are."""
     return [
-        control_pb2.JobNode(node=i, host=HOST, daemon=a, ranks=[i])
-        for i, a in enumerate(addresses)
+        control_pb2.JobNode(node=i, host=HOST, daemon=a, ranks=[i]) for i, a in enumerate(addresses)
     ]
 
 
@@ -196,7 +195,8 @@ def test_top_and_status_for_a_job_equal_the_answer_of_every_host_listed(
     wide, hosts = json.loads(job_wide), json.loads(listed)
     assert wide["job_daemons"]["answered"] == wide["job_daemons"]["asked"] == 2
     assert [r["rank"] for r in wide["ranks"]] == [r["rank"] for r in hosts["ranks"]] == [0, 1]
-    for key in ("world_size", "ranks_reporting", "tokens_per_second", "model_flops_per_second", "mfu"):
+    same = ("world_size", "ranks_reporting", "tokens_per_second", "model_flops_per_second", "mfu")
+    for key in same:
         assert wide["jobs"][0][key] == hosts["jobs"][0][key], key
     code, status = cli("status", "--job", JOB, env=env)
     assert code == 0, status
@@ -256,7 +256,7 @@ class _Liar(daemon_pb2_grpc.DaemonServicer):
     def __init__(self, job_id: str, host: str, protocol: int = 1) -> None:
         self.job_id, self.host, self.protocol = job_id, host, protocol
 
-    def AskJob(self, request, context):  # noqa: N802 - the RPC's name
+    def AskJob(self, request, context):  # the RPC's name
         return daemon_pb2.AskJobResponse(
             job_id=self.job_id,
             protocol=self.protocol,
@@ -348,7 +348,8 @@ def test_a_daemon_stopped_mid_job_is_named_missing_and_the_rest_still_answer(
     send_rank(b, 1)
     report_job(a, b)
     b.stop(0)
-    code, out = cli("top", "--json", "--job", JOB, "--deadline", "2", env={"PLAIT_DAEMON": a.address})
+    env = {"PLAIT_DAEMON": a.address}
+    code, out = cli("top", "--json", "--job", JOB, "--deadline", "2", env=env)
     assert code == 1
     document = json.loads(out)
     assert document["job_daemons"]["answered"] == 1
