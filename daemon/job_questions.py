@@ -241,6 +241,23 @@ class JobQuestions:
 
     # -- every daemon of the job ---------------------------------------------------------------
 
+    def ask_others(
+        self, job_id: str, questions: Sequence[tuple[str, Message]], deadline: float
+    ) -> list[daemon_pb2.DaemonAnswer]:
+        """The job's other daemons' answers (this daemon's own part is the caller's): for the
+        web page, which holds its own answers already. Empty for a job on this node alone."""
+        others = [p for p in self.peers(job_id) if not p.here]
+        if not others:
+            return []
+        request = daemon_pb2.AskJobRequest(
+            job_id=job_id,
+            questions=[
+                daemon_pb2.JobQuestion(method=m, request=r.SerializeToString())
+                for m, r in questions
+            ],
+        )
+        return self._fan_out(request, others, deadline)
+
     def ask(self, request: daemon_pb2.AskJobRequest) -> daemon_pb2.AskJobResponse:
         deadline = request.deadline_seconds or DEFAULT_DEADLINE_SECONDS
         reply = daemon_pb2.AskJobResponse(

@@ -208,7 +208,6 @@ class DaemonServer:
             holds_job=self._holds_job,
             channels=self.peers,
         )
-        self.extras.prometheus_address = config.prometheus or ""
         # Bound here, so a taken port fails the daemon's start as the gRPC bind does.
         self.web = self._web_page(config.web) if config.web is not None else None
         self.lighthouse = self._lighthouse(config.lighthouse)
@@ -282,6 +281,7 @@ class DaemonServer:
                 keyfile=str(tls.tls_key) if tls.tls_key else None,
             )
             self.extras.exporters.append(self.prometheus.describe())
+            self.extras.prometheus_address = self.prometheus.address  # the port bound
         if self.web is not None:
             self.extras.exporters.append(f"web page {self.web.url}")
         if self.lighthouse is not None:

@@ -93,6 +93,7 @@ MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
     ("plait.tools.kernels_commands", "kernels"),
     ("plait.tools.daemon_commands", None),
     ("plait.tools.profile_commands", None),
+    ("plait.tools.prometheus_commands", None),
     ("plait.tools.calibrate_commands", None),
     ("plait.tools.ckpt_commands", "ckpt"),
     ("plait.tools.plan_commands", "plan"),
@@ -100,7 +101,11 @@ MOUNTED_APPS: tuple[tuple[str, str | None], ...] = (
 
 # Command modules merged at the top level whose imports are slow (gRPC and the daemon's
 # exporters): their commands are listed from their source and imported when one runs.
-LAZY_MODULES: tuple[str, ...] = ("plait.tools.daemon_commands", "plait.tools.profile_commands")
+LAZY_MODULES: tuple[str, ...] = (
+    "plait.tools.daemon_commands",
+    "plait.tools.profile_commands",
+    "plait.tools.prometheus_commands",
+)
 # {name under `plait`: module} of the mounted command groups, imported when asked for.
 _GROUP_MODULES: dict[str, str] = {name: module for module, name in MOUNTED_APPS if name}
 

@@ -331,6 +331,7 @@ def status(
         jobs=aggregate_jobs(metrics),
         experts=expert_rows(metrics),
         hang_stacks=hang_stacks(targets, hangs),
+        rank_places=rank_places(results, coverage),
     )
     if as_json:
         _emit_json("status", {**status_document(view), **coverage_document(coverage)})
@@ -339,6 +340,25 @@ def status(
         print_coverage(coverage)
     if errors:
         raise typer.Exit(1)
+
+
+def rank_places(
+    results: Mapping[str, object], coverage: Coverage | None
+) -> dict[tuple[str, int], str]:
+    """(job, rank) -> "node1 (B:7461)": the node whose daemon lists the rank, for a job asked
+    as a whole (empty otherwise: the host column says it)."""
+    if coverage is None:
+        return {}
+    places = {}
+    for label, result in results.items():
+        if isinstance(result, grpc.RpcError):
+            continue
+        listing = result[1]  # type: ignore[index]
+        node = coverage.nodes.get(label, -1)
+        where = f"node{node} ({label})" if node >= 0 else label
+        for rank in listing.ranks:
+            places[(rank.job_id, rank.rank)] = where
+    return places
 
 
 def coverage_document(coverage: Coverage | None) -> dict:
@@ -402,6 +422,10 @@ def status_document(view: StatusView) -> dict:
             {"job_id": e.job_id, **daemon_json.message_dict(e.load)} for e in view.experts
         ],
         "hang_stacks": [daemon_json.message_dict(s) for s in view.hang_stacks],
+        "rank_places": [
+            {"job_id": job, "rank": rank, "where": where}
+            for (job, rank), where in sorted(view.rank_places.items())
+        ],
         **fault_tolerance_document(
             merge_fault_tolerant_jobs([d.state for d in view.daemons]),
             lighthouses([(d.host, d.state) for d in view.daemons]),

@@ -166,6 +166,8 @@ class StatusView:
     experts: list[ExpertRow] = field(default_factory=list)  # one per MoE layer
     # Stacks of the ranks of hung collectives (`plait.v1.Control` RankStacks).
     hang_stacks: list[control_pb2.RankStacks] = field(default_factory=list)
+    # (job, rank) -> where the rank reports ("node1 (B:7461)"), when the whole job was asked.
+    rank_places: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def render(self, width: int) -> Group:
         ids = {j for d in self.daemons for j in d.state.job_ids} | {r.job_id for r in self.ranks}
@@ -202,7 +204,7 @@ class StatusView:
                 jobs,
             )
         )
-        hangs = render_hangs(self.hangs, jobs)
+        hangs = render_hangs(self.hangs, jobs, self.rank_places)
         if hangs is not None:
             parts.append(hangs)
             if self.hang_stacks:
@@ -232,17 +234,25 @@ def forwarding_table(daemons: Sequence[DaemonRow]) -> Table:
     return table
 
 
-def render_hangs(reports: list[Hang], jobs: Mapping[str, str] | None = None) -> Table | None:
-    """The hangs of all daemons, merged per collective (None when there are none)."""
+def render_hangs(
+    reports: list[Hang],
+    jobs: Mapping[str, str] | None = None,
+    places: Mapping[tuple[str, int], str] | None = None,
+) -> Table | None:
+    """The hangs of all daemons, merged per collective (None when there are none); a missing
+    rank is named with where it runs when `places` knows (a job asked as a whole)."""
     merged = merge_hangs(reports)
     if not merged:
         return None
-    jobs = jobs or {}
+    jobs, places = jobs or {}, places or {}
     table = Table(title="[red]collective hangs[/red]")
     for column in ("job", "group", "op", "seq", "waiting s", "entered", "missing"):
         table.add_column(column)
     for hang in merged:
-        missing = [str(r) for r in hang.missing_ranks]
+        missing = [
+            f"{r} on {places[(hang.job_id, r)]}" if (hang.job_id, r) in places else str(r)
+            for r in hang.missing_ranks
+        ]
         missing += [f"{r} (no daemon sees it)" for r in hang.unreported_ranks]
         replica_group = f" replica group {hang.replica_group}" if hang.replica_group >= 0 else ""
         table.add_row(

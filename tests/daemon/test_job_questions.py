@@ -28,7 +28,7 @@ from plait.daemon.config import DaemonConfig
 from plait.daemon.job_directory import JobNode, seen_from
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
-from plait.tools import daemon_commands
+from plait.tools import daemon_commands, prometheus_commands
 from tests.daemon.otlp_inputs import rank_resource, step_spans, trace_request
 from tests.free_ports import refused_port
 
@@ -355,3 +355,21 @@ def test_a_daemon_stopped_mid_job_is_named_missing_and_the_rest_still_answer(
     assert document["job_daemons"]["answered"] == 1
     assert [m["node"] for m in document["job_daemons"]["missing"]] == [1]
     assert [r["rank"] for r in document["ranks"]] == [0]
+
+
+def test_prometheus_targets_lists_every_daemon_of_the_job_with_its_node() -> None:
+    config = DaemonConfig(bind="127.0.0.1:0", host_interval=0.5, prometheus="127.0.0.1:0")
+    with DaemonServer(config=config) as a, DaemonServer(config=config) as b:
+        send_rank(a, 0)
+        send_rank(b, 1)
+        report_job(a, b)
+        result = CliRunner().invoke(
+            prometheus_commands.app, ["--job", JOB], env={"PLAIT_DAEMON": a.address}
+        )
+        assert result.exit_code == 0, result.output
+        groups = json.loads(result.stdout)
+        assert {g["targets"][0]: g["labels"]["plait_node"] for g in groups} == {
+            a.prometheus.address: "0",
+            b.prometheus.address: "1",
+        }
+        assert all(g["labels"]["plait_job_id"] == JOB for g in groups)

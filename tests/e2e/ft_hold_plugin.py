@@ -5,7 +5,8 @@ Every rank appends `STEP PID TIME` to `<PLAIT_TEST_MARKS>/rank<R>.steps` at the 
 step try. With `PLAIT_TEST_HOLD=STEP[,STEP...]`, the ranks hold at the end of each of those steps
 (once each) until the file `<PLAIT_TEST_MARKS>/go.<STEP>` exists, after writing
 `held.<STEP>.rank<R>`: the test decides when a group goes on (once another group waits at the
-lighthouse), so the order of events never rests on timing.
+lighthouse), so the order of events never rests on timing. `PLAIT_TEST_HOLD_RANKS=R[,R...]`
+holds only those ranks (the others go on into the next step's collectives and wait there).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class HoldPlugin:
         with (marks / f"rank{rank}.steps").open("a") as out:
             out.write(f"{step} {os.getpid()} {time.time():.6f}\n")
         holds = {int(s) for s in os.environ.get("PLAIT_TEST_HOLD", "").split(",") if s}
-        if step not in holds or step in self.held:
+        held_ranks = {s for s in os.environ.get("PLAIT_TEST_HOLD_RANKS", "").split(",") if s}
+        if step not in holds or step in self.held or (held_ranks and rank not in held_ranks):
             return
         self.held.add(step)
         (marks / f"held.{step}.rank{rank}").write_text(str(os.getpid()))

@@ -27,6 +27,7 @@ from plait.tools import (
     ckpt_commands,
     cli,
     daemon_commands,
+    daemon_targets,
     data_commands,
     kernels_commands,
     plan_commands,
@@ -308,7 +309,9 @@ def _daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Invocation:
 
 
 def _hosts_unreachable(monkeypatch: pytest.MonkeyPatch, module: object) -> tuple[str, ...]:
+    # Commands asking questions go through `daemon_targets`; the others call every host.
     monkeypatch.setattr(module, "call_all", every_host_unreachable)
+    monkeypatch.setattr(daemon_targets, "call_each", every_host_unreachable)
     return (f"{HOST}: UNAVAILABLE: {MESSAGE}",)
 
 
@@ -326,7 +329,7 @@ def _status_answers(
     """Every host answers `plait status` with `state` and `ranks`."""
     answer = (state, daemon_pb2.ListRanksResponse(ranks=ranks), daemon_pb2.GetMetricsResponse())
     monkeypatch.setattr(
-        daemon_commands, "call_all", lambda hosts, *a, **k: dict.fromkeys(hosts, answer)
+        daemon_targets, "call_each", lambda hosts, *a, **k: dict.fromkeys(hosts, answer)
     )
 
 

@@ -397,9 +397,22 @@ function render(doc) {
   document.getElementById("no-job-address").textContent = doc.address;
   document.getElementById("sequence").textContent = doc.sequence;
   document.body.setAttribute("data-sequence", doc.sequence);
+  renderJobDaemons(doc);
   renderJobs(doc);
   renderHangs(doc);
   renderJobPanels(doc);
+}
+
+// "2/2 daemons of job J": how much of each multi-node job this update covers.
+function renderJobDaemons(doc) {
+  const lines = (doc.job_daemons || []).map((c) => {
+    const missing = c.missing.map((m) => `node${m.node} (${m.address}): ${m.error}`);
+    return `${c.answered}/${c.asked} daemons of job ${c.job_id}` +
+      (missing.length ? `; missing ${missing.join("; ")}` : "");
+  });
+  const line = document.getElementById("job-daemons");
+  line.textContent = lines.join(" · ");
+  line.dataset.missing = (doc.job_daemons || []).some((c) => c.missing.length) ? "yes" : "no";
 }
 
 // -- the live stream ------------------------------------------------------------------------
