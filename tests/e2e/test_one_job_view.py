@@ -121,12 +121,12 @@ def test_any_daemon_answers_for_the_whole_two_node_job(tmp_path: Path) -> None:
                 "--set", f"telemetry.daemon={address}", "--set", f"telemetry.job_id={JOB}",
             )  # fmt: skip
             hold = {"PLAIT_TEST_HOLD": str(HELD_STEP), "PLAIT_TEST_HOLD_RANKS": "3"}
+            env = _env(PLAIT_TEST_MARKS=str(marks), **(hold if node else {}))
             with log.open("w") as out:
                 agents.append(
                     subprocess.Popen(
-                        command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                        env=_env(PLAIT_TEST_MARKS=str(marks), **(hold if node else {})),
-                    )  # fmt: skip
+                        command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env
+                    )
                 )
         # Rank 3 (node 1) holds after step 3; ranks 0-2 go on into step 4's first collective.
         _wait(lambda: (marks / f"held.{HELD_STEP}.rank3").exists(), "rank 3 to hold", logs)
