@@ -24,11 +24,15 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from plait.core.host import host_name
+from plait.core.host_map import HostMap
 from plait.daemon.config import DaemonConfig
 from plait.daemon.job_directory import JobNode, seen_from
 from plait.daemon.server import DaemonServer
+from plait.plugins.telemetry.control_client import ControlClient
+from plait.plugins.telemetry.job_nodes import JobNodes
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
 from plait.tools import daemon_commands, prometheus_commands
+from tests.daemon.daemon_fakes import job_info
 from tests.daemon.otlp_inputs import rank_resource, step_spans, trace_request
 from tests.free_ports import refused_port
 
@@ -373,3 +377,48 @@ def test_prometheus_targets_lists_every_daemon_of_the_job_with_its_node() -> Non
             b.prometheus.address: "1",
         }
         assert all(g["labels"]["plait_job_id"] == JOB for g in groups)
+
+
+# -- the rank side -----------------------------------------------------------------------------
+
+
+def test_a_nodes_first_rank_tells_its_daemon_once_and_again_when_the_daemon_forgot(
+    pair: tuple[DaemonServer, DaemonServer],
+) -> None:
+    a, b = pair
+    host_map = HostMap(node_of_rank=(0, 0, 1, 1), hosts=(HOST, HOST))
+    addresses = [a.address, a.address, b.address, b.address]
+    first, second = (JobNodes.from_addresses(host_map, addresses, rank) for rank in (2, 3))
+    assert first.reporter and not second.reporter and first.self_node == 1
+    assert [(n.node, n.daemon, list(n.ranks)) for n in first.nodes] == [
+        (0, a.address, [0, 1]),
+        (1, b.address, [2, 3]),
+    ]
+    with grpc.insecure_channel(b.address) as channel:
+        clients = [
+            ControlClient(
+                channel=channel, info=job_info(rank, 4, JOB), flush_spans=lambda t: True,
+                interval=3600,
+            )
+            for rank in (2, 3)
+        ]  # fmt: skip
+        clients[0].job_nodes, clients[1].job_nodes = first, second
+        clients[1].poll()  # not its node's first rank: it never sends the list
+        assert not b.directory.knows(JOB, -1)
+        clients[0].poll()
+        assert [n.daemon for n in b.directory.reports(JOB)[0].nodes] == addresses[::2]
+        sent = []
+        original = b.control_service._note_job_nodes
+
+        def spy(request: control_pb2.PollRequest) -> bool:
+            sent.append(len(request.job_nodes))
+            return original(request)
+
+        b.control_service._note_job_nodes = spy  # type: ignore[method-assign]
+        clients[0].poll()
+        assert sent == [0]  # known: not sent again
+        b.directory._reports.clear()  # the daemon restarted and forgot
+        clients[0].poll()  # told that the daemon lacks it...
+        clients[0].poll()  # ...it sends it again
+        assert sent == [0, 0, 2]
+        assert b.directory.knows(JOB, -1)
