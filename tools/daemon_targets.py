@@ -48,9 +48,11 @@ HostsFile = Annotated[
     Path | None,
     typer.Option(
         "--hosts-file",
-        help="daemon addresses, one HOST:PORT per line (a job plait did not launch)",
+        help="daemon addresses, one HOST:PORT per line, for a job plait did not launch; "
+        "'slurm' (or 'slurm:PORT') reads this Slurm job's node list",
     ),
 ]
+SLURM = "slurm"
 Deadline = Annotated[
     float,
     typer.Option(
@@ -134,7 +136,11 @@ class Coverage:
 
 
 def read_hosts_file(path: Path) -> list[str]:
-    """Addresses from a hosts file: one per line; blank lines and `#` comments skipped."""
+    """Addresses from a hosts file: one per line; blank lines and `#` comments skipped. The
+    name `slurm` (`slurm:PORT`) stands for the node list of the Slurm job this runs in
+    (`$SLURM_JOB_NODELIST`), each node's daemon on the default port (or PORT)."""
+    if str(path).split(":")[0] == SLURM:
+        return slurm_hosts(str(path))
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
@@ -144,6 +150,30 @@ def read_hosts_file(path: Path) -> list[str]:
     if not hosts:
         raise typer.BadParameter(f"--hosts-file {path} names no daemon")
     return hosts
+
+
+def slurm_hosts(spec: str) -> list[str]:
+    """`slurm[:PORT]`: the daemons of the nodes of the Slurm job this command runs in."""
+    import os
+
+    from plait.core.daemon_address import DEFAULT_DAEMON_ADDRESS
+    from plait.core.errors import ConfigError
+    from plait.tools.slurm import expand_hostlist
+
+    _, _, port = spec.partition(":")
+    port = port or DEFAULT_DAEMON_ADDRESS.rpartition(":")[2]
+    if not port.isdigit():
+        raise typer.BadParameter(f"--hosts-file {spec}: the port must be a number")
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise typer.BadParameter(
+            f"--hosts-file {spec}: no $SLURM_JOB_NODELIST (run it inside the Slurm job, e.g. "
+            "with srun --jobid, or list the daemons in a file)"
+        )
+    try:
+        return [f"{host}:{port}" for host in expand_hostlist(nodelist)]
+    except ConfigError as exc:
+        raise typer.BadParameter(f"--hosts-file {spec}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,11 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
+import typer
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from rich.console import Console
 from typer.testing import CliRunner
@@ -32,6 +34,7 @@ from plait.plugins.telemetry.control_client import ControlClient
 from plait.plugins.telemetry.job_nodes import JobNodes
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
 from plait.tools import daemon_commands, prometheus_commands
+from plait.tools.daemon_targets import Targets, read_hosts_file
 from tests.daemon.daemon_fakes import job_info
 from tests.daemon.otlp_inputs import rank_resource, step_spans, trace_request
 from tests.free_ports import refused_port
@@ -422,3 +425,20 @@ def test_a_nodes_first_rank_tells_its_daemon_once_and_again_when_the_daemon_forg
         clients[0].poll()  # ...it sends it again
         assert sent == [0, 0, 2]
         assert b.directory.knows(JOB, -1)
+
+
+def test_a_hosts_file_or_the_slurm_node_list_names_the_daemons_of_a_job_plait_did_not_launch(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listed = tmp_path / "hosts"
+    listed.write_text("# the job's nodes\ngpu01:7461\n\ngpu02:7461  # second\n")
+    assert read_hosts_file(listed) == ["gpu01:7461", "gpu02:7461"]
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02],login1")
+    assert read_hosts_file(Path("slurm:9000")) == ["gpu01:9000", "gpu02:9000", "login1:9000"]
+    assert read_hosts_file(Path("slurm"))[0] == "gpu01:7461"
+    targets = Targets.resolve(None, JOB, Path("slurm"))
+    assert not targets.job_wide and len(targets.hosts) == 3
+    monkeypatch.delenv("SLURM_JOB_NODELIST")
+    monkeypatch.delenv("SLURM_NODELIST", raising=False)
+    with pytest.raises(typer.BadParameter, match="SLURM_JOB_NODELIST"):
+        read_hosts_file(Path("slurm"))

@@ -234,7 +234,7 @@ def measure(daemons: int, args: argparse.Namespace) -> dict[str, Any]:
     import grpc
 
     from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
-    from plait.tools.daemon_commands import bottleneck_view, top_document
+    from plait.tools.daemon_commands import bottleneck_view, latest_metrics, top_document
     from plait.tools.daemon_targets import Targets
     from plait.tools.daemon_views import TopView
 
@@ -270,9 +270,8 @@ def measure(daemons: int, args: argparse.Namespace) -> dict[str, Any]:
         cpu_before = cpu_seconds(fleet)
         for _ in range(args.queries):
             started = time.perf_counter()
-            results, coverage = targets.ask([("Daemon/GetMetrics", request)])
-            latest = {h: r if isinstance(r, grpc.RpcError) else r[0] for h, r in results.items()}
-            document = top_document(TopView.from_latest(latest))  # type: ignore[arg-type]
+            latest, coverage = latest_metrics(targets, request)
+            document = top_document(TopView.from_latest(latest))
             latencies.append(time.perf_counter() - started)
             assert coverage is not None
             answered.append(coverage.answered)
