@@ -91,7 +91,7 @@ class PeerChannels:
 
 @dataclass(frozen=True, slots=True)
 class Peer:
-    """A daemon to ask: its node in the job (-1 when given by address), host, address."""
+    """A daemon to ask: its node in the job (-1: none reported), host, address."""
 
     node: int
     host: str
@@ -266,14 +266,11 @@ class JobQuestions:
         if request.local_only:
             reply.answers.append(self.answer_here(request))
             return reply
-        if request.addresses:
-            reply.source = "addresses"
-            peers = [Peer(-1, "", a, False) for a in dict.fromkeys(request.addresses)]
-        else:
-            reply.source = "directory"
-            peers = self.peers(request.job_id)
-            if not peers:  # a job no rank reported nodes for: this daemon's own part
-                peers = [Peer(-1, self.hostname, "", True)]
+        reply.source = "directory"
+        peers = self.peers(request.job_id)
+        if not peers:  # a job no rank reported nodes for: this daemon's own part
+            reply.source = "here"
+            peers = [Peer(-1, self.hostname, "", True)]
         reply.answers.extend(self._fan_out(request, peers, deadline))
         return reply
 

@@ -42,6 +42,8 @@ LONG_LIVED_METHODS = frozenset(
     {
         "/plait.v1.Daemon/StreamMetrics",
         "/plait.v1.Daemon/CaptureTrace",
+        # Holds its thread while the job's other daemons answer (up to its deadline).
+        "/plait.v1.Daemon/AskJob",
         "/plait.v1.Control/PrepareProfile",
         "/plait.v1.Control/CollectProfile",
         "/plait.v1.Control/Stacks",

@@ -373,22 +373,20 @@ class JobQuestion(_message.Message):
     def __init__(self, method: _Optional[str] = ..., request: _Optional[bytes] = ...) -> None: ...
 
 class AskJobRequest(_message.Message):
-    __slots__ = ("job_id", "questions", "deadline_seconds", "max_in_flight", "addresses", "local_only", "protocol")
+    __slots__ = ("job_id", "questions", "deadline_seconds", "max_in_flight", "local_only", "protocol")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     QUESTIONS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
-    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     questions: _containers.RepeatedCompositeFieldContainer[JobQuestion]
     deadline_seconds: float
     max_in_flight: int
-    addresses: _containers.RepeatedScalarFieldContainer[str]
     local_only: bool
     protocol: int
-    def __init__(self, job_id: _Optional[str] = ..., questions: _Optional[_Iterable[_Union[JobQuestion, _Mapping]]] = ..., deadline_seconds: _Optional[float] = ..., max_in_flight: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., local_only: _Optional[bool] = ..., protocol: _Optional[int] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., questions: _Optional[_Iterable[_Union[JobQuestion, _Mapping]]] = ..., deadline_seconds: _Optional[float] = ..., max_in_flight: _Optional[int] = ..., local_only: _Optional[bool] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class DaemonAnswer(_message.Message):
     __slots__ = ("node", "host", "address", "responses", "error", "seconds", "job_id", "protocol")
