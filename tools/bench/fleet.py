@@ -12,7 +12,8 @@ node's first rank tells it. Then, through the CLI's own code path (`Targets.ask`
 
 * **discover**: `ListJobDaemons` on the local daemon (the first), median of 20;
 * **top --job**: the job's metrics from every daemon and the merged table, `--queries` times:
-  p50 and p99, the largest node reply in bytes;
+  p50 and p99, of which the CLI's merge (decoding and the table, p50), and the largest node
+  reply in bytes;
 * **straggler**: `plait bottleneck --job`'s straggler ranking: whether the slowed rank is #1;
 * **peer CPU**: the fleet's worker processes' CPU time per query, per daemon (one job query a
   second costs each daemon that fraction of a core);
@@ -266,18 +267,21 @@ def measure(daemons: int, args: argparse.Namespace) -> dict[str, Any]:
 
         targets = Targets((local,), job=JOB, via=local, deadline=args.deadline)
         request = daemon_pb2.GetMetricsRequest(job_id=JOB, window_steps=20)
-        latencies, answered = [], []
+        latencies, merges, answered = [], [], []
         cpu_before = cpu_seconds(fleet)
         for _ in range(args.queries):
             started = time.perf_counter()
             latest, coverage = latest_metrics(targets, request)
+            asked = time.perf_counter()
             document = top_document(TopView.from_latest(latest))
             latencies.append(time.perf_counter() - started)
+            merges.append(time.perf_counter() - asked)
             assert coverage is not None
             answered.append(coverage.answered)
         cpu_after = cpu_seconds(fleet)
         out["top_p50_ms"] = percentile(latencies, 0.5) * 1e3
         out["top_p99_ms"] = percentile(latencies, 0.99) * 1e3
+        out["merge_p50_ms"] = percentile(merges, 0.5) * 1e3  # the CLI's own share
         out["answered_min"] = min(answered)
         out["ranks_shown"] = len(document["ranks"])
         # What answering costs the fleet: its CPU while queried (feeding included, so an upper
@@ -402,7 +406,7 @@ def main() -> None:
     print(f"prometheus scrape at {RANKS_PER_NODE} ranks: {scrape_ms():.1f} ms (median of 20)")
     header = (
         f"{'daemons':>7} {'ranks':>6} {'discover':>9} {'top p50':>8} {'top p99':>8} "
-        f"{'reply B':>8} {'peer cpu':>9} {'straggler':>9} {'cli s':>6} {'cli MB':>7} "
+        f"{'merge':>6} {'reply B':>8} {'peer cpu':>9} {'straggler':>9} {'cli s':>6} {'cli MB':>7} "
         f"{'down':>5} {'down s':>7} {'named':>6}"
     )
     print(header)
@@ -410,7 +414,8 @@ def main() -> None:
         r = measure(daemons, args)
         print(
             f"{r['daemons']:>7} {r['ranks']:>6} {r['discover_ms']:>7.1f}ms "
-            f"{r['top_p50_ms']:>6.0f}ms {r['top_p99_ms']:>6.0f}ms {r['reply_bytes_max']:>8} "
+            f"{r['top_p50_ms']:>6.0f}ms {r['top_p99_ms']:>6.0f}ms {r['merge_p50_ms']:>4.0f}ms "
+            f"{r['reply_bytes_max']:>8} "
             f"{r['peer_cpu_per_query_ms']:>7.2f}ms {_straggler(r):>9} "
             f"{r['cli_seconds']:>6.2f} {r['cli_rss_mb']:>7.0f} {r['down']:>5} "
             f"{r['down_seconds']:>6.2f}s {'yes' if r['down_named_exactly'] else 'NO':>6}",
