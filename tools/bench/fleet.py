@@ -294,8 +294,11 @@ def measure(daemons: int, args: argparse.Namespace) -> dict[str, Any]:
             ("Daemon/ListRanks", daemon_pb2.ListRanksRequest(job_id=JOB)),
             ("Daemon/GetMetrics", request),
         ]  # fmt: skip
-        results, _ = targets.ask(bottleneck_questions)
+        results, coverage = targets.ask(bottleneck_questions)
         view, _ = bottleneck_view(results, 0.2)  # type: ignore[arg-type]
+        assert coverage is not None
+        slow_node = fleet.slow_rank // RANKS_PER_NODE
+        out["straggler_absent"] = any(m.node == slow_node for m in coverage.missing)
         # Ranked against the median of every rank of every node: the slowed rank first, and
         # the only one flagged (no false positive among the others).
         ranked = sorted(view.stragglers, key=lambda s: -max(s.step_score, s.compute_score))
@@ -389,6 +392,8 @@ def scrape_ms() -> float:
 
 
 def _straggler(r: dict[str, Any]) -> str:
+    if r["straggler_absent"]:
+        return "no answer"  # the slowed rank's daemon missed the deadline
     if not r["straggler_found"]:
         return "MISSED"
     return "#1" if r["straggler_only"] else "#1+false"
