@@ -26,6 +26,7 @@ READING_ORDER = (
     "planning.md",
     "plugins.md",
     "daemon.md",
+    "multi-node-jobs.md",
     "web-page.md",
     "observe.md",
     "telemetry-schema.md",
