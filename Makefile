@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml setup.py
 	# The elastic-rendezvous test starts an etcd server; install it where apt and root allow.
 	command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get install -y -q etcd-server >/dev/null 2>&1; } || echo "etcd-server not installed: the etcd test will skip"
+	# The recording rules' test runs Debian's Prometheus against two daemons.
+	command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } || \
+		echo "prometheus not installed: the recording rules' test will skip"
 	# The web page's test drives Debian's headless Chromium through its chromedriver.
 	command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \

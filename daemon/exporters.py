@@ -323,6 +323,10 @@ KNOWN_POINTS: dict[str, tuple[bool, str]] = {
     "plait.rank.comm.bytes": (True, "By"),
     "plait.job.mfu": (False, "1"),
     "plait.job.tokens_per_second": (False, "{token}/s"),
+    # The daemon's share of the job's achieved and peak FLOP/s: summed over a job's daemons,
+    # their ratio is the job's MFU (what `plait top` prints across hosts).
+    "plait.job.flops.achieved": (False, "{flop}/s"),
+    "plait.job.flops.peak": (False, "{flop}/s"),
     "plait.job.step.duration": (False, "s"),
     "plait.job.ranks.reporting": (False, "{rank}"),
     "plait.job.ranks.stale": (False, "{rank}"),

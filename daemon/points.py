@@ -97,6 +97,8 @@ def daemon_points(
         if not mfu.is_calibration_error(j.mfu):
             points.append(DaemonPoint("plait.job.mfu", j.mfu, attrs))
         points.append(DaemonPoint("plait.job.tokens_per_second", j.tokens_per_second, attrs))
+        points.append(DaemonPoint("plait.job.flops.achieved", j.model_flops_per_second, attrs))
+        points.append(DaemonPoint("plait.job.flops.peak", j.peak_flops, attrs))
         points.append(DaemonPoint("plait.job.step.duration", j.step_seconds, attrs))
         points.append(DaemonPoint("plait.job.ranks.reporting", j.ranks_reporting, attrs))
         points.append(DaemonPoint("plait.job.ranks.stale", j.ranks_stale, attrs))

@@ -1,4 +1,4 @@
-"""`plait prometheus-targets`: the Prometheus scrape targets of every daemon of a job.
+"""`plait prometheus-targets` and `plait prometheus-rules`: one Prometheus for a whole job.
 
 History rides on Prometheus, not on plait: each daemon serves `/metrics` (`plait daemon
 --prometheus HOST:PORT`) with job, rank and host labels, and one Prometheus scrapes them all.
@@ -10,6 +10,9 @@ its `/metrics` address, and writes a `file_sd_configs` file Prometheus re-reads 
 
 Each target carries the job id and the node index as labels. A daemon serving no `/metrics`
 or not answering is named on stderr and left out, and the command exits 1.
+
+`plait prometheus-rules` writes the recording rules that add the daemons' shares up into job
+figures (`plait.daemon.prometheus_rules`): tokens/s, MFU and each rank's straggler score.
 """
 
 from __future__ import annotations
@@ -83,3 +86,24 @@ def prometheus_targets(
         console.print(coverage.line(), highlight=False, markup=False)
     if failed:
         raise typer.Exit(1)
+
+
+@app.command("prometheus-rules")
+def prometheus_rules(
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="rules file to write (default: stdout)")
+    ] = None,
+    interval: Annotated[
+        float, typer.Option(help="seconds between evaluations of the rules", min=1)
+    ] = 15.0,
+) -> None:
+    """Write Prometheus recording rules for job MFU, tokens/s and straggler scores."""
+    from plait.daemon.prometheus_rules import recording_rules
+
+    text = recording_rules(interval)
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    console.print(f"wrote {output}", highlight=False, markup=False)
