@@ -22,6 +22,7 @@ from plait.daemon.job_questions import QUESTION_TYPES
 from plait.daemon.local_calls import LocalContext
 from plait.daemon.report_messages import hang_from_message
 from plait.daemon.service import DaemonService
+from plait.daemon.web.rank_overview import step_time_overview
 from plait.proto.plait.v1 import daemon_pb2
 from plait.tools.daemon_commands import (
     bottleneck_document,
@@ -87,6 +88,7 @@ class PageSource:
             "bottleneck": bottleneck_document(breakdown, None),
             "hangs": [asdict(h) for h in merge_hangs(hangs)],
             "job_daemons": coverage,
+            "step_times": step_time_overview(top["ranks"]),
         }
 
     def _peers(self, job_id: str) -> PeerAnswers | None:

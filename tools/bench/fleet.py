@@ -52,7 +52,7 @@ SLOW = 1.3
 # -- the worker processes (daemons and their ranks) ----------------------------------------------
 
 
-def _steps_request(rank: int, world: int, host: str, step: int, slow: bool) -> Any:
+def steps_request(rank: int, world: int, host: str, step: int, slow: bool) -> Any:
     """One step of `rank` as its exporter sends it: a step span and a forward phase span."""
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
     from opentelemetry.proto.common.v1 import common_pb2
@@ -146,7 +146,7 @@ def _worker(count: int, conn: Connection) -> None:
             host = plan["nodes"][node][1]
             for local in range(RANKS_PER_NODE):
                 rank = node * RANKS_PER_NODE + local
-                request = _steps_request(rank, world, host, step, rank == plan["slow"])
+                request = steps_request(rank, world, host, step, rank == plan["slow"])
                 export.Export(request, timeout=30)
         step += 1
         if conn.poll(plan["feed_interval"]):
@@ -379,7 +379,7 @@ def scrape_ms() -> float:
             export = trace_service_pb2_grpc.TraceServiceStub(channel)
             for step in range(20):
                 for rank in range(RANKS_PER_NODE):
-                    export.Export(_steps_request(rank, RANKS_PER_NODE, "bench", step, False))
+                    export.Export(steps_request(rank, RANKS_PER_NODE, "bench", step, False))
         assert daemon.prometheus is not None
         url = f"http://{daemon.prometheus.address}/metrics"
         timings = []

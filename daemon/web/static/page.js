@@ -16,6 +16,16 @@ const CLASSES = [
 const PALETTE = ["#1e88e5", "#e53935", "#43a047", "#fb8c00", "#8e24aa", "#00897b", "#6d4c41"];
 
 const state = { history: [], charts: new Map(), document: null };
+// A job of more ranks than this lists its top suspects only (slowest first) and draws the rest
+// as a histogram of step times and one row per node.
+const SUSPECTS = 32;
+
+// The ranks to list: every rank in rank order for a small job; for a large one the SUSPECTS
+// with the largest `key`, largest first.
+function suspects(rows, key) {
+  if (rows.length <= SUSPECTS) return [...rows].sort((a, b) => a.rank - b.rank);
+  return [...rows].sort((a, b) => key(b) - key(a) || a.rank - b.rank).slice(0, SUSPECTS);
+}
 
 // -- small DOM helpers (textContent only: job ids and hosts come from the ranks) -------------
 
@@ -258,10 +268,15 @@ function renderJobPanels(doc) {
     section.querySelector(".threshold").textContent = Math.round(bottleneck.straggler_threshold * 100) + "%";
     const verdict = bottleneck.jobs.find((v) => v.job_id === jobId);
     section.querySelector(".verdict").textContent = verdict ? `— ${verdict.dominant}: ${verdict.advice}` : "";
+    const topRanks = doc.top.ranks.filter((r) => r.job_id === jobId);
+    const many = topRanks.length > SUSPECTS;
+    section.setAttribute("data-ranks-total", topRanks.length);
+    section.querySelector(".shown-note").textContent = many ? `; the ${SUSPECTS} slowest of ${topRanks.length} ranks` : "";
     renderMfu(section, jobId, doc);
-    renderBreakdown(section, jobId, bottleneck.ranks.filter((r) => r.job_id === jobId));
-    renderStragglers(section, bottleneck.stragglers.filter((s) => s.job_id === jobId));
-    renderLinks(section, doc.top.ranks.filter((r) => r.job_id === jobId));
+    renderBreakdown(section, jobId, suspects(bottleneck.ranks.filter((r) => r.job_id === jobId), (r) => r.step_seconds));
+    renderStragglers(section, suspects(bottleneck.stragglers.filter((s) => s.job_id === jobId), (s) => Math.max(s.step_score, s.compute_score)));
+    renderLinks(section, suspects(topRanks, (r) => (r.comm_bytes_per_step ? r.comm_bytes_per_step.inter_node : 0)));
+    renderNodes(section, jobId, (doc.step_times || {})[jobId], many);
     renderExperts(section, doc.top.expert_load.filter((e) => e.job_id === jobId));
   }
 }
@@ -271,7 +286,7 @@ function chartWidth(section) {
 }
 
 function renderMfu(section, jobId, doc) {
-  const ranks = doc.top.ranks.filter((r) => r.job_id === jobId).map((r) => r.rank);
+  const ranks = suspects(doc.top.ranks.filter((r) => r.job_id === jobId), (r) => r.step_seconds).map((r) => r.rank);
   const keys = [["job", null], ...ranks.map((r) => [`rank ${r}`, `${jobId}/${r}`])];
   const samples = state.history.filter((s) => jobId in s.jobs);
   const data = [samples.map((s) => s.t)];
@@ -313,7 +328,6 @@ function renderMfu(section, jobId, doc) {
 }
 
 function renderBreakdown(section, jobId, ranks) {
-  ranks = [...ranks].sort((a, b) => a.rank - b.rank);
   fill(section.querySelector(".breakdown tbody"), ranks.map((r) => {
     const row = el("tr", null, { "data-rank": r.rank, "data-dominant": r.dominant });
     row.append(el("td", r.rank), cell("step_seconds", r.step_seconds, ms(r.step_seconds)),
@@ -354,7 +368,7 @@ function renderBreakdown(section, jobId, ranks) {
 }
 
 function renderStragglers(section, scores) {
-  fill(section.querySelector(".stragglers tbody"), [...scores].sort((a, b) => a.rank - b.rank).map((s) => {
+  fill(section.querySelector(".stragglers tbody"), scores.map((s) => {
     const row = el("tr", null, { "data-rank": s.rank, "data-flagged": s.flagged });
     row.append(
       el("td", s.rank), el("td", s.host || "-"),
@@ -379,6 +393,36 @@ function renderLinks(section, ranks) {
   }));
 }
 
+// Step times of every rank as a histogram, and each node in one row (slowest node first), as
+// the daemon summed them up (`step_times`); shown for a job too large to list rank by rank.
+function renderNodes(section, jobId, overview, many) {
+  const panel = section.querySelector(".nodes");
+  panel.hidden = !many || !overview;
+  if (panel.hidden) return;
+  section.querySelector(".node-count").textContent = overview.node_count;
+  fill(section.querySelector(".node-steps tbody"), overview.nodes.map((n) => {
+    const row = el("tr", null, { "data-host": n.host, "data-slowest-rank": n.slowest_rank });
+    row.append(el("td", n.host || "-"), cell("ranks", n.ranks), cell("median", n.median, ms(n.median)),
+      cell("slowest", n.slowest, ms(n.slowest)), cell("slowest_rank", n.slowest_rank));
+    return row;
+  }));
+  const { edges, counts } = overview.histogram;
+  const centres = counts.map((c, i) => ((edges[i] + edges[i + 1]) / 2) * 1000);
+  const chartKey = `histogram/${jobId}`;
+  const box = section.querySelector(".step-histogram");
+  const old = state.charts.get(chartKey);
+  if (old) old.destroy();
+  const chart = new uPlot({
+    width: chartWidth(section), height: 180,
+    scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(max * 1.1, 1)] } },
+    axes: [{ label: "ms per step" }, { label: "ranks", size: 50 }],
+    series: [{ label: "ms" }, { label: "ranks", fill: "#1e88e5", stroke: "#1e88e5", width: 0,
+      paths: uPlot.paths.bars({ size: [0.9, 60] }), points: { show: false } }],
+  }, [centres, counts], box);
+  state.charts.set(chartKey, chart);
+  box.setAttribute("data-counts", counts.join(","));
+}
+
 function renderExperts(section, layers) {
   section.querySelector(".experts").hidden = layers.length === 0;
   fill(section.querySelector(".expert-load tbody"), layers.map((e) => {
@@ -392,6 +436,7 @@ function renderExperts(section, layers) {
 }
 
 function render(doc) {
+  const started = performance.now();
   state.document = doc;
   document.getElementById("address").textContent = doc.address;
   document.getElementById("no-job-address").textContent = doc.address;
@@ -401,6 +446,7 @@ function render(doc) {
   renderJobs(doc);
   renderHangs(doc);
   renderJobPanels(doc);
+  document.body.setAttribute("data-render-ms", (performance.now() - started).toFixed(1));
 }
 
 // "2/2 daemons of job J": how much of each multi-node job this update covers.
