@@ -89,9 +89,9 @@ def measured_breakdowns(
     hosts: Sequence[str], *, job: str = "", window_steps: int = 20
 ) -> list[Any]:
     """The per-rank breakdowns of every host's daemon, less the ranks of a world that another
-    host's superseded (an elastic shrink: `plait.tools.daemon_worlds`)."""
+    host's superseded (an elastic shrink: `plait.daemon.worlds`)."""
+    from plait.daemon.worlds import superseded_jobs, without_jobs
     from plait.proto.plait.v1 import daemon_pb2
-    from plait.tools.daemon_worlds import superseded_jobs, without_jobs
 
     breakdowns, metrics = {}, {}
     for host in hosts:

@@ -13,11 +13,10 @@ from collections.abc import Sequence
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from plait.daemon.job_reports import HostError
 from plait.proto.plait.v1 import control_pb2
-from plait.tools import daemon_json
 from plait.tools.daemon_tables import Column, build_table, format_bytes, milliseconds, percent
 
-HostError = tuple[str, str]
 HANG_FRAMES = 8  # innermost frames of the training thread shown under a hang
 
 
@@ -108,24 +107,6 @@ def render_analysis(analysis: control_pb2.TraceAnalysis, width: int, top: int = 
         parts.append(build_table(title, top_op_columns(), slowest[0].top_ops[:top], width))
     parts.append(Text(analysis.summary.verdict, style="bold"))
     return Group(*parts)
-
-
-def profile_document(
-    *,
-    output: str,
-    response: control_pb2.ProfileResponse,
-    analysis: control_pb2.TraceAnalysis,
-    outcomes: Sequence[control_pb2.RankOutcome],
-    errors: Sequence[HostError],
-) -> dict:
-    return {
-        "file": output,
-        "start_step": response.start_step,
-        "steps": response.steps,
-        "analysis": daemon_json.message_dict(analysis),
-        "outcomes": [daemon_json.message_dict(o) for o in outcomes],
-        "errors": [{"host": host, "error": error} for host, error in errors],
-    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import typer
 
 from plait.core.daemon_address import resolve_daemon_address
 from plait.core.daemon_auth import DaemonClientAuth
+from plait.daemon.job_reports import error_text
 from plait.proto.plait.v1 import daemon_pb2_grpc
 
 Hosts = Annotated[
@@ -24,6 +25,7 @@ RPC_TIMEOUT_SECONDS = 10.0
 MAX_CONCURRENT_HOSTS = 64  # daemons asked at once when addressed directly
 
 Result = TypeVar("Result")
+__all__ = ["Hosts", "Json", "call_all", "call_each", "error_text", "open_stub", "resolve_hosts"]
 
 
 def resolve_hosts(hosts: Sequence[str] | None) -> list[str]:
@@ -65,9 +67,3 @@ def call_each(
     hosts = list(calls)
     with ThreadPoolExecutor(max_workers=min(max(len(hosts), 1), MAX_CONCURRENT_HOSTS)) as pool:
         return dict(zip(hosts, pool.map(one, hosts), strict=True))
-
-
-def error_text(exc: grpc.RpcError) -> str:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return f"{code.name if code else 'ERROR'}: {details}"

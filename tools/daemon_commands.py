@@ -28,14 +28,24 @@ from rich.markup import escape
 from rich.text import Text
 
 from plait.core.daemon_address import DEFAULT_DAEMON_ADDRESS
+from plait.daemon import json_documents as daemon_json
 from plait.daemon.config import (
     DEFAULT_STALE_CEILING_SECONDS,
     DEFAULT_STALE_FLOOR_SECONDS,
     DEFAULT_STALE_STEP_MULTIPLE,
 )
-from plait.daemon.report_messages import hang_from_message, rescore_stragglers
+from plait.daemon.job_reports import (
+    BottleneckAnswers,
+    JobSummary,
+    aggregate_jobs,
+    bottleneck_document,
+    bottleneck_report,
+    expert_rows,
+    top_document,
+)
+from plait.daemon.report_messages import hang_from_message
+from plait.daemon.worlds import marked_superseded, superseded_jobs
 from plait.proto.plait.v1 import daemon_pb2
-from plait.tools import daemon_json
 from plait.tools.daemon_client import (
     RPC_TIMEOUT_SECONDS,
     Hosts,
@@ -44,7 +54,6 @@ from plait.tools.daemon_client import (
     error_text,
     open_stub,
 )
-from plait.tools.daemon_jobs import expert_rows
 from plait.tools.daemon_targets import (
     DEFAULT_DEADLINE_SECONDS,
     Coverage,
@@ -55,15 +64,11 @@ from plait.tools.daemon_targets import (
 from plait.tools.daemon_views import (
     BottleneckView,
     DaemonRow,
-    JobSummary,
     StatusView,
     TopView,
-    aggregate_jobs,
-    job_verdicts,
     render_hangs,
     render_top,
 )
-from plait.tools.daemon_worlds import marked_superseded, superseded_jobs, without_jobs
 from plait.tools.output import make_console, print_error
 
 if TYPE_CHECKING:
@@ -469,21 +474,6 @@ class _Follower:
             self._call.cancel()
 
 
-def top_document(view: TopView) -> dict:
-    return {
-        "jobs": [{**daemon_json.dataclass_dict(j), "mfu": j.mfu} for j in view.jobs],
-        "ranks": [daemon_json.message_dict(r) for r in view.ranks],
-        "expert_load": [
-            {"job_id": e.job_id, **daemon_json.message_dict(e.load)} for e in view.experts
-        ],
-        "hosts": [
-            {"address": h.address, "error": None, "host": daemon_json.message_dict(h.host)}
-            for h in view.hosts
-        ]
-        + [{"address": a, "error": e, "host": None} for a, e in view.errors],
-    }
-
-
 @app.command()
 def top(
     hosts: Hosts = None,
@@ -638,48 +628,11 @@ def bottleneck(
         raise typer.Exit(1)
 
 
-BottleneckAnswers = tuple[
-    daemon_pb2.GetBottleneckResponse, daemon_pb2.ListRanksResponse, daemon_pb2.GetMetricsResponse
-]
-
-
 def bottleneck_view(
     results: Mapping[str, BottleneckAnswers | grpc.RpcError], threshold: float
 ) -> tuple[BottleneckView, list[daemon_pb2.GetMetricsResponse]]:
-    """The breakdown of every host's answers (and their metrics, for the figures' titles);
-    the daemon's web page builds its panels with this too."""
-    responses, infos, metrics, errors = [], [], [], []
-    answered = {h: r for h, r in results.items() if not isinstance(r, grpc.RpcError)}
-    # A host's ranks of a world another host's superseded are no part of the breakdown.
-    superseded = superseded_jobs({host: result[2] for host, result in answered.items()})
-    for host, result in results.items():
-        if isinstance(result, grpc.RpcError):
-            errors.append((host, error_text(result)))
-            continue
-        breakdown, listing, figures = result
-        responses.append(without_jobs(breakdown, superseded[host]))
-        infos.extend(listing.ranks)
-        metrics.append(figures)
-    ranks = sorted((r for resp in responses for r in resp.ranks), key=lambda r: (r.job_id, r.rank))
-    view = BottleneckView(
-        ranks=ranks,
-        stragglers=rescore_stragglers(responses, threshold),
-        threshold=threshold,
-        verdicts=job_verdicts(ranks, infos),
-        errors=errors,
-    )
-    return view, metrics
-
-
-def bottleneck_document(view: BottleneckView, png: Path | None) -> dict:
-    return {
-        "ranks": [daemon_json.message_dict(r) for r in view.ranks],
-        "straggler_threshold": view.threshold,
-        "stragglers": [daemon_json.message_dict(s) for s in view.stragglers],
-        "jobs": [daemon_json.dataclass_dict(v) for v in view.verdicts],
-        "errors": [{"host": host, "error": error} for host, error in view.errors],
-        "png": str(png) if png is not None else None,
-    }
+    """`plait bottleneck`'s report of every host's answers, drawn for the terminal."""
+    return bottleneck_report(results, threshold, BottleneckView)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 A job's ranks may report to several daemons (one per node); each daemon says what it sees, and
 these functions combine the answers of the daemons on the job's newest world
-(`plait.tools.daemon_worlds`; a daemon whose ranks an elastic shrink left behind counts for
+(`plait.daemon.worlds`; a daemon whose ranks an elastic shrink left behind counts for
 nothing): the job runs while any of them sees a live rank, its worlds are the longest history
 kept (an older world another daemon saw comes first), stale ranks add up. The expert load is
 the job's (every rank reports the whole job's counts), taken from the first daemon on the
@@ -11,66 +11,10 @@ newest world that has it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-from plait.proto.plait.v1 import daemon_pb2, metrics_pb2
+from plait.daemon.job_reports import ExpertRow, JobWorld
 from plait.tools.daemon_tables import Column, percent
-from plait.tools.daemon_worlds import JobAnswers, superseded_jobs
-
-MAX_WORLDS_SHOWN = 32  # as many as a daemon keeps (plait.daemon.store.MAX_WORLDS_KEPT)
-
-# As plait.daemon.analysis names them (not imported: the CLI starts without the daemon).
-RUNNING, FINISHED, FAILED, STALE = "running", "finished", "failed", "stale"
-
-
-def combined_state(states: Sequence[str]) -> str:
-    """One job state from each daemon's: failed wins, then running, then finished by all."""
-    known = [s for s in states if s]
-    if not known:
-        return ""
-    if FAILED in known:
-        return FAILED
-    if RUNNING in known:
-        return RUNNING
-    if all(s == FINISHED for s in known):
-        return FINISHED
-    return STALE
-
-
-@dataclass(frozen=True, slots=True)
-class JobWorld:
-    state: str = ""
-    world_sizes: tuple[int, ...] = ()
-    restarts: int = 0
-    started_step: int = 0  # first step of the current world, trainer numbering
-    ranks_stale: int = 0
-
-    @property
-    def worlds(self) -> str:
-        """ "2 → 1": the sizes of the job's worlds, oldest first (the last four)."""
-        sizes = [str(s) for s in self.world_sizes[-4:]]
-        return ("… → " if len(self.world_sizes) > 4 else "") + " → ".join(sizes)
-
-
-def job_world(answers: JobAnswers) -> JobWorld:
-    """One job's world as several daemons see it."""
-    current = answers.current
-    longest = max(current, key=lambda j: (j.restarts, len(j.world_sizes)))
-    sizes, restarts = tuple(longest.world_sizes), longest.restarts
-    if answers.older:
-        # A daemon that saw only the older world knows where the history began.
-        before = max(answers.older, key=lambda j: (j.restarts, len(j.world_sizes)))
-        if before.restarts >= restarts:
-            sizes = (*before.world_sizes, answers.newest.world_size)[-MAX_WORLDS_SHOWN:]
-            restarts = before.restarts + 1
-    return JobWorld(
-        state=combined_state([j.state for j in current]),
-        world_sizes=sizes,
-        restarts=restarts,
-        started_step=max(j.world_started_step for j in current),
-        ranks_stale=sum(j.ranks_stale for j in current),
-    )
 
 
 def world_columns(get: str = "world") -> list[Column]:
@@ -91,25 +35,6 @@ def world_columns(get: str = "world") -> list[Column]:
         ),
         Column("stale", lambda j: str(world(j).ranks_stale) if world(j).ranks_stale else "-"),
     ]
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertRow:
-    job_id: str
-    load: metrics_pb2.ExpertLayerLoad
-
-
-def expert_rows(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[ExpertRow]:
-    """Each MoE job's layers, from the first daemon on its newest world that reports them."""
-    superseded = superseded_jobs({str(i): r for i, r in enumerate(responses)})
-    rows: dict[str, list[ExpertRow]] = {}
-    for index, response in enumerate(responses):
-        for job in response.jobs:
-            if job.job_id in superseded[str(index)]:
-                continue
-            if job.expert_load and job.job_id not in rows:
-                rows[job.job_id] = [ExpertRow(job.job_id, layer) for layer in job.expert_load]
-    return [row for job_id in sorted(rows) for row in rows[job_id]]
 
 
 def expert_columns(jobs: Mapping[str, str]) -> list[Column[ExpertRow]]:

@@ -16,18 +16,19 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from plait.core.mfu import CALIBRATION_ADVICE, format_mfu, is_calibration_error, mfu
+from plait.core.mfu import CALIBRATION_ADVICE, format_mfu, is_calibration_error
 from plait.daemon.hangs import Hang, merge_hangs
+from plait.daemon.job_reports import (
+    BottleneckReport,
+    ExpertRow,
+    HostError,
+    HostRow,
+    JobSummary,
+    TopReport,
+)
 from plait.proto.plait.v1 import control_pb2, daemon_pb2, metrics_pb2
 from plait.tools.control_views import render_hang_stacks
-from plait.tools.daemon_jobs import (
-    ExpertRow,
-    JobWorld,
-    expert_columns,
-    expert_rows,
-    job_world,
-    world_columns,
-)
+from plait.tools.daemon_jobs import expert_columns, world_columns
 from plait.tools.daemon_tables import (
     Column,
     build_table,
@@ -37,7 +38,6 @@ from plait.tools.daemon_tables import (
     percent,
     short_job_ids,
 )
-from plait.tools.daemon_worlds import current_ranks, split_by_world, superseded_jobs
 from plait.tools.replica_group_views import (
     lighthouses,
     merge_fault_tolerant_jobs,
@@ -45,9 +45,7 @@ from plait.tools.replica_group_views import (
 )
 
 if TYPE_CHECKING:
-    from plait.daemon.bottleneck import RankBreakdown
-
-HostError = tuple[str, str]  # (address, error text)
+    pass
 
 
 def error_lines(errors: Sequence[HostError]) -> list[Text]:
@@ -272,60 +270,6 @@ def render_hangs(
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class JobSummary:
-    """One job across daemons: achieved and peak FLOP/s add up, the slowest step counts."""
-
-    job_id: str
-    ranks_reporting: int
-    world_size: int
-    step: int
-    tokens_per_second: float
-    model_flops_per_second: float
-    peak_flops: float
-    step_seconds: float
-    world: JobWorld = field(default_factory=JobWorld)  # state, worlds, restarts
-    # Bytes the job's ranks sent per step inside their nodes and across nodes (summed).
-    comm_bytes_per_step: dict[str, int] = field(
-        default_factory=lambda: {"intra_node": 0, "inter_node": 0}
-    )
-
-    @property
-    def mfu(self) -> float:
-        return mfu(self.model_flops_per_second, self.peak_flops)
-
-
-def aggregate_jobs(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[JobSummary]:
-    """Combine the per-daemon job figures of several hosts (see `plait.core.mfu`)."""
-    by_job: dict[str, list[metrics_pb2.JobMetrics]] = {}
-    for response in responses:
-        for job in response.jobs:
-            by_job.setdefault(job.job_id, []).append(job)
-    summaries = []
-    for job_id, answers in sorted(by_job.items()):
-        # Only daemons on the job's newest world count (`plait.tools.daemon_worlds`).
-        split = split_by_world(answers)
-        jobs = split.current
-        summaries.append(
-            JobSummary(
-                job_id=job_id,
-                ranks_reporting=sum(j.ranks_reporting for j in jobs),
-                world_size=split.newest.world_size,
-                step=max(j.step for j in jobs),
-                tokens_per_second=sum(j.tokens_per_second for j in jobs),
-                model_flops_per_second=sum(j.model_flops_per_second for j in jobs),
-                peak_flops=sum(j.peak_flops for j in jobs),
-                step_seconds=max(j.step_seconds for j in jobs),
-                world=job_world(split),
-                comm_bytes_per_step={
-                    "intra_node": sum(j.comm_bytes_per_step.intra_node for j in jobs),
-                    "inter_node": sum(j.comm_bytes_per_step.inter_node for j in jobs),
-                },
-            )
-        )
-    return summaries
-
-
 def job_columns(jobs: Mapping[str, str]) -> list[Column[JobSummary]]:
     return [
         Column("job", lambda j: jobs.get(j.job_id, j.job_id), "left", keep_empty=True),
@@ -371,12 +315,6 @@ def rank_metric_columns(
     ]
 
 
-@dataclass(frozen=True, slots=True)
-class HostRow:
-    address: str
-    host: metrics_pb2.HostMetrics
-
-
 def _host_memory(h: HostRow) -> str:
     used, total = h.host.memory_used_bytes, h.host.memory_total_bytes
     return "-" if total <= 0 else f"{used / 2**30:.1f} / {total / 2**30:.1f}"
@@ -397,37 +335,10 @@ def host_columns(width: int) -> list[Column[HostRow]]:
     ]
 
 
-@dataclass(frozen=True, slots=True)
-class TopView:
-    jobs: list[JobSummary]
-    ranks: list[metrics_pb2.RankMetrics]
-    hosts: list[HostRow]
-    errors: list[HostError]
-    experts: list[ExpertRow] = field(default_factory=list)  # one per MoE layer
+class TopView(TopReport):
+    """`plait top`'s report, drawn for the terminal."""
 
-    @classmethod
-    def from_latest(
-        cls,
-        latest: Mapping[str, daemon_pb2.GetMetricsResponse | str],
-        *,
-        show_superseded: bool = False,
-    ) -> TopView:
-        """The view of each host's latest answer; ranks of a world that another host's
-        superseded are marked so, and left out unless `show_superseded`."""
-        answered = {h: r for h, r in latest.items() if not isinstance(r, str)}
-        responses = list(answered.values())
-        ranks = current_ranks(
-            {h: r.ranks for h, r in answered.items()},
-            superseded_jobs(answered),
-            keep_superseded=show_superseded,
-        )
-        return cls(
-            jobs=aggregate_jobs(responses),
-            ranks=sorted(ranks, key=lambda r: (r.job_id, r.rank)),
-            hosts=[HostRow(a, r.host) for a, r in latest.items() if not isinstance(r, str)],
-            errors=[(a, r) for a, r in latest.items() if isinstance(r, str)],
-            experts=expert_rows(responses),
-        )
+    __slots__ = ()
 
     def render(self, width: int) -> Group:
         jobs = short_job_ids([j.job_id for j in self.jobs] + [r.job_id for r in self.ranks], width)
@@ -552,22 +463,10 @@ def straggler_columns(
     ]
 
 
-@dataclass(frozen=True, slots=True)
-class JobVerdict:
-    """A job's dominant class and the advice for it, over the ranks of every host."""
+class BottleneckView(BottleneckReport):
+    """`plait bottleneck`'s report, drawn for the terminal."""
 
-    job_id: str
-    dominant: str
-    advice: str
-
-
-@dataclass(frozen=True, slots=True)
-class BottleneckView:
-    ranks: list[metrics_pb2.BottleneckBreakdown]
-    stragglers: list[metrics_pb2.StragglerScore]
-    threshold: float
-    verdicts: list[JobVerdict]
-    errors: list[HostError]
+    __slots__ = ()
 
     def render(self, width: int) -> Group:
         from plait.daemon.bottleneck import CLASS_LABELS
@@ -598,58 +497,3 @@ class BottleneckView:
             line.append(f": {verdict.advice}")
             parts.append(line)
         return Group(*parts)
-
-
-def breakdown_from_message(r: metrics_pb2.BottleneckBreakdown) -> RankBreakdown:
-    from plait.daemon.bottleneck import RankBreakdown
-
-    return RankBreakdown(
-        steps=r.steps,
-        step_seconds=r.step_seconds,
-        seconds={
-            "compute": r.compute_seconds,
-            "exposed_comm": r.exposed_comm_seconds,
-            "data": r.data_wait_seconds,
-            "pipeline_bubble": r.pipeline_bubble_seconds,
-            "optimizer": r.optimizer_seconds,
-            "host_other": r.host_other_seconds,
-        },
-        comm_seconds=r.comm_seconds,
-        exposed_comm_by_purpose=dict(r.exposed_comm_by_purpose),
-        median_step_seconds=r.median_step_seconds,
-        median_compute_seconds=r.median_compute_seconds,
-        microbatches=0,
-        comm_ops_by_purpose={
-            purpose: frozenset(ops.split(",")) for purpose, ops in r.comm_ops_by_purpose.items()
-        },
-    )
-
-
-def job_verdicts(
-    ranks: Sequence[metrics_pb2.BottleneckBreakdown], infos: Sequence[metrics_pb2.RankInfo]
-) -> list[JobVerdict]:
-    """One verdict per job over the ranks of every host, advised for the job's device and
-    mesh (from `ListRanks`; the lowest rank speaks for the job)."""
-    from plait.daemon.bottleneck import RankContext, advice, job_dominant
-
-    by_job: dict[str, list[metrics_pb2.BottleneckBreakdown]] = {}
-    for r in ranks:
-        by_job.setdefault(r.job_id, []).append(r)
-    first: dict[str, metrics_pb2.RankInfo] = {}
-    for info in sorted(infos, key=lambda i: i.rank):
-        first.setdefault(info.job_id, info)
-    verdicts = []
-    for job_id, job_ranks in sorted(by_job.items()):
-        overall = job_dominant(breakdown_from_message(r) for r in job_ranks)
-        if not overall.steps:
-            continue
-        info = first.get(job_id)
-        context = (
-            RankContext(
-                degrees=dict(info.degrees), device=info.device, compute_dtype=info.compute_dtype
-            )
-            if info is not None
-            else RankContext()
-        )
-        verdicts.append(JobVerdict(job_id, overall.dominant, advice(overall, context)))
-    return verdicts

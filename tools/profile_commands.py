@@ -34,14 +34,14 @@ import grpc
 import typer
 from rich.console import Console
 
+from plait.daemon import json_documents as daemon_json
+from plait.daemon.job_reports import profile_document
 from plait.proto.plait.v1 import control_pb2
 from plait.proto.plait.v1.control_pb2_grpc import ControlStub
-from plait.tools import daemon_json
 from plait.tools.control_views import (
     error_lines,
     memory_columns,
     outcome_lines,
-    profile_document,
     render_analysis,
     render_stacks,
 )

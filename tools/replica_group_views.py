@@ -16,8 +16,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from plait.daemon import json_documents as daemon_json
 from plait.proto.plait.v1 import daemon_pb2
-from plait.tools import daemon_json
 
 # A group's state across daemons: participating wins (a live rank anywhere), then finished.
 _STATE_ORDER = ("participating", "finished", "left")

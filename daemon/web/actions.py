@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from plait.core.telemetry_schema import NO_REPLICA_GROUP
+from plait.daemon import json_documents as daemon_json
 from plait.daemon.control_messages import replica_group_of
 from plait.daemon.control_records import rank_file_prefix
 from plait.daemon.control_service import ControlService
+from plait.daemon.job_reports import profile_document
 from plait.daemon.local_calls import LocalCallError, LocalContext
 from plait.proto.plait.v1 import control_pb2
-from plait.tools import daemon_json
-from plait.tools.control_views import profile_document
 
 KEPT_CAPTURES = 8  # the oldest capture's files go when a ninth arrives
 PROFILE_TIMEOUT_SECONDS = 120.0

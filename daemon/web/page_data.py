@@ -4,12 +4,13 @@ hangs.
 
 Nothing here computes a figure. The daemon's services are asked in-process (the same methods
 the gRPC server calls, with `LocalContext` standing in for a call's context), and their answers
-go through the very functions that build the CLI's documents (`TopView`, `top_document`,
-`bottleneck_view`, `bottleneck_document`, `merge_hangs`), so a number on the page and the same
-number printed by `plait top --json --host <every daemon of the job>` are one computation. The
-window and the straggler threshold are the CLI's defaults, so both ask the same question. A
-job's other daemons that do not answer within `PEER_DEADLINE_SECONDS` are listed as missing
-under `job_daemons` ("k/N daemons"), never waited for.
+go through the very functions that build the CLI's documents (`plait.daemon.job_reports`:
+`TopReport`, `top_document`, `bottleneck_report`, `bottleneck_document`; `merge_hangs`), so a
+number on the page and the same number printed by `plait top --json --host <every daemon of
+the job>` are one computation. The window and the straggler threshold are the CLI's defaults,
+so both ask the same question. A job's other daemons that do not answer within
+`PEER_DEADLINE_SECONDS` are listed as missing under `job_daemons` ("k/N daemons"), never
+waited for.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from typing import Any
 
 from plait.daemon.hangs import merge_hangs
 from plait.daemon.job_questions import QUESTION_TYPES
+from plait.daemon.job_reports import (
+    TopReport,
+    bottleneck_document,
+    bottleneck_report,
+    top_document,
+)
 from plait.daemon.local_calls import LocalContext
 from plait.daemon.report_messages import hang_from_message
 from plait.daemon.service import DaemonService
 from plait.daemon.web.rank_overview import step_time_overview
 from plait.proto.plait.v1 import daemon_pb2
-from plait.tools.daemon_commands import (
-    bottleneck_document,
-    bottleneck_view,
-    top_document,
-)
-from plait.tools.daemon_views import TopView
 
 # `plait top`'s and `plait bottleneck`'s default --window-steps.
 WINDOW_STEPS = 20
@@ -78,8 +79,8 @@ class PageSource:
             hangs += [hang_from_message(h) for status in peers.statuses for h in status.hangs]
             coverage.append(peers.coverage)
         latest: dict[str, Any] = {label: triple[2] for label, triple in answers.items()}
-        top = top_document(TopView.from_latest(latest))
-        breakdown, _ = bottleneck_view(answers, self.straggler_threshold)
+        top = top_document(TopReport.from_latest(latest))
+        breakdown, _ = bottleneck_report(answers, self.straggler_threshold)
         return {
             "address": self.address,
             "computed_unix_nano": metrics.computed_unix_nano,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
+from plait.daemon.job_reports import JobVerdict
 from plait.proto.plait.v1 import daemon_pb2, metrics_pb2
 from plait.tools.daemon_tables import NARROW_WIDTH, short_job_ids
 from plait.tools.daemon_views import (
     BottleneckView,
     DaemonRow,
-    JobVerdict,
     StatusView,
     TopView,
     render_top,

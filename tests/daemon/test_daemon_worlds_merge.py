@@ -1,15 +1,16 @@
 """The CLI's merge of one job's answers from several daemons, on messages (no daemon needed).
 
 `test_daemon_worlds_two_nodes.py` plays a real shrink on two daemons; these cases pin the rule
-of `plait.tools.daemon_worlds` where timing cannot be arranged with processes: a world seen by
+of `plait.daemon.worlds` where timing cannot be arranged with processes: a world seen by
 two daemons a moment apart, a failed old world, a daemon that only knows the new world.
 """
 
 from __future__ import annotations
 
+from plait.daemon.job_reports import aggregate_jobs
+from plait.daemon.worlds import superseded_jobs, without_jobs
 from plait.proto.plait.v1 import daemon_pb2, metrics_pb2
-from plait.tools.daemon_views import TopView, aggregate_jobs
-from plait.tools.daemon_worlds import superseded_jobs, without_jobs
+from plait.tools.daemon_views import TopView
 
 S = 10**9  # one second in ns
 

@@ -371,7 +371,9 @@ def test_prometheus_targets_lists_every_daemon_of_the_job_with_its_node() -> Non
         send_rank(b, 1)
         report_job(a, b)
         result = CliRunner().invoke(
-            prometheus_commands.app, ["--job", JOB], env={"PLAIT_DAEMON": a.address}
+            prometheus_commands.app,
+            ["prometheus-targets", "--job", JOB],
+            env={"PLAIT_DAEMON": a.address},
         )
         assert result.exit_code == 0, result.output
         groups = json.loads(result.stdout)

@@ -394,3 +394,38 @@ def test_no_core_module_imports_the_opentelemetry_sdk() -> None:
         if module.startswith(RANK_SIDE_SDK)
     ]
     assert found == []
+
+
+# -- no arrow up the house ----------------------------------------------------------------------
+
+# The rooms below the command line: none of them may import `plait.tools` (the CLI, the trainer,
+# the benchmarks), at run time or for type checking. What the daemon's page shows and what
+# the CLI prints are built in the daemon (`plait.daemon.job_reports`); the CLI draws them.
+BELOW_THE_CLI = ("core", "daemon", "planner", "plugins", "integrations")
+
+
+def upward_imports() -> list[str]:
+    found = []
+    for folder in BELOW_THE_CLI:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for line, module in imported_modules(path):
+                if module == "plait.tools" or module.startswith("plait.tools."):
+                    found.append(f"{path.relative_to(ROOT).as_posix()}:{line}: imports {module}")
+    return sorted(set(found))
+
+
+def test_nothing_below_the_command_line_imports_it() -> None:
+    assert upward_imports() == []
+
+
+def test_an_upward_import_is_seen_even_for_type_checking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "daemon" / "x.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from plait.tools.daemon_views import TopView\n"
+    )
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert "daemon/x.py:3: imports plait.tools.daemon_views" in upward_imports()
