@@ -48,6 +48,7 @@ from plait.daemon.bottleneck import (
 )
 from plait.daemon.bottleneck import rank_breakdown as summarise_steps
 from plait.daemon.config import (
+    DEFAULT_METRICS_WINDOW_STEPS,
     DEFAULT_STALE_CEILING_SECONDS,
     DEFAULT_STALE_FLOOR_SECONDS,
     DEFAULT_STALE_STEP_MULTIPLE,
@@ -56,8 +57,6 @@ from plait.daemon.decoder import MAX_WIRE_STEP
 from plait.daemon.host import HostSample
 from plait.daemon.store import JobWorlds, RankWindow, TelemetryStore
 from plait.daemon.stragglers import RankTiming, StragglerScore, score_ranks
-
-DEFAULT_METRICS_WINDOW_STEPS = 20
 
 RANK_LIVE = "live"
 RANK_STALE = "stale"

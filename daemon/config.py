@@ -21,6 +21,8 @@ DEFAULT_WINDOW_SPANS = 50_000
 DEFAULT_INGEST_CAPACITY = 200_000
 DEFAULT_HANG_TIMEOUT_SECONDS = 60.0
 DEFAULT_STRAGGLER_THRESHOLD = 0.2
+# Steps averaged per rank when a query names no window (`plait top`, `bottleneck`, the page).
+DEFAULT_METRICS_WINDOW_STEPS = 20
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # largest request accepted (a rank's batch is ~2 MiB)
 # Trace requests at least this large go to an ingest worker when there are workers; a request
 # this large holds a couple of hundred spans (plait's exporter writes ~150 bytes per span).

@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 from plait.core.telemetry_schema import NO_REPLICA_GROUP
 
+DEFAULT_MAX_RANK_BYTES = 64 * 2**20
+DEFAULT_MAX_CAPTURES = 2
+
 PROFILE, STACKS, MEMORY, CANCEL = "profile", "stacks", "memory", "cancel"
 CAPTURE_KINDS = (PROFILE, MEMORY)  # the kinds limited in concurrency
 MAX_REPLANS = 2  # fresh start steps after a miss before the missing rank is given up
@@ -84,9 +87,9 @@ class ControlLimits:
     poll_patience_seconds: float = 10.0
     max_steps: int = 100
     max_seconds: float = 300.0
-    max_rank_bytes: int = 64 * 2**20  # one rank's compressed delivery
+    max_rank_bytes: int = DEFAULT_MAX_RANK_BYTES  # one rank's compressed delivery
     max_request_bytes: int = 256 * 2**20  # all ranks of one request together
-    max_captures: int = 2  # profiles and memory snapshots in progress at once
+    max_captures: int = DEFAULT_MAX_CAPTURES  # profiles and memory snapshots in progress at once
     max_chunk_bytes: int = 2**20
     default_timeout_seconds: float = 120.0
     prepare_timeout_seconds: float = 60.0

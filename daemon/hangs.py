@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from plait.core import telemetry_schema as names
+from plait.daemon.config import DEFAULT_HANG_TIMEOUT_SECONDS
 
 if TYPE_CHECKING:  # the daemon's decoder: the CLI merges hangs without it
     from plait.daemon.decoder import GaugePoint
 
-DEFAULT_HANG_TIMEOUT_SECONDS = 60.0
 # A rank whose last heartbeat is older than this no longer vouches for its in-flight ops
 # (its process is gone); its ops stop producing reports, and it counts as not having entered.
 HEARTBEAT_STALE_SECONDS = 30.0

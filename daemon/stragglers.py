@@ -21,7 +21,9 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-DEFAULT_THRESHOLD = 0.2
+from plait.daemon.config import DEFAULT_STRAGGLER_THRESHOLD
+
+DEFAULT_THRESHOLD = DEFAULT_STRAGGLER_THRESHOLD
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,10 +30,18 @@ from rich.text import Text
 from plait.core.daemon_address import DEFAULT_DAEMON_ADDRESS
 from plait.daemon import json_documents as daemon_json
 from plait.daemon.config import (
+    DEFAULT_HANG_TIMEOUT_SECONDS,
+    DEFAULT_INGEST_CAPACITY,
+    DEFAULT_METRICS_WINDOW_STEPS,
     DEFAULT_STALE_CEILING_SECONDS,
     DEFAULT_STALE_FLOOR_SECONDS,
     DEFAULT_STALE_STEP_MULTIPLE,
+    DEFAULT_STRAGGLER_THRESHOLD,
+    DEFAULT_WINDOW_SPANS,
+    DEFAULT_WINDOW_STEPS,
+    MAX_MESSAGE_BYTES,
 )
+from plait.daemon.control_records import DEFAULT_MAX_CAPTURES, DEFAULT_MAX_RANK_BYTES
 from plait.daemon.job_reports import (
     BottleneckAnswers,
     JobSummary,
@@ -103,8 +111,12 @@ def daemon(
     bind: Annotated[
         str, typer.Option("--bind", help="address to listen on (loopback by default)")
     ] = DEFAULT_DAEMON_ADDRESS,
-    window_steps: Annotated[int, typer.Option(help="steps kept per rank", min=1)] = 512,
-    window_spans: Annotated[int, typer.Option(help="spans kept per rank", min=1)] = 50_000,
+    window_steps: Annotated[
+        int, typer.Option(help="steps kept per rank", min=1)
+    ] = DEFAULT_WINDOW_STEPS,
+    window_spans: Annotated[
+        int, typer.Option(help="spans kept per rank", min=1)
+    ] = DEFAULT_WINDOW_SPANS,
     reflection: Annotated[bool, typer.Option(help="serve gRPC reflection")] = True,
     grace: Annotated[float, typer.Option(help="seconds in-flight calls get at shutdown")] = 5.0,
     tls_cert: Annotated[
@@ -124,10 +136,12 @@ def daemon(
         bool,
         typer.Option("--insecure", help="allow a non-loopback bind without TLS and token"),
     ] = False,
-    max_message_mb: Annotated[float, typer.Option(help="largest request accepted", min=0.1)] = 16,
+    max_message_mb: Annotated[
+        float, typer.Option(help="largest request accepted", min=0.1)
+    ] = MAX_MESSAGE_BYTES // 2**20,
     ingest_capacity: Annotated[
         int, typer.Option(help="spans + metric points stored at once before dropping", min=1)
-    ] = 200_000,
+    ] = DEFAULT_INGEST_CAPACITY,
     ingest_workers: Annotated[
         int,
         typer.Option(
@@ -140,10 +154,10 @@ def daemon(
     ] = None,
     hang_timeout: Annotated[
         float, typer.Option(help="seconds a partly entered collective may wait", min=0.1)
-    ] = 60.0,
+    ] = DEFAULT_HANG_TIMEOUT_SECONDS,
     straggler_threshold: Annotated[
         float, typer.Option(help="flag ranks this much slower than the median", min=0.0)
-    ] = 0.2,
+    ] = DEFAULT_STRAGGLER_THRESHOLD,
     otlp_endpoint: Annotated[
         str | None,
         typer.Option(help="forward upstream over OTLP/gRPC (default $OTEL_EXPORTER_OTLP_ENDPOINT)"),
@@ -173,10 +187,10 @@ def daemon(
     ] = DEFAULT_STALE_CEILING_SECONDS,
     max_capture_mb: Annotated[
         float, typer.Option(help="largest profile or memory capture a rank may send", min=1)
-    ] = 64,
+    ] = DEFAULT_MAX_RANK_BYTES // 2**20,
     max_captures: Annotated[
         int, typer.Option(help="profiles and memory captures in progress at once", min=1)
-    ] = 2,
+    ] = DEFAULT_MAX_CAPTURES,
     lighthouse: Annotated[
         str | None,
         typer.Option(
@@ -483,7 +497,9 @@ def top(
     hosts_file: HostsFile = None,
     deadline: Deadline = DEFAULT_DEADLINE_SECONDS,
     interval: Annotated[float, typer.Option(help="seconds between refreshes", min=0.1)] = 1.0,
-    window_steps: Annotated[int, typer.Option(help="steps averaged per figure", min=0)] = 20,
+    window_steps: Annotated[
+        int, typer.Option(help="steps averaged per figure", min=0)
+    ] = DEFAULT_METRICS_WINDOW_STEPS,
     once: Annotated[bool, typer.Option("--once", help="print one snapshot and exit")] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one snapshot as JSON and exit (implies --once)")
@@ -572,10 +588,12 @@ def bottleneck(
     ] = "",
     hosts_file: HostsFile = None,
     deadline: Deadline = DEFAULT_DEADLINE_SECONDS,
-    window_steps: Annotated[int, typer.Option(help="steps averaged per rank", min=0)] = 20,
+    window_steps: Annotated[
+        int, typer.Option(help="steps averaged per rank", min=0)
+    ] = DEFAULT_METRICS_WINDOW_STEPS,
     threshold: Annotated[
         float, typer.Option(help="flag ranks this much slower than the median", min=0.0)
-    ] = 0.2,
+    ] = DEFAULT_STRAGGLER_THRESHOLD,
     png: Annotated[Path | None, typer.Option("--png", help="write a stacked bar chart")] = None,
     as_json: Json = False,
     show_all: ShowAll = False,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from plait.daemon.config import DEFAULT_METRICS_WINDOW_STEPS
 from plait.daemon.hangs import merge_hangs
 from plait.daemon.job_questions import QUESTION_TYPES
 from plait.daemon.job_reports import (
@@ -33,7 +34,7 @@ from plait.daemon.web.rank_overview import step_time_overview
 from plait.proto.plait.v1 import daemon_pb2
 
 # `plait top`'s and `plait bottleneck`'s default --window-steps.
-WINDOW_STEPS = 20
+WINDOW_STEPS = DEFAULT_METRICS_WINDOW_STEPS
 
 
 # A peer daemon that has not answered by then is named missing on the page, not waited for.
