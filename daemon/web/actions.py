@@ -24,13 +24,15 @@ from plait.daemon import json_documents as daemon_json
 from plait.daemon.control_messages import replica_group_of
 from plait.daemon.control_records import rank_file_prefix
 from plait.daemon.control_service import ControlService
+from plait.daemon.job_questions import JobQuestions
 from plait.daemon.job_reports import profile_document
 from plait.daemon.local_calls import LocalCallError, LocalContext
-from plait.proto.plait.v1 import control_pb2
+from plait.proto.plait.v1 import control_pb2, daemon_pb2
 
 KEPT_CAPTURES = 8  # the oldest capture's files go when a ninth arrives
 PROFILE_TIMEOUT_SECONDS = 120.0
 STACKS_TIMEOUT_SECONDS = 5.0  # as `plait status` waits for a hung job's stacks
+JOB_MARGIN_SECONDS = 2.0  # what the other daemons' replies may add to their ranks' wait
 MEMORY_WAIT_SECONDS = 10.0  # `plait memory`'s default --wait
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -76,9 +78,12 @@ def _errors(exc: LocalCallError, address: str) -> list[dict[str, str]]:
 
 
 class Actions:
-    def __init__(self, control: ControlService, address: str) -> None:
+    def __init__(
+        self, control: ControlService, address: str, jobs: JobQuestions | None = None
+    ) -> None:
         self.control = control
         self.address = address
+        self.jobs = jobs  # the job's other daemons, for ranks on other nodes
         self.captures = Captures()
 
     def profile(self, job_id: str, steps: int) -> dict[str, Any]:
@@ -138,11 +143,14 @@ class Actions:
         }
 
     def stacks(self, job_id: str, ranks: list[int]) -> dict[str, Any]:
-        """`plait stacks --job JOB --ranks … --json`: every thread's stack of each rank."""
+        """`plait stacks --job JOB --ranks … --json`: every thread's stack of each rank, on
+        whichever node of the job it runs (a hang's missing rank is often on another)."""
         context: Any = LocalContext()
         request = control_pb2.StacksRequest(
             job_id=job_id, ranks=ranks, timeout_seconds=STACKS_TIMEOUT_SECONDS
         )
+        if self.jobs is not None and self.jobs.peers(job_id):
+            return self._job_stacks(job_id, request)
         try:
             response = self.control.Stacks(request, context)
         except LocalCallError as exc:
@@ -152,6 +160,31 @@ class Actions:
             "outcomes": [daemon_json.message_dict(o) for o in response.outcomes],
             "errors": [],
         }
+
+    def _job_stacks(self, job_id: str, request: control_pb2.StacksRequest) -> dict[str, Any]:
+        """The stacks from every daemon of the job (`AskJob`), each missing daemon named."""
+        assert self.jobs is not None
+        reply = self.jobs.ask(
+            daemon_pb2.AskJobRequest(
+                job_id=job_id,
+                questions=[
+                    daemon_pb2.JobQuestion(
+                        method="Control/Stacks", request=request.SerializeToString()
+                    )
+                ],
+                deadline_seconds=STACKS_TIMEOUT_SECONDS + JOB_MARGIN_SECONDS,
+            )
+        )
+        ranks, outcomes, errors = [], [], []
+        for answer in reply.answers:
+            where = answer.address or self.address
+            if answer.error:
+                errors.append({"host": where, "error": answer.error})
+                continue
+            response = control_pb2.StacksResponse.FromString(answer.responses[0])
+            ranks += [daemon_json.message_dict(s) for s in response.ranks]
+            outcomes += [daemon_json.message_dict(o) for o in response.outcomes]
+        return {"ranks": ranks, "outcomes": outcomes, "errors": errors}
 
     def close(self) -> None:
         self.captures.close()

@@ -31,7 +31,7 @@ class WebPage:
     ) -> None:
         history = MfuHistory(capacity=int(DEFAULT_HISTORY_SECONDS / interval))
         self.publisher = Publisher(source.document, interval=interval, history=history)
-        self.actions = Actions(control, source.address)
+        self.actions = Actions(control, source.address, source.service.extras.job_questions)
         self.server = PageServer(
             bind, publisher=self.publisher, actions=self.actions, security=security
         )

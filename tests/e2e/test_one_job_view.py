@@ -171,6 +171,10 @@ def test_any_daemon_answers_for_the_whole_two_node_job(tmp_path: Path) -> None:
         page_ranks = sorted(r["rank"] for r in page["top"]["ranks"])
         assert page_ranks == [0, 1, 2, 3], page["top"]["ranks"]
         assert page["job_daemons"][0]["answered"] == 2, page["job_daemons"]
+        # ...and the hung rank's stacks are one click away there, fetched from node B.
+        clicked = _page_stacks(log_a, ranks=[3])
+        assert [r["rank"] for r in clicked["ranks"]] == [3], clicked
+        assert "ft_hold_plugin" in json.dumps(clicked["ranks"][0]), clicked
 
         # Daemon B dies mid-job: A's answer comes within the deadline and names node B.
         daemon_b.send_signal(signal.SIGKILL)
@@ -204,4 +208,19 @@ def _page_document(log: Path) -> dict:
     url = re.search(r"live web page on (\S+)", log.read_text())
     assert url, log.read_text()
     with urllib.request.urlopen(url.group(1).rstrip("/") + "/api/page", timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def _page_stacks(log: Path, ranks: list[int]) -> dict:
+    """What the page's "stacks" button gets back for `ranks` (the form the page's script posts)."""
+    import urllib.parse
+    import urllib.request
+
+    url = re.search(r"live web page on (\S+)", log.read_text())
+    assert url, log.read_text()
+    body = urllib.parse.urlencode({"job": JOB, "ranks": ",".join(map(str, ranks))}).encode()
+    request = urllib.request.Request(
+        url.group(1).rstrip("/") + "/api/stacks", data=body, headers={"X-Plait": "1"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
         return json.loads(reply.read())
