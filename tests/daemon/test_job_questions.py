@@ -29,12 +29,14 @@ from plait.core.host import host_name
 from plait.core.host_map import HostMap
 from plait.daemon.config import DaemonConfig
 from plait.daemon.job_directory import JobNode, seen_from
+from plait.daemon.security import SecurityConfig
 from plait.daemon.server import DaemonServer
 from plait.plugins.telemetry.control_client import ControlClient
 from plait.plugins.telemetry.job_nodes import JobNodes
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
 from plait.tools import daemon_commands, prometheus_commands
 from plait.tools.daemon_targets import Targets, read_hosts_file
+from tests.daemon.certs import make_pki
 from tests.daemon.daemon_fakes import job_info
 from tests.daemon.otlp_inputs import rank_resource, step_spans, trace_request
 from tests.free_ports import refused_port
@@ -444,3 +446,66 @@ def test_a_hosts_file_or_the_slurm_node_list_names_the_daemons_of_a_job_plait_di
     monkeypatch.delenv("SLURM_NODELIST", raising=False)
     with pytest.raises(typer.BadParameter, match="SLURM_JOB_NODELIST"):
         read_hosts_file(Path("slurm"))
+
+
+# -- daemon to daemon under TLS and a token ------------------------------------------------------
+
+
+def test_daemons_ask_each_other_with_the_fleets_tls_roots_and_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pki = make_pki(tmp_path)
+    token = tmp_path / "token"
+    token.write_text("fleet-secret\n")
+    security = SecurityConfig.create(
+        tls_cert=pki.server_cert, tls_key=pki.server_key, token_file=token
+    )
+    monkeypatch.setenv("PLAIT_DAEMON_CA_CERT", str(pki.ca))  # the fleet's CA, for its peers
+    monkeypatch.delenv("PLAIT_DAEMON_TOKEN", raising=False)  # the token: each daemon's own
+    config = DaemonConfig(bind="127.0.0.1:0", host_interval=0.5, security=security)
+    with DaemonServer(config=config) as a, DaemonServer(config=config) as b:
+        for daemon, rank in ((a, 0), (b, 1)):
+            credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+            auth = (("authorization", "Bearer fleet-secret"),)
+            with grpc.secure_channel(daemon.address, credentials) as channel:
+                request = trace_request(
+                    rank_resource(JOB, rank, 2), step_spans(0, 4, time.time_ns() - 10**9)
+                )
+                trace_service_pb2_grpc.TraceServiceStub(channel).Export(
+                    request, timeout=10, metadata=auth
+                )
+                nodes = nodes_of(a.address, b.address)
+                control_pb2_grpc.ControlStub(channel).Poll(
+                    control_pb2.PollRequest(job_id=JOB, rank=rank, world_size=2, host=f"h{rank}",
+                                            pid=1, job_nodes=nodes, self_node=rank),
+                    timeout=10, metadata=auth,
+                )  # fmt: skip
+        env = {"PLAIT_DAEMON": a.address, "PLAIT_DAEMON_CA_CERT": str(pki.ca),
+               "PLAIT_DAEMON_TOKEN": "fleet-secret"}  # fmt: skip
+        code, out = cli("top", "--json", "--job", JOB, env=env)
+        assert code == 0, out
+        assert json.loads(out)["job_daemons"]["answered"] == 2
+        # A daemon holding another token is refused by its peers, and names them missing.
+        other = tmp_path / "other-token"
+        other.write_text("other-secret\n")
+        lone_config = DaemonConfig(
+            bind="127.0.0.1:0",
+            host_interval=0.5,
+            security=SecurityConfig.create(
+                tls_cert=pki.server_cert, tls_key=pki.server_key, token_file=other
+            ),
+        )
+        with DaemonServer(config=lone_config) as lone:
+            credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+            with grpc.secure_channel(lone.address, credentials) as channel:
+                control_pb2_grpc.ControlStub(channel).Poll(
+                    control_pb2.PollRequest(job_id=JOB, rank=0, world_size=2, host="h0", pid=1,
+                                            job_nodes=nodes_of(lone.address, b.address),
+                                            self_node=0),
+                    timeout=10, metadata=(("authorization", "Bearer other-secret"),),
+                )  # fmt: skip
+            lone_env = {**env, "PLAIT_DAEMON": lone.address, "PLAIT_DAEMON_TOKEN": "other-secret"}
+            code, out = cli("top", "--json", "--job", JOB, env=lone_env)
+        assert code == 1, out
+        (missing,) = json.loads(out)["job_daemons"]["missing"]
+        assert missing["node"] == 1 and "UNAUTHENTICATED" in missing["error"], missing
