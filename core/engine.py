@@ -194,7 +194,7 @@ class Engine:
         self._last_grad_norm = torch.tensor(float("nan"))
         self._skipped = False
         self._manual: ManualLoop | None = None
-        self.plugins.job_start(self._job_info())
+        self.plugins.job_start(self.job_info())
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -288,7 +288,16 @@ class Engine:
                 return built
         return factory(p for p in self.module.parameters() if p.requires_grad)
 
-    def _job_info(self) -> JobInfo:
+    def append_runtime(self, runtime: ParallelRuntime) -> None:
+        """Run `runtime` around every step, after the runtimes the shard transforms built
+        (runtimes are asked in that order: its gradient hooks see what theirs reduced, its
+        `skip_step` is asked after theirs). For what a feature adds around the step: fault
+        tolerance's commit, the NaN/Inf guard. Call before the first step."""
+        self.runtimes.append(runtime)
+
+    def job_info(self) -> JobInfo:
+        """Who this rank is in its job (what `plait_job_start` is given): job id, rank, world,
+        device, model and its FLOPs per token, tokens per step."""
         device = self.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
         num_params = sum(p.numel() for p in self.module.parameters())

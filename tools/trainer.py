@@ -67,7 +67,7 @@ def _rank_peak(engine: Engine) -> PeakFlops:
     """This rank's peak for the job's compute dtype: the same figure the daemon divides by."""
     from plait.core.telemetry_resource import peak_flops_for_job
 
-    return peak_flops_for_job(engine._job_info())
+    return peak_flops_for_job(engine.job_info())
 
 
 def run_training(config: PlaitConfig, *, console: Console | None = None) -> TrainingSummary:

@@ -100,7 +100,7 @@ class FaultTolerantSteps:
             ),
         )
         # After the group's data-parallel runtime: it averages what that runtime reduced.
-        engine.runtimes.append(self.commit)
+        engine.append_runtime(self.commit)
         self.watch = QuorumWatch()
         # Started by `attach` (it owns the process's signal wakeup fd); inert until then.
         self.group_loss = GroupLossExit(replica_group=-1)
@@ -126,7 +126,7 @@ class FaultTolerantSteps:
             load_heal_state(engine, batches, state)
             holder[0].watch.healed_to(int(state["step"]))
 
-        job_id = job_id or engine._job_info().job_id
+        job_id = job_id or engine.job_info().job_id
         # Read before this group's first quorum replaces the lighthouse's last one.
         job_reached = agree_on_job_progress(settings.lighthouse, job_id)
         manager, store = open_manager(

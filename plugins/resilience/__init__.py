@@ -49,7 +49,7 @@ def attach_resilience(engine: Any, config: CheckpointIOSection) -> AttachedResil
         from plait.plugins.resilience.nonfinite_guard import NonFiniteGuard
 
         guard = NonFiniteGuard(engine, max_consecutive=config.max_consecutive_nonfinite)
-        engine.runtimes.append(guard)
+        engine.append_runtime(guard)
     if config.fault_injection.kill_after_step >= 0:
         from plait.plugins.resilience.fault_injection import FaultInjector
 

@@ -105,7 +105,7 @@ def test_amp_bf16_engine_on_a_faked_h100_uses_the_bf16_dense_peak() -> None:
     plugins = Plugins.create(autoload=False, extra=[("precision", precision)])
     engine = Engine(config=config, plugins=plugins)
     try:
-        info = engine._job_info()
+        info = engine.job_info()
         assert next(engine.module.parameters()).dtype.is_floating_point
         assert info.compute_dtype == "bfloat16"
         faked = dataclasses.replace(info, device="cuda:0", device_name="NVIDIA H100 80GB HBM3")

@@ -40,9 +40,11 @@ def _engine(global_step: int) -> Any:
     def train_step(*_: Any, **__: Any) -> float:
         raise Trained
 
+    runtimes: list[Any] = []
     return SimpleNamespace(
         global_step=global_step,
-        runtimes=[],
+        runtimes=runtimes,
+        append_runtime=runtimes.append,
         optimizer=torch.optim.SGD([param], lr=0.1),
         lr_scheduler=None,
         train_step=train_step,
