@@ -87,16 +87,11 @@ class DaemonServer:
         if bind is not None:
             config = replace(config, bind=bind)
         self.config = config
-        bind = config.bind
-        max_message_bytes, max_workers = config.max_message_bytes, config.max_workers
-        max_streams, otlp_endpoint = config.max_streams, config.otlp_endpoint
-        self.bind = bind
+        self.bind = config.bind
         self.security = config.security or SecurityConfig()
-        self.security.check_bind(bind)
-        if config.prometheus is not None:
-            self.security.check_bind(config.prometheus)
-        if config.web is not None:
-            self.security.check_bind(config.web)
+        for address in (config.bind, config.prometheus, config.web):
+            if address is not None:
+                self.security.check_bind(address)
         self.store = TelemetryStore(
             window_steps=config.window_steps, window_spans=config.window_spans
         )
@@ -104,8 +99,47 @@ class DaemonServer:
         self.nvml = nvml if nvml is not None else NvmlCollector(interval=config.gpu_interval)
         self.stopping = threading.Event()
         self.counters = CallCounters()
+        self._bind_grpc(config)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.extras = self._extras(config)
+        self.service = DaemonService(
+            self.store,
+            self.host,
+            bind_address=self.address,
+            stopping=self.stopping,
+            extras=self.extras,
+        )
+        daemon_pb2_grpc.add_DaemonServicer_to_server(self.service, self.server)
+        self.upstream = self._upstream(config, otlp_retry)
+        self.ingest_pool = self._ingest(config)
+        self.prometheus_address = config.prometheus
+        self.prometheus: PrometheusExporter | None = None  # bound at start
+        self.reported_hangs: dict[tuple[str, int, str, tuple[int, ...], int], Hang] = {}
+        self._hang_thread = threading.Thread(
+            target=self._watch_hangs, name="plait-hang-monitor", daemon=True
+        )
+        self._control_channel(config)
+        self._job_questions()
+        # Bound here, so a taken port fails the daemon's start as the gRPC bind does.
+        self.web = self._web_page(config.web) if config.web is not None else None
+        self.lighthouse = self._lighthouse(config.lighthouse)
+        if self.lighthouse is not None:
+            self.extras.lighthouse_address = self.lighthouse.address
+        if config.reflection_enabled:
+            reflection.enable_server_reflection(
+                (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            )
+
+    # -- the daemon's parts, each built once by __init__ -----------------------------------------
+
+    def _bind_grpc(self, config: DaemonConfig) -> None:
+        """The gRPC server behind the call guard, bound (`port`, `address`)."""
+        max_message_bytes, max_workers = config.max_message_bytes, config.max_workers
         # Long-lived calls hold a worker thread each; keep a quarter for receivers and queries.
-        streams = max_streams if max_streams is not None else max(1, max_workers * 3 // 4)
+        streams = (
+            config.max_streams if config.max_streams is not None else max(1, max_workers * 3 // 4)
+        )
         self.guard = CallGuard(
             self.security.token,
             max_long_lived=streams,
@@ -126,16 +160,16 @@ class DaemonServer:
         credentials = self.security.server_credentials()
         try:
             if credentials is None:
-                self.port = self.server.add_insecure_port(bind)
+                self.port = self.server.add_insecure_port(config.bind)
             else:
-                self.port = self.server.add_secure_port(bind, credentials)
+                self.port = self.server.add_secure_port(config.bind, credentials)
         except RuntimeError as exc:  # grpc reports a failed bind this way
-            raise OSError(f"the daemon could not bind {bind!r} (address in use?)") from exc
-        host_part = bind.rsplit(":", 1)[0]
+            raise OSError(f"the daemon could not bind {config.bind!r} (address in use?)") from exc
+        host_part = config.bind.rsplit(":", 1)[0]
         self.address = f"{host_part}:{self.port}"
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.extras = DaemonExtras(
+
+    def _extras(self, config: DaemonConfig) -> DaemonExtras:
+        return DaemonExtras(
             nvml=self.nvml,
             counters=self.counters,
             ingest_capacity=config.ingest_capacity,
@@ -147,51 +181,49 @@ class DaemonServer:
                 ceiling_seconds=config.stale_ceiling,
             ),
         )
-        self.service = DaemonService(
-            self.store,
-            self.host,
-            bind_address=self.address,
-            stopping=self.stopping,
-            extras=self.extras,
+
+    def _upstream(self, config: DaemonConfig, retry: RetryPolicy | None) -> OtlpUpstream | None:
+        """Forwarding upstream over OTLP, when the config names an endpoint."""
+        if config.otlp_endpoint is None:
+            return None
+        upstream = OtlpUpstream(
+            lambda: daemon_points(self.service),
+            endpoint=config.otlp_endpoint,
+            insecure=config.otlp_insecure,
+            hostname=self.host.hostname,
+            retry=retry,
+            queue_bytes=config.otlp_queue_bytes,
         )
-        self.upstream: OtlpUpstream | None = None
-        if otlp_endpoint is not None:
-            self.upstream = OtlpUpstream(
-                lambda: daemon_points(self.service),
-                endpoint=otlp_endpoint,
-                insecure=config.otlp_insecure,
-                hostname=self.host.hostname,
-                retry=otlp_retry,
-                queue_bytes=config.otlp_queue_bytes,
-            )
-            self.extras.exporters.append(self.upstream.describe())
-            self.extras.forwarder_stats = self.upstream.stats
-            self.extras.forwarder_endpoint = self.upstream.traces.describe()
-        # Started before the gRPC server: workers are spawned while no call is in flight.
-        self.ingest_pool = (
+        self.extras.exporters.append(upstream.describe())
+        self.extras.forwarder_stats = upstream.stats
+        self.extras.forwarder_endpoint = upstream.traces.describe()
+        return upstream
+
+    def _ingest(self, config: DaemonConfig) -> IngestPool | None:
+        """The OTLP receivers, and the worker processes decoding large requests if asked for
+        (started before the gRPC server: workers are spawned while no call is in flight)."""
+        pool = (
             IngestPool(config.ingest_workers, offload_bytes=config.ingest_offload_bytes)
             if config.ingest_workers
             else None
         )
-        if self.ingest_pool is not None:
-            self.extras.ingest_stats = self.ingest_pool.stats
+        if pool is not None:
+            self.extras.ingest_stats = pool.stats
+        upstream = self.upstream
         add_receivers(
             self.server,
             self.store,
             limiter=IngestLimiter(config.ingest_capacity),
-            pool=self.ingest_pool,
+            pool=pool,
             counters=self.counters,
-            forward_spans=self.upstream.forward_spans if self.upstream else None,
-            forward_metrics=self.upstream.forward_metrics if self.upstream else None,
+            forward_spans=upstream.forward_spans if upstream else None,
+            forward_metrics=upstream.forward_metrics if upstream else None,
         )
-        self.prometheus_address = config.prometheus
-        self.prometheus: PrometheusExporter | None = None
-        self.reported_hangs: dict[tuple[str, int, str, tuple[int, ...], int], Hang] = {}
-        self._hang_thread = threading.Thread(
-            target=self._watch_hangs, name="plait-hang-monitor", daemon=True
-        )
-        daemon_pb2_grpc.add_DaemonServicer_to_server(self.service, self.server)
-        # The control channel: ranks poll it, operators profile, dump stacks and memory.
+        return pool
+
+    def _control_channel(self, config: DaemonConfig) -> None:
+        """The control channel: ranks poll it (and send the job's node list with it),
+        operators profile, dump stacks and memory through it."""
         self.control = ControlRegistry(config.control)
         # Where each job's other daemons are: the node lists the ranks send with their polls.
         self.directory = JobDirectory()
@@ -200,6 +232,9 @@ class DaemonServer:
         )
         self.extras.control_stats = self._control_stats
         control_pb2_grpc.add_ControlServicer_to_server(self.control_service, self.server)
+
+    def _job_questions(self) -> None:
+        """Answering for a whole job: the other daemons asked over channels kept open."""
         self.peers = PeerChannels(self.security.peer_auth())
         self.extras.job_questions = JobQuestions(
             directory=self.directory,
@@ -208,15 +243,6 @@ class DaemonServer:
             holds_job=self._holds_job,
             channels=self.peers,
         )
-        # Bound here, so a taken port fails the daemon's start as the gRPC bind does.
-        self.web = self._web_page(config.web) if config.web is not None else None
-        self.lighthouse = self._lighthouse(config.lighthouse)
-        if self.lighthouse is not None:
-            self.extras.lighthouse_address = self.lighthouse.address
-        if config.reflection_enabled:
-            reflection.enable_server_reflection(
-                (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-            )
 
     def _job_question_handlers(self) -> dict[str, Callable[[Any, Any], Message]]:
         """The methods a peer daemon may ask for a job (`plait.daemon.job_questions`)."""
