@@ -170,6 +170,18 @@ def probe(server: DaemonServer) -> Probe:
             daemon_pb2.GetBottleneckRequest(window_steps=50), timeout=10
         )
         stub.CaptureTrace(daemon_pb2.CaptureTraceRequest(seconds=0), timeout=10)
+        # A job's questions, asked of every daemon of each job it holds (this one alone here).
+        for job in metrics.jobs:
+            stub.ListJobDaemons(daemon_pb2.ListJobDaemonsRequest(job_id=job.job_id), timeout=10)
+            every = [
+                daemon_pb2.JobQuestion(method=method, request=b"")
+                for method in ("Daemon/Status", "Daemon/ListRanks", "Daemon/GetMetrics",
+                               "Daemon/GetBottleneck", "Control/ListEndpoints")
+            ]  # fmt: skip
+            answered = stub.AskJob(
+                daemon_pb2.AskJobRequest(job_id=job.job_id, questions=every), timeout=20
+            )
+            assert [a.error for a in answered.answers] == [""], answered
     assert server.prometheus is not None
     url = f"http://{server.prometheus.address}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:

@@ -456,7 +456,8 @@ def test_every_rpc_and_cli_view_is_exercised() -> None:
     from plait.proto.plait.v1 import daemon_pb2
 
     service = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"]
-    probed = {"Status", "ListRanks", "GetMetrics", "StreamMetrics", "GetBottleneck", "CaptureTrace"}
+    probed = {"Status", "ListRanks", "GetMetrics", "StreamMetrics", "GetBottleneck", "CaptureTrace",
+              "ListJobDaemons", "AskJob"}  # fmt: skip
     assert {m.name for m in service.methods} == probed  # what `otlp_inputs.probe` calls
     commands = {c.name or c.callback.__name__ for c in daemon_commands.app.registered_commands} - {
         "daemon"
