@@ -119,6 +119,13 @@ def check_peer_answer(
     return ""
 
 
+def _without_responses(answer: daemon_pb2.DaemonAnswer, reason: str) -> daemon_pb2.DaemonAnswer:
+    """`answer` refused for `reason`: no partial answers go with an error."""
+    del answer.responses[:]
+    answer.error = reason
+    return answer
+
+
 def _rpc_reason(exc: grpc.RpcError, deadline: float) -> str:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -220,21 +227,15 @@ class JobQuestions:
             types = QUESTION_TYPES.get(question.method)
             if types is None or question.method not in self.handlers:
                 self.refused += 1
-                answer.error = f"cannot answer {question.method!r} for a job"
-                del answer.responses[:]
-                return answer
+                return _without_responses(answer, f"cannot answer {question.method!r} for a job")
             try:
                 message = types[0].FromString(question.request)
                 response = self.handlers[question.method](message, context)
             except DecodeError:
                 self.refused += 1
-                answer.error = f"{question.method}: the request does not parse"
-                del answer.responses[:]
-                return answer
+                return _without_responses(answer, f"{question.method}: the request does not parse")
             except LocalCallError as exc:
-                answer.error = f"{question.method}: {exc}"
-                del answer.responses[:]
-                return answer
+                return _without_responses(answer, f"{question.method}: {exc}")
             answer.responses.append(response.SerializeToString())
         answer.seconds = self.clock() - started
         return answer

@@ -245,6 +245,9 @@ class Targets:
         try:
             reply = stub.AskJob(request, timeout=self.deadline + REPLY_MARGIN_SECONDS)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                # A daemon of an older plait: it answers for its own node, as before.
+                return self._ask_directly(questions, RPC_TIMEOUT_SECONDS), None
             return {self.via: exc}, None
         finally:
             channel.close()

@@ -33,7 +33,13 @@ from plait.daemon.security import SecurityConfig
 from plait.daemon.server import DaemonServer
 from plait.plugins.telemetry.control_client import ControlClient
 from plait.plugins.telemetry.job_nodes import JobNodes
-from plait.proto.plait.v1 import control_pb2, control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
+from plait.proto.plait.v1 import (
+    control_pb2,
+    control_pb2_grpc,
+    daemon_pb2,
+    daemon_pb2_grpc,
+    metrics_pb2,
+)
 from plait.tools import daemon_commands, prometheus_commands
 from plait.tools.daemon_targets import Targets, read_hosts_file
 from tests.daemon.certs import make_pki
@@ -509,3 +515,24 @@ def test_daemons_ask_each_other_with_the_fleets_tls_roots_and_token(
         assert code == 1, out
         (missing,) = json.loads(out)["job_daemons"]["missing"]
         assert missing["node"] == 1 and "UNAUTHENTICATED" in missing["error"], missing
+
+
+class _OlderWithMetrics(daemon_pb2_grpc.DaemonServicer):
+    """A daemon of an older plait: metrics for its node, no job questions."""
+
+    def GetMetrics(self, request, context):  # the RPC's name
+        return daemon_pb2.GetMetricsResponse(
+            ranks=[metrics_pb2.RankMetrics(job_id=request.job_id, rank=0, host="old")]
+        )
+
+
+def test_the_local_daemon_of_an_older_plait_answers_for_its_own_node() -> None:
+    server, address = _grpc_server(_OlderWithMetrics())
+    try:
+        code, out = cli("top", "--json", "--job", JOB, env={"PLAIT_DAEMON": address})
+    finally:
+        server.stop(0)
+    assert code == 0, out
+    document = json.loads(out)
+    assert [r["rank"] for r in document["ranks"]] == [0]
+    assert "job_daemons" not in document  # asked directly: no fan-out to count
