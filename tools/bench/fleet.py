@@ -52,7 +52,9 @@ SLOW = 1.3
 # -- the worker processes (daemons and their ranks) ----------------------------------------------
 
 
-def steps_request(rank: int, world: int, host: str, step: int, slow: bool) -> Any:
+def steps_request(
+    rank: int, world: int, host: str, step: int, slow: bool, jitter: float = 0.0
+) -> Any:
     """One step of `rank` as its exporter sends it: a step span and a forward phase span."""
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
     from opentelemetry.proto.common.v1 import common_pb2
@@ -67,7 +69,7 @@ def steps_request(rank: int, world: int, host: str, step: int, slow: bool) -> An
             return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(int_value=value))
         return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(double_value=float(value)))
 
-    duration = int(STEP_NS * (SLOW if slow else 1.0))
+    duration = int(STEP_NS * (SLOW if slow else 1.0) * (1.0 + jitter))
     end = time.time_ns()
     start = end - duration
     trace_id = random.randbytes(16)
@@ -139,6 +141,7 @@ def _worker(count: int, conn: Connection) -> None:
             timeout=30,
         )  # fmt: skip
     conn.send("ready")
+    draw = random.Random(plan["first"])  # each worker's own step-to-step noise
     step = 0
     while True:
         for offset, export in enumerate(exports):
@@ -146,7 +149,8 @@ def _worker(count: int, conn: Connection) -> None:
             host = plan["nodes"][node][1]
             for local in range(RANKS_PER_NODE):
                 rank = node * RANKS_PER_NODE + local
-                request = steps_request(rank, world, host, step, rank == plan["slow"])
+                jitter = draw.uniform(-plan["jitter"], plan["jitter"])
+                request = steps_request(rank, world, host, step, rank == plan["slow"], jitter)
                 export.Export(request, timeout=30)
         step += 1
         if conn.poll(plan["feed_interval"]):
@@ -171,7 +175,17 @@ class Fleet:
             process.join(timeout=10)
 
 
-def start_fleet(daemons: int, per_process: int, feed_interval: float, seed: int) -> Fleet:
+def start_fleet(
+    daemons: int,
+    per_process: int,
+    feed_interval: float,
+    seed: int,
+    *,
+    slowed: bool = True,
+    jitter: float = 0.0,
+) -> Fleet:
+    """N daemons of 8 ranks each; one rank of a random node slowed 1.3× unless not `slowed`;
+    every step's time varied by up to ±`jitter` (a fraction)."""
     from plait.core.host import host_name
 
     context = mp.get_context("spawn")
@@ -190,12 +204,12 @@ def start_fleet(daemons: int, per_process: int, feed_interval: float, seed: int)
         owner += [index] * len(found)
     host = host_name()
     draw = random.Random(seed)
-    slow_rank = draw.randrange(len(addresses) * RANKS_PER_NODE)
+    slow_rank = draw.randrange(len(addresses) * RANKS_PER_NODE) if slowed else -1
     nodes = [(address, host) for address in addresses]
     first = 0
     for pipe, count in zip(pipes, counts, strict=True):
         pipe.send({"nodes": nodes, "first": first, "slow": slow_rank,
-                   "feed_interval": feed_interval})  # fmt: skip
+                   "feed_interval": feed_interval, "jitter": jitter})  # fmt: skip
         first += count
     for pipe in pipes:
         assert pipe.recv() == "ready"
@@ -399,6 +413,37 @@ def _straggler(r: dict[str, Any]) -> str:
     return "#1" if r["straggler_only"] else "#1+false"
 
 
+def clean_runs(runs: int, daemons: int, args: argparse.Namespace) -> list[int]:
+    """Ranks flagged as stragglers in each of `runs` fresh fleets where no rank is slow and
+    every step varies by up to ±5 %: each should be 0 (no false positive)."""
+    from plait.proto.plait.v1 import daemon_pb2
+    from plait.tools.daemon_commands import bottleneck_view
+    from plait.tools.daemon_targets import Targets
+
+    flagged = []
+    for run in range(runs):
+        fleet = start_fleet(
+            daemons, args.per_process, args.feed_interval, args.seed + 1000 + run,
+            slowed=False, jitter=0.05,
+        )  # fmt: skip
+        try:
+            wait_fed(fleet, 5)
+            local = fleet.addresses[0]
+            targets = Targets((local,), job=JOB, via=local, deadline=10.0)
+            questions = [
+                ("Daemon/GetBottleneck", daemon_pb2.GetBottleneckRequest(
+                    job_id=JOB, window_steps=20, straggler_threshold=0.2)),
+                ("Daemon/ListRanks", daemon_pb2.ListRanksRequest(job_id=JOB)),
+                ("Daemon/GetMetrics", daemon_pb2.GetMetricsRequest(job_id=JOB)),
+            ]  # fmt: skip
+            results, _ = targets.ask(questions)
+            view, _ = bottleneck_view(results, 0.2)  # type: ignore[arg-type]
+            flagged.append(sum(s.flagged for s in view.stragglers))
+        finally:
+            fleet.stop()
+    return flagged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--daemons", type=int, nargs="+", default=[64, 128, 256])
@@ -407,7 +452,20 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=2.0)
     parser.add_argument("--feed-interval", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--clean-runs", type=int, default=0,
+        help="also N fresh fleets of --clean-daemons with no slow rank (±5 %% step noise): "
+        "ranks falsely flagged as stragglers in each",
+    )  # fmt: skip
+    parser.add_argument("--clean-daemons", type=int, default=32)
     args = parser.parse_args()
+    if args.clean_runs:
+        flagged = clean_runs(args.clean_runs, args.clean_daemons, args)
+        print(
+            f"{args.clean_runs} clean runs of {args.clean_daemons} daemons "
+            f"({args.clean_daemons * RANKS_PER_NODE} ranks, ±5 % step noise): "
+            f"ranks falsely flagged per run {flagged}"
+        )
     print(f"prometheus scrape at {RANKS_PER_NODE} ranks: {scrape_ms():.1f} ms (median of 20)")
     header = (
         f"{'daemons':>7} {'ranks':>6} {'discover':>9} {'top p50':>8} {'top p99':>8} "
