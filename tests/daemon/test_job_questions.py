@@ -234,14 +234,11 @@ class _Silent:
         self.sock.close()
 
 
-class _Http:
+class _Http(_Silent):
     """An HTTP/1.1 server where a daemon should be: garbage to gRPC."""
 
     def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        super().__init__()
         self.stop = threading.Event()
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -257,7 +254,7 @@ class _Http:
 
     def close(self) -> None:
         self.stop.set()
-        self.sock.close()
+        super().close()
 
 
 class _OlderDaemon(daemon_pb2_grpc.DaemonServicer):

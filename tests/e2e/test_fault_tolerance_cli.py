@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from plait.daemon.lighthouse import read_lighthouse
+from tests.e2e.hold_plugin_site import install_hold_plugin, plugin_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 
@@ -61,25 +62,15 @@ PLUGIN_SITE: list[Path] = []
 
 
 def _env(marks: Path | None = None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PLAIT_DISABLE_PLUGIN_AUTOLOAD"}
-    env["PYTHONPATH"] = os.pathsep.join(map(str, [*PLUGIN_SITE, ROOT]))
-    env.update(COLUMNS="250", OMP_NUM_THREADS="1", **extra)
     if marks is not None:
-        env["PLAIT_TEST_MARKS"] = str(marks)
-    return env
+        extra["PLAIT_TEST_MARKS"] = str(marks)
+    return plugin_env(PLUGIN_SITE, **extra)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def hold_plugin_site(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The hold plugin's dist-info, where `importlib.metadata` finds it on `PYTHONPATH`."""
-    site = tmp_path_factory.mktemp("site")
-    info = site / "plait_ft_hold_plugin-0.dist-info"
-    info.mkdir()
-    PLUGIN_SITE[:] = [site]
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: plait-ft-hold-plugin\nVersion: 0\n"
-    )
-    (info / "entry_points.txt").write_text("[plait]\nft_hold = tests.e2e.ft_hold_plugin:plugin\n")
+    PLUGIN_SITE[:] = [install_hold_plugin(tmp_path_factory.mktemp("site"))]
 
 
 def _plait(*args: str) -> list[str]:

@@ -11,7 +11,6 @@ within the deadline. The order of events rests on marker files the ranks write, 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.hold_plugin_site import install_hold_plugin, plugin_env
 from tests.free_ports import unassigned_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,23 +39,13 @@ def _plait(*args: str) -> list[str]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PLAIT_DISABLE_PLUGIN_AUTOLOAD"}
-    env["PYTHONPATH"] = os.pathsep.join(map(str, [*PLUGIN_SITE, ROOT]))
-    env.update(COLUMNS="250", OMP_NUM_THREADS="1", **extra)
-    return env
+    return plugin_env(PLUGIN_SITE, **extra)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def hold_plugin_site(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The hold plugin's dist-info, where `importlib.metadata` finds it on `PYTHONPATH`."""
-    site = tmp_path_factory.mktemp("site")
-    info = site / "plait_ft_hold_plugin-0.dist-info"
-    info.mkdir()
-    PLUGIN_SITE[:] = [site]
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: plait-ft-hold-plugin\nVersion: 0\n"
-    )
-    (info / "entry_points.txt").write_text("[plait]\nft_hold = tests.e2e.ft_hold_plugin:plugin\n")
+    PLUGIN_SITE[:] = [install_hold_plugin(tmp_path_factory.mktemp("site"))]
 
 
 def _wait(condition: Callable[[], bool], what: str, logs: list[Path]) -> None:
