@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from plait.plugins.data.errors import DataError
 from plait.plugins.data.token_files import text_chunks
@@ -64,10 +64,23 @@ class BadRow:
 
 @dataclass(frozen=True, slots=True)
 class ReadBatch:
-    """Records of one input, and how far into it (in bytes of `input_size`) they reach."""
+    """Records of one input, and how far into it (in bytes of `input_size`) they reach.
+    (`chat_readers` fills them with conversations instead of texts.)"""
 
-    records: list[TextRecord | BadRow]
+    records: list[Any]  # TextRecord | BadRow, or a reader's own record | BadRow
     progress: int
+
+
+class FieldCheck(Protocol):
+    """Turns one row's field into a record, or the `BadRow` saying why it holds none."""
+
+    def __call__(self, source: str, row: int, value: Any, *, present: bool = True) -> Any: ...
+
+
+class ColumnCheck(Protocol):
+    """Raises a `DataError` naming the input when a table's column cannot hold the field."""
+
+    def __call__(self, schema: Any, field: str, source: str) -> None: ...
 
 
 def input_size(path: Path) -> int:
@@ -83,15 +96,19 @@ def read_corpus(
     """The records of `path`, by its suffix (or a folder); an unknown kind is a `DataError`."""
     name = path.name.lower()
     if path.is_dir():
-        return _read_datasets_folder(path, text_field=text_field, split=split)
+        return read_datasets_field(
+            path, field=text_field, split=split, check=check_text, check_column=_check_column
+        )
     if not path.is_file():
         raise DataError(f"input {str(path)!r} is neither a file nor a folder")
     if name.endswith(".txt"):
         return _read_text(path, separator=separator)
     if name.endswith((".jsonl", ".jsonl.gz")):
-        return _read_jsonl(path, text_field=text_field)
+        return read_jsonl_field(path, field=text_field, check=check_text)
     if name.endswith(".parquet"):
-        return _read_parquet(path, text_field=text_field)
+        return read_parquet_field(
+            path, field=text_field, check=check_text, check_column=_check_column
+        )
     raise DataError(f"input {str(path)!r}: unknown kind of file; plait reads {', '.join(SUFFIXES)}")
 
 
@@ -112,14 +129,14 @@ class _Batcher:
     """Collects records into `ReadBatch`es of about `BATCH_ROWS` rows or `BATCH_CHARS` chars."""
 
     def __init__(self) -> None:
-        self.records: list[TextRecord | BadRow] = []
+        self.records: list[Any] = []
         self.chars = 0
 
-    def add(self, record: TextRecord | BadRow) -> bool:
+    def add(self, record: Any) -> bool:
         """Add `record`; True when the batch is full."""
         self.records.append(record)
-        if isinstance(record, TextRecord):
-            self.chars += len(record.text)
+        if not isinstance(record, BadRow):
+            self.chars += record.chars() if hasattr(record, "chars") else len(record.text)
         return len(self.records) >= BATCH_ROWS or self.chars >= BATCH_CHARS
 
     def take(self, progress: int) -> ReadBatch:
@@ -178,7 +195,9 @@ def _read_whole_text(path: Path, source: str, size: int) -> Iterator[ReadBatch]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path, *, text_field: str) -> Iterator[ReadBatch]:
+def read_jsonl_field(path: Path, *, field: str, check: FieldCheck) -> Iterator[ReadBatch]:
+    """The records `check` makes of each line's `field`; lines that are not JSON objects are
+    bad rows, and a file none of whose first lines is JSON is a `DataError`."""
     # NOTE: rows are parsed with the standard json module, line by line, rather than with
     # pyarrow.json or datasets' json builder: those fail the whole file on one malformed line and
     # unify a column's type across rows, while a corpus needs each bad row named and skipped.
@@ -195,12 +214,12 @@ def _read_jsonl(path: Path, *, text_field: str) -> Iterator[ReadBatch]:
                 try:
                     row = json.loads(line)
                 except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-                    record: TextRecord | BadRow = BadRow(source, number, "invalid JSON", str(exc))
+                    record: Any = BadRow(source, number, "invalid JSON", str(exc))
                     first_error = first_error or f"line {number}: {exc}"
                 else:
                     parsed += 1
                     record = (
-                        check_text(source, number, row.get(text_field), present=text_field in row)
+                        check(source, number, row.get(field), present=field in row)
                         if isinstance(row, dict)
                         else BadRow(source, number, "not an object", type(row).__name__)
                     )
@@ -224,20 +243,18 @@ def _read_jsonl(path: Path, *, text_field: str) -> Iterator[ReadBatch]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_column(schema: Any, text_field: str, source: str) -> None:
+def _check_column(schema: Any, field: str, source: str) -> None:
     import pyarrow as pa
 
     names = list(schema.names)
-    if text_field not in names:
+    if field not in names:
         raise DataError(
-            f"input {source!r} has no column {text_field!r}; its columns are {names}: name the "
+            f"input {source!r} has no column {field!r}; its columns are {names}: name the "
             "text column with --text-field"
         )
-    kind = schema.field(text_field).type
+    kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_view(kind)):
-        raise DataError(
-            f"column {text_field!r} of {source!r} holds {kind}, not text (a string column)"
-        )
+        raise DataError(f"column {field!r} of {source!r} holds {kind}, not text (a string column)")
 
 
 def _is_view(kind: Any) -> bool:
@@ -247,7 +264,10 @@ def _is_view(kind: Any) -> bool:
     return bool(is_string_view and is_string_view(kind))
 
 
-def _read_parquet(path: Path, *, text_field: str) -> Iterator[ReadBatch]:
+def read_parquet_field(
+    path: Path, *, field: str, check: FieldCheck, check_column: ColumnCheck
+) -> Iterator[ReadBatch]:
+    """The records `check` makes of column `field` of a Parquet file, one batch at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -256,16 +276,21 @@ def _read_parquet(path: Path, *, text_field: str) -> Iterator[ReadBatch]:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataError(f"input {source!r} is not a Parquet file: {exc}") from None
-    _check_column(parquet.schema_arrow, text_field, source)
+    check_column(parquet.schema_arrow, field, source)
     yield from _arrow_rows(
-        parquet.iter_batches(batch_size=BATCH_ROWS, columns=[text_field]),
+        parquet.iter_batches(batch_size=BATCH_ROWS, columns=[field]),
         source=source,
         rows=parquet.metadata.num_rows,
         size=path.stat().st_size,
+        check=check,
     )
 
 
-def _read_datasets_folder(path: Path, *, text_field: str, split: str) -> Iterator[ReadBatch]:
+def read_datasets_field(
+    path: Path, *, field: str, split: str, check: FieldCheck, check_column: ColumnCheck
+) -> Iterator[ReadBatch]:
+    """The records `check` makes of column `field` of a `datasets` save_to_disk folder (of a
+    `DatasetDict`: its `split`)."""
     import datasets
 
     source = str(path)
@@ -284,25 +309,26 @@ def _read_datasets_folder(path: Path, *, text_field: str, split: str) -> Iterato
         loaded = loaded[split]
         source = f"{source}[{split}]"
     table = loaded.with_format("arrow")
-    _check_column(table.data.schema, text_field, source)
+    check_column(table.data.schema, field, source)
     yield from _arrow_rows(
-        (batch[text_field] for batch in table.iter(batch_size=BATCH_ROWS)),
+        (batch[field] for batch in table.iter(batch_size=BATCH_ROWS)),
         source=source,
         rows=len(loaded),
         size=input_size(path),
+        check=check,
     )
 
 
 def _arrow_rows(
-    batches: Iterator[Any], *, source: str, rows: int, size: int
+    batches: Iterator[Any], *, source: str, rows: int, size: int, check: FieldCheck
 ) -> Iterator[ReadBatch]:
-    """Records of arrow batches (record batches of one column, or columns) of a text column."""
+    """Records of arrow batches (record batches of one column, or columns) of one column."""
     batcher = _Batcher()
     row = 0
     for batch in batches:
         column = batch.column(0) if hasattr(batch, "num_columns") else batch
         for value in column.to_pylist():
             row += 1
-            if batcher.add(check_text(source, row, value)):
+            if batcher.add(check(source, row, value)):
                 yield batcher.take(size * row // max(rows, 1))
     yield batcher.take(size)

@@ -17,7 +17,9 @@ A batch is `(inputs, targets)`:
     inputs = {"tokens": LongTensor[G/dp, seq_len], "positions": LongTensor[G/dp, seq_len]}
     targets = LongTensor[G/dp, seq_len]     # -100 where nothing is scored
 
-(what is scored, and the padding, are described in `packing.py`; padding uses the EOS id).
+(what is scored, and the padding, are described in `packing.py`; padding uses the EOS id). A
+directory with a loss mask (`plait data prepare --chat`) scores only its trained tokens, in every
+packing and in the held-out split alike, since all of them fill rows through `fill_rows`.
 
 A held-out split keeps the last documents of the directory for validation: the training sampler
 packs only the documents before them, the validation sampler only those.
@@ -95,6 +97,7 @@ class PackedBatches(StepSampler):
         eos = token_file.meta.eos_id
         self.pad_id = eos if eos is not None else 0
         self._tokens = token_file.tokens
+        self._loss_mask = token_file.loss_mask
         self._step = 0
         self._plan_epoch = -1
         self._plan = self.row_plan(0)
@@ -171,6 +174,7 @@ class PackedBatches(StepSampler):
             self._tokens,
             pad_id=self.pad_id,
             document_mask=self.document_mask,
+            loss_mask=self._loss_mask,
         )
         inputs = {"tokens": torch.from_numpy(tokens), "positions": torch.from_numpy(positions)}
         return inputs, torch.from_numpy(targets)

@@ -23,6 +23,9 @@ rows end); a piece counts as a document of its own.
   padding token have `IGNORE_INDEX` (-100). So no token is trained to predict another
   document's first token, and since every prepared document ends with EOS, the token before EOS
   is trained to predict EOS while EOS itself predicts nothing. A piece of n tokens scores n - 1.
+  With a `loss_mask` (one 0/1 per token of the directory, `loss_mask_file.py`), a target whose
+  token is not trained is `IGNORE_INDEX` too: only the masked-in tokens are predicted. The mask
+  is read in the same gather as the tokens, so every packing (and document_mask off) honours it.
 """
 
 from __future__ import annotations
@@ -195,10 +198,16 @@ PLANNERS = {
 
 
 def fill_rows(
-    plan: RowPlan, tokens: np.ndarray, *, pad_id: int, document_mask: bool = True
+    plan: RowPlan,
+    tokens: np.ndarray,
+    *,
+    pad_id: int,
+    document_mask: bool = True,
+    loss_mask: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`(tokens, positions, targets)`, int64 arrays of shape (plan.rows, seq_len), for every
-    row of `plan` (take the rows of a batch with `RowPlan.take_rows` first)."""
+    row of `plan` (take the rows of a batch with `RowPlan.take_rows` first). `loss_mask`, aligned
+    with `tokens`, leaves untrained tokens out of the targets."""
     rows, seq_len = plan.rows, plan.seq_len
     lengths = plan.lengths
     pieces_per_row = np.diff(plan.row_starts)
@@ -211,10 +220,15 @@ def fill_rows(
 
     within = _ranges(np.zeros_like(lengths), lengths)  # each token's position in its piece
     destination = np.repeat(row_of_piece * seq_len + columns, lengths) + within
-    gathered = np.asarray(tokens[_ranges(plan.token_starts, lengths)], dtype=np.int64)
+    sources = _ranges(plan.token_starts, lengths)
+    gathered = np.asarray(tokens[sources], dtype=np.int64)
     last_of_piece = within == np.repeat(lengths - 1, lengths)
     next_tokens = np.empty_like(gathered)
     next_tokens[:-1] = gathered[1:]
+    if loss_mask is not None:
+        # A target is the next token, so it is scored when the next token is trained.
+        untrained = np.asarray(loss_mask[sources]) == 0
+        next_tokens[:-1][untrained[1:]] = IGNORE_INDEX
     next_tokens[last_of_piece] = IGNORE_INDEX  # also the final token, whose slot is unset
 
     out_tokens = np.full(rows * seq_len, pad_id, dtype=np.int64)

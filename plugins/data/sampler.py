@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from plait.plugins.data.documents_file import DOCUMENTS_FILE
+from plait.plugins.data.loss_mask_file import LOSS_MASK_FILE
 from plait.plugins.data.step_sampler import StepSampler, check_sampling
 from plait.plugins.data.token_files import DataError, TokenFile
 
@@ -66,6 +67,13 @@ class TokenBatches(StepSampler):
             seed=seed,
         )
         self.token_file = token_file if isinstance(token_file, TokenFile) else TokenFile(token_file)
+        if self.token_file.loss_mask is not None:
+            # Windows cut across documents and read no mask: refused rather than trained on
+            # every token (a masked directory always has documents; this is a misuse).
+            raise DataError(
+                f"{self.token_file.directory} has a loss mask ({LOSS_MASK_FILE}), which "
+                "TokenBatches cannot honour: read it with PackedBatches (build_batches does)"
+            )
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank

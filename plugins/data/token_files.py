@@ -8,13 +8,18 @@ A prepared directory holds:
   `np.memmap` without loading it and ranks share the page cache;
 - `documents.bin` (format version 2, when the tokens are documents): the int64 start offset of
   every document (`documents_file.py`); each document ends with the EOS token `eos_id`;
+- `loss_mask.bin` (format version 3, when only some tokens are trained on, as for a chat's
+  assistant turns): one uint8 per token, 1 where it is trained (`loss_mask_file.py`);
 - `meta.json`: format version, dtype, token count, vocabulary size, tokenizer name, EOS id, the
-  number of documents, the sources with their sizes, rows skipped by reason, and the SHA-256 of
-  the binary files.
+  number of documents, the number of trained tokens, the sources with their sizes, rows skipped
+  by reason, and the SHA-256 of the binary files.
 
 `prepare_token_files` writes text files as one stream with no boundaries and no EOS (the bundled
-corpus); `plait.plugins.data.corpus_preparation` writes documents. A version-1 directory (written
-before documents existed) is still read, as one stream with no boundaries.
+corpus); `plait.plugins.data.corpus_preparation` writes documents and
+`plait.plugins.data.chat_preparation` conversations with their loss mask. A version-1 directory
+(written before documents existed) is still read, as one stream with no boundaries; a version-2
+one (no loss mask) trains on every token. Only a directory with a loss mask is written as
+version 3, so an older plait refuses it instead of training on the masked tokens.
 
 `meta.json` is written last and every file is renamed into place, so a directory with a
 `meta.json` is complete; a crash mid-way leaves only hidden temporary files.
@@ -40,12 +45,15 @@ from plait.plugins.data.documents_file import (
     read_documents,
 )
 from plait.plugins.data.errors import DataError, TokenFileError
+from plait.plugins.data.loss_mask_file import LOSS_MASK_FILE, MASK_DTYPE, read_loss_mask
 from plait.plugins.data.tokenizer import ByteTokenizer, Tokenizer, token_dtype
 
 FORMAT = "plait-tokens"
 FORMAT_VERSION = 2
+# A directory with loss_mask.bin; without one, directories stay version 2.
+MASKED_FORMAT_VERSION = 3
 # Version 1 had no documents.bin and no EOS: it reads as one stream.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
 
@@ -82,6 +90,8 @@ class TokenFileMeta:
     documents: int | None = None
     documents_sha256: str | None = None
     eos_id: int | None = None
+    trained_tokens: int | None = None  # tokens loss_mask.bin marks trained; None: no mask
+    loss_mask_sha256: str | None = None
     skipped_rows: dict[str, int] = field(default_factory=dict)  # reason -> rows
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -135,6 +145,17 @@ class TokenFileMeta:
             raise TokenFileError(
                 f"{where}: eos_id {eos_id} is outside the vocabulary [0, {raw['vocab_size']})"
             )
+        trained = _optional(raw, "trained_tokens", int, where)
+        if (trained is not None) != (version == MASKED_FORMAT_VERSION):
+            raise TokenFileError(
+                f"{where}: format version {version} "
+                + ("needs" if trained is None else "has no")
+                + f" 'trained_tokens' (only version {MASKED_FORMAT_VERSION} has a loss mask)"
+            )
+        if trained is not None and not 0 <= trained <= raw["count"]:
+            raise TokenFileError(
+                f"{where}: trained_tokens must be in [0, count={raw['count']}], got {trained}"
+            )
         skipped = raw.get("skipped_rows", {})
         if not isinstance(skipped, dict) or not all(
             isinstance(k, str) and isinstance(v, int) for k, v in skipped.items()
@@ -150,6 +171,8 @@ class TokenFileMeta:
             documents=documents,
             documents_sha256=_optional(raw, "documents_sha256", str, where),
             eos_id=eos_id,
+            trained_tokens=trained,
+            loss_mask_sha256=_optional(raw, "loss_mask_sha256", str, where),
             skipped_rows=dict(skipped),
             format_version=version,
         )
@@ -172,12 +195,19 @@ class TokenDirectoryWriter:
         with TokenDirectoryWriter(out, dtype=np.dtype("<u2"), documents=True) as writer:
             writer.write(ids, document_starts=np.array([0, 7]))  # two documents begin in ids
             writer.commit(vocab_size=..., tokenizer=..., sources=...)
+
+    `loss_mask=True` also writes `loss_mask.bin`: every `write` then gives the tokens' mask.
     """
 
-    def __init__(self, output_dir: Path | str, *, dtype: np.dtype, documents: bool) -> None:
+    def __init__(
+        self, output_dir: Path | str, *, dtype: np.dtype, documents: bool, loss_mask: bool = False
+    ) -> None:
         self.directory = Path(output_dir)
         self.dtype = dtype.newbyteorder("<")
         self.documents = documents
+        self.loss_mask = loss_mask
+        self.trained_tokens = 0
+        self._mask_digest = hashlib.sha256()
         self.count = 0
         self.document_count = 0
         self._digest = hashlib.sha256()
@@ -188,6 +218,7 @@ class TokenDirectoryWriter:
         self._tmp_tokens = self.directory / f".{TOKENS_FILE}{suffix}"
         self._tmp_documents = self.directory / f".{DOCUMENTS_FILE}{suffix}"
         self._tmp_meta = self.directory / f".{META_FILE}{suffix}"
+        self._tmp_mask = self.directory / f".{LOSS_MASK_FILE}{suffix}"
         self._created: list[Path] = []
         self._committed = False
 
@@ -196,10 +227,31 @@ class TokenDirectoryWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._tokens_sink = self._tmp_tokens.open("wb")
         self._documents_sink = self._tmp_documents.open("wb") if self.documents else None
+        self._mask_sink = self._tmp_mask.open("wb") if self.loss_mask else None
         return self
 
-    def write(self, ids: np.ndarray, *, document_starts: np.ndarray | None = None) -> None:
-        """Append `ids`; `document_starts` are the offsets into `ids` where documents begin."""
+    def write(
+        self,
+        ids: np.ndarray,
+        *,
+        document_starts: np.ndarray | None = None,
+        loss_mask: np.ndarray | None = None,
+    ) -> None:
+        """Append `ids`; `document_starts` are the offsets into `ids` where documents begin,
+        `loss_mask` (a writer opened with `loss_mask=True`) which of `ids` are trained."""
+        if (loss_mask is not None) != self.loss_mask:
+            raise DataError(
+                "a writer opened with loss_mask="
+                f"{self.loss_mask} was given {'a' if loss_mask is not None else 'no'} loss mask"
+            )
+        if loss_mask is not None:
+            assert self._mask_sink is not None
+            if len(loss_mask) != len(ids):
+                raise DataError(f"a loss mask of {len(loss_mask)} entries for {len(ids)} tokens")
+            mask = np.ascontiguousarray(loss_mask, dtype=bool).astype(MASK_DTYPE).tobytes()
+            self._mask_digest.update(mask)
+            self._mask_sink.write(mask)
+            self.trained_tokens += int(np.count_nonzero(loss_mask))
         if document_starts is not None and len(document_starts):
             if not self.documents:
                 raise DataError("document starts given to a writer opened with documents=False")
@@ -230,12 +282,17 @@ class TokenDirectoryWriter:
             assert self._documents_sink is not None
             self._documents_sink.close()
         self._tokens_sink.close()
+        if self._mask_sink is not None:
+            self._mask_sink.close()
         meta = TokenFileMeta(
             dtype=self.dtype.name,
             count=self.count,
             sha256=self._digest.hexdigest(),
             documents=self.document_count if self.documents else None,
             documents_sha256=self._starts_digest.hexdigest() if self.documents else None,
+            trained_tokens=self.trained_tokens if self.loss_mask else None,
+            loss_mask_sha256=self._mask_digest.hexdigest() if self.loss_mask else None,
+            format_version=MASKED_FORMAT_VERSION if self.loss_mask else FORMAT_VERSION,
             **meta_fields,
         )
         self._tmp_meta.write_text(meta.to_json(), encoding="utf-8")
@@ -246,6 +303,10 @@ class TokenDirectoryWriter:
             os.replace(self._tmp_documents, self.directory / DOCUMENTS_FILE)
         else:
             (self.directory / DOCUMENTS_FILE).unlink(missing_ok=True)  # a stale one
+        if self.loss_mask:
+            os.replace(self._tmp_mask, self.directory / LOSS_MASK_FILE)
+        else:
+            (self.directory / LOSS_MASK_FILE).unlink(missing_ok=True)  # a stale one
         os.replace(self._tmp_meta, self.directory / META_FILE)
         self._committed = True
         return meta
@@ -259,8 +320,10 @@ class TokenDirectoryWriter:
         self._tokens_sink.close()
         if self._documents_sink is not None:
             self._documents_sink.close()
+        if self._mask_sink is not None:
+            self._mask_sink.close()
         if not self._committed:
-            for path in (self._tmp_tokens, self._tmp_documents, self._tmp_meta):
+            for path in (self._tmp_tokens, self._tmp_documents, self._tmp_meta, self._tmp_mask):
                 path.unlink(missing_ok=True)
             _remove_empty(self._created)
 
@@ -353,17 +416,21 @@ class TokenFile:
     `path` may be the directory or any of its files. Opening checks `meta.json`, that
     `tokens.bin` has exactly `count × itemsize` bytes and that `documents.bin`, if the meta
     records documents, holds valid starts; `verify_checksum=True` (or `verify()`) also re-hashes
-    the files, which reads them whole. `documents` is `None` for a stream with no boundaries.
+    the files, which reads them whole. `documents` is `None` for a stream with no boundaries;
+    `loss_mask` (uint8, 1 = trained) is `None` when every token is trained.
     """
 
     def __init__(self, path: Path | str, *, verify_checksum: bool = False) -> None:
         path = Path(path)
         self.directory = (
-            path.parent if path.name in (TOKENS_FILE, META_FILE, DOCUMENTS_FILE) else path
+            path.parent
+            if path.name in (TOKENS_FILE, META_FILE, DOCUMENTS_FILE, LOSS_MASK_FILE)
+            else path
         )
         self.meta_path = self.directory / META_FILE
         self.tokens_path = self.directory / TOKENS_FILE
         self.documents_path = self.directory / DOCUMENTS_FILE
+        self.loss_mask_path = self.directory / LOSS_MASK_FILE
         self.meta = self._read_meta()
         self.dtype = np.dtype(self.meta.dtype).newbyteorder("<")
         self._check_size()
@@ -378,6 +445,15 @@ class TokenFile:
                 self.documents_path, documents=self.meta.documents, token_count=self.meta.count
             )
             if self.meta.documents is not None
+            else None
+        )
+        self.loss_mask: np.ndarray | None = (
+            read_loss_mask(
+                self.loss_mask_path,
+                token_count=self.meta.count,
+                trained_tokens=self.meta.trained_tokens,
+            )
+            if self.meta.trained_tokens is not None
             else None
         )
         if verify_checksum:
@@ -416,6 +492,8 @@ class TokenFile:
         checks = [(self.tokens_path, self.meta.sha256)]
         if self.meta.documents_sha256 is not None:
             checks.append((self.documents_path, self.meta.documents_sha256))
+        if self.meta.loss_mask_sha256 is not None:
+            checks.append((self.loss_mask_path, self.meta.loss_mask_sha256))
         for path, recorded in checks:
             digest = hashlib.sha256()
             with path.open("rb") as source:
@@ -450,5 +528,5 @@ class TokenFile:
         return (
             f"TokenFile({str(self.directory)!r}, count={self.count:,}, dtype={self.meta.dtype}, "
             f"vocab_size={self.vocab_size}, tokenizer={self.meta.tokenizer!r}, "
-            f"documents={self.meta.documents})"
+            f"documents={self.meta.documents}, trained_tokens={self.meta.trained_tokens})"
         )
