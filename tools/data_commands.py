@@ -64,11 +64,47 @@ def prepare(
     workers: int | None = typer.Option(
         None, "--workers", "-j", min=1, help="tokenizing processes; default min(4, CPUs)"
     ),
+    chat: bool = typer.Option(
+        False,
+        "--chat",
+        help="rows are conversations: render each through the tokenizer's chat template and "
+        "train only on the tokens --train-on selects (--tokenizer: a transformers tokenizer "
+        "folder)",
+    ),
+    messages_field: str = typer.Option(
+        "messages",
+        "--messages-field",
+        help="with --chat: the field or column holding each conversation's list of messages",
+    ),
+    train_on: str = typer.Option(
+        "assistant",
+        "--train-on",
+        help="with --chat: the tokens trained on: 'assistant' (every assistant turn), 'last' "
+        "(the last assistant turn) or 'all'",
+    ),
+    max_tokens: int | None = typer.Option(
+        None,
+        "--max-tokens",
+        min=2,
+        help="with --chat: the longest conversation in tokens, EOS included (the row length, "
+        "data.seq_len); longer ones are handled as --too-long says",
+    ),
+    too_long: str = typer.Option(
+        "drop",
+        "--too-long",
+        help="with --chat: 'drop' a conversation longer than --max-tokens, or 'truncate' it",
+    ),
+    chat_template: Path | None = typer.Option(
+        None, "--chat-template", help="with --chat: a Jinja file replacing the tokenizer's template"
+    ),
 ) -> None:
     """Tokenize the documents of FILES into OUTPUT (tokens.bin, documents.bin, meta.json).
 
     Every document ends with an EOS token. Rows with no usable text (field missing, not a
-    string, empty, invalid JSON) are skipped, counted by reason and listed.
+    string, empty, invalid JSON) are skipped, counted by reason and listed. With --chat each
+    row is a conversation, written as one document with loss_mask.bin beside the tokens;
+    conversations that are malformed, have no assistant turn or an unknown role, fail their
+    template or are too long are skipped the same way.
     """
     from rich.progress import (
         BarColumn,
@@ -78,6 +114,8 @@ def prepare(
         TransferSpeedColumn,
     )
 
+    from plait.plugins.data.chat_preparation import prepare_conversations
+    from plait.plugins.data.chat_template import load_chat_tokenizer
     from plait.plugins.data.corpus_preparation import default_workers, prepare_documents
     from plait.plugins.data.errors import DataError
     from plait.plugins.data.token_files import TokenFile
@@ -96,16 +134,30 @@ def prepare(
     try:
         with progress:
             task = progress.add_task(f"tokenizing on {workers} processes", total=None)
-            report = prepare_documents(
-                files,
-                output,
-                tokenizer=get_tokenizer(tokenizer),
-                text_field=text_field,
-                separator=_separator(separator),
-                split=split,
-                workers=workers,
-                progress=lambda done, total: progress.update(task, completed=done, total=total),
-            )
+            if chat:
+                report = prepare_conversations(
+                    files,
+                    output,
+                    tokenizer=load_chat_tokenizer(tokenizer, chat_template=chat_template),
+                    messages_field=messages_field,
+                    split=split,
+                    train_on=train_on,  # type: ignore[arg-type]  # checked by the callee
+                    max_tokens=max_tokens,
+                    too_long=too_long,  # type: ignore[arg-type]  # checked by the callee
+                    workers=workers,
+                    progress=lambda done, total: progress.update(task, completed=done, total=total),
+                )
+            else:
+                report = prepare_documents(
+                    files,
+                    output,
+                    tokenizer=get_tokenizer(tokenizer),
+                    text_field=text_field,
+                    separator=_separator(separator),
+                    split=split,
+                    workers=workers,
+                    progress=lambda done, total: progress.update(task, completed=done, total=total),
+                )
         token_file = TokenFile(report.directory)
     except (DataError, ValueError) as exc:
         print_error(console, exc, soft_wrap=True, highlight=True)
@@ -137,6 +189,10 @@ def _print_prepared(report: PrepareReport, token_file: TokenFile) -> None:
         + f", vocab {meta.vocab_size:,}, dtype {meta.dtype}, {token_file.nbytes:,} bytes in "
         f"tokens.bin, sha256 {meta.sha256[:16]}…"
     )
+    if meta.trained_tokens is not None:
+        console.print(
+            f"trained on {_trained_share(meta.trained_tokens, meta.count)} (loss_mask.bin)"
+        )
     if report.skipped:
         by_reason = ", ".join(f"{reason}: {n:,}" for reason, n in report.skipped.items())
         console.print(f"[yellow]skipped {report.skipped_total:,} bad rows[/yellow] ({by_reason})")
@@ -144,6 +200,10 @@ def _print_prepared(report: PrepareReport, token_file: TokenFile) -> None:
             console.print(f"  {bad.describe()}", soft_wrap=True, markup=False)
         if report.skipped_total > len(report.bad_rows):
             console.print(f"  … and {report.skipped_total - len(report.bad_rows):,} more")
+
+
+def _trained_share(trained: int, count: int) -> str:
+    return f"{trained:,} of {count:,} tokens ({trained / max(count, 1):.1%})"
 
 
 @app.command()
@@ -187,6 +247,8 @@ def info(
         rows.append(
             ("skipped rows", ", ".join(f"{r}: {n:,}" for r, n in meta.skipped_rows.items()))
         )
+    if meta.trained_tokens is not None:
+        rows.append(("trained tokens", _trained_share(meta.trained_tokens, meta.count)))
     rows.append(("sha256", meta.sha256 + (" (verified)" if verify else "")))
     table = Table(show_header=False, title=escape(str(token_file.directory)))
     for key, value in rows:
