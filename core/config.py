@@ -278,7 +278,7 @@ class CheckpointIOSection(Section):
     dir: str = Field("", description="checkpoint root directory; '' disables checkpoints")
     every: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
     keep: int = Field(3, ge=0, description="keep the newest K checkpoints; 0 keeps all")
-    async_save: bool = Field(False, description="write in a background thread after a CPU copy")
+    async_save: bool = Field(True, description="write in a background thread after a host copy")
     resume: bool = Field(True, description="resume from the latest complete checkpoint in dir")
     save_final: bool = Field(True, description="save after the last step")
     init_from: str = Field(

@@ -14,9 +14,11 @@ attaches them beside it (`plait.plugins.resilience.attach_resilience`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import shutil
-import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,13 @@ import torch.distributed as dist
 from plait.core.comm import Group
 from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.config import PlaitConfig
+from plait.plugins.checkpoint.background import (
+    BackgroundWrite,
+    SaveFailure,
+    SaveTiming,
+    describe_error,
+)
+from plait.plugins.checkpoint.staging import HostStaging
 from plait.plugins.checkpoint.state import (
     LoadReport,
     engine_state_dict,
@@ -35,8 +44,10 @@ from plait.plugins.checkpoint.storage import (
     CheckpointError,
     describe_files,
     find_latest_complete,
+    fsync_dir,
     publish,
     resolve_checkpoint,
+    step_dir_name,
     temp_dir_name,
     verify,
     write_manifest,
@@ -61,9 +72,17 @@ class Checkpointer:
         self.root = Path(config.dir).expanduser() if config.dir else None
         self.total_steps = engine.config.train.steps
         self.rank = engine.mesh.rank
-        self._pending: threading.Thread | None = None
-        self._pending_error: BaseException | None = None
         self.last_saved_step: int | None = None
+        self._staging = HostStaging()
+        self._pending: BackgroundWrite | None = None
+        self._pending_blocked = (0.0, 0.0, 0.0)
+        self.timings: list[SaveTiming] = []
+        self.failed_saves: list[SaveFailure] = []
+        self.last_published: str | None = None
+        # A script that never calls close() still gets its last save written before exit;
+        # registered after the engine's own exit handlers, so it runs before they tear down
+        # the process groups the write needs.
+        atexit.register(_settle_at_exit, weakref.ref(self))
         # DCP coordinates over a process group of its own: a dedicated Gloo group keeps checkpoint
         # traffic out of the training groups' op sequence and lets a save thread run beside
         # training. Creating a group is collective, so it is made here, on every rank.
@@ -96,6 +115,7 @@ class Checkpointer:
             path = self._agree_on(self._find_resumable)
             if path is not None:
                 report = self.load(Path(path))
+                self.last_published = Path(path).name
                 log.warning("resumed from %s at step %d", path, report.step)
                 return report.step
         if self.config.init_from:
@@ -148,66 +168,132 @@ class Checkpointer:
         return True
 
     def save(self, step: int) -> None:
-        """Write a checkpoint of the current state as `step-N` (in the background if async)."""
+        """Write a checkpoint of the current state as `step-N`.
+
+        Asynchronous (the default): returns once the state is copied to host memory, and the
+        write runs in a thread; the next save, `wait()` or `close()` waits for it first. A
+        previous asynchronous save that failed is reported here, by name, and training goes on.
+        """
         if self.root is None:
             raise CheckpointError("checkpoint_io.dir is not set")
-        self.wait()
+        started = time.perf_counter()
+        self._settle()
+        waited = time.perf_counter() - started
         temp = self.root / temp_dir_name(step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if temp.exists():
                 shutil.rmtree(temp)  # left by a crash during an earlier attempt at this step
         self._barrier()
-        state = engine_state_dict(
-            self.engine, batches=self.batches, stage_to_cpu=self.config.async_save
-        )
+        state = engine_state_dict(self.engine, batches=self.batches)
         self.last_saved_step = step
         if not self.config.async_save:
             self._write(state, temp, step)
+            blocked = time.perf_counter() - started
+            self._record(SaveTiming(step, False, blocked, waited, 0.0, blocked - waited))
             return
-        self._pending = threading.Thread(
-            target=self._write_in_background, args=(state, temp, step), daemon=True
-        )
-        self._pending.start()
-
-    def _write_in_background(self, state: dict[str, Any], temp: Path, step: int) -> None:
-        try:
-            self._write(state, temp, step)
-        except BaseException as exc:  # reported by the next wait()
-            self._pending_error = exc
+        copy_started = time.perf_counter()
+        staged = self._staging.stage(state)
+        del state  # the engine's own tensors: nothing of them may reach the thread
+        copy_s = time.perf_counter() - copy_started
+        self._pending = BackgroundWrite(step, temp, lambda: self._write(staged, temp, step))
+        self._pending_blocked = (time.perf_counter() - started, waited, copy_s)
 
     def _write(self, state: dict[str, Any], temp: Path, step: int) -> None:
+        """Write, make durable, and publish only once every rank's files are on disk.
+
+        Every rank ends with the same outcome (all return or all raise), so no rank is left
+        waiting in a collective for a peer that gave up.
+        """
         assert self.root is not None
-        save_state_dict(state, temp, process_group=self.group)
-        # Each rank checksums the data files it wrote; rank 0 adds DCP's index and publishes.
+        try:
+            # DCP fsyncs each data file and `.metadata`; a rank's failure raises on every rank.
+            save_state_dict(state, temp, process_group=self.group)
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(temp, ignore_errors=True)  # give a full disk its space back
+            raise
         own = sorted(p.name for p in temp.glob(f"__{self.rank}_*.distcp"))
-        parts: list[Any] = [None] * dist.get_world_size()
-        files = describe_files(temp, own)
+        try:
+            # The files' directory entries are durable too (a shared file system sees each
+            # rank's own), then each rank checksums the data files it wrote.
+            fsync_dir(temp)
+            files: dict[str, dict[str, int]] | str = describe_files(temp, own)
+        except OSError as exc:
+            files = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        parts: list[Any] = [files]
         if self.group is not None:
+            parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, files, group=self.group)
-        else:
-            parts = [files]
-        if self.rank == 0:
+        outcome = self._publish(parts, temp, step) if self.rank == 0 else None
+        outcome = self._agree_on(lambda: outcome)
+        if outcome is not None:
+            raise CheckpointError(outcome)
+
+    def _publish(self, parts: list[Any], temp: Path, step: int) -> str | None:
+        """Rank 0: manifest, sync, rename, `latest`. Returns why it did not publish, or None."""
+        assert self.root is not None
+        problems = [part for part in parts if isinstance(part, str)]
+        try:
+            if problems:
+                raise CheckpointError("; ".join(problems))
             merged: dict[str, dict[str, int]] = {}
             for part in parts:
                 merged.update(part)
             merged.update(describe_files(temp, [".metadata"]))
             write_manifest(temp, merged, step)
+            fsync_dir(temp)  # the manifest's rename, before the directory's own
             publish(self.root, temp, step, keep=self.config.keep)
-        self._barrier()
+        except Exception as exc:
+            shutil.rmtree(temp, ignore_errors=True)
+            return describe_error(exc)
+        return None
+
+    def _settle(self) -> None:
+        """Wait for an asynchronous save; report (not raise) its failure, and its timing."""
+        failure = self._join()
+        if failure is not None:
+            self.failed_saves.append(failure)
+            message = f"plait: {failure.describe()}; training goes on"
+            if self.last_published is not None:
+                message += f", the previous checkpoint {self.last_published} is intact"
+            log.error("%s", message.removeprefix("plait: "))
+            print(message, flush=True)
+
+    def _join(self) -> SaveFailure | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.join()
+        if pending.failure is not None:
+            return pending.failure
+        blocked, waited, copy_s = self._pending_blocked
+        assert pending.write_s is not None
+        self._record(SaveTiming(pending.step, True, blocked, waited, copy_s, pending.write_s))
+        return None
+
+    def _record(self, timing: SaveTiming) -> None:
+        self.timings.append(timing)
+        self.last_published = step_dir_name(timing.step)
+        log.info("%s", timing.describe())
 
     def wait(self) -> None:
-        """Block until an asynchronous save has been published; re-raise its error."""
-        if self._pending is not None:
-            self._pending.join()
-            self._pending = None
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
+        """Block until an asynchronous save has been published; raise if it failed."""
+        failure = self._join()
+        if failure is not None:
+            self.failed_saves.append(failure)
+            raise CheckpointError(failure.describe())
 
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
 
     def close(self) -> None:
-        self.wait()
+        """Wait for an asynchronous save; a failure is reported by name, not raised."""
+        self._settle()
+
+
+def _settle_at_exit(checkpointer: weakref.ref[Checkpointer]) -> None:
+    live = checkpointer()
+    if live is not None and live._pending is not None:
+        live._settle()

@@ -33,7 +33,6 @@ from plait.core.dcp_planner import ChunkedValue, ChunkLoadPlanner, ChunkSavePlan
 from plait.core.errors import CheckpointError
 from plait.core.state_chunks import (
     Staging,
-    TensorPieces,
     first_replica,
     layout_for,
     tensor_pieces,
@@ -75,20 +74,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _staged(pieces: TensorPieces, to_cpu: bool) -> TensorPieces:
-    if not to_cpu:
-        return pieces
-    # A copy on the CPU, so training can go on mutating the originals while a thread writes.
-    return TensorPieces(
-        pieces.global_shape,
-        [type(c)(c.offsets, c.tensor.detach().to("cpu", copy=True)) for c in pieces.chunks],
-    )
+def engine_state_dict(engine: Any, *, batches: Any = None) -> dict[str, Any]:
+    """The flat state dict of an engine (and its data sampler) for `dcp.save`.
 
-
-def engine_state_dict(
-    engine: Any, *, batches: Any = None, stage_to_cpu: bool = False
-) -> dict[str, Any]:
-    """The flat state dict of an engine (and its data sampler) for `dcp.save`."""
+    Tensors are the engine's own storage (views): a write that outlives the step needs a copy
+    first (`plait.plugins.checkpoint.staging`).
+    """
     layout = layout_for(engine)
     rank = engine.mesh.rank
     is_writer = first_replica(engine)
@@ -96,11 +87,11 @@ def engine_state_dict(
     for fqn, entry in layout.by_name().items():
         pieces = tensor_pieces(entry.value, is_writer=is_writer)
         pieces.check(fqn)
-        state[model_key(fqn)] = ChunkedValue(_staged(pieces, stage_to_cpu))
+        state[model_key(fqn)] = ChunkedValue(pieces)
         for key, tensor in entry.optimizer_state.items():
             pieces = tensor_pieces(tensor, is_writer=is_writer)
             pieces.check(optim_key(fqn, key))
-            state[optim_key(fqn, key)] = ChunkedValue(_staged(pieces, stage_to_cpu))
+            state[optim_key(fqn, key)] = ChunkedValue(pieces)
         if entry.step is not None:
             state[optim_key(fqn, "step")] = _plain_step(entry.step.get())
     state["optim.param_groups"] = group_hyperparameters(engine.optimizer)
