@@ -19,6 +19,7 @@ from typing import Any
 READING_ORDER = (
     "index.md",
     "training.md",
+    "chat-data.md",
     "parallelisms.md",
     "zero-plus-plus.md",
     "your-own-model.md",
