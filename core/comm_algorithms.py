@@ -49,7 +49,8 @@ from plait.core.comm import CARRIED_BY, Comm, CompletedWork, Group, Work
 from plait.core.config import PlaitConfig
 from plait.core.errors import PluginError
 from plait.core.host_map import HostMap
-from plait.core.mesh import MESH_AXES, resolve_degrees
+from plait.core.mesh import MESH_AXES
+from plait.core.parallel_dims import resolve_degrees
 from plait.core.records import CommRequest
 
 __all__ = [

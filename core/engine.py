@@ -101,14 +101,7 @@ class Engine:
         cfg = self.config
         self.plugins = plugins or Plugins.create(blocked=cfg.plugins.disable)
         self._check_plugin_sections()
-        self.mesh = Mesh.from_env(
-            dp=cfg.parallel.dp,
-            tp=cfg.parallel.tp,
-            pp=cfg.parallel.pp,
-            cp=cfg.parallel.cp,
-            device=cfg.train.device,
-            timeout_seconds=cfg.train.collective_timeout_seconds,
-        )
+        self.mesh = self._build_mesh()
         self.device = self.mesh.device
         self.kernels = Kernels(
             self.plugins,
@@ -146,21 +139,9 @@ class Engine:
             model_config=self.model_config,
         )
         self.runtimes: list[ParallelRuntime] = []
-        # Read before the shard transforms (context parallelism installs its own attention).
-        self.document_inputs = DocumentInputs.of(model)
-        if is_transformers_model(model):
-            # A training step never wants a KV cache; holding one, transformers also skips the
-            # block-diagonal mask of packed rows (their restarting position ids).
-            model.config.use_cache = False
-        model_counting = self.document_inputs.loss_counting(model)
+        model_counting = self._read_model_inputs(model)
         self.module = self._shard(model)
-        if cfg.parallel.dp_shard is not None and not self.mesh.data_parallel_split:
-            raise ConfigError(
-                f"parallel.dp_shard = {cfg.parallel.dp_shard!r} splits data parallelism into "
-                f"shard and replica groups, but dp strategy {cfg.parallel.dp_strategy!r} does "
-                "not shard: it would be ignored. Use zero1, zero2 or zero3, or leave dp_shard "
-                "unset"
-            )
+        self._refuse_an_unused_shard_split()
         self.loss_fn = self._choose_loss_fn(loss_fn)
         # Which tokens a step's losses are means over (`plait.core.token_loss`): a replacement
         # loss is a token cross-entropy; a user's loss_fn is opaque; else the model's default.
@@ -200,6 +181,42 @@ class Engine:
 
     def _check_plugin_sections(self) -> None:
         check_config(self.config, self.plugins, with_model=False)
+
+    def _build_mesh(self) -> Mesh:
+        """Join the job and build its mesh from the degrees `[parallel]` declares, validated
+        (`ParallelDims`) before any plugin runs."""
+        cfg = self.config
+        return Mesh.from_env(
+            dp=cfg.parallel.dp,
+            tp=cfg.parallel.tp,
+            pp=cfg.parallel.pp,
+            cp=cfg.parallel.cp,
+            ep=cfg.parallel.ep,
+            dp_shard=cfg.parallel.dp_shard,
+            device=cfg.train.device,
+            timeout_seconds=cfg.train.collective_timeout_seconds,
+        )
+
+    def _read_model_inputs(self, model: nn.Module) -> LossCounting:
+        """What the model's forward takes (read before the shard transforms: context
+        parallelism installs its own attention) and which tokens its own loss is a mean over."""
+        self.document_inputs = DocumentInputs.of(model)
+        if is_transformers_model(model):
+            # A training step never wants a KV cache; holding one, transformers also skips the
+            # block-diagonal mask of packed rows (their restarting position ids).
+            model.config.use_cache = False
+        return self.document_inputs.loss_counting(model)
+
+    def _refuse_an_unused_shard_split(self) -> None:
+        """`parallel.dp_shard` declared, but the dp strategy never asked for its groups."""
+        par = self.config.parallel
+        if par.dp_shard is not None and not self.mesh.data_parallel_split:
+            raise ConfigError(
+                f"parallel.dp_shard = {par.dp_shard!r} splits data parallelism into "
+                f"shard and replica groups, but dp strategy {par.dp_strategy!r} does "
+                "not shard: it would be ignored. Use zero1, zero2 or zero3, or leave dp_shard "
+                "unset"
+            )
 
     def _drop_disabled_telemetry(self) -> None:
         """The telemetry plugin wraps every comm op: with telemetry off it is not registered."""

@@ -19,9 +19,10 @@ data parallel as far as gradients go (Megatron's "dp × cp" gradient group).
 Sharded data parallelism may split DP in two (`parallel.dp_shard`, HSDP): `dp = dp_replicate ×
 dp_shard`, ranks ordered `pp, dp_replicate, dp_shard, cp, tp` (torchtitan's `ParallelDims`), so a
 shard group is `dp_shard × cp × tp` consecutive ranks and can stay inside a node while the
-replica groups cross nodes. The device mesh keeps its `dp` axis (every strategy that does not
-shard reads it as before); `shard_data_parallel` adds the two named sub-axes, their groups and
-coordinates.
+replica groups cross nodes. The degrees are declared once (`plait.core.parallel_dims`), before
+any plugin runs, and the mesh is built from them: no strategy changes it. The device mesh keeps
+its `dp` axis (every strategy that does not shard reads it as before); `data_parallel_groups`
+gives the two named sub-axes' groups.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,12 +40,11 @@ from plait.core import process_groups
 from plait.core.comm import Group
 from plait.core.errors import MeshError
 from plait.core.host_map import HostMap, check_inside_nodes, learn_host_map
+from plait.core.parallel_dims import DP_SHARD_NODE, ParallelDims
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 # The two sub-axes `dp` splits into under sharded data parallelism (outer, inner).
 DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
-# `parallel.dp_shard = "node"`: as many dp ranks as one node holds.
-DP_SHARD_NODE = "node"
 # The axes over which replicated parameters' gradients are averaged (and ZeRO shards).
 GRADIENT_AXES: tuple[str, ...] = ("dp", "cp")
 # Axes whose groups must stay inside one node (their collectives run every layer).
@@ -101,26 +102,6 @@ def _create_process_group(device: torch.device, timeout_seconds: float) -> None:
         )
 
 
-def resolve_degrees(world_size: int, *, dp: int, tp: int, pp: int, cp: int) -> dict[str, int]:
-    """Fill in dp = -1 and check that the degrees multiply to the world size."""
-    others = tp * pp * cp
-    if dp == -1:
-        if world_size % others:
-            raise MeshError(
-                f"parallel degrees pp={pp} × cp={cp} × tp={tp} = {others} do not divide the "
-                f"world size {world_size}; set parallel.* so that pp·dp·cp·tp = {world_size}"
-            )
-        dp = world_size // others
-    degrees = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
-    product = pp * dp * cp * tp
-    if product != world_size:
-        raise MeshError(
-            f"parallel degrees pp={pp} × dp={dp} × cp={cp} × tp={tp} = {product} but the world "
-            f"size is {world_size}; the product must equal the number of ranks"
-        )
-    return degrees
-
-
 @dataclass
 class Mesh:
     """Degrees, this rank's coordinates and a process group per axis."""
@@ -134,9 +115,23 @@ class Mesh:
     # The dp ranks that shard (HSDP's inner sub-axis); None: dp is not split (every dp rank
     # shards, as plain ZeRO does).
     dp_shard: int | None = None
+    # The degrees the mesh was built from (None for a mesh assembled by hand in a test).
+    dims: ParallelDims | None = None
     _groups: dict[tuple[str, ...], Group] = field(default_factory=dict)
     _split_groups: dict[tuple[str, int], tuple[Group, Group]] = field(default_factory=dict)
     _data_parallel_groups: tuple[Group, Group] | None = None
+
+    # The layout, fixed when the mesh is built from the declared degrees: strategies read it.
+    _FIXED: ClassVar[frozenset[str]] = frozenset({"degrees", "dp_shard", "dims", "world_size"})
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in self._FIXED and name in self.__dict__:
+            raise MeshError(
+                f"mesh.{name} is fixed when the mesh is built from the declared parallel "
+                "degrees (plait.core.parallel_dims.ParallelDims); a strategy reads it and "
+                "asks for groups, it never changes the layout"
+            )
+        super().__setattr__(name, value)
 
     @classmethod
     def from_env(
@@ -146,33 +141,42 @@ class Mesh:
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         device: str = "auto",
         timeout_seconds: float = 600.0,
         dp_shard: int | str | None = None,
     ) -> Mesh:
+        """Join the job's process group and build its mesh from the degrees `[parallel]`
+        declares (`ParallelDims.resolve`, which validates them all before anything is built)."""
         torch_device = resolve_device(device)
         init_distributed(torch_device, timeout_seconds=timeout_seconds)
         world_size = dist.get_world_size()
-        degrees = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
         host_map = learn_host_map()  # collective: before any group is built
+        dims = ParallelDims.resolve(
+            world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard, host_map=host_map
+        )
         device_mesh = init_device_mesh(
             torch_device.type,
-            tuple(degrees[a] for a in MESH_AXES),
+            tuple(dims.degrees[a] for a in MESH_AXES),
             mesh_dim_names=MESH_AXES,
         )
         mesh = cls(
-            degrees=degrees,
+            degrees=dims.degrees,
             device=torch_device,
             device_mesh=device_mesh,
             rank=dist.get_rank(),
             world_size=world_size,
             host_map=host_map,
+            dp_shard=dims.dp_shard,
+            dims=dims,
         )
         process_groups.track_mesh(mesh)
         for axis in NODE_LOCAL_AXES:
             mesh.require_inside_nodes(axis, mesh.axis_rank_sets(axis))
-        if dp_shard is not None:
-            mesh.shard_data_parallel(dp_shard)
+        if dims.hybrid_sharded:
+            # Refused before any plugin runs: a shard group that spans nodes.
+            shard_sets, _ = mesh._hybrid_rank_sets(dims.dp_shard)
+            mesh.require_inside_nodes(DP_SHARD, [tuple(s) for s in shard_sets])
         return mesh
 
     def axis_rank_sets(self, axis: str) -> list[tuple[int, ...]]:
@@ -273,57 +277,22 @@ class Mesh:
         """Whether dp is split into replicas of smaller shard groups (HSDP)."""
         return self.dp_shard is not None and self.dp_shard < self.degrees["dp"]
 
-    def resolve_dp_shard(self, value: int | str | None) -> int:
-        """`parallel.dp_shard` as a degree: None = dp (shard over every dp rank), "node" = the dp
-        ranks one node holds (its ranks over cp × tp), an integer must divide dp."""
-        dp, inner = self.degrees["dp"], self.degrees["cp"] * self.degrees["tp"]
-        if value is None:
-            return dp
-        if value == DP_SHARD_NODE:
-            per_node = self.host_map.ranks_per_node if self.host_map is not None else 0
-            if not per_node:
-                raise MeshError(
-                    "parallel.dp_shard = 'node' needs nodes of equal size; the host map is "
-                    f"{self.host_map.describe() if self.host_map else 'unknown'}"
-                )
-            if per_node % inner:
-                raise MeshError(
-                    f"parallel.dp_shard = 'node': a node's {per_node} ranks are not a whole "
-                    f"number of cp × tp = {inner} groups"
-                )
-            value = max(per_node // inner, 1)
-            value = min(value, dp)
-        if not isinstance(value, int) or value < 1 or dp % value:
-            raise MeshError(
-                f"parallel.dp_shard = {value!r} must divide dp = {dp} (dp_replicate = "
-                f"dp / dp_shard), or be '{DP_SHARD_NODE}'"
-            )
-        return value
-
     @property
     def data_parallel_split(self) -> bool:
-        """Whether a strategy has split dp into shard and replica groups (`shard_data_parallel`)."""
+        """Whether a strategy has asked for the shard and replica groups (data_parallel_groups)."""
         return self._data_parallel_groups is not None
 
-    def shard_data_parallel(self, value: int | str | None) -> tuple[Group, Group]:
-        """Split dp into `dp_replicate × dp_shard` and return this rank's (shard group,
-        replica group): the shard group is dp_shard × cp (what ZeRO shards over and reduces
-        gradients in every micro-batch), the replica group the dp_replicate ranks that hold the
-        same shard. A split shard group must stay inside a node (`require_inside_nodes`).
-        Collective on first call; later calls with the same degree return the same groups."""
-        dp_shard = self.resolve_dp_shard(value)
+    def data_parallel_groups(self) -> tuple[Group, Group]:
+        """This rank's (shard group, replica group) for the declared `dp_replicate × dp_shard`:
+        the shard group is dp_shard × cp (what ZeRO shards over and reduces gradients in every
+        micro-batch), the replica group the dp_replicate ranks that hold the same shard (this
+        rank alone when dp is not split). Collective on first call, like `group`."""
         if self._data_parallel_groups is not None:
-            if dp_shard != self.size(DP_SHARD):
-                raise MeshError(
-                    f"dp is already split with dp_shard = {self.size(DP_SHARD)}, not {dp_shard}"
-                )
             return self._data_parallel_groups
-        self.dp_shard = dp_shard
         if not self.is_hybrid_sharded:
             self._data_parallel_groups = (self.gradient_group(), self._subgroup(DP_REPLICATE, []))
             return self._data_parallel_groups
-        shard_sets, replica_sets = self._hybrid_rank_sets(dp_shard)
-        self.require_inside_nodes(DP_SHARD, [tuple(s) for s in shard_sets])
+        shard_sets, replica_sets = self._hybrid_rank_sets(self.size(DP_SHARD))
         shard_name = "_".join((DP_SHARD, *self.gradient_axes()[1:]))
         self._data_parallel_groups = (
             self._subgroup(shard_name, shard_sets),
@@ -386,9 +355,7 @@ class Mesh:
         """(ep group, expert-data-parallel group) for expert parallelism of degree `ep` carved
         out of dp (Megatron-Core's layout): `ep` consecutive dp coordinates form an ep group,
         the dp / ep ranks that hold the same experts (strided) the expert-dp group.
-        Collective on first use, like `split_group`."""
-        if ep > 1 and self.size("cp") > 1:
-            raise MeshError("expert parallelism with context parallelism is not supported yet")
+        Collective on first use, like `split_group`; `ParallelDims` has checked the degree."""
         return self.split_group("dp", ep)
 
     def stage_rank(self, stage: int) -> int:

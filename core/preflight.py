@@ -13,7 +13,7 @@ from typing import Any
 
 from plait.core.config import PlaitConfig
 from plait.core.errors import ConfigError, MeshError
-from plait.core.mesh import resolve_degrees
+from plait.core.parallel_dims import resolve_degrees
 
 
 def check_launch(config: PlaitConfig, *, world_size: int, model_config: Any = None) -> None:

@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from plait.core.mesh import MESH_AXES, resolve_degrees
+from plait.core.mesh import MESH_AXES
+from plait.core.parallel_dims import resolve_degrees
 
 if TYPE_CHECKING:
     from rich.console import Console

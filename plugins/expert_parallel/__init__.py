@@ -80,8 +80,6 @@ def shard_ep(model: nn.Module, *, context: ShardContext, config: None) -> Sharde
             "(a module with experts, run_experts and tokens_per_expert, or a transformers MoE "
             "model whose experts dispatch through its ExpertsInterface)"
         )
-    if mesh.size("dp") % degree:
-        raise ConfigError(f"parallel.ep = {degree} does not divide the dp degree {mesh.size('dp')}")
     ep_group, expert_data_group = mesh.expert_groups(degree)
     rank = ep_group.rank_of(mesh.rank)
     num_experts = {next(layer.experts.parameters()).shape[0] for _, layer in layers}

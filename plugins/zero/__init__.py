@@ -82,7 +82,7 @@ def shard_zero(
         check_writable(config.offload.path)
     # The shard group: dp (times cp under context parallelism), or its dp_shard part under
     # HSDP; the replica group holds the other copies of this rank's shard (one rank if none).
-    group, replicas = context.mesh.shard_data_parallel(context.config.parallel.dp_shard)
+    group, replicas = context.mesh.data_parallel_groups()
     # With ep > 1 expert parameters are reduced and sharded over the expert-dp group
     # (`plait.plugins.zero.groups`), in segments of their own.
     experts = context.expert_parallel

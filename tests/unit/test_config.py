@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from plait.core.config import load_config, parse_override
 from plait.core.engine import check_config
 from plait.core.errors import ConfigError, MeshError, PluginError
-from plait.core.mesh import resolve_degrees
+from plait.core.parallel_dims import resolve_degrees
 from plait.core.plugins import Plugins
 from plait.tools.cli import app
 
