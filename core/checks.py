@@ -63,8 +63,11 @@ def check_config(
 
 
 def _plugin_sections(plugins: Plugins) -> dict[str, type[BaseModel] | None]:
-    """Every config table a plugin owns (strategies, schedules, kernel providers), by name."""
+    """Every config table a plugin owns (strategies, schedules, kernel providers, features),
+    by name."""
     sections: dict[str, type[BaseModel] | None] = {}
+    for _, record in plugins.config_sections().values():
+        sections[record.name] = record.config_cls
     for _, record in plugins.strategies().values():
         sections[record.config_section or record.name] = record.config_cls
     for _, record in plugins.schedules().values():

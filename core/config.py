@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import logging
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from plait.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -245,33 +248,6 @@ class TelemetrySection(Section):
     job_id: str = ""
 
 
-class FaultInjectionSection(Section):
-    """`[checkpoint_io.fault_injection]`: kill a rank on purpose, to test restarts."""
-
-    kill_after_step: int = Field(-1, description="SIGKILL after this many steps; -1 = never")
-    rank: int = Field(0, ge=0, description="the global rank that kills itself")
-    only_first_attempt: bool = Field(
-        True, description="only before the first torchrun restart (so the job can finish)"
-    )
-    scope: Literal["rank", "node"] = Field(
-        "rank",
-        description="'rank': the rank alone; 'node': its torchrun agent first (a node lost)",
-    )
-    signal: Literal["SIGKILL", "SIGSTOP"] = Field(
-        "SIGKILL",
-        description="'SIGKILL': the rank dies; 'SIGSTOP': it hangs, stopped with its "
-        "connections open (scope 'rank' only)",
-    )
-
-    @model_validator(mode="after")
-    def _stop_one_rank_only(self) -> FaultInjectionSection:
-        if self.signal == "SIGSTOP" and self.scope == "node":
-            raise ValueError(
-                "signal = 'SIGSTOP' stops one rank: it goes with scope = 'rank', not 'node'"
-            )
-        return self
-
-
 class CheckpointIOSection(Section):
     """`[checkpoint_io]` section."""
 
@@ -285,10 +261,6 @@ class CheckpointIOSection(Section):
         "", description="checkpoint whose model weights start a fresh run (e.g. an HF import)"
     )
     verify_checksums: bool = Field(True, description="check CRC-32s (not only sizes) on resume")
-    max_consecutive_nonfinite: int = Field(
-        3, ge=0, description="stop after N steps in a row with NaN/Inf gradients; 0 = no guard"
-    )
-    fault_injection: FaultInjectionSection = Field(default_factory=FaultInjectionSection)
 
 
 class CommSection(Section):
@@ -457,6 +429,48 @@ class PlaitConfig(BaseModel):
 
 CORE_SECTIONS = tuple(PlaitConfig.model_fields)
 
+# Keys that moved to the section of the feature that owns them, old path -> new path. A config
+# written before the move still loads: the value is moved (a note names the new key); the old
+# and the new key both set is an error naming both.
+MOVED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("checkpoint_io", "max_consecutive_nonfinite"): ("resilience", "max_consecutive_nonfinite"),
+    ("checkpoint_io", "fault_injection"): ("resilience", "fault_injection"),
+}
+
+
+def move_renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with every key of `MOVED_KEYS` at its new place (in place)."""
+    for old, new in MOVED_KEYS.items():
+        *old_parents, old_key = old
+        old_table = _table_at(data, old_parents)
+        if old_table is None or old_key not in old_table:
+            continue
+        *new_parents, new_key = new
+        new_table = _table_at(data, new_parents, create=True)
+        if new_table is None:
+            raise ConfigError(f"{'.'.join(new_parents)} must be a table to hold {'.'.join(new)}")
+        if new_key in new_table:
+            raise ConfigError(
+                f"{'.'.join(old)} and {'.'.join(new)} are both set; {'.'.join(old)} is the old "
+                f"name of {'.'.join(new)}: keep only {'.'.join(new)}"
+            )
+        new_table[new_key] = old_table.pop(old_key)
+        log.warning("plait: config key %s is now %s", ".".join(old), ".".join(new))
+    return data
+
+
+def _table_at(
+    data: dict[str, Any], path: Sequence[str], *, create: bool = False
+) -> dict[str, Any] | None:
+    node: Any = data
+    for part in path:
+        if not isinstance(node, dict):
+            return None
+        if part not in node and create:
+            node[part] = {}
+        node = node.get(part)
+    return node if isinstance(node, dict) else None
+
 
 def _format_validation_error(
     exc: ValidationError, *, prefix: str = "", model: type[BaseModel] | None = None
@@ -566,7 +580,7 @@ def load_config(
         data = _deep_copy(source)
     else:
         data = read_toml(Path(source))
-    data = apply_overrides(data, overrides)
+    data = move_renamed_keys(apply_overrides(data, overrides))
     try:
         return PlaitConfig.model_validate(data)
     except ValidationError as exc:

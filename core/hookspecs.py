@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from plait.core.records import (
         CommAlgorithmRecord,
         CommRequest,
+        ConfigSectionRecord,
         KernelRecord,
         ModelRecord,
         ScheduleRecord,
@@ -133,6 +134,22 @@ def plait_register_comm_algorithms() -> Sequence[CommAlgorithmRecord]:
         @hookimpl
         def plait_register_comm_algorithms():
             return [CommAlgorithmRecord(name="ring", ops=("all_reduce",))]
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def plait_register_config_sections() -> Sequence[ConfigSectionRecord]:
+    """Return the config tables a feature of this plugin owns (what it reads with
+    `config.section(name, config_cls)`), so an unknown field in them is an error naming the
+    allowed ones and `plait config show` prints their defaults. A strategy's, schedule's or
+    kernel provider's table is declared by its own record instead.
+
+    Example::
+
+        @hookimpl
+        def plait_register_config_sections():
+            return [ConfigSectionRecord(name="my_guard", config_cls=MyGuardConfig)]
     """
     raise NotImplementedError
 

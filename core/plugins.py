@@ -26,6 +26,7 @@ from plait.core import hookspecs
 from plait.core.errors import InertSelection, PlaitError, PluginError
 from plait.core.records import (
     CommAlgorithmRecord,
+    ConfigSectionRecord,
     KernelRecord,
     ModelRecord,
     ScheduleRecord,
@@ -63,6 +64,9 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("checkpointing", "plait.plugins.activation_checkpointing"),
     ("compile", "plait.plugins.compile"),
     ("collective_timeouts", "plait.plugins.resilience.timeouts"),
+    # `[resilience]`: the NaN/Inf guard's and fault injection's section (the training loop
+    # attaches both; this registers only the section).
+    ("resilience", "plait.plugins.resilience.config"),
     # Spans and metrics of steps and comm ops; the engine unregisters it when
     # `telemetry.enabled` is false, so a run without telemetry pays nothing per op.
     ("telemetry", "plait.plugins.telemetry"),
@@ -232,6 +236,7 @@ class Plugins:
             ("plait_register_schedules", lambda r: r.name),
             ("plait_register_comm_algorithms", lambda r: r.name),
             ("plait_register_kernels", lambda r: (r.op, r.provider)),
+            ("plait_register_config_sections", lambda r: r.name),
         ):
             seen: dict[Any, str] = {}
             for plugin_name, record in self._collect(hook_name):
@@ -256,6 +261,9 @@ class Plugins:
 
     def kernel_records(self) -> list[tuple[str, KernelRecord]]:
         return self._collect("plait_register_kernels")
+
+    def config_sections(self) -> dict[str, tuple[str, ConfigSectionRecord]]:
+        return {r.name: (p, r) for p, r in self._collect("plait_register_config_sections")}
 
     def comm_algorithms(self) -> dict[str, tuple[str, CommAlgorithmRecord]]:
         return {r.name: (p, r) for p, r in self._collect("plait_register_comm_algorithms")}
@@ -351,6 +359,7 @@ class Plugins:
             ("plait_register_schedules", lambda r: f"schedule:{r.name}"),
             ("plait_register_comm_algorithms", lambda r: f"comm:{r.name}"),
             ("plait_register_kernels", lambda r: f"kernel:{r.op}@{r.provider}"),
+            ("plait_register_config_sections", lambda r: f"section:{r.name}"),
         ):
             for plugin_name, record in self._collect(hook_name):
                 provides.setdefault(plugin_name, []).append(fmt(record))

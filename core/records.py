@@ -91,6 +91,17 @@ class KernelRecord:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ConfigSectionRecord:
+    """A config table a feature owns (not a strategy's, schedule's or kernel provider's, which
+    their own records declare): `[<name>]`, validated by `config_cls`, whose defaults
+    `plait config show` prints beside the core's sections."""
+
+    name: str
+    config_cls: type[BaseModel]
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CommAlgorithmRecord:
     """A communication algorithm (compression, ring/tree collective, parameter server)."""
 

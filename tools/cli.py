@@ -313,12 +313,17 @@ def config_show(
 
     try:
         cfg = load_config(file, overrides or [])
+        plugins = Plugins.create(blocked=cfg.plugins.disable)
         # The checks `plait train` runs before it launches (less the layout, which needs the
         # number of ranks): a config train would refuse is refused here, not shown as valid.
-        check_config(cfg, Plugins.create(blocked=cfg.plugins.disable))
+        check_config(cfg, plugins)
     except PlaitError as exc:
         _fail(exc)
     data = cfg.model_dump(mode="json")
+    # The sections features declare (`[resilience]`, …) with their defaults filled in, as the
+    # core's are: one place shows every value the job runs with.
+    for name, (_, record) in plugins.config_sections().items():
+        data[name] = cfg.section(name, record.config_cls).model_dump(mode="json")
     print(json.dumps(data, indent=2) if as_json else dump_toml(data), end="")
 
 

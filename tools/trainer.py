@@ -76,7 +76,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     from plait.plugins.checkpoint import Checkpointer
     from plait.plugins.data import build_batches
     from plait.plugins.fault_tolerance.data_share import replica_data_coordinates
-    from plait.plugins.resilience import attach_resilience
+    from plait.plugins.resilience import attach_resilience, resilience_config
     from plait.tools.validation import Validation, check_validation_layout
 
     quiet_repeated_notices(os.environ)
@@ -114,7 +114,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     # Before the NaN guard: the guard then judges the gradients averaged across the groups, so
     # every group skips (or takes) a step alike.
     replica_groups = _join_replica_groups(engine, batches, config)
-    attach_resilience(engine, config.checkpoint_io)
+    attach_resilience(engine, resilience_config(config))
     start_step = checkpointer.maybe_resume()
     if replica_groups is not None:
         replica_groups.resume_from(start_step)

@@ -5,7 +5,7 @@ With `scope = "node"` it first SIGKILLs its torchrun agent (its parent process),
 leaves the job as a crashed machine does: no agent is left to restart it, and the other nodes
 must go on without it (an elastic `--nnodes MIN:MAX` range) or wait for it to come back.
 
-Registered by `attach_resilience` only when `[checkpoint_io.fault_injection] kill_after_step` is
+Registered by `attach_resilience` only when `[resilience.fault_injection] kill_after_step` is
 set, so production runs never carry it. A SIGKILL cannot be caught or cleaned up after: it is the
 honest model of a machine or process dying mid-run.
 """
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from plait.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from plait.core.config import FaultInjectionSection as FaultInjectionConfig
     from plait.core.step import StepReport
+    from plait.plugins.resilience.config import FaultInjectionConfig
 
 
 class FaultInjector:

@@ -71,7 +71,7 @@ class NonFiniteGuard(ParallelRuntime):
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteGradients(
                 f"step {step}: gradients were NaN/Inf on {self.consecutive} consecutive steps "
-                f"(limit checkpoint_io.max_consecutive_nonfinite = {self.max_consecutive}); "
+                f"(limit resilience.max_consecutive_nonfinite = {self.max_consecutive}); "
                 "stopping. Lower the learning rate, check the data around this step, or resume "
                 "from an earlier checkpoint"
             )

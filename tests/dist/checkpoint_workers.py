@@ -11,7 +11,7 @@ from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import TokenBatches, build_batches
-from plait.plugins.resilience import attach_resilience
+from plait.plugins.resilience import ResilienceConfig, attach_resilience
 
 STEPS = 10
 
@@ -60,7 +60,7 @@ def train_and_checkpoint(
     batches = engine_batches(engine)
     settings = CheckpointIOConfig(dir=ckpt_dir, resume=resume, async_save=async_save, keep=0)
     checkpointer = Checkpointer(engine, batches, settings)
-    attach_resilience(engine, settings)  # as the trainer does: the default NaN/Inf guard
+    attach_resilience(engine, ResilienceConfig())  # as the trainer does: the default guard
     start = checkpointer.maybe_resume()
     losses: dict[int, float] = {}
     for step in range(start, stop_at):
@@ -90,7 +90,7 @@ def nonfinite_guard(rank: int, world_size: int, nan_steps: tuple[int, ...]) -> d
     from plait.plugins.resilience.nonfinite_guard import NonFiniteGradients
 
     engine = Engine(config=engine_config())
-    attach_resilience(engine, CheckpointIOConfig(max_consecutive_nonfinite=2))
+    attach_resilience(engine, ResilienceConfig(max_consecutive_nonfinite=2))
     param = engine.module.output.weight
     state = {"step": 0}
 

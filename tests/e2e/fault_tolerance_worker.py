@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 
 from plait.core.config import CheckpointIOSection as CheckpointIOConfig
-from plait.core.config import FaultInjectionSection as FaultInjectionConfig
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
-from plait.plugins.resilience import attach_resilience
+from plait.plugins.resilience import ResilienceConfig, attach_resilience
+from plait.plugins.resilience.config import FaultInjectionConfig
 from tests.dist.checkpoint_workers import engine_batches, engine_config
 
 
@@ -21,13 +21,12 @@ def main(ckpt_dir: str, steps: int, every: int, kill_after: int) -> None:
     config["train"]["steps"] = steps
     engine = Engine(config=config)
     batches = engine_batches(engine)
-    settings = CheckpointIOConfig(
-        dir=ckpt_dir,
-        every=every,
-        fault_injection=FaultInjectionConfig(kill_after_step=kill_after, rank=1),
-    )
+    settings = CheckpointIOConfig(dir=ckpt_dir, every=every)
     checkpointer = Checkpointer(engine, batches, settings)
-    attach_resilience(engine, settings)
+    attach_resilience(
+        engine,
+        ResilienceConfig(fault_injection=FaultInjectionConfig(kill_after_step=kill_after, rank=1)),
+    )
     start = checkpointer.maybe_resume()
     if engine.mesh.rank == 0:
         print(f"start {start}", flush=True)

@@ -7,7 +7,7 @@ timeout for the dead group (`GroupLossExit`: the broken group leaves at once); `
 it (its first step far past 1, its first loss a trained model's), and both exit 0. A replacement
 with nobody to heal from, in a job that has trained, is refused by name.
 
-Order comes from events, not timing: fault injection (`[checkpoint_io.fault_injection]`) kills or
+Order comes from events, not timing: fault injection (`[resilience.fault_injection]`) kills or
 stops group 1's rank 1 after a given step, and a plugin found through the `plait` entry-point
 group (`ft_hold_plugin`) holds the survivor at a later step until the replacement waits at the
 lighthouse.
@@ -216,9 +216,9 @@ def _lose_a_rank(
             f"fault_tolerance.quorum_timeout_seconds={SHORT_QUORUM_TIMEOUT}",
         )
     injected = (
-        f"checkpoint_io.fault_injection.kill_after_step={LOSE_AFTER}",
-        "checkpoint_io.fault_injection.rank=1",
-        f"checkpoint_io.fault_injection.signal={fault}",
+        f"resilience.fault_injection.kill_after_step={LOSE_AFTER}",
+        "resilience.fault_injection.rank=1",
+        f"resilience.fault_injection.signal={fault}",
     )
     try:
         # Group 0 trains a first step alone and holds; group 1 asks for its first quorum, and

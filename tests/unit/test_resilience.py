@@ -1,4 +1,4 @@
-"""`attach_resilience`: what `[checkpoint_io]` asks for is added to the engine, and only by it
+"""`attach_resilience`: what `[resilience]` asks for is added to the engine, and only by it
 (a `Checkpointer` alone adds neither the NaN/Inf guard nor the fault injector)."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from plait.core.config import CheckpointIOSection, FaultInjectionSection
+from plait.core.config import CheckpointIOSection
 from plait.plugins.checkpoint.checkpointer import Checkpointer
-from plait.plugins.resilience import attach_resilience
+from plait.plugins.resilience import ResilienceConfig, attach_resilience
+from plait.plugins.resilience.config import FaultInjectionConfig
 from plait.plugins.resilience.fault_injection import FaultInjector
 from plait.plugins.resilience.nonfinite_guard import NonFiniteGuard
 
@@ -34,13 +35,13 @@ def engine() -> Iterator[Any]:
 
 def test_a_checkpointer_alone_attaches_nothing(engine: Any) -> None:
     runtimes = list(engine.runtimes)
-    Checkpointer(engine, None, CheckpointIOSection(fault_injection={"kill_after_step": 3}))
+    Checkpointer(engine, None, CheckpointIOSection(every=3))
     assert engine.runtimes == runtimes
     assert engine.plugins.manager.get_plugin("fault_injection") is None
 
 
 def test_the_default_section_attaches_the_guard_last(engine: Any) -> None:
-    attached = attach_resilience(engine, CheckpointIOSection())
+    attached = attach_resilience(engine, ResilienceConfig())
     assert isinstance(attached.guard, NonFiniteGuard)
     assert engine.runtimes[-1] is attached.guard
     assert attached.guard.max_consecutive == 3
@@ -50,9 +51,9 @@ def test_the_default_section_attaches_the_guard_last(engine: Any) -> None:
 
 def test_fault_injection_registers_a_plugin_and_zero_turns_the_guard_off(engine: Any) -> None:
     runtimes = list(engine.runtimes)
-    section = CheckpointIOSection(
+    section = ResilienceConfig(
         max_consecutive_nonfinite=0,
-        fault_injection=FaultInjectionSection(kill_after_step=4, rank=1),
+        fault_injection=FaultInjectionConfig(kill_after_step=4, rank=1),
     )
     attached = attach_resilience(engine, section)
     assert attached.guard is None and engine.runtimes == runtimes

@@ -7,7 +7,7 @@ each through `plait train` as a user would start it:
 
 - **restart**: one torchrun world of 2 ranks, `--max-restarts 1`, a checkpoint every
   `--checkpoint-every` steps; without a failure, then with rank 1 SIGKILLed after step
-  `--kill-after` (`checkpoint_io.fault_injection`): torchrun restarts both ranks, which resume
+  `--kill-after` (`resilience.fault_injection`): torchrun restarts both ranks, which resume
   from the last checkpoint and redo the steps since.
 - **fault tolerance**: two replica groups of 1 rank under the lighthouse of a `plait daemon
   --lighthouse`, each group `--max-restarts 1`; without a failure, then with group 1 SIGKILLed
@@ -69,9 +69,9 @@ def _common(steps: int) -> list[str]:
 def _kill(after: int, rank: int) -> list[str]:
     return [
         "--set",
-        f"checkpoint_io.fault_injection.kill_after_step={after}",
+        f"resilience.fault_injection.kill_after_step={after}",
         "--set",
-        f"checkpoint_io.fault_injection.rank={rank}",
+        f"resilience.fault_injection.rank={rank}",
     ]
 
 

@@ -1,0 +1,80 @@
+"""Sections a feature declares (`plait_register_config_sections`): `[resilience]` is the
+resilience plugin's, its keys written under `[checkpoint_io]` (where they used to live) still
+load, and `plait config show` prints it with its defaults beside the core's sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from plait.core.checks import check_config
+from plait.core.config import load_config, read_toml
+from plait.core.errors import ConfigError
+from plait.core.plugins import Plugins
+from plait.plugins.resilience import ResilienceConfig, resilience_config
+from plait.tools.cli import app
+
+
+def test_the_resilience_section_is_declared_by_its_plugin() -> None:
+    sections = Plugins.create().config_sections()
+    owner, record = sections["resilience"]
+    assert owner == "resilience" and record.config_cls is ResilienceConfig
+    assert "section:resilience" in next(
+        info.provides for info in Plugins.create().info() if info.name == owner
+    )
+
+
+def test_a_misspelt_key_in_a_declared_section_is_named() -> None:
+    config = load_config({"resilience": {"max_consecutive_nonfinit": 2}})
+    with pytest.raises(ConfigError, match=r"resilience\.max_consecutive_nonfinit.*did you mean"):
+        check_config(config, Plugins.create())
+
+
+def test_the_old_keys_under_checkpoint_io_still_load_at_their_new_place(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    old = {
+        "checkpoint_io": {
+            "dir": "/tmp/x",
+            "max_consecutive_nonfinite": 7,
+            "fault_injection": {"kill_after_step": 4, "rank": 1},
+        }
+    }
+    config = load_config(old, ["checkpoint_io.fault_injection.scope=node"])
+    section = resilience_config(config)
+    assert section.max_consecutive_nonfinite == 7
+    assert section.fault_injection.kill_after_step == 4
+    assert section.fault_injection.scope == "node"
+    assert config.checkpoint_io.dir == "/tmp/x"
+    assert "checkpoint_io.max_consecutive_nonfinite is now resilience" in caplog.text
+    check_config(config, Plugins.create())
+
+
+def test_an_old_and_a_new_key_both_set_is_an_error_naming_both() -> None:
+    both = {
+        "checkpoint_io": {"max_consecutive_nonfinite": 1},
+        "resilience": {"max_consecutive_nonfinite": 2},
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"checkpoint_io\.max_consecutive_nonfinite and "
+        r"resilience\.max_consecutive_nonfinite are both set",
+    ):
+        load_config(both)
+
+
+def test_config_show_prints_the_declared_section_with_its_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text("[checkpoint_io]\nmax_consecutive_nonfinite = 5\n")
+    shown = CliRunner().invoke(app, ["config", "show", str(path)])
+    assert shown.exit_code == 0, shown.output
+    again = tmp_path / "shown.toml"
+    again.write_text(shown.output)
+    data = read_toml(again)
+    assert data["resilience"]["max_consecutive_nonfinite"] == 5
+    assert data["resilience"]["fault_injection"]["kill_after_step"] == -1
+    assert "max_consecutive_nonfinite" not in data["checkpoint_io"]
+    # What it prints loads again, to the same values.
+    assert resilience_config(load_config(again)).max_consecutive_nonfinite == 5
