@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from plait.core.version import __version__
+
 if TYPE_CHECKING:
     from plait.core.engine import Engine, initialize
     from plait.core.hookspecs import hookimpl
     from plait.plugins.telemetry.observe import observe
 
-__all__ = ["Engine", "hookimpl", "initialize", "observe"]
-__version__ = "0.1.0"
+__all__ = ["Engine", "__version__", "hookimpl", "initialize", "observe"]
 
 
 def __getattr__(name: str) -> Any:

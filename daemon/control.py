@@ -274,31 +274,9 @@ class ControlRegistry:
                     f"replica group at a time (--replica-group; on this daemon: "
                     f"{', '.join(map(str, groups))})",
                 )
-            wanted = sorted(a for a in endpoints if not ranks or a.rank in ranks)
-            deliveries: dict[RankAddress, RankDelivery] = {}
-            excluded: list[Outcome] = []
-            never_heard = sorted(set(ranks) - {a.rank for a in wanted})
-            unknown_group = NO_REPLICA_GROUP if replica_group is None else replica_group
-            for rank in never_heard:
-                excluded.append(
-                    Outcome(
-                        job_id, rank, "", UNKNOWN_RANK, "this daemon never heard from it",
-                        replica_group=unknown_group,
-                    )
-                )  # fmt: skip
-            for address in wanted:
-                endpoint = endpoints[address]
-                if endpoint.left_ns:
-                    excluded.append(self._outcome(endpoint, LEFT, now_ns))
-                elif not endpoint.polling(now_ns, self.limits.poll_patience_seconds):
-                    excluded.append(self._outcome(endpoint, NOT_POLLING, now_ns))
-                else:
-                    deliveries[address] = RankDelivery(
-                        rank=address.rank,
-                        host=endpoint.hello.host,
-                        replica_group=address.replica_group,
-                    )
-            excluded.sort(key=lambda o: o.address)
+            deliveries, excluded = self._reachable_ranks(
+                job_id, endpoints, ranks, replica_group, now_ns
+            )
             if not deliveries:
                 self.refused += 1
                 raise Refusal(
@@ -330,6 +308,43 @@ class ControlRegistry:
             for address in deliveries:
                 endpoints[address].pending.append(order)
             return request
+
+    def _reachable_ranks(
+        self,
+        job_id: str,
+        endpoints: dict[RankAddress, Endpoint],
+        ranks: Sequence[int],
+        replica_group: int | None,
+        now_ns: int,
+    ) -> tuple[dict[RankAddress, RankDelivery], list[Outcome]]:
+        """The addressed ranks that poll (to deliver to) and the outcomes of those that cannot
+        take the request: never heard from, left, or no longer polling."""
+        wanted = sorted(a for a in endpoints if not ranks or a.rank in ranks)
+        deliveries: dict[RankAddress, RankDelivery] = {}
+        excluded: list[Outcome] = []
+        never_heard = sorted(set(ranks) - {a.rank for a in wanted})
+        unknown_group = NO_REPLICA_GROUP if replica_group is None else replica_group
+        for rank in never_heard:
+            excluded.append(
+                Outcome(
+                    job_id, rank, "", UNKNOWN_RANK, "this daemon never heard from it",
+                    replica_group=unknown_group,
+                )
+            )  # fmt: skip
+        for address in wanted:
+            endpoint = endpoints[address]
+            if endpoint.left_ns:
+                excluded.append(self._outcome(endpoint, LEFT, now_ns))
+            elif not endpoint.polling(now_ns, self.limits.poll_patience_seconds):
+                excluded.append(self._outcome(endpoint, NOT_POLLING, now_ns))
+            else:
+                deliveries[address] = RankDelivery(
+                    rank=address.rank,
+                    host=endpoint.hello.host,
+                    replica_group=address.replica_group,
+                )
+        excluded.sort(key=lambda o: o.address)
+        return deliveries, excluded
 
     def _unknown_group(
         self, job_id: str, replica_group: int | None, job_endpoints: list[Endpoint]

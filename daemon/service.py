@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from plait import __version__
+from plait.core.version import __version__
 from plait.daemon.analysis import (
     DEFAULT_METRICS_WINDOW_STEPS,
     BottleneckView,

@@ -67,7 +67,7 @@ logger = logging.getLogger("plait.telemetry")
 
 
 def _version() -> str:
-    from plait import __version__
+    from plait.core.version import __version__
 
     return __version__
 

@@ -429,3 +429,106 @@ def test_an_upward_import_is_seen_even_for_type_checking(
     )
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     assert "daemon/x.py:3: imports plait.tools.daemon_views" in upward_imports()
+
+
+# -- rooms: core below everything, no circle between rooms, no core module one plugin owns -------
+
+
+def room_of(path: Path) -> str:
+    """The room a file is in: its top folder (`core`, `daemon`, `plugins`, …; the plugins
+    together), or the top file's own name (`__init__`, `testing`)."""
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else Path(parts[0]).stem
+
+
+def room_imports() -> dict[str, dict[str, str]]:
+    """room -> {room it imports: the first `file:line` doing so}, run-time and type-checking
+    imports alike; the `plait` package itself is no room (it is every module's parent)."""
+    modules = plait_modules()
+    graph: dict[str, dict[str, str]] = {}
+    for path in modules.values():
+        edges = graph.setdefault(room_of(path), {})
+        for line, names in import_targets(path):
+            target = next((modules[n] for n in names if n in modules and n != "plait"), None)
+            if target is None or room_of(target) == room_of(path):
+                continue
+            edges.setdefault(room_of(target), f"{path.relative_to(ROOT).as_posix()}:{line}")
+    return graph
+
+
+def room_circles(graph: dict[str, dict[str, str]]) -> list[str]:
+    rooms = {room: dict.fromkeys(edges, 0) for room, edges in graph.items()}
+    for edges in graph.values():
+        for target in edges:
+            rooms.setdefault(target, {})
+    circles = []
+    for component in strongly_connected(rooms):
+        loop = shortest_loop(rooms, component[0])
+        arrows = [
+            f"{loop[i]} → {loop[i + 1]} ({graph[loop[i]][loop[i + 1]]})"
+            for i in range(len(loop) - 1)
+        ]
+        circles.append(", ".join(arrows))
+    return circles
+
+
+def test_the_core_imports_no_other_room() -> None:
+    assert room_imports().get("core", {}) == {}
+
+
+def test_no_import_circle_between_rooms() -> None:
+    assert room_circles(room_imports()) == []
+
+
+def test_a_circle_between_rooms_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = {
+        "daemon/page.py": "from plait.planner.layouts import Layout\n",
+        "planner/layouts.py": "if TYPE_CHECKING:\n    from plait.daemon.page import Page\n",
+    }
+    for relative, source in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(source)
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert room_circles(room_imports()) == [
+        "daemon → planner (daemon/page.py:1), planner → daemon (planner/layouts.py:2)"
+    ]
+
+
+def core_modules_one_plugin_owns() -> list[str]:
+    """Core modules whose only importers (outside the module itself, tests aside) are the
+    modules of a single plugin: a rule or formula that plugin owns, which belongs in its room."""
+    modules = plait_modules()
+    importers: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        parts = path.relative_to(ROOT).parts
+        who = "/".join(parts[:2]) if parts[0] == "plugins" else f"{room_of(path)}:{name}"
+        for _, names in import_targets(path):
+            for target in names:
+                if target.startswith("plait.core.") and target in modules and target != name:
+                    importers.setdefault(target, set()).add(who)
+    owned = []
+    for name, who in sorted(importers.items()):
+        if len(who) == 1 and next(iter(who)).startswith("plugins/"):
+            owned.append(f"{modules[name].relative_to(ROOT).as_posix()}: only {next(iter(who))}")
+    return owned
+
+
+def test_no_core_module_is_imported_only_by_a_single_plugin() -> None:
+    assert core_modules_one_plugin_owns() == []
+
+
+def test_a_core_module_one_plugin_owns_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = {
+        "core/engine.py": "from plait.core.records import R\n",
+        "core/records.py": "R = 1\n",
+        "core/byte_formulas.py": "BYTES = 2\n",
+        "plugins/collectives/codecs.py": "from plait.core.byte_formulas import BYTES\n",
+        "plugins/collectives/ring.py": "from plait.core import byte_formulas\n",
+    }
+    for relative, source in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(source)
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert core_modules_one_plugin_owns() == ["core/byte_formulas.py: only plugins/collectives"]
