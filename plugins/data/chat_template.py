@@ -176,8 +176,12 @@ def load_chat_tokenizer(path: Path | str, *, chat_template: Path | None = None) 
             f"--tokenizer {str(path)!r}: chat data needs a transformers tokenizer folder "
             "(tokenizer.json and tokenizer_config.json, as save_pretrained writes them)"
         )
-    from transformers import AutoTokenizer
-
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(
+            "chat data is rendered with transformers' chat templates: pip install 'plait[hf]'"
+        ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as exc:
