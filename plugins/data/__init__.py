@@ -3,11 +3,14 @@ the samplers (a token stream cut into windows, or documents packed into rows).
 
     from plait.plugins.data import build_batches, prepare_documents
     prepare_documents(["corpus.jsonl.gz"], "tokens/", workers=4)    # plait data prepare
+    prepare_conversations(["chats.jsonl"], "chat-tokens/",          # plait data prepare --chat
+                          tokenizer=load_chat_tokenizer("tokenizer-dir/"))
     batches = build_batches(config.data, seq_len=128, global_batch_size=8,
                             dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=config.train.seed)
     inputs, targets = batches.next_batch()
     # documents: inputs = {"tokens": LongTensor[G/dp, seq_len], "positions": …}, targets -100
-    # where nothing is scored; a stream (bundled corpus): inputs = LongTensor[G/dp, seq_len]
+    # where nothing is scored (nor, with a loss mask, any token not trained on); a stream
+    # (bundled corpus): inputs = LongTensor[G/dp, seq_len]
 
 This package implements no hook: it is a library the engine calls, kept under `plugins/` so a
 project with its own data pipeline can ignore it entirely.
@@ -19,6 +22,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from plait.plugins.data.chat_preparation import prepare_conversations
+    from plait.plugins.data.chat_template import ChatTokenizer, load_chat_tokenizer
     from plait.plugins.data.corpus import bundled_corpus_dir, bundled_corpus_file
     from plait.plugins.data.corpus_preparation import PrepareReport, prepare_documents
     from plait.plugins.data.errors import DataError, TokenFileError
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "Batch": "sampler",
     "ByteTokenizer": "tokenizer",
+    "ChatTokenizer": "chat_template",
     "DataError": "errors",
     "PackedBatch": "packed_sampler",
     "PackedBatches": "packed_sampler",
@@ -44,6 +50,8 @@ _EXPORTS = {
     "bundled_corpus_dir": "corpus",
     "bundled_corpus_file": "corpus",
     "get_tokenizer": "tokenizer",
+    "load_chat_tokenizer": "chat_template",
+    "prepare_conversations": "chat_preparation",
     "prepare_documents": "corpus_preparation",
     "prepare_token_files": "token_files",
     "token_dtype": "tokenizer",
@@ -51,6 +59,7 @@ _EXPORTS = {
 __all__ = [
     "Batch",
     "ByteTokenizer",
+    "ChatTokenizer",
     "DataError",
     "PackedBatch",
     "PackedBatches",
@@ -64,6 +73,8 @@ __all__ = [
     "bundled_corpus_dir",
     "bundled_corpus_file",
     "get_tokenizer",
+    "load_chat_tokenizer",
+    "prepare_conversations",
     "prepare_documents",
     "prepare_token_files",
     "token_dtype",
