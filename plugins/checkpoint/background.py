@@ -20,6 +20,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from plait.plugins.checkpoint.storage import step_dir_name
+
 THREAD_NAME = "plait-checkpoint-write"
 
 
@@ -54,7 +56,7 @@ class SaveFailure:
     error: str
 
     def describe(self) -> str:
-        return f"checkpoint {self.path.name} was not saved ({self.path}): {self.error}"
+        return f"checkpoint {step_dir_name(self.step)} was not saved ({self.path}): {self.error}"
 
 
 def describe_error(error: BaseException) -> str:

@@ -64,6 +64,9 @@ class WriteProbe:
         def counted_stage(self: staging.HostStaging, state: dict[str, Any]) -> dict[str, Any]:
             with probe.lock:
                 probe.in_flight_at_stage.append(probe.in_flight)
+                if probe.in_flight:
+                    # Fail here, at once: two writes in flight would also deadlock the test.
+                    raise AssertionError("a save staged its copy while the previous one wrote")
             return real_stage(self, state)
 
         checkpointer.save_state_dict = held_write  # type: ignore[assignment]
