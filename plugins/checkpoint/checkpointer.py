@@ -258,7 +258,8 @@ class Checkpointer:
             if self.last_published is not None:
                 message += f", the previous checkpoint {self.last_published} is intact"
             log.error("%s", message.removeprefix("plait: "))
-            print(message, flush=True)
+            if self.rank == 0:  # every rank has the same failure: one line for the job
+                print(message, flush=True)
 
     def _join(self) -> SaveFailure | None:
         pending, self._pending = self._pending, None
