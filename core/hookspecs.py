@@ -164,7 +164,7 @@ def plait_shard(axis: str, name: str, model: nn.Module, context: ShardContext) -
     """Turn `model` into its parallel form for one shard axis, if `name` is yours.
 
     The core calls this once per configured axis, in the order of `records.SHARD_ORDER`
-    (pp, tp, cp, ep, precision, ac, compile, dp). Return `None` for names you do not own;
+    (pp, tp, cp, ep, adapter, precision, ac, compile, dp). Return `None` for names you do not own;
     `plait.core.strategy.Strategies` writes that guard (and validates your config section)
     for you. The returned `Sharded.runtime` (a `ParallelRuntime`) receives the step callbacks:
 

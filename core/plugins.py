@@ -59,6 +59,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("context_parallel", "plait.plugins.context_parallel"),
     ("expert_parallel", "plait.plugins.expert_parallel"),
     ("precision", "plait.plugins.precision"),
+    ("lora", "plait.plugins.lora"),  # the `adapter` transform and its `[peft]` section
     # Activation recomputation, registered under the name `PLAIT_DISABLE_PLUGINS` has always
     # known it by (the saving and loading of checkpoints is `plait.plugins.checkpoint`).
     ("checkpointing", "plait.plugins.activation_checkpointing"),

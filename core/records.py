@@ -25,12 +25,13 @@ SHARD_ORDER: tuple[str, ...] = (
     "tp",  # tensor / sequence parallel
     "cp",  # context parallel
     "ep",  # expert parallel
+    "adapter",  # parameter-efficient fine-tuning: adapters added, the base frozen (LoRA)
     "precision",  # mixed-precision policy
     "ac",  # activation checkpointing
     "compile",  # torch.compile
     "dp",  # data parallel (DDP, ZeRO, FSDP)
 )
-ShardAxis = Literal["pp", "tp", "cp", "ep", "precision", "ac", "compile", "dp"]
+ShardAxis = Literal["pp", "tp", "cp", "ep", "adapter", "precision", "ac", "compile", "dp"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

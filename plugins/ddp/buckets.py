@@ -54,6 +54,8 @@ class BucketedAllReduce(ParallelRuntime):
         self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = first_bucket_bytes
         self._group_of = group_of or (lambda _: group)
+        # Frozen parameters (a LoRA base, `requires_grad=False`) get no bucket, no gradient
+        # buffer and no reduction: only what trains costs memory and bandwidth.
         self._params = [p for p in module.parameters() if p.requires_grad]
         # Gradients become ready roughly in reverse registration order; the first backward
         # records the real order and the buckets are rebuilt in it (`rebuild_buckets`).
@@ -118,16 +120,13 @@ class BucketedAllReduce(ParallelRuntime):
 
     def _broadcast_parameters(self, module: nn.Module) -> None:
         # Each parameter from the first rank of its own group: replicas of other experts differ.
+        # Frozen parameters too (a LoRA base): they have no bucket, but every replica must
+        # compute with the same values.
         with torch.no_grad():
-            for bucket in self.buckets:
-                for p in bucket.params:
-                    if bucket.group.size > 1:
-                        self.comm.broadcast(
-                            p.data,
-                            src=bucket.group.ranks[0],
-                            group=bucket.group,
-                            purpose=PARAM_SYNC,
-                        )
+            for p in module.parameters():
+                group = self._group_of(p)
+                if group.size > 1:
+                    self.comm.broadcast(p.data, src=group.ranks[0], group=group, purpose=PARAM_SYNC)
             for tensor in module.buffers():
                 self.comm.broadcast(
                     tensor.data, src=self.group.ranks[0], group=self.group, purpose=PARAM_SYNC

@@ -99,7 +99,10 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         self.replicas = replicas
         self.gradient_reduction = config.gradient_reduction
         self.gradient_codec = codec_attributes(config.gradient_codec, config.quantize_block)
+        # Frozen parameters (a LoRA base) stay as they are, replicated: no segment, no bucket,
+        # no reduction, no optimizer state.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
+        self.frozen = [p for p in module.parameters() if not p.requires_grad]
         if not named:
             raise ValueError(f"{self.name}: the module has no trainable parameters")
         if config.broadcast_parameters:
@@ -379,11 +382,13 @@ class ShardedOptimizerRuntime(ParallelRuntime):
         if self.master.files is not None:
             self.master.files.wait()  # count what is really resident, not what is in flight
         report = model_state_report(
-            parameters=storage_bytes(self.flat_params) + self.master.master_bytes(),
+            parameters=storage_bytes([*self.flat_params, *self.frozen])
+            + self.master.master_bytes(),
             gradients_at_step=self._gradient_bytes_at_step,
             resident_gradients=self._gradient_bytes(),
             optimizer_state=self.master.optimizer_state_bytes(),
         )
+        report["frozen_parameters"] = storage_bytes(self.frozen)
         if self.master.files is not None:
             report["offloaded_optimizer_state"] = self.master.files.offloaded_bytes
         return report

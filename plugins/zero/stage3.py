@@ -228,6 +228,9 @@ class FullyShardedRuntime(ParallelRuntime):
             if config.secondary_shard == "node"
             else None
         )
+        # Frozen parameters (a LoRA base) are left whole on every rank for now: no unit, no
+        # gradient bucket, no reduction and no optimizer state (sharding them too is to come).
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
         selected = find_units(model, config.unit)
         by_unit = unit_parameters(model, selected)
         if config.broadcast_parameters:
@@ -532,7 +535,7 @@ class FullyShardedRuntime(ParallelRuntime):
             self.master.files.wait()  # count what is really resident, not what is in flight
         gathered = [u.full for u in self.units if u.gathered]
         report = model_state_report(
-            parameters=storage_bytes([*(u.shard for u in self.units), *gathered])
+            parameters=storage_bytes([*(u.shard for u in self.units), *gathered, *self.frozen])
             + self.master.master_bytes(),
             gradients_at_step=self._gradient_bytes_at_step,
             resident_gradients=self.master.gradient_bytes()
@@ -541,6 +544,7 @@ class FullyShardedRuntime(ParallelRuntime):
         )
         report["peak_gathered_parameters"] = self.peak_gathered_bytes
         report["largest_unit_parameters"] = max(u.full_bytes for u in self.units)
+        report["frozen_parameters"] = storage_bytes(self.frozen)
         if self.master.files is not None:
             report["offloaded_optimizer_state"] = self.master.files.offloaded_bytes
         return report
