@@ -7,7 +7,17 @@ prefix, so the list is computed here.
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
-MAPPED_FOLDERS = ("core", "plugins", "proto", "daemon", "tools", "planner", "integrations")
+MAPPED_FOLDERS = (
+    "core",
+    "plugins",
+    "proto",
+    "daemon",
+    "tools",
+    "planner",
+    "integrations",
+    "training",
+    "testing",
+)
 # Folders of data only, shipped as package data (their files: pyproject's package-data).
 DATA_FOLDERS = ("configs",)
 

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.daemon.analysis_workers import (

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.tools.cli import app

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.tools.cli import app
 from tests.daemon.analysis_workers import HANG_JOB_ID, stall_before_all_reduce

@@ -14,7 +14,7 @@ from plait.core.engine import Engine
 from plait.core.errors import ConfigError
 from plait.core.link_bytes import encoded_bytes
 from plait.core.plugins import Plugins
-from plait.core.testing import merged_config
+from plait.testing.distributed import merged_config
 from plait.plugins.collectives import CollectivesPlugin
 from plait.plugins.collectives.codecs import codec_named
 from plait.plugins.zero.stage3 import FullyShardedRuntime

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from plait.core.documents import Documents
-from plait.core.testing import VOCAB_SIZE, merged_config
+from plait.testing.distributed import VOCAB_SIZE, merged_config
 
 SEQ, GLOBAL_BATCH, STEPS = 32, 4, 2
 HF_VOCAB, LR = 96, 3e-3

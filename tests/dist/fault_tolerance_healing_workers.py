@@ -22,7 +22,7 @@ import torch
 from plait.core.config import load_config
 from plait.core.engine import Engine
 from plait.core.state_chunks import layout_for, tensor_pieces
-from plait.core.testing import merged_config
+from plait.testing.distributed import merged_config
 from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import build_batches

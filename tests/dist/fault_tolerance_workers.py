@@ -20,7 +20,7 @@ import torch
 from plait.core.config import load_config
 from plait.core.engine import Engine
 from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
-from plait.core.testing import merged_config
+from plait.testing.distributed import merged_config
 from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.data import build_batches
 from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates

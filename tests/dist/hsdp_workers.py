@@ -12,7 +12,7 @@ from plait.core.engine import Engine
 from plait.core.errors import PlaitError
 from plait.core.link_bytes import replica_step_bytes, sharded_step_bytes
 from plait.core.plugins import Plugins
-from plait.core.testing import VOCAB_SIZE, merged_config
+from plait.testing.distributed import VOCAB_SIZE, merged_config
 from plait.plugins.zero.stage3 import FullyShardedRuntime
 from plait.plugins.zero.stage12 import ShardedOptimizerRuntime
 from tests.dist.host_workers import as_nodes

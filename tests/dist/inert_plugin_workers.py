@@ -85,7 +85,7 @@ def run_cases(rank: int, world_size: int, cases: dict[str, dict[str, Any]]) -> d
     from plait.core.engine import Engine
     from plait.core.errors import PluginError
     from plait.core.plugins import Plugins
-    from plait.core.testing import merged_config
+    from plait.testing.distributed import merged_config
 
     results: dict[str, Any] = {}
     for name, overrides in cases.items():

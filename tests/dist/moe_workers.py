@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from plait.core.testing import VOCAB_SIZE, merged_config
+from plait.testing.distributed import VOCAB_SIZE, merged_config
 
 Slices = tuple[tuple[int, int], ...]  # (offset, size) per dim of a piece in its global tensor
 

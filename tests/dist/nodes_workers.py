@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from plait.core.plugins import Plugins
-from plait.core.testing import VOCAB_SIZE, merged_config
+from plait.testing.distributed import VOCAB_SIZE, merged_config
 from tests.dist.host_workers import as_nodes
 
 STEPS = 3

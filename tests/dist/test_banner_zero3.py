@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import banner_workers
 
 pytestmark = pytest.mark.dist

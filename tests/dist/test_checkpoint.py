@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.plugins.checkpoint.storage import MANIFEST, list_checkpoints, verify
 from tests.dist import checkpoint_workers
 

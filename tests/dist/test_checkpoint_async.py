@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.core.testing import run_distributed
 from plait.plugins.checkpoint.storage import LATEST, MANIFEST, list_checkpoints, verify
+from plait.testing.distributed import run_distributed
 from tests.dist import checkpoint_async_workers, checkpoint_workers
 
 pytestmark = pytest.mark.dist

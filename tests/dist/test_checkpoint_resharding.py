@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import resharding_workers
 
 pytestmark = pytest.mark.dist

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import timeout_workers
 
 pytestmark = pytest.mark.dist

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import comm_overlap_workers as workers
 
 pytestmark = pytest.mark.dist

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plait.core.errors import ConfigError
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import compile_workers
 
 pytestmark = pytest.mark.dist

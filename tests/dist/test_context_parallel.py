@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist.cp_workers import train_and_record
 
 pytestmark = pytest.mark.dist

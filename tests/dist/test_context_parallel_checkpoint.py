@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist.cp_workers import checkpoint_round_trip
 
 pytestmark = pytest.mark.dist

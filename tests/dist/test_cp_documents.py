@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import cp_documents_workers
 
 pytestmark = pytest.mark.dist

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import merged_config, run_distributed
+from plait.testing.distributed import merged_config, run_distributed
 from plait.plugins.models.moe import MoEConfig
 from tests.dist.moe_workers import train_and_record
 

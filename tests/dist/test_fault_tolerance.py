@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from plait.core.testing import RankFailure, run_distributed
+from plait.testing.distributed import RankFailure, run_distributed
 from plait.daemon.lighthouse import LighthouseSettings
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc

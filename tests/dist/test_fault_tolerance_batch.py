@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.core.testing import RankFailure, run_distributed
+from plait.testing.distributed import RankFailure, run_distributed
 from plait.daemon.lighthouse import HostedLighthouse, LighthouseSettings
 from tests.dist import fault_tolerance_batch_workers as workers
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.core.testing import RankFailure, run_distributed
+from plait.testing.distributed import RankFailure, run_distributed
 from plait.daemon.lighthouse import LighthouseSettings
 from plait.daemon.server import DaemonServer
 from plait.plugins.checkpoint.storage import step_dir_name

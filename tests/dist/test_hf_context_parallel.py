@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import hf_parallel_workers
 
 pytestmark = pytest.mark.dist

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import hf_parallel_workers
 from tests.dist.test_hf_context_parallel import assert_matches_plain_loop
 

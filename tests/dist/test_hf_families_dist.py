@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import hf_family_workers
 
 pytestmark = pytest.mark.dist

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import host_workers
 
 pytestmark = pytest.mark.dist

@@ -15,7 +15,7 @@ import torch
 
 from plait.core import telemetry_schema as names
 from plait.core.link_bytes import sharded_step_inter_node
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.dist import hsdp_workers

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist.inert_plugin_workers import STEPS, run_cases
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist.moe_workers import train_resume_save
 
 pytestmark = pytest.mark.dist

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist.moe_workers import router_gradients
 
 pytestmark = pytest.mark.dist

@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from plait.core import telemetry_schema as names
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.tools.daemon_commands import app

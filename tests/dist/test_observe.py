@@ -471,7 +471,7 @@ def test_a_lightning_run_with_the_callback(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_a_users_comm_hook_runs_inside_the_timing_hook() -> None:
-    from plait.core.testing import run_distributed
+    from plait.testing.distributed import run_distributed
     from tests.dist.observed.workers import user_comm_hook
 
     with DaemonServer("127.0.0.1:0", host_interval=0.5) as server:

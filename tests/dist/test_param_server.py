@@ -11,7 +11,7 @@ from plait.core.comm import Comm, world_group
 from plait.core.comm_algorithms import GRAD_BUCKET
 from plait.core.config import load_config
 from plait.core.plugins import Plugins
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.plugins.collectives.metering import TrafficMeter
 from plait.plugins.collectives.testing import train_data_parallel_mlp
 from plait.plugins.param_server import NAME, ParamServerPlugin

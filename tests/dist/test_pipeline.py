@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from plait.core.errors import ConfigError
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.plugins.models.llama import Llama, LlamaConfig
 from plait.plugins.pipeline.split import build_chunk, partition, plan_stages
 from plait.plugins.pipeline.timeline import theoretical_bubble_fraction

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import pp_any_workers
 
 TOL = 1e-5

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import pp_default_workers
 
 pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import precision_workers
 
 pytestmark = pytest.mark.dist

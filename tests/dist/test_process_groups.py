@@ -12,7 +12,7 @@ import torch.distributed as dist
 from plait.core import process_groups
 from plait.core.errors import PlaitError
 from plait.core.mesh import Mesh
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.dist
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import tp_workers
 
 pytestmark = pytest.mark.dist

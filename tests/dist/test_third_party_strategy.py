@@ -33,7 +33,7 @@ from plait.core.state_layout import (
     set_step_count,
 )
 from plait.core.strategy import Strategies
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.dist
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import tp_zero_workers
 
 pytestmark = pytest.mark.dist

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.dist import zero_workers
 
 pytestmark = pytest.mark.dist

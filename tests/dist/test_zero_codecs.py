@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.plugins.collectives.codecs import codec_named
 from tests.dist import codec_workers, hsdp_workers

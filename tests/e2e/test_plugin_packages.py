@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from plait.core.testing import TrainTrace, train_configs
+from plait.testing.distributed import TrainTrace, train_configs
 from tests.doc_blocks import write_files
 
 ROOT = Path(__file__).resolve().parents[2]

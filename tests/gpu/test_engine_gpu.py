@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.gpu import engine_workers
 
 LAYOUTS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from tests.gpu import engine_workers
 
 

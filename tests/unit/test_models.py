@@ -354,7 +354,7 @@ def _tensor_parallel_llama_matches_the_full_model(rank: int, world_size: int) ->
 
 @pytest.mark.dist
 def test_tensor_parallel_plan_init_and_forward_on_two_ranks() -> None:
-    from plait.core.testing import run_distributed
+    from plait.testing.distributed import run_distributed
 
     results = run_distributed(_tensor_parallel_llama_matches_the_full_model, 2, timeout=120)
     for result in results:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 

@@ -46,7 +46,7 @@ from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 
 KINDS = ("plain", "plain again", "torch hook", "observed", "no daemon")

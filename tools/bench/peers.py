@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 
 WORLD = 2
 LR, BETAS, EPS, CLIP = 3e-3, (0.9, 0.95), 1e-8, 1.0

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.planner.comm_model import CommSample, fit_links
 from plait.planner.devices import DeviceSpec, Link, efficiency_from_gemm_rates
 from plait.planner.layouts import PRECISIONS, Job, Layout

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 
 if TYPE_CHECKING:
     from plait.plugins.pipeline.timeline import Timeline

@@ -46,7 +46,7 @@ from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 from plait.core.telemetry_resource import resource_attributes
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 from plait.daemon.otlp import TraceReceiver
 from plait.daemon.otlp_requests import TraceRequest, trace_request_parser
 from plait.daemon.server import DaemonServer

@@ -92,7 +92,7 @@ def run_layout(
 ) -> dict[str, float]:
     from plait.core.engine import Engine
     from plait.core.plugins import Plugins
-    from plait.core.testing import merged_config
+    from plait.testing.distributed import merged_config
     from plait.plugins.collectives.slow_link import SlowCrossNodeLink
 
     del world
@@ -130,7 +130,7 @@ def run_layout(
 
 
 def main() -> None:
-    from plait.core.testing import run_distributed
+    from plait.testing.distributed import run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mbps", type=float, default=50.0, help="cross-node link, MB/s")

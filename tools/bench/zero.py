@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from plait.core.testing import run_distributed
+from plait.testing.distributed import run_distributed
 
 MICRO_BATCH = 4
 
