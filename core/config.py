@@ -52,6 +52,13 @@ class DataSection(Section):
     """
 
     path: str = Field("", description="directory of prepared token files; '' = bundled corpus")
+    validation_path: str = Field(
+        "",
+        description="directory of prepared token files (e.g. held-out conversations) that the "
+        "validation loss is computed on every train.eval_every steps, with their own document "
+        "and loss masks, in place of a held-out split of data.path; '' = hold out "
+        "train.eval_fraction of data.path",
+    )
     seq_len: int = Field(128, gt=1, description="tokens per training sequence")
     packing: Literal["concat_split", "first_fit", "none"] = Field(
         "concat_split",

@@ -32,6 +32,7 @@ def check_launch(config: PlaitConfig, *, world_size: int, model_config: Any = No
             f"data.path = {config.data.path!r} is not a directory (prepare one with "
             "`plait data prepare`, or leave it empty for the bundled corpus)"
         )
+    problems += validation_data_problems(config)
     batch_share = config.train.global_batch_size % degrees["dp"]
     if batch_share:
         problems.append(
@@ -40,6 +41,24 @@ def check_launch(config: PlaitConfig, *, world_size: int, model_config: Any = No
         )
     if problems:
         raise ConfigError("the job cannot start:\n  " + "\n  ".join(problems))
+
+
+def validation_data_problems(config: PlaitConfig) -> list[str]:
+    """`data.validation_path` that nothing would read, or that is no prepared directory."""
+    path = config.data.validation_path
+    if not path:
+        return []
+    if not config.train.eval_every:
+        return [
+            f"data.validation_path = {path!r} is read only by validation, but train.eval_every "
+            "= 0; set train.eval_every (e.g. 50), or leave data.validation_path empty"
+        ]
+    if not Path(path).expanduser().is_dir():
+        return [
+            f"data.validation_path = {path!r} is not a directory (prepare one with "
+            "`plait data prepare`)"
+        ]
+    return []
 
 
 def _model_fits(config: PlaitConfig, degrees: dict[str, int], model: Any) -> list[str]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from plait.tools.output import make_console
+from plait.training.output import make_console
 
 if TYPE_CHECKING:
     from plait.core.peak_flops import CpuCalibration

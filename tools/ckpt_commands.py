@@ -14,7 +14,7 @@ import typer
 from rich.text import Text
 
 from plait.core.errors import PlaitError
-from plait.tools.output import make_console, print_error
+from plait.training.output import make_console, print_error
 
 app = typer.Typer(help="Inspect, export, import and convert checkpoints.", no_args_is_help=True)
 console = make_console()

@@ -30,7 +30,7 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from plait.core.errors import PlaitError
-from plait.tools.output import make_console, print_error
+from plait.training.output import make_console, print_error
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
@@ -265,7 +265,7 @@ def train(
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from plait.tools.launch_errors import LaunchLog, failure_line, launch_log_path
+    from plait.training.launch_errors import LaunchLog, failure_line, launch_log_path
 
     try:
         with LaunchLog() as launch_log:

@@ -77,7 +77,7 @@ from plait.tools.daemon_views import (
     render_hangs,
     render_top,
 )
-from plait.tools.output import make_console, print_error
+from plait.training.output import make_console, print_error
 
 if TYPE_CHECKING:
     from plait.daemon.hangs import Hang

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from plait.tools.output import make_console, print_error
+from plait.training.output import make_console, print_error
 
 if TYPE_CHECKING:
     from plait.plugins.data.corpus_preparation import PrepareReport

@@ -20,8 +20,8 @@ from rich.console import Console
 from plait.core.mfu import format_mfu
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
-from plait.tools.output import heading, make_console
 from plait.tools.starter_configs import starter_path
+from plait.training.output import heading, make_console
 
 DEMO_CONFIG = "demo"  # the example config (`plait.tools.starter_configs`) the demo trains
 POLL_SECONDS = 4.0

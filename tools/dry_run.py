@@ -150,7 +150,7 @@ def print_dry_run(
 
     from plait.core.comm_algorithms import chosen_algorithm
     from plait.core.host_map import HostMap
-    from plait.tools.banner import microbatch_line
+    from plait.training.banner import microbatch_line
 
     par = config.parallel
     degrees = resolve_degrees(world_size, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from plait.core.errors import PlaitError
-from plait.tools.output import make_console, print_error
+from plait.training.output import make_console, print_error
 
 if TYPE_CHECKING:
     from plait.core.kernel_selection import ChoiceStore

@@ -21,7 +21,7 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from plait.core.errors import PlaitError
-from plait.tools.output import make_console, print_error
+from plait.training.output import make_console, print_error
 
 
 class _DefaultSearch(TyperGroup):

@@ -54,7 +54,7 @@ from plait.tools.daemon_client import (
 )
 from plait.tools.daemon_tables import build_table
 from plait.tools.daemon_targets import HostsFile, Targets
-from plait.tools.output import print_error
+from plait.training.output import print_error
 
 app = typer.Typer(help="Profile, stack dumps and memory of a job's ranks, through the daemons.")
 console = Console()

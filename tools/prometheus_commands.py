@@ -27,7 +27,7 @@ import typer
 from plait.proto.plait.v1 import daemon_pb2
 from plait.tools.daemon_client import Hosts
 from plait.tools.daemon_targets import DEFAULT_DEADLINE_SECONDS, Deadline, HostsFile, Targets
-from plait.tools.output import make_console, print_error
+from plait.training.output import make_console, print_error
 
 app = typer.Typer(help="Prometheus service discovery for a job's daemons.")
 console = make_console(stderr=True)

@@ -2,7 +2,7 @@
 
 When a rank of a group dies, torchrun's agent sends SIGTERM to the group's other ranks and waits
 for them to exit. plait's ranks take SIGTERM as a graceful stop at the end of the step
-(`plait.tools.graceful_stop`), but the step of a group that lost a rank never ends by itself: its
+(`plait.training.graceful_stop`), but the step of a group that lost a rank never ends by itself: its
 ranks wait in torchft's quorum or commit vote for the dead one (inside torchft's Rust client,
 where Python's signal handler cannot run) for up to `step_timeout_seconds`, and all that time
 the group's manager keeps heartbeating to the lighthouse, which keeps waiting for the group

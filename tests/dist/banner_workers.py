@@ -9,7 +9,7 @@ import torch
 from plait.core.engine import Engine
 from plait.core.plugins import Plugins
 from plait.core.state_chunks import layout_for
-from plait.tools.banner import parameters_text
+from plait.training.banner import parameters_text
 
 
 def zero3_parameter_figures(rank: int, world_size: int) -> dict[str, Any]:

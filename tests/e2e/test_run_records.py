@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from plait.core.config import load_config
-from plait.tools.trainer import TrainingSummary, run_training
+from plait.training.loop import TrainingSummary, run_training
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = [

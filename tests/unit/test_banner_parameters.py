@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from plait.core.state_layout import LocalPiece, ParameterLayout, Region, StateLayout, TensorLayout
-from plait.tools.banner import parameters_text
+from plait.training.banner import parameters_text
 
 
 def _entry(

@@ -33,7 +33,7 @@ from plait.tools import (
     plan_commands,
     profile_commands,
 )
-from plait.tools.launch_errors import record_rank_error
+from plait.training.launch_errors import record_rank_error
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"

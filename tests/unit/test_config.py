@@ -129,7 +129,7 @@ def test_train_output_and_validation_fields() -> None:
 def test_validation_refuses_layouts_that_split_sequences() -> None:
     from types import SimpleNamespace
 
-    from plait.tools.validation import check_validation_layout
+    from plait.training.validation import check_validation_layout
 
     config = load_config({}, ["train.eval_every=5", "parallel.pp=2"])
     sizes = {"pp": 2, "cp": 1}

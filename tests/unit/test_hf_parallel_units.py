@@ -27,7 +27,7 @@ from plait.plugins.context_parallel.hf_attention import (
     check_transformers_model,
 )
 from plait.plugins.context_parallel.hf_batches import prepare_causal_lm_batch
-from plait.tools.banner import transform_names
+from plait.training.banner import transform_names
 
 transformers = pytest.importorskip("transformers")
 

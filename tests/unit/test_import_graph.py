@@ -401,7 +401,7 @@ def test_no_core_module_imports_the_opentelemetry_sdk() -> None:
 # The rooms below the command line: none of them may import `plait.tools` (the CLI, the trainer,
 # the benchmarks), at run time or for type checking. What the daemon's page shows and what
 # the CLI prints are built in the daemon (`plait.daemon.job_reports`); the CLI draws them.
-BELOW_THE_CLI = ("core", "daemon", "planner", "plugins", "integrations")
+BELOW_THE_CLI = ("core", "daemon", "planner", "plugins", "integrations", "training")
 
 
 def upward_imports() -> list[str]:

@@ -24,7 +24,7 @@ from plait.core import telemetry_schema as schema
 from plait.daemon.server import DaemonServer
 from plait.tools.daemon_jobs import world_columns
 from plait.tools.daemon_views import job_columns, rank_metric_columns
-from plait.tools.output import LOG_WIDTH, heading, make_console
+from plait.training.output import LOG_WIDTH, heading, make_console
 from tests.daemon.otlp_inputs import rank_resource, step_spans, trace_request
 
 PLAIT = [sys.executable, "-m", "plait.tools.cli"]

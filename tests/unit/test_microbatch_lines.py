@@ -11,8 +11,8 @@ from rich.console import Console
 from plait.core.config import load_config
 from plait.core.errors import ConfigError
 from plait.core.plugins import Plugins
-from plait.tools.banner import microbatch_line
 from plait.tools.dry_run import print_dry_run
+from plait.training.banner import microbatch_line
 
 TINY = {"model": {"name": "llama", "size": "tiny"}, "telemetry": {"enabled": False}}
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from plait.core.config import load_config
-from plait.tools.banner import transform_names
-from plait.tools.launch_errors import failure_line, record_rank_error
-from plait.tools.rank_notices import quiet_repeated_notices
+from plait.training.banner import transform_names
+from plait.training.launch_errors import failure_line, record_rank_error
+from plait.training.rank_notices import quiet_repeated_notices
 
 ROOT = Path(__file__).resolve().parents[2]
 

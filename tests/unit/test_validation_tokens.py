@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.core.engine import Engine
-from plait.tools.validation import Validation
+from plait.training.validation import Validation
 
 SEQ = 16
 CONFIG = {

@@ -61,7 +61,7 @@ def test_secondary_shards_without_nodes_of_several_ranks_are_refused() -> None:
 
 
 def test_the_banner_names_the_zero_plus_plus_knobs_that_are_on() -> None:
-    from plait.tools.banner import _with_options
+    from plait.training.banner import _with_options
 
     zero = {"shard_optimizer_across_replicas": False, "secondary_shard": "node"}
     resolved = {"zero3": {**zero, "quantize_weights": "int8", "quantize_gradients": "int4"}}

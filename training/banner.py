@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> list[str]:
     """The banner, one string per line."""
-    from plait.tools.run_records import resolved_config
+    from plait.training.run_records import resolved_config
 
     cfg = engine.config
     mesh = engine.mesh

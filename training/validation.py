@@ -46,6 +46,13 @@ class Validation:
     def due(self, steps_done: int, *, last: bool) -> bool:
         return steps_done % self.every == 0 or last
 
+    def loss_after(self, steps_done: int) -> float | None:
+        """The held-out loss when validation is due after `steps_done` steps (every
+        `train.eval_every` and after the last), else None."""
+        if not self.due(steps_done, last=steps_done == self.engine.config.train.steps):
+            return None
+        return self.loss()
+
     @torch.no_grad()
     def loss(self) -> float:
         """Mean held-out loss, the same on every rank (a collective: every rank calls it)."""

@@ -13,11 +13,18 @@ from __future__ import annotations
 import os
 import signal
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import torch
+from rich.text import Text
 
 from plait.core.comm import Comm, world_group
 from plait.core.comm_algorithms import GENERIC
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from plait.plugins.checkpoint import Checkpointer
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -62,3 +69,32 @@ class StopRequests:
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+def save_and_stop(
+    checkpointer: Checkpointer,
+    steps_done: int,
+    signum: int,
+    console: Console,
+    is_leader: bool,
+    *,
+    writes: bool = True,
+) -> str:
+    """Save after the step every rank finished (unless that step was just saved, or another
+    replica group writes the job's checkpoints) and say so."""
+    from plait.plugins.checkpoint.storage import step_dir_name
+
+    saved = checkpointer.root is not None and writes
+    if saved and checkpointer.last_saved_step != steps_done:
+        checkpointer.save(steps_done)
+    checkpointer.wait()
+    if saved:
+        where = f"checkpoint {checkpointer.root / step_dir_name(steps_done)}"
+    elif checkpointer.root is not None:
+        where = "no checkpoint (another replica group writes the job's checkpoints)"
+    else:
+        where = "no checkpoint (checkpoint_io.dir is not set)"
+    message = f"stopped by {signal_name(signum)} after step {steps_done}: {where}"
+    if is_leader:
+        console.print(Text(message, style="yellow"), highlight=False)
+    return message
