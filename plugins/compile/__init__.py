@@ -8,18 +8,27 @@ Selected with `parallel.transforms = { compile = "compile" }` and configured in 
     # dynamic = true       # symbolic shapes from the start (unset: torch's default)
     blocks = ""            # where the blocks are; "" = found automatically
 
-Each block compiles in place (`nn.Module.compile`), so parameter names, state dicts and
-checkpoints stay those of the eager model, and the gradient hooks data parallelism puts on
-parameters run outside the compiled code. Blocks, not the whole model: the blocks share one
-forward, so one compiled graph serves every layer (compile time is one block's), and the
-embedding, the head and the loss stay where the kernel facade and the pipeline split put them.
-It runs after activation checkpointing (a checkpointed block recomputes compiled code) and
-before data parallelism.
+Each block's `forward` compiles in place, so parameter names, state dicts and checkpoints stay
+those of the eager model, and every hook around a block runs eagerly, outside the compiled code:
+the module's own `__call__` (which runs forward pre- and post-hooks) is left as it is. That is
+what lets ZeRO-3 compile: its all-gather before a block and the reduce-scatter hooked on the
+block's outputs are plait communication calls, which Dynamo would otherwise trace (a graph break
+at every collective, and a recompile whenever the communicator's counters change). The gradient
+hooks data parallelism puts on parameters run in autograd, outside the compiled code too.
+Blocks, not the whole model: the blocks share one forward, so one compiled graph serves every layer
+(compile time is one block's), and the embedding, the head and the loss stay where the kernel facade
+and the pipeline split put them. It runs after activation checkpointing (a checkpointed block
+recomputes compiled code) and before data parallelism.
 
-Tested with one process, DDP and ZeRO-1/2, pipeline stages, AMP and activation checkpointing.
-Layouts whose collectives run inside the blocks or around them (ZeRO-3's gather hooks, tensor,
-context and expert parallelism) are refused by name until they are tested compiled: the
-compiler would trace plait's communication calls or break its graph around every one of them.
+Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages, AMP
+and activation checkpointing. Tensor, context and expert parallelism are refused by name: their
+collectives run inside a block's forward (the row-parallel all-reduce, the ring's
+send/receive, the experts' all-to-all), where the compiler would trace plait's communication
+calls or break its graph around every one of them.
+
+After the first step that compiled, rank 0 logs the graphs, graph breaks (with Dynamo's
+reasons) and compile time once, and any recompilation after step 2 with its cause
+(`plait.plugins.compile.watch`).
 """
 
 from __future__ import annotations
@@ -34,11 +43,19 @@ from plait.core.errors import ConfigError, PluginError
 from plait.core.kernels import KERNEL_OPS
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
+from plait.plugins.compile.watch import CompileWatch
 
 NAME = "compile"
-COMPILED_DP_STRATEGIES = ("ddp", "zero1", "zero2")
+COMPILED_DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+# Why each axis is still refused compiled: its collectives run inside a block's forward.
+REFUSED_AXES = {
+    "tp": "the row-parallel all-reduce (and sequence parallelism's gathers) run inside the "
+    "block's forward",
+    "cp": "the ring attention's send/receive runs inside the block's forward",
+    "ep": "the experts' all-to-all runs inside the block's forward",
+}
 
-__all__ = ["NAME", "CompileConfig", "compile_blocks"]
+__all__ = ["NAME", "CompileConfig", "CompileWatch", "compile_blocks"]
 
 
 class CompileConfig(Section):
@@ -80,15 +97,20 @@ def compile_blocks(
         else [str(i) for i in range(len(container))]
     )
     for block in container.values() if isinstance(container, nn.ModuleDict) else container:
-        block.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+        # NOTE: `forward`, not the module (`nn.Module.compile` compiles `_call_impl`, hooks
+        # included): the hooks strategies put around a block (ZeRO-3's gather and reshard) stay
+        # eager. Every block's bound `forward` shares one code object, hence one graph cache.
+        block.forward = torch.compile(
+            block.forward, backend=backend, fullgraph=fullgraph, dynamic=dynamic
+        )
     return keys
 
 
 def _refuse_untested_layouts(config: PlaitConfig) -> None:
     parallel = config.parallel
     spread = [
-        f"parallel.{axis} = {getattr(parallel, axis)}"
-        for axis in ("tp", "cp", "ep")
+        f"parallel.{axis} = {getattr(parallel, axis)} ({why})"
+        for axis, why in REFUSED_AXES.items()
         if getattr(parallel, axis) > 1
     ]
     if parallel.dp_strategy not in COMPILED_DP_STRATEGIES:
@@ -144,12 +166,15 @@ def compile_model(model: nn.Module, *, context: ShardContext, config: CompileCon
     _refuse_untested_layouts(context.config)
     _check_backend(config.backend)
     resolve_kernels_ahead(context)
-    compile_blocks(
+    keys = compile_blocks(
         model,
         backend=config.backend,
         fullgraph=config.fullgraph,
         dynamic=config.dynamic,
         blocks=config.blocks,
+    )
+    context.plugins.register(
+        CompileWatch(blocks=len(keys), rank=context.mesh.rank), f"{NAME}.watch"
     )
     return Sharded(module=model)
 

@@ -1,6 +1,6 @@
 """The compile transform: blocks compiled in place train like eager ones, alone, under DDP /
 ZeRO-2 with AMP and activation checkpointing, and as pipeline stages; the blocks really run
-compiled code; untested layouts and unknown backends are refused by name."""
+compiled code; unknown backends are refused by name (layouts: `test_compile_zero3.py`)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,6 @@ def test_inductor_trains_like_eager() -> None:
 @pytest.mark.parametrize(
     ("run", "message"),
     [
-        ({"dp": "zero3", "compile": COUNTING}, "parallel.dp_strategy = 'zero3' is not supported"),
         ({"compile": {"backend": "no_such_backend"}}, "'no_such_backend' is not a torch.compile"),
     ],
 )

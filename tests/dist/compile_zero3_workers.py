@@ -1,0 +1,67 @@
+"""Rank functions for compiled blocks under ZeRO-3 and HSDP (module level, so spawned ranks
+import them): losses, full parameters, and what Dynamo compiled, broke and recompiled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait.plugins import compile
+from plait.plugins.models.init import normalised_name
+from tests.dist.compile_workers import GraphCalls, _register_counting_backend, make_engine
+from tests.dist.precision_workers import global_batches, local_share
+
+
+def _dynamo_counts() -> dict[str, Any]:
+    from torch._dynamo.utils import counters, guard_failures
+
+    return {
+        "graph_breaks": dict(counters["graph_break"]),
+        "recompile_reasons": [r for reasons in guard_failures.values() for r in reasons],
+    }
+
+
+def _watch_summaries(engine: Any) -> list[str] | None:
+    watch = engine.plugins.manager.get_plugin(f"{compile.NAME}.watch")
+    return None if watch is None else list(watch.summaries)
+
+
+def train(
+    rank: int, world_size: int, runs: dict[str, dict[str, Any]], steps: int, micro_batch: int
+) -> dict[str, Any]:
+    """Train one tiny Llama per named run on the same data; per run: losses, parameters by name
+    (gathered), graphs compiled after each step, graph calls, graph breaks and recompile
+    reasons."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    _register_counting_backend()
+    results: dict[str, Any] = {}
+    for name, run in runs.items():
+        torch._dynamo.reset()
+        counters.clear()
+        guard_failures.clear()
+        GraphCalls.calls = GraphCalls.graphs = 0
+        engine = make_engine(run, micro_batch, steps)
+        losses, graphs_after_step = [], []
+        for step, batch in enumerate(global_batches(steps)):
+            if step >= run.get("shorter_after", steps):
+                # A new sequence length after the warm-up: a real recompilation.
+                batch = tuple(t[:, : t.shape[1] // 2] for t in batch)
+            losses.append(engine.train_step(local_share(batch, rank, world_size)))
+            graphs_after_step.append(GraphCalls.graphs)
+        with engine.runtimes[-1].full_parameters():
+            params = {
+                normalised_name(n): p.detach().float().clone()
+                for n, p in engine.module.named_parameters()
+            }
+        results[name] = {
+            "losses": losses,
+            "params": params,
+            "graph_calls": GraphCalls.calls,
+            "graphs_after_step": graphs_after_step,
+            "watch": _watch_summaries(engine),
+            **_dynamo_counts(),
+        }
+        engine.close()
+    return results
