@@ -139,6 +139,23 @@ def micro_batch_size(config: PlaitConfig, plugins: Plugins, degrees: dict[str, i
     return rows // count
 
 
+def compiled_blocks_line(config: PlaitConfig, model: Any) -> str | None:
+    """What the compile transform will compile, or `None` when it is not selected."""
+    name = config.parallel.transforms.get("compile")
+    if name is None:
+        return None
+    from plait.core.blocks import find_block_container
+    from plait.plugins.compile import CompileConfig
+
+    settings = config.section(name, CompileConfig)
+    path, container = find_block_container(model, settings.blocks, field="compile.blocks")
+    return (
+        f"compiled blocks: forward of each of the {len(container)} blocks in {path} "
+        f"(torch.compile backend {settings.backend}{', fullgraph' if settings.fullgraph else ''}"
+        "); hooks around them (ZeRO-3's gathers) run eagerly"
+    )
+
+
 def print_dry_run(
     config: PlaitConfig, plugins: Plugins, *, world_size: int, per_node: int, console: Console
 ) -> None:
@@ -183,6 +200,9 @@ def print_dry_run(
         pp=degrees["pp"],
     )
     console.print(line, highlight=False, soft_wrap=True, markup=False)
+    compiled = compiled_blocks_line(config, model)
+    if compiled:
+        console.print(compiled, highlight=False, soft_wrap=True, markup=False)
     # The planner's activations are those of the micro-batch that runs.
     config = config.model_copy(
         update={"train": train.model_copy(update={"micro_batch_size": size})}

@@ -81,9 +81,11 @@ def transform_names(engine: Engine, resolved: dict[str, Any]) -> list[str]:
         if engine.mesh.size(axis) > 1:
             parts.append(f"{axis} {_with_options(getattr(par, f'{axis}_strategy'), resolved)}")
     for axis, name in sorted(par.transforms.items()):
-        label = {"ac": "activation checkpointing", "ep": f"expert parallel ep={par.ep}"}.get(
-            axis, axis
-        )
+        label = {
+            "ac": "activation checkpointing",
+            "ep": f"expert parallel ep={par.ep}",
+            "compile": "compiled blocks",
+        }.get(axis, axis)
         parts.append(f"{label} {_with_options(name, resolved)}")
     parts.append(f"schedule {cfg.schedule.name}")
     if cfg.schedule.chosen_by_default and engine.mesh.size("pp") > 1:
@@ -104,6 +106,7 @@ _NAMED_OPTIONS = {
     "dtype": lambda v: str(v),
     "sequence_parallel": lambda v: "sequence parallel" if v else "",
     "mode": lambda v: f"{v}",
+    "backend": lambda v: f"{v}",  # the compile transform's torch.compile backend
     "offload": lambda v: (
         f"offload to {v['device']}" if isinstance(v, dict) and v.get("device") != "none" else ""
     ),
