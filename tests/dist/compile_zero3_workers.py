@@ -9,6 +9,8 @@ import torch
 
 from plait.plugins import compile
 from plait.plugins.models.init import normalised_name
+from plait.training.banner import transform_names
+from plait.training.run_records import resolved_config
 from tests.dist.compile_workers import GraphCalls, _register_counting_backend, make_engine
 from tests.dist.precision_workers import global_batches, local_share
 
@@ -50,7 +52,8 @@ def train(
                 batch = tuple(t[:, : t.shape[1] // 2] for t in batch)
             losses.append(engine.train_step(local_share(batch, rank, world_size)))
             graphs_after_step.append(GraphCalls.graphs)
-        with engine.runtimes[-1].full_parameters():
+        runtime = engine.runtimes[-1]
+        with runtime.full_parameters():
             params = {
                 normalised_name(n): p.detach().float().clone()
                 for n, p in engine.module.named_parameters()
@@ -61,6 +64,8 @@ def train(
             "graph_calls": GraphCalls.calls,
             "graphs_after_step": graphs_after_step,
             "watch": _watch_summaries(engine),
+            "banner": " · ".join(transform_names(engine, resolved_config(engine))),
+            "replicas": runtime.replicas.size if runtime.replicas is not None else 1,
             **_dynamo_counts(),
         }
         engine.close()

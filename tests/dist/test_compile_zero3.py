@@ -69,6 +69,9 @@ def test_compiled_zero3_and_hsdp_train_like_eager() -> None:
             _assert_same_training(result[compiled], result[eager], 1e-4, f"rank {rank} {compiled}")
             assert result[eager]["graph_calls"] == 0 and result[eager]["watch"] is None
             _assert_compiled_cleanly(result[compiled], f"rank {rank} {compiled}")
+            assert "compiled blocks compile (plait_test_counting)" in result[compiled]["banner"]
+        # HSDP: each rank a replica of a one-rank shard group, averaged across the two.
+        assert result["hsdp compiled"]["replicas"] == 2
     assert results[0]["zero3 compiled"]["losses"] == results[1]["zero3 compiled"]["losses"]
 
 
