@@ -40,7 +40,7 @@ def check_config(
         if getattr(par, axis) > 1:
             plugins.strategy(axis, getattr(par, f"{axis}_strategy"))
     plugins.strategy("dp", par.dp_strategy)
-    for axis, name in par.transforms.items():
+    for axis, name in par.transform_strategies().items():
         if axis not in SHARD_ORDER:
             raise ConfigError(
                 f"parallel.transforms has unknown axis {axis!r}; allowed: {list(SHARD_ORDER)}"

@@ -155,8 +155,8 @@ class ParallelSection(Section):
     ep: int = Field(
         1,
         gt=0,
-        description="expert-parallel degree, carved out of dp (it must divide dp); above 1 it "
-        "selects the ep transform, transforms.ep (default 'ep')",
+        description="expert-parallel degree, carved out of dp (it must divide dp); above 1 "
+        "the experts are sharded by ep_strategy",
     )
     dp_shard: int | Literal["node"] | None = Field(
         None,
@@ -168,24 +168,37 @@ class ParallelSection(Section):
     tp_strategy: str = "megatron"
     pp_strategy: str = "pipeline"
     cp_strategy: str = Field("ring", description="strategy for the cp axis (context parallel)")
+    ep_strategy: str = Field(
+        "",
+        description="strategy for expert parallelism; '' = 'ep' when ep > 1 and none at ep = 1; "
+        "named at ep = 1 it runs with the experts replicated (the MoE balancing loss scaled "
+        "per micro-batch)",
+    )
     transforms: dict[str, str] = Field(
         default_factory=dict,
         description="model transforms by axis, e.g. {ac = 'checkpoint', precision = 'amp'}",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _ep_selects_its_transform(cls, data: Any) -> Any:
-        # The ep axis is not a mesh axis of its own (it splits dp): a degree above 1 means the
-        # ep transform runs, under the name transforms.ep gives, "ep" by default.
-        if isinstance(data, dict) and int(data.get("ep", 1)) > 1:
-            transforms = dict(data.get("transforms") or {})
-            transforms.setdefault("ep", "ep")
-            data = {**data, "transforms": transforms}
-        return data
+    @property
+    def expert_strategy(self) -> str | None:
+        """The strategy expert parallelism runs under, or None when it does not run."""
+        return self.ep_strategy or ("ep" if self.ep > 1 else None)
+
+    def transform_strategies(self) -> dict[str, str]:
+        """The model transforms by axis: `transforms`, and expert parallelism's strategy when
+        it runs (the ep axis is not a mesh axis: it splits dp). The one place both are read."""
+        strategies = dict(self.transforms)
+        if self.expert_strategy is not None:
+            strategies["ep"] = self.expert_strategy
+        return strategies
 
     @model_validator(mode="after")
     def _dp_positive_or_auto(self) -> ParallelSection:
+        if "ep" in self.transforms:
+            raise ValueError(
+                "transforms.ep is parallel.ep_strategy now (a config file's transforms.ep is "
+                "moved there when it loads)"
+            )
         if self.dp == 0 or self.dp < -1:
             raise ValueError(f"dp must be -1 (auto) or a positive degree, got {self.dp}")
         if isinstance(self.dp_shard, int) and self.dp_shard < 1:
@@ -442,6 +455,7 @@ CORE_SECTIONS = tuple(PlaitConfig.model_fields)
 MOVED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("checkpoint_io", "max_consecutive_nonfinite"): ("resilience", "max_consecutive_nonfinite"),
     ("checkpoint_io", "fault_injection"): ("resilience", "fault_injection"),
+    ("parallel", "transforms", "ep"): ("parallel", "ep_strategy"),
 }
 
 

@@ -251,7 +251,7 @@ class Engine:
             return getattr(par, f"{axis}_strategy")
         if axis == "dp":
             return par.dp_strategy
-        return par.transforms.get(axis)
+        return par.transform_strategies().get(axis)
 
     def _shard(self, module: nn.Module) -> nn.Module:
         for axis in SHARD_ORDER:

@@ -173,7 +173,7 @@ def print_dry_run(
     degrees = resolve_degrees(world_size, dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
     model, _ = build_meta_model(config, plugins)
     total = sum(p.numel() for p in model.parameters())
-    transforms = " ".join(f"{a}={n}" for a, n in sorted(par.transforms.items()))
+    transforms = " ".join(f"{a}={n}" for a, n in sorted(par.transform_strategies().items()))
     console.print(
         f"dry run: {config.model.name}/{config.model.size} · {total:,} parameters · "
         f"{world_size} rank{'s' if world_size > 1 else ''} "

@@ -80,7 +80,7 @@ def transform_names(engine: Engine, resolved: dict[str, Any]) -> list[str]:
     for axis in ("tp", "cp", "pp"):
         if engine.mesh.size(axis) > 1:
             parts.append(f"{axis} {_with_options(getattr(par, f'{axis}_strategy'), resolved)}")
-    for axis, name in sorted(par.transforms.items()):
+    for axis, name in sorted(par.transform_strategies().items()):
         label = {
             "ac": "activation checkpointing",
             "ep": f"expert parallel ep={par.ep}",

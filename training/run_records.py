@@ -41,7 +41,7 @@ def resolved_config(engine: Engine) -> dict[str, Any]:
     data = config.model_dump(mode="json")
     data["parallel"].update(engine.mesh.degrees)
     plugins = engine.plugins
-    selected = {config.parallel.dp_strategy, *config.parallel.transforms.values()}
+    selected = {config.parallel.dp_strategy, *config.parallel.transform_strategies().values()}
     for axis in ("pp", "tp", "cp"):
         if engine.mesh.size(axis) > 1:
             selected.add(getattr(config.parallel, f"{axis}_strategy"))

@@ -14,7 +14,7 @@ dp. An expert's gradient gathers the tokens of the N ranks of its ep group, each
 being its own mean, so the expert gradients are scaled by 1/N as they are produced (a hook),
 which makes the average over the expert-dp group the gradient of the global mean loss.
 
-With `parallel.ep = 1` and `parallel.transforms = {ep = "ep"}` the experts stay replicated and
+With `parallel.ep = 1` and `parallel.ep_strategy = "ep"` the experts stay replicated and
 only the runtime runs (balancing-loss scale per micro-batch, routing-bias updates over dp).
 
 A `transformers` MoE model (Mixtral, Qwen2-/Qwen3-MoE, OLMoE, GPT-OSS, DeepSeek-V3, … : any
@@ -76,7 +76,7 @@ def shard_ep(model: nn.Module, *, context: ShardContext, config: None) -> Sharde
         runs_locally = {id(layer): layer.experts for _, layer in layers}
     if not layers:
         raise ConfigError(
-            f"parallel.transforms.ep = {NAME!r}: {type(model).__name__} has no MoE layer "
+            f"parallel.ep_strategy = {NAME!r}: {type(model).__name__} has no MoE layer "
             "(a module with experts, run_experts and tokens_per_expert, or a transformers MoE "
             "model whose experts dispatch through its ExpertsInterface)"
         )

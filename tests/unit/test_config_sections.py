@@ -78,3 +78,17 @@ def test_config_show_prints_the_declared_section_with_its_defaults(tmp_path: Pat
     assert "max_consecutive_nonfinite" not in data["checkpoint_io"]
     # What it prints loads again, to the same values.
     assert resilience_config(load_config(again)).max_consecutive_nonfinite == 5
+
+
+def test_expert_parallelism_is_asked_for_one_way() -> None:
+    """`parallel.ep` is the degree, `parallel.ep_strategy` the strategy ('ep' by default once
+    ep > 1; named at ep = 1 it runs with the experts replicated); a file's `transforms.ep`
+    loads as `ep_strategy`."""
+    assert load_config({"parallel": {"ep": 2}}).parallel.transform_strategies() == {"ep": "ep"}
+    assert load_config({}).parallel.transform_strategies() == {}
+    at_one = load_config({"parallel": {"ep_strategy": "ep", "transforms": {"ac": "checkpoint"}}})
+    assert at_one.parallel.transform_strategies() == {"ac": "checkpoint", "ep": "ep"}
+    old = load_config({"parallel": {"ep": 2, "transforms": {"ep": "ep", "ac": "checkpoint"}}})
+    assert old.parallel.ep_strategy == "ep" and old.parallel.transforms == {"ac": "checkpoint"}
+    with pytest.raises(ConfigError, match=r"parallel.transforms.ep and parallel.ep_strategy"):
+        load_config({"parallel": {"ep_strategy": "ep", "transforms": {"ep": "ep"}}})

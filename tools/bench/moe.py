@@ -40,7 +40,7 @@ def _config(ep: int, seq_len: int) -> dict[str, Any]:
         "data": {"seq_len": seq_len},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "seed": 0, "device": "cpu"},
         "optimizer": {"warmup_steps": 0},
-        "parallel": {"ep": ep, "transforms": {"ep": "ep"}},
+        "parallel": {"ep": ep, "ep_strategy": "ep"},
         "telemetry": {"enabled": False},
     }  # fmt: skip
 
