@@ -58,6 +58,10 @@ def _rank_main(
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        # Every rank past its share of Gloo's connection set-up before any goes on: a rank
+        # whose function makes no collective could otherwise destroy its group (closing its
+        # sockets) while a peer still connects to it ("Connection closed by peer" there).
+        dist.barrier()
         outcome = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:
         outcome = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
