@@ -31,6 +31,7 @@ READING_ORDER = (
     "web-page.md",
     "observe.md",
     "telemetry-schema.md",
+    "checkpoints.md",
     "fault-tolerance.md",
     "elastic.md",
     "gpu-nodes.md",
