@@ -6,7 +6,9 @@ schedule, recomputation, sequence parallelism); `auto_config(config, world, …)
 plans for the config's model, sequence length and global batch on `world` ranks and returns the
 config with the best layout merged in, plus the plan it came from. The codecs (qwZ, qgZ) change
 what is computed, so they are planned only when the user allows quantized communication
-(`--allow-quantized-comm`, or a config that already names a codec).
+(`--allow-quantized-comm`, or a config that already names a codec). ZeRO's offload
+(`zero.offload.device`) is planned only when no layout fits without it; "nvme" only when the
+config names it with a directory (`offload_devices`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from plait.planner.layouts import (
     FLAT,
     HIERARCHICAL,
     NO_CODEC,
+    NO_OFFLOAD,
     PRECISIONS,
     Job,
     Layout,
@@ -78,6 +81,9 @@ def layout_config(layout: Layout, *, keep_algorithm: bool = False) -> dict[str, 
     }
     if layout.quantized:
         sections["zero"]["quantize_block"] = layout.quantize_block
+    # Named either way too: the plan's memory and time assume it on or off. A config's own
+    # `offload.path` and `io_workers` stay (the sections merge a level deeper).
+    sections["zero"]["offload"] = {"device": layout.offload if layout.offloaded else NO_OFFLOAD}
     if layout.zero not in (1, 2) or not layout.dp_shard:
         sections["zero"]["shard_optimizer_across_replicas"] = False
     if layout.recompute != "none":
@@ -132,6 +138,31 @@ def quantized_comm_note(layout: Layout) -> str:
     return "; ".join(parts) + f" of each block of {layout.quantize_block}"
 
 
+def offload_devices(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """Where the plan may offload when nothing fits without: "nvme" when the config names it
+    with a directory (the planner cannot choose a drive), else the host memory ("cpu")."""
+    offload = dict((config.get("zero") or {}).get("offload") or {})
+    return ("nvme",) if offload.get("device") == "nvme" and offload.get("path") else ("cpu",)
+
+
+def offload_note(candidate: Any) -> str:
+    """What an offloaded plan moves and costs, e.g. "optimizer state offloaded to cpu: 100.4
+    GiB of host memory per rank, +1.8 s per step of transfers, the optimizer step 4.3 s on
+    the CPU" ("" without offload; `candidate` is a `search.Candidate`)."""
+    layout, memory, time = candidate.layout, candidate.memory, candidate.time
+    if not layout.offloaded:
+        return ""
+    moved = "optimizer state and parameter shards" if layout.zero >= 3 else "optimizer state"
+    note = (
+        f"{moved} offloaded to {layout.offload}: {memory.host_total / 2**30:.1f} GiB of host "
+        f"memory per rank, +{time.offload:.2f} s per step of transfers, the optimizer step "
+        f"{time.optimizer:.2f} s on the CPU"
+    )
+    if memory.disk_optimizer_state:
+        note += f", {memory.disk_optimizer_state / 2**30:.1f} GiB per rank in files"
+    return note
+
+
 def job_for_config(
     config: Mapping[str, Any], *, world: int, per_node: int, device: DeviceSpec
 ) -> Job:
@@ -173,6 +204,7 @@ def auto_config(
     kept = unplanned_algorithm(config)
     if kept:  # the user's algorithm runs the dp collectives: no hierarchical variants
         space = replace(space, hierarchical=False)
+    space = replace(space, offload=offload_devices(config))
     result = plan(job, space)
     if not result.ranked:
         smallest = result.smallest_rejected
@@ -248,6 +280,9 @@ def layout_from_config(
         quantize_gradients=str(zero_section.get("quantize_gradients", NO_CODEC)) if zero >= 2
         else NO_CODEC,
         quantize_block=int(zero_section.get("quantize_block", 256)),
+        # what `plait.plugins.zero` reads; DDP reads no `[zero]` at all
+        offload=str(dict(zero_section.get("offload") or {}).get("device", NO_OFFLOAD)) if zero
+        else NO_OFFLOAD,
     )  # fmt: skip
     if (
         dp_algorithm == HIERARCHICAL
@@ -313,6 +348,7 @@ def detect_device(per_node: int) -> DeviceSpec:
         gemm_efficiency=0.8,
         gemm_half_flops=1e8,
         attention_efficiency=0.3,
+        host_memory_bytes=None,  # the CPU is its own host: offload to it moves nothing
     )
 
 
@@ -341,6 +377,14 @@ def auto_overrides(
         highlight=False,
         markup=False,  # a device's name is the machine's, not plait's
     )
+    moved = offload_note(best)
+    if moved:
+        console.print(
+            f"--auto: no layout fits {world} × {device.name} without ZeRO offload: {moved} "
+            "(docs/offload.md)",
+            highlight=False,
+            markup=False,
+        )
     note = quantized_comm_note(best.layout)
     if note:
         console.print(

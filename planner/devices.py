@@ -9,6 +9,12 @@ Efficiency by op size: a GEMM of `g` FLOPs runs at `peak · e_max · g / (g + g_
 GEMMs reach `e_max` (what cuBLAS delivers on big bf16 matmuls: ~80 % of an A100's peak, ~72 %
 of an H100 SXM's), small ones are latency bound. Attention kernels reach `attention_efficiency`
 of peak (FlashAttention-2 forward+backward: ~55 % on A100, ~40 % on H100).
+
+The host beside each device, for ZeRO's offload (`[zero.offload]`): its PCIe link (`host_link`,
+α–β like the other links), its share of the node's RAM (`host_memory_bytes`) and of the CPUs'
+memory bandwidth (`host_memory_bandwidth`, what the optimizer step runs at on the CPU), and of
+the node's local drives (`disk_bandwidth`). `host_memory_bytes = None` says there is no host
+apart from the device: a CPU is both, and offload to it moves nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from plait.core.errors import ConfigError
 from plait.core.peak_flops import DEVICE_PEAK_TFLOPS
 
 GIB = 2**30
+# Of the host memory per device, what offloaded state may take: the OS, data-loader workers and
+# the page cache share the host.
+USABLE_HOST_MEMORY_FRACTION = 0.8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +96,13 @@ class DeviceSpec:
     zero3_unit_overhead: float = 0.0
     selective_block_overhead: float = 0.0
     microbatch_overhead: float = 0.0
+    # The host, per device (see the module docstring). Defaults: PCIe Gen4 x16 at what copies
+    # from pinned memory reach (~22 GB/s each way), a DGX A100's 1 TiB of RAM and ~400 GB/s
+    # of DDR4 bandwidth over 8 GPUs, and its NVMe drives' ~25 GB/s over 8.
+    host_link: Link = Link(alpha=10e-6, beta=22e9)
+    host_memory_bytes: float | None = 128 * GIB
+    host_memory_bandwidth: float = 50e9
+    disk_bandwidth: float = 3e9
 
     def gemm_seconds(self, flops: float, gemm_flops: float) -> float:
         """Time of `flops` of matmul work done in GEMMs of `gemm_flops` each."""
@@ -96,6 +112,13 @@ class DeviceSpec:
     @property
     def usable_memory(self) -> float:
         return self.memory_bytes * self.usable_memory_fraction
+
+    @property
+    def usable_host_memory(self) -> float | None:
+        """Host memory per device that offloaded state may take (`None`: no separate host)."""
+        if self.host_memory_bytes is None:
+            return None
+        return self.host_memory_bytes * USABLE_HOST_MEMORY_FRACTION
 
 
 def _tflops(entry: str, dtype: str = "bfloat16") -> float:
@@ -138,6 +161,10 @@ DEVICES: dict[str, DeviceSpec] = {
         attention_efficiency=0.40,
         intra_node=Link(alpha=8e-6, beta=360e9),
         inter_node=Link(alpha=15e-6, beta=45e9),
+        # DGX H100/H200: PCIe Gen5 (~45 GB/s each way), 2 TiB of DDR5 (~600 GB/s) over 8 GPUs
+        host_link=Link(alpha=10e-6, beta=45e9),
+        host_memory_bytes=256 * GIB,
+        host_memory_bandwidth=75e9,
     ),
     "H200-141GB": DeviceSpec(
         name="H200-141GB",
@@ -149,6 +176,10 @@ DEVICES: dict[str, DeviceSpec] = {
         attention_efficiency=0.42,
         intra_node=Link(alpha=8e-6, beta=360e9),
         inter_node=Link(alpha=15e-6, beta=45e9),
+        # DGX H100/H200: PCIe Gen5 (~45 GB/s each way), 2 TiB of DDR5 (~600 GB/s) over 8 GPUs
+        host_link=Link(alpha=10e-6, beta=45e9),
+        host_memory_bytes=256 * GIB,
+        host_memory_bandwidth=75e9,
     ),
 }
 

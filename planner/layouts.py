@@ -21,8 +21,10 @@ every dp rank may keep hpZ's secondary shards (`secondary_shard`: backward gathe
 node) wherever the dp group spans nodes of several dp ranks each and nothing else (no cp, no ep);
 with `SearchSpace.quantized_comm` only — the codecs change what is computed — hierarchical
 ZeRO-3 without cp may quantize the parameter all-gather's cross-node hop (qwZ int8) and hierarchical
-ZeRO-2/3 the gradient reduce-scatter's (qgZ int8 or int4). Memory is checked later
-(`search.py`).
+ZeRO-2/3 the gradient reduce-scatter's (qgZ int8 or int4). With `offload` ("cpu", "nvme"),
+only ZeRO layouts are yielded, each with `[zero.offload]` on (a ZeRO stage over one dp rank
+included: offload is what it is for), for the search's second pass when nothing fits without.
+Memory is checked later (`search.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ GRADIENT_CODECS = ("int8", "int4")  # `zero.quantize_gradients` (qgZ)
 CODEC_BITS = {"int8": 8, "int4": 4}
 CODEC_LEVELS = {"int8": 127, "int4": 7}  # L: a block's values round to s·[−L, L], s = absmax/L
 PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1")
+NO_OFFLOAD = "none"
+OFFLOAD_DEVICES = ("cpu", "nvme")  # `zero.offload.device`: host memory, or files on a drive
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +101,13 @@ class Layout:
     quantize_weights: str = NO_CODEC
     quantize_gradients: str = NO_CODEC
     quantize_block: int = 256  # elements per codec block (one fp32 scale each)
+    # `[zero.offload]`: ZeRO's optimizer state (and stage 3's parameter shards) on the host
+    offload: str = NO_OFFLOAD
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether ZeRO keeps its optimizer state off the device (`[zero.offload]`)."""
+        return self.zero >= 1 and self.offload != NO_OFFLOAD
 
     @property
     def quantized(self) -> bool:
@@ -134,6 +145,8 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts.append(f"zero{self.zero}" if self.zero else "ddp")
+        if self.offloaded:
+            parts.append(f"offload-{self.offload}")
         if self.dp_shard:
             parts.append(f"shard{self.dp_shard}")
         if self.dp_algorithm != FLAT:
@@ -216,6 +229,10 @@ class SearchSpace:
     secondary_shard: bool = True
     quantized_comm: bool = False
     quantize_block: int = 256
+    # `[zero.offload]` devices tried when no layout fits without (`search.plan`'s second
+    # pass): offload trades step time for device memory, so it is never preferred. "nvme" needs
+    # a directory the planner does not know: tried when a config names one (`auto.py`).
+    offload: tuple[str, ...] = ("cpu",)
     max_tp: int = 0  # 0 = devices per node
     max_pp: int = 0  # 0 = layers
     max_cp: int = 16
@@ -237,6 +254,9 @@ class SearchSpace:
             raise ConfigError(
                 f"quantize_block must be an even number of elements >= 2, got {self.quantize_block}"
             )
+        for device in self.offload:
+            if device not in OFFLOAD_DEVICES:
+                raise ConfigError(f"offload: {device!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
         for axis in self.fixed:
             if axis not in FIXABLE:
                 raise ConfigError(f"fixed: {axis!r} is not one of {', '.join(FIXABLE)}")
@@ -263,8 +283,11 @@ def _tp_fits(model: ModelShape, tp: int) -> bool:
     )
 
 
-def enumerate_layouts(job: Job, space: SearchSpace | None = None) -> Iterator[Layout]:
-    """Every layout the divisibility and placement rules allow (memory not yet checked)."""
+def enumerate_layouts(
+    job: Job, space: SearchSpace | None = None, *, offload: str = NO_OFFLOAD
+) -> Iterator[Layout]:
+    """Every layout the divisibility and placement rules allow (memory not yet checked); with
+    `offload`, every ZeRO layout with its optimizer state offloaded there."""
     space = space or SearchSpace()
     model, fixed = job.model, space.fixed
     max_tp = min(space.max_tp or job.per_node, job.per_node)
@@ -288,11 +311,21 @@ def enumerate_layouts(job: Job, space: SearchSpace | None = None) -> Iterator[La
                 if job.global_batch % dp or not allowed("dp", dp):
                     continue
                 per_dp = job.global_batch // dp
-                yield from _variants(job, space, tp=tp, cp=cp, pp=pp, dp=dp, per_dp=per_dp)
+                yield from _variants(
+                    job, space, tp=tp, cp=cp, pp=pp, dp=dp, per_dp=per_dp, offload=offload
+                )
 
 
 def _variants(
-    job: Job, space: SearchSpace, *, tp: int, cp: int, pp: int, dp: int, per_dp: int
+    job: Job,
+    space: SearchSpace,
+    *,
+    tp: int,
+    cp: int,
+    pp: int,
+    dp: int,
+    per_dp: int,
+    offload: str = NO_OFFLOAD,
 ) -> Iterator[Layout]:
     model, fixed = job.model, space.fixed
     eps = [1]
@@ -311,7 +344,13 @@ def _variants(
                 space, pp=pp, microbatches=microbatches, layers=model.n_layers
             ):
                 for zero in space.zero_stages:
-                    if (dp == 1 and zero) or ("zero" in fixed and fixed["zero"] != zero):
+                    if "zero" in fixed and fixed["zero"] != zero:
+                        continue
+                    # Offload is ZeRO's; and ZeRO over one dp rank shards nothing, but with
+                    # offload it still moves the optimizer state off the device.
+                    if offload != NO_OFFLOAD and not zero:
+                        continue
+                    if dp == 1 and zero and offload == NO_OFFLOAD:
                         continue
                     if zero == 3 and pp > 1:
                         continue  # ZeRO-3 re-gathers per micro-batch: never paired with pp
@@ -331,6 +370,7 @@ def _variants(
                                         sequence_parallel=sp, secondary_shard=hpz,
                                         quantize_weights=weights, quantize_gradients=grads,
                                         quantize_block=space.quantize_block,
+                                        offload=offload,
                                     )  # fmt: skip
 
 

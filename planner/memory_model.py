@@ -18,6 +18,15 @@ Selective recomputation drops what element-wise ops produce (norm outputs, the S
 GELU output); full recomputation keeps only each block's input and rebuilds one block at a time
 in backward. A rank holds as many micro-batches' activations as its schedule has forwards
 without their backward (`schedule_model.max_in_flight`), each for its layers.
+
+ZeRO's offload (`[zero.offload]`, `plait.plugins.zero.offload`) moves the fp32 master shards,
+the fp32 copies of the gradient shards the optimizer reads and the optimizer state to the host,
+where the optimizer steps; stage 3 also keeps its parameter shards there (an fp32 shard is its
+own master) and uploads one for each gather. The device then holds no master weights, no
+optimizer state and, under stage 3, no parameter shards (the gathered units are its buffers);
+the host terms say what the host holds instead, at the step's peak. With "nvme" the optimizer
+state lives in files between steps and is read back into host memory for each step, so the
+host's peak is the same and the drive holds the state (`disk_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -25,12 +34,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.planner.layouts import Job, Layout
 from plait.planner.link_traffic import secondary_group_size
 from plait.planner.schedule_model import max_in_flight
 
+FP32_BYTES = 4  # offloaded masters and gradient copies are fp32 whatever the precision
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's and ZeRO's default bucket (`bucket_mb`)
 ZERO2_BUCKETS_IN_FLIGHT = 2  # plait.plugins.zero.stage12.MAX_IN_FLIGHT
 
@@ -49,10 +59,25 @@ class MemoryEstimate:
     buffers: float  # gradient buckets, ZeRO-3 gather buffers, pipeline queues
     # hpZ: every unit's secondary shard, held from its forward to its backward
     secondary_shards: float = 0.0
+    # `[zero.offload]`: where the terms below live ("none": nowhere, all zero)
+    offload: str = "none"
+    host_parameters: float = 0.0  # ZeRO-3's parameter shards
+    host_master_weights: float = 0.0  # fp32 master shards (none apart from an fp32 shard)
+    host_gradients: float = 0.0  # fp32 copies of the gradient shards, for the CPU optimizer
+    host_optimizer_state: float = 0.0  # in host memory for the step (nvme: read back for it)
+    disk_optimizer_state: float = 0.0  # nvme: the optimizer state in files between steps
 
     @property
     def model_state(self) -> float:
         return self.parameters + self.gradients + self.master_weights + self.optimizer_state
+
+    @property
+    def host_total(self) -> float:
+        """Host memory the offload takes on this rank at the optimizer step."""
+        return (
+            self.host_parameters + self.host_master_weights + self.host_gradients
+            + self.host_optimizer_state
+        )  # fmt: skip
 
     @property
     def total(self) -> float:
@@ -184,7 +209,7 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
         # node) until its backward gathers from them; at the end of the forward every unit's
         # share is held at once, P/k on top of the primary shards' P/dp.
         secondary = params / secondary_group_size(job, layout) * precision.param_bytes
-    return MemoryEstimate(
+    on_device = MemoryEstimate(
         stage=stage,
         parameters=param_count * precision.param_bytes,
         gradients=grad_count * precision.grad_bytes,
@@ -195,10 +220,48 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
         buffers=buffers,
         secondary_shards=secondary,
     )
+    if not layout.offloaded:
+        return on_device
+    return offloaded(on_device, layout, job, shard_count=optim_count)
+
+
+def offloaded(
+    memory: MemoryEstimate, layout: Layout, job: Job, *, shard_count: float
+) -> MemoryEstimate:
+    """`memory` with `[zero.offload]`'s state moved to the host (and the drive), as
+    `plait.plugins.zero` places it: `ShardedMaster` keeps fp32 masters, fp32 gradient copies
+    and the optimizer state of this rank's `shard_count` elements on the CPU; stage 3's `Unit`
+    keeps its parameter shard there."""
+    precision = job.precision
+    stage3 = layout.zero >= 3
+    # Stage 3's fp32 shard on the host is the optimizer's parameter (no copy); any other
+    # shard, on the device or in a 16-bit dtype, gets an fp32 master on the host.
+    master_aliased = stage3 and precision.param_bytes == FP32_BYTES
+    state = shard_count * precision.optimizer_bytes
+    return replace(
+        memory,
+        parameters=0.0 if stage3 else memory.parameters,
+        master_weights=0.0,
+        optimizer_state=0.0,
+        offload=layout.offload,
+        host_parameters=memory.parameters if stage3 else 0.0,
+        host_master_weights=0.0 if master_aliased else shard_count * FP32_BYTES,
+        host_gradients=shard_count * FP32_BYTES,
+        host_optimizer_state=state,
+        disk_optimizer_state=state if layout.offload == "nvme" else 0.0,
+    )
 
 
 def fits(estimate: MemoryEstimate, usable_bytes: float) -> bool:
     return math.isfinite(estimate.total) and estimate.total <= usable_bytes
+
+
+def fits_host(estimate: MemoryEstimate, usable_host_bytes: float | None) -> bool:
+    """Whether the offloaded state fits the host's share (`None`: no host apart from the
+    device, where offload moves nothing and so cannot make a layout fit)."""
+    if not estimate.host_total:
+        return True
+    return usable_host_bytes is not None and estimate.host_total <= usable_host_bytes
 
 
 def formula_saved_bytes(job: Job, layout: Layout) -> ActivationCount:

@@ -6,14 +6,20 @@ schedule, recomputation, sp) are tuned to that mesh's fastest fitting choice, wh
 published layouts are stated. A layout whose ZeRO++ codecs change the numerics ranks by its
 step time plus `QUANTIZED_MIN_GAIN` (it must be that much faster to win). `why_slower` names the
 terms that make a layout lose to the best.
+
+Offload (`[zero.offload]`) is a second pass: only when no layout fits the device does `plan`
+try the ZeRO layouts with their optimizer state (and stage 3's parameter shards) on the host
+(`SearchSpace.offload`), keeping those whose offloaded state fits the host's share of memory
+too. A layout that fits without offload is therefore always preferred, however much faster an
+offloaded one might be priced; `PlanResult.offloaded` says the pass was needed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from plait.planner.layouts import Job, Layout, SearchSpace, enumerate_layouts
-from plait.planner.memory_model import MemoryEstimate, estimate_memory
+from plait.planner.layouts import NO_OFFLOAD, Job, Layout, SearchSpace, enumerate_layouts
+from plait.planner.memory_model import MemoryEstimate, estimate_memory, fits_host
 from plait.planner.time_model import StepTimeEstimate, estimate_step_time
 
 QUANTIZED_MIN_GAIN = 0.02  # of the predicted step time
@@ -28,6 +34,7 @@ TERM_LABELS = {
     "dp_comm": "data-parallel comm",
     "optimizer": "optimizer step",
     "host_overhead": "host overhead",
+    "offload": "offload transfers",
 }
 
 
@@ -44,6 +51,8 @@ class PlanResult:
     considered: int
     rejected_for_memory: int
     smallest_rejected: Candidate | None  # the least memory among those that do not fit
+    # Whether the ranked layouts offload (no layout fitted without, `[zero.offload]`)
+    offloaded: bool = False
 
     @property
     def best(self) -> Candidate:
@@ -59,15 +68,35 @@ def price(job: Job, layout: Layout) -> Candidate:
 
 
 def plan(job: Job, space: SearchSpace | None = None, *, per_mesh: bool = True) -> PlanResult:
-    """Every valid layout of `job` that fits the device, fastest first."""
-    usable = job.device.usable_memory
+    """Every valid layout of `job` that fits the device, fastest first; with none, those that
+    fit once ZeRO offloads to the host (`SearchSpace.offload`)."""
+    space = space or SearchSpace()
+    result = _plan_pass(job, space, per_mesh=per_mesh, offload=NO_OFFLOAD)
+    if result.ranked or job.device.usable_host_memory is None:
+        return result  # nothing to offload to on a device that is its own host (a CPU)
+    considered, rejected = result.considered, result.rejected_for_memory
+    for device in space.offload:
+        offloaded = _plan_pass(job, space, per_mesh=per_mesh, offload=device)
+        considered += offloaded.considered
+        rejected += offloaded.rejected_for_memory
+        if offloaded.ranked:
+            return replace(
+                offloaded, considered=considered, rejected_for_memory=rejected, offloaded=True
+            )
+    # The smallest rejected stays the one without offload: what the device alone lacks.
+    return replace(result, considered=considered, rejected_for_memory=rejected)
+
+
+def _plan_pass(job: Job, space: SearchSpace, *, per_mesh: bool, offload: str) -> PlanResult:
+    """One pass of the search over the layouts with `offload` ("none": without)."""
+    usable, usable_host = job.device.usable_memory, job.device.usable_host_memory
     fitting: list[Candidate] = []
     considered = rejected = 0
     smallest: Candidate | None = None
-    for layout in enumerate_layouts(job, space):
+    for layout in enumerate_layouts(job, space, offload=offload):
         considered += 1
         memory = estimate_memory(job, layout)
-        if memory.total > usable:
+        if memory.total > usable or not fits_host(memory, usable_host):
             rejected += 1
             if smallest is None or memory.total < smallest.memory.total:
                 smallest = Candidate(

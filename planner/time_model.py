@@ -37,6 +37,17 @@ Communication (α–β, `comm_model`), with the overlap each strategy has in pla
 
 The optimizer step is memory bound: every byte of parameters, gradients and AdamW state it
 reads and writes, at memory bandwidth.
+
+ZeRO's offload (`[zero.offload]`) moves the step to the host: it reads and writes fp32 masters,
+fp32 gradient copies and AdamW state at the host's memory bandwidth (`optimizer`), and
+`offload` prices the host link (`DeviceSpec.host_link`, α–β like the other links): stages 1
+and 2 copy the gradient shard down before the step and the updated parameter shard up after
+it, on the critical path; stage 3 copies the gradient shard down and uploads each unit's shard
+for each gather (forward, and backward unless hpZ), prefetched with the gathers under the
+micro-batch's compute, so only the excess shows. With "nvme" the state is also written to and
+read back from files (`DeviceSpec.disk_bandwidth`) while forward and backward run; only what
+they do not cover shows. On a device with no separate host (a CPU) offload moves nothing and
+costs nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +62,12 @@ from plait.planner.link_traffic import (
     pipeline_cross_node,
     price_transfers,
 )
-from plait.planner.memory_model import DDP_BUCKET_BYTES, layers_on_stage, stage_parameters
+from plait.planner.memory_model import (
+    DDP_BUCKET_BYTES,
+    FP32_BYTES,
+    layers_on_stage,
+    stage_parameters,
+)
 from plait.planner.schedule_model import pipeline_makespan
 
 # Element-wise traffic per token and block, in elements read + written: two norms (2 h in,
@@ -75,6 +91,7 @@ class StepTimeEstimate:
     dp_comm: float  # exposed gradient / parameter collectives
     optimizer: float
     host_overhead: float  # fixed host costs: tp dispatch, ZeRO-3 hooks, per micro-batch
+    offload: float = 0.0  # exposed host-link (and drive) transfers of `[zero.offload]`
     model_flops: float  # per step, whole job (6·N + attention per token)
     hardware_flops: float  # per step, whole job, recomputation included
     world: int
@@ -97,6 +114,7 @@ class StepTimeEstimate:
             + self.dp_comm
             + self.optimizer
             + self.host_overhead
+            + self.offload
         )
 
     @property
@@ -305,13 +323,20 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
     traffic = dp_traffic(priced)
     pipeline_bytes, pipeline_seconds = pipeline_cross_node(job, layout)
     optim_params = params / layout.shard_degree if layout.zero >= 1 else params
-    optimizer_bytes = optim_params * (
-        2 * precision.param_bytes
-        + 2 * precision.grad_bytes
-        + 2 * precision.optimizer_bytes
-        + 2 * precision.master_bytes
-    )
-    optimizer = optimizer_bytes / device.memory_bandwidth
+    offload = 0.0
+    if layout.offloaded and device.host_memory_bytes is not None:
+        # On the host: fp32 masters, fp32 gradient copies and the state, read and written.
+        host_bytes = optim_params * 2 * (2 * FP32_BYTES + precision.optimizer_bytes)
+        optimizer = host_bytes / device.host_memory_bandwidth
+        offload = _offload_seconds(job, layout, optim_params, microbatches, cost)
+    else:
+        optimizer_bytes = optim_params * (
+            2 * precision.param_bytes
+            + 2 * precision.grad_bytes
+            + 2 * precision.optimizer_bytes
+            + 2 * precision.master_bytes
+        )
+        optimizer = optimizer_bytes / device.memory_bandwidth
 
     tokens_per_step = job.global_batch * job.seq_len
     model_flops = model.model_flops_per_token(job.seq_len) * tokens_per_step
@@ -331,6 +356,7 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         dp_comm=dp_comm,
         optimizer=optimizer,
         host_overhead=microbatches * (cost.host_forward + cost.host_backward),
+        offload=offload,
         model_flops=model_flops,
         hardware_flops=model_flops + recompute_flops,
         world=layout.world,
@@ -338,6 +364,29 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         cross_node_bytes=traffic.inter_node + pipeline_bytes,
         cross_node_seconds=traffic.inter_node_seconds + pipeline_seconds,
     )
+
+
+def _offload_seconds(
+    job: Job, layout: Layout, shard: float, microbatches: int, cost: _StageCost
+) -> float:
+    """Exposed seconds per step of `[zero.offload]`'s transfers for this rank's `shard`
+    elements (see the module docstring)."""
+    precision, link = job.precision, job.device.host_link
+    grads_down = collective_seconds("send", 2, shard * precision.grad_bytes, link)
+    if layout.zero < 3:
+        params_up = collective_seconds("send", 2, shard * precision.param_bytes, link)
+        seconds = grads_down + params_up
+    else:
+        units = max(job.model.n_layers, 1)
+        gathers = 1 if layout.secondary_shard else 2  # hpZ's backward gathers from the node
+        upload = units * collective_seconds("send", 2, shard * precision.param_bytes / units, link)
+        seconds = grads_down + microbatches * max(
+            gathers * upload - (cost.forward + cost.backward), 0.0
+        )
+    if layout.offload == "nvme":
+        written_and_read = 2 * shard * precision.optimizer_bytes / job.device.disk_bandwidth
+        seconds += max(written_and_read - microbatches * (cost.forward + cost.backward), 0.0)
+    return seconds
 
 
 def _dp_seconds(

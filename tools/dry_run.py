@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from plait.core.mesh import MESH_AXES
@@ -104,6 +104,10 @@ def estimate(config: PlaitConfig, *, world_size: int, per_node: int, model: Any)
         data, world=world_size, per_node=per_node, device=next(iter(DEVICES.values()))
     )
     layout = layout_from_config(data, world=world_size)
+    if layout.offloaded and _trains_on_cpu(config):
+        # On a CPU run host and device are one memory: the offloaded state stays in it at the
+        # step (nvme reads it back for the step), so the rank's peak is the unoffloaded one.
+        layout = replace(layout, offload="none")
     memory = estimate_memory(job, layout)
     counts = stage_parameter_counts(model, job.model.n_layers, layout.pp)
     return RankEstimate(
@@ -154,6 +158,53 @@ def compiled_blocks_line(config: PlaitConfig, model: Any) -> str | None:
         f"(torch.compile backend {settings.backend}{', fullgraph' if settings.fullgraph else ''}"
         "); hooks around them (ZeRO-3's gathers) run eagerly"
     )
+
+
+def _configured_offload(config: PlaitConfig) -> tuple[str, str]:
+    """(`zero.offload.device`, `zero.offload.path`) when the dp strategy is ZeRO (the only one
+    that reads them), else ("none", "")."""
+    from plait.plugins.zero.config import ZeroConfig
+
+    if not config.parallel.dp_strategy.startswith("zero"):
+        return "none", ""
+    offload = config.section("zero", ZeroConfig).offload
+    return str(offload.device), str(offload.path)
+
+
+def _trains_on_cpu(config: PlaitConfig) -> bool:
+    import torch
+
+    device = config.train.device
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def offload_line(memory: MemoryEstimate, *, device: str, path: str) -> str | None:
+    """What `[zero.offload]` (configured to `device`) keeps off the device and where, or
+    `None` without it."""
+    if device == "none":
+        return None
+    files = f"in files under {path or '(zero.offload.path unset)'} between steps"
+    if memory.offload == "none":  # a CPU run: the state is in host memory already
+        line = f"offload (zero.offload.device = {device}): training on the CPU, the optimizer "
+        if device == "nvme":
+            state = memory.optimizer_state / 2**20
+            return line + f"state ({state:,.1f} MiB per rank) is {files}; the step reads it back"
+        return line + "state is in host memory already: nothing moves"
+    parts = {
+        "parameter shards": memory.host_parameters,
+        "master weights": memory.host_master_weights,
+        "gradient copies": memory.host_gradients,
+        "optimizer state": memory.host_optimizer_state,
+    }
+    shown = ", ".join(f"{name} {v / 2**20:,.1f}" for name, v in parts.items() if v)
+    line = (
+        f"offload (zero.offload.device = {device}): host memory per rank "
+        f"{memory.host_total / 2**20:,.1f} MiB at the optimizer step ({shown}); the table's "
+        "device bytes hold none of it"
+    )
+    if memory.disk_optimizer_state:
+        line += f"; {memory.disk_optimizer_state / 2**20:,.1f} MiB per rank {files}"
+    return line
 
 
 def print_dry_run(
@@ -229,6 +280,10 @@ def print_dry_run(
         table.add_column(column, justify="right")
     table.add_row(*(v if isinstance(v, str) else f"{v / 2**20:,.1f}" for v in columns.values()))
     console.print(table)
+    device, path = _configured_offload(config)
+    offload = offload_line(m, device=device, path=path)
+    if offload:
+        console.print(offload, highlight=False, soft_wrap=True, markup=False)
     console.print(
         "estimates, not measurements: parameters are counted on the meta device, bytes by the "
         "planner's memory model (plait.planner.memory_model). Nothing was launched.",
