@@ -21,7 +21,9 @@ def main(ckpt_dir: str, steps: int, every: int, kill_after: int) -> None:
     config["train"]["steps"] = steps
     engine = Engine(config=config)
     batches = engine_batches(engine)
-    settings = CheckpointIOConfig(dir=ckpt_dir, every=every)
+    # The kill comes a step after a save, which must be on disk by then: a synchronous save (an
+    # asynchronous one, the default, may still be writing when the rank dies).
+    settings = CheckpointIOConfig(dir=ckpt_dir, every=every, async_save=False)
     checkpointer = Checkpointer(engine, batches, settings)
     attach_resilience(
         engine,

@@ -104,6 +104,9 @@ def test_losing_any_node_of_an_etcd_job_shrinks_it_and_resumes(
         f"checkpoint_io.fault_injection.kill_after_step={KILL_AFTER}",
         "checkpoint_io.fault_injection.rank=0",
         "checkpoint_io.fault_injection.scope=node",
+        # The node dies a step after a save, which must be on disk by then (an asynchronous
+        # save, the default, may still be writing).
+        "checkpoint_io.async_save=false",
     ]
     agents = [_launch(elastic, lost) for _ in range(2)]
     # The uninterrupted two-rank run to compare with, meanwhile (its own rendezvous).
