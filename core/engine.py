@@ -60,7 +60,7 @@ from plait.core.selection_check import FALLBACK_SCHEDULE, SelectionCheck
 from plait.core.sharding import ParallelRuntime, ShardContext, StepState
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 from plait.core.token_loss import LossCounting, TokenWeights, scored_tokens, token_weights
-from plait.core.transformers_models import is_transformers_model
+from plait.core.transformers_models import prepare_for_training
 
 OptimizerArg = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -201,10 +201,7 @@ class Engine:
         """What the model's forward takes (read before the shard transforms: context
         parallelism installs its own attention) and which tokens its own loss is a mean over."""
         self.document_inputs = DocumentInputs.of(model)
-        if is_transformers_model(model):
-            # A training step never wants a KV cache; holding one, transformers also skips the
-            # block-diagonal mask of packed rows (their restarting position ids).
-            model.config.use_cache = False
+        prepare_for_training(model)
         return self.document_inputs.loss_counting(model)
 
     def _refuse_an_unused_shard_split(self) -> None:

@@ -33,3 +33,11 @@ def model_kind(model: nn.Module) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     name = type(model).__name__
     return f"{name} (transformers model_type {model_type!r})" if model_type else name
+
+
+def prepare_for_training(model: nn.Module) -> None:
+    """Set what a `transformers` model needs to train under plait (nothing for another model):
+    no KV cache. A training step never wants one, and holding one, transformers also skips the
+    block-diagonal mask of packed rows (their restarting position ids)."""
+    if is_transformers_model(model):
+        model.config.use_cache = False
