@@ -433,6 +433,12 @@ class PlaitConfig(BaseModel):
         self.schedule.choose_default(self.parallel.pp)
         return self
 
+    def plugins_switched_off(self) -> tuple[str, ...]:
+        """Plugins a section turns off, beside `plugins.disable`: `telemetry.enabled = false`
+        takes the telemetry plugin out (it wraps every comm op: a run without it pays
+        nothing per op)."""
+        return () if self.telemetry.enabled else ("telemetry",)
+
     @property
     def extensions(self) -> dict[str, dict[str, Any]]:
         """Plugin sections (anything not a core section), as raw dicts."""

@@ -110,7 +110,7 @@ class Engine:
             provider=cfg.kernels.provider,
         )
         self.comm = Comm(self.plugins)
-        self._drop_disabled_telemetry()
+        self.plugins.switch_off(cfg.plugins_switched_off())
         self.plugins.configure(cfg)
         # The plugins the config selects by name must act (checked over the first steps).
         self.selection_check = SelectionCheck(
@@ -214,12 +214,6 @@ class Engine:
                 "not shard: it would be ignored. Use zero1, zero2 or zero3, or leave dp_shard "
                 "unset"
             )
-
-    def _drop_disabled_telemetry(self) -> None:
-        """The telemetry plugin wraps every comm op: with telemetry off it is not registered."""
-        manager = self.plugins.manager
-        if not self.config.telemetry.enabled and manager.has_plugin("telemetry"):
-            manager.unregister(name="telemetry")
 
     def _build_builtin_model(self) -> nn.Module:
         cfg = self.config

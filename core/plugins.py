@@ -178,6 +178,13 @@ class Plugins:
         """Register a plugin object at run time (tests, user code)."""
         self._register(plugin, name or getattr(plugin, "__name__", repr(plugin)), "<code>")
 
+    def switch_off(self, names: Sequence[str]) -> None:
+        """Unregister the plugins `names` that are registered (a config section turned them
+        off: `PlaitConfig.plugins_switched_off`)."""
+        for name in names:
+            if self.manager.has_plugin(name):
+                self.manager.unregister(name=name)
+
     def configure(self, config: PlaitConfig) -> None:
         try:
             self.manager.hook.plait_configure.call_historic(kwargs={"config": config})

@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OUTSIDE_THE_CORE = ("plugins", "tools", "integrations", "planner", "daemon")
+OUTSIDE_THE_CORE = ("plugins", "tools", "training", "integrations", "planner", "daemon")
 
 
 def reaches_in(tree: ast.AST) -> list[tuple[int, str]]:
