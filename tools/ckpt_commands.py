@@ -95,7 +95,14 @@ def _count(n: int, noun: str) -> str:
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="a checkpoint, or a directory of them")],
     output: Annotated[Path, typer.Option("-o", "--output", help="directory to write")],
-    format: Annotated[str, typer.Option("--format", help="output format: hf")] = "hf",
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="output format: hf (the whole model), or peft (a LoRA job's adapters, for "
+            "peft.PeftModel.from_pretrained)",
+        ),
+    ] = "hf",
     family: Annotated[
         str | None,
         typer.Option(
@@ -105,13 +112,17 @@ def export(
         ),
     ] = None,
 ) -> None:
-    """Write a checkpoint's weights as Hugging Face safetensors plus config.json."""
+    """Write a checkpoint's weights as Hugging Face safetensors plus config.json, or a LoRA
+    job's adapters as peft's adapter_config.json plus adapter_model.safetensors."""
     from plait.plugins.checkpoint.offline import model_weights
     from plait.plugins.huggingface.weights import export_hf, model_fields
     from plait.plugins.models import resolve_model_config
 
+    if format == "peft":
+        _export_peft(checkpoint, output)
+        return
     if format != "hf":
-        _fail(PlaitError(f"--format {format!r} is not supported; allowed: hf"))
+        _fail(PlaitError(f"--format {format!r} is not supported; allowed: hf, peft"))
     try:
         weights, meta = model_weights(checkpoint)
         model = meta.get("model") or {}
@@ -127,6 +138,25 @@ def export(
     console.print(
         f"wrote {len(weights)} tensors as an HF {chosen.model_type} ({chosen.architecture}) "
         f"to {output}",
+        highlight=False,
+        markup=False,
+    )
+
+
+def _export_peft(checkpoint: Path, output: Path) -> None:
+    from plait.plugins.checkpoint.offline import model_weights, read_checkpoint
+    from plait.plugins.lora.export import export_peft, saved_adapter
+
+    try:
+        weights, _ = model_weights(checkpoint)
+        plugin_state = read_checkpoint(checkpoint, prefix="plugins.rank0").get("plugins.rank0")
+        record = saved_adapter(plugin_state)
+        written = export_peft(weights, record, output)
+    except PlaitError as exc:
+        _fail(exc)
+    console.print(
+        f"wrote {len(written)} LoRA tensors (r = {record['peft']['r']}) for base "
+        f"{record['base']['name']!r} to {output}",
         highlight=False,
         markup=False,
     )

@@ -5,12 +5,16 @@ Selected with `parallel.transforms = { adapter = "lora" }` and configured in `[p
 parallelism and before precision, recomputation, compile and data parallelism
 (`records.SHARD_ORDER`): those see the adapted model, so the data-parallel runtime finds the
 base weights frozen and gives them no gradient bucket, no reduction and no optimizer state
-(ZeRO-3 still shards them, to gather them for forward).
+(ZeRO-3 still shards them, and gathers them for forward and backward).
 
 The model comes back wrapped as peft wraps it (`PeftModelForCausalLM` for a transformers causal
 LM, `PeftModel` for any other module), so parameter names are peft's (`base_model.model.…`).
 A `PeftModel` the user built and passes to `plait.initialize` needs no transform at all: its
 frozen weights are treated the same way.
+
+Checkpoints of a job with the transform hold the adapters and their optimizer state; the base
+is named and hashed in them and checked at resume (`state.py`); `plait ckpt export --format
+peft` writes them as a folder peft loads (`export.py`).
 
 Pipeline and tensor parallelism are refused with it: they cut or shard the linear layers the
 adapters wrap, and adapters on their pieces are not tested yet.
@@ -30,8 +34,10 @@ from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
 from plait.plugins.lora.apply import apply_lora
 from plait.plugins.lora.config import SECTION, PeftSection, lora_config, peft_section
+from plait.plugins.lora.export import ADAPTER
+from plait.plugins.lora.state import AdapterState, base_name
 
-__all__ = ["NAME", "PeftSection", "apply_lora", "lora_config", "peft_section"]
+__all__ = ["NAME", "AdapterState", "PeftSection", "apply_lora", "lora_config", "peft_section"]
 
 NAME = "lora"
 AXIS = "adapter"
@@ -49,7 +55,16 @@ strategies = Strategies()
     description="LoRA adapters with peft; the base weights frozen",
 )
 def shard_lora(model: nn.Module, *, context: ShardContext, config: PeftSection) -> Sharded:
-    return Sharded(module=apply_lora(model, config, seed=context.config.train.seed))
+    name = base_name(model)
+    adapted = apply_lora(model, config, seed=context.config.train.seed)
+    task_type = adapted.peft_config[ADAPTER].task_type
+    state = AdapterState(
+        adapted, config, name=name, task_type=None if task_type is None else str(task_type)
+    )
+    # Its engine's plugin, for the checkpoint-state hooks (named per engine: a process may
+    # hold several).
+    context.plugins.register(state, name=f"lora-adapter-{id(state):x}")
+    return Sharded(module=adapted, runtime=state)
 
 
 @hookimpl

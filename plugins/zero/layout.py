@@ -12,7 +12,9 @@ Weights are described by the fp32 masters: the truth when the model runs in lowe
 After a load the masters are copied into the model's chunks and published: stages 1 and 2
 all-gather the chunks into every rank's full flat buffers (the all-gather that follows an
 optimizer step); stage 3 refreshes the units that are gathered and gathers the others from their
-shards on the next forward. Frozen parameters are in no segment: they keep the earlier layout.
+shards on the next forward. Frozen parameters are in no segment under stages 1 and 2: they keep
+the earlier layout; stage 3 shards them in units of their own (`frozen_shard_layout`), with no
+optimizer state.
 """
 
 from __future__ import annotations
@@ -169,6 +171,46 @@ def sharded_master_layout(
         publish()
 
     return previous.map(refine).then(copy_masters_and_publish)
+
+
+def frozen_shard_layout(
+    previous: StateLayout,
+    units: Sequence[Unit],
+    axes: tuple[str, ...],
+    replica_axes: tuple[str, ...],
+) -> StateLayout:
+    """`previous` with every parameter of stage 3's frozen units described by its flat ranges
+    of this rank's shards (no optimizer state: nothing optimises them). A load writes into the
+    shards; the units' publish (`regather_units`) refreshes those that are gathered."""
+    held: dict[int, list[tuple[Unit, Piece]]] = {}
+    for unit in units:
+        if unit.trainable:
+            continue
+        for slot in unit.segment.slots:
+            held.setdefault(id(slot.param), [])
+        for piece in unit.segment.pieces():
+            held[id(piece.slot.param)].append((unit, piece))
+
+    def refine(entry: ParameterLayout) -> ParameterLayout:
+        pieces = held.get(id(entry.param))
+        if pieces is None:
+            return entry
+        if len(entry.value.pieces) != 1 or entry.value.pieces[0].region.flat is not None:
+            raise ValueError(
+                f"ZeRO-3 shards frozen {entry.name!r} as a flat range of one block, but an "
+                f"earlier transform declared it as {len(entry.value.pieces)} piece(s)"
+            )
+        block = entry.value.pieces[0].region
+        values = tuple(
+            LocalPiece(
+                block.flat_range(piece.param_start, piece.param_start + piece.numel),
+                tensor=unit.shard[piece.chunk_start : piece.chunk_start + piece.numel],
+            )
+            for unit, piece in pieces
+        )
+        return replace(entry, value=_sharded(entry.value, values, axes, replica_axes))
+
+    return previous.map(refine)
 
 
 def regather_units(units: Sequence[Unit], comm: Comm) -> None:

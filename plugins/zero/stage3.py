@@ -53,7 +53,11 @@ from plait.core.transforms import ExpertParallelism
 from plait.plugins.zero.config import ZeroConfig
 from plait.plugins.zero.flat_buffer import Segment
 from plait.plugins.zero.groups import split_by_group
-from plait.plugins.zero.layout import regather_units, sharded_master_layout
+from plait.plugins.zero.layout import (
+    frozen_shard_layout,
+    regather_units,
+    sharded_master_layout,
+)
 from plait.plugins.zero.offload import master_device
 from plait.plugins.zero.optimizer import ShardedMaster, model_state_report
 from plait.plugins.zero.reduction import (
@@ -120,16 +124,16 @@ def find_units(model: nn.Module, rule: str | list[str]) -> list[tuple[str, nn.Mo
 
 
 def unit_parameters(
-    model: nn.Module, units: Sequence[tuple[str, nn.Module]]
+    model: nn.Module, units: Sequence[tuple[str, nn.Module]], *, trainable: bool = True
 ) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Trainable parameters per unit (and `ROOT`), named as in `model`; a parameter shared by
-    two units cannot be sharded by both and is an error."""
+    """Trainable (or, `trainable=False`, frozen) parameters per unit (and `ROOT`), named as in
+    `model`; a parameter shared by two units cannot be sharded by both and is an error."""
     owner: dict[int, str] = {}
     by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for unit_name, module in units:
         by_unit[unit_name] = []
         for name, p in module.named_parameters(remove_duplicate=False):
-            if not p.requires_grad:
+            if p.requires_grad != trainable:
                 continue
             previous = owner.get(id(p))
             if previous is not None and previous != unit_name:
@@ -142,7 +146,7 @@ def unit_parameters(
                 by_unit[unit_name].append((f"{unit_name}.{name}", p))
     root: list[tuple[str, nn.Parameter]] = []
     for name, p in model.named_parameters(remove_duplicate=False):
-        if not p.requires_grad:
+        if p.requires_grad != trainable:
             continue
         unit_of = owner.get(id(p))
         in_a_unit = any(name == u or name.startswith(f"{u}.") for u, _ in units)
@@ -154,9 +158,6 @@ def unit_parameters(
                 f"zero3: parameter {name} is shared between unit {unit_of!r} and the rest of the "
                 "model (e.g. tied embeddings); untie it or make one unit contain both uses"
             )
-    empty = [u for u, params in by_unit.items() if not params]
-    if empty:
-        raise ConfigError(f"zero3: unit(s) {empty} hold no trainable parameters")
     if root:
         by_unit[ROOT] = root
     return by_unit
@@ -172,8 +173,12 @@ class Unit:
         segment: Segment,
         *,
         shard_device: torch.device,
+        trainable: bool = True,
     ) -> None:
+        # A frozen unit (`requires_grad=False` parameters, e.g. a LoRA base) is sharded and
+        # gathered like the others, and has no gradient chunk, reduction or optimizer state.
         self.name, self.module, self.segment = name, module, segment
+        self.trainable = trainable
         device = segment.device
         self.full = torch.zeros(segment.padded_numel, dtype=segment.dtype, device=device)
         with torch.no_grad():
@@ -181,7 +186,9 @@ class Unit:
         self.shard = segment.chunk_of(self.full).to(shard_device, copy=True)
         for slot, view in zip(segment.slots, segment.views(self.full), strict=True):
             slot.param.data = view
-        self.grad_chunk = torch.zeros(segment.chunk_numel, dtype=segment.dtype, device=device)
+        self.grad_chunk = torch.zeros(
+            segment.chunk_numel if trainable else 0, dtype=segment.dtype, device=device
+        )
         self.slot_index = {id(s.param): i for i, s in enumerate(segment.slots)}
         self.gathered = True
         self.gather_work: Work | None = None
@@ -228,26 +235,32 @@ class FullyShardedRuntime(ParallelRuntime):
             if config.secondary_shard == "node"
             else None
         )
-        # Frozen parameters (a LoRA base) are left whole on every rank for now: no unit, no
-        # gradient bucket, no reduction and no optimizer state (sharding them too is to come).
-        self.frozen = [p for p in model.parameters() if not p.requires_grad]
         selected = find_units(model, config.unit)
         by_unit = unit_parameters(model, selected)
+        # Frozen parameters (a LoRA base) are sharded in units of their own beside the
+        # trainable ones of the same module, gathered and freed with them.
+        frozen = unit_parameters(model, selected, trainable=False)
+        empty = [u for u, _ in selected if not by_unit[u] and not frozen[u]]
+        if empty:
+            raise ConfigError(f"zero3: unit(s) {empty} hold no parameters")
         if config.broadcast_parameters:
             # Every replica starts from the same values: copy over all of dp (× cp).
             everyone = mesh.gradient_group()
             if everyone.size > 1:
                 broadcast_module(model, comm, everyone, experts)
+        if not any(by_unit.values()):
+            raise ValueError("zero3: the module has no trainable parameters")
         device = next(p for params in by_unit.values() for _, p in params).device
         shard_device = master_device(config.offload.device, device)
         modules = {**dict(selected), ROOT: model}
-        order = ([ROOT] if ROOT in by_unit else []) + [u for u, _ in selected]
+        order = ([ROOT] if ROOT in by_unit or ROOT in frozen else []) + [u for u, _ in selected]
         # With ep > 1 a block's experts are a unit of their own on the same module (gathered
         # and resharded with it), sharded over the expert-dp group.
         parts = [
-            (name, part_group, params)
+            (name, part_group, params, trainable)
             for name in order
-            for part_group, params in split_by_group(by_unit[name], group, experts)
+            for trainable, named in ((True, by_unit), (False, frozen))
+            for part_group, params in split_by_group(named.get(name, []), group, experts)
         ]
         self.units = [
             Unit(
@@ -261,23 +274,25 @@ class FullyShardedRuntime(ParallelRuntime):
                     group=part_group,
                 ),
                 shard_device=shard_device,
+                trainable=trainable,
             )
-            for i, (name, part_group, params) in enumerate(parts)
+            for i, (name, part_group, params, trainable) in enumerate(parts)
         ]
-        self.root = self.units[0] if ROOT in by_unit else None
+        self.trained = [u for u in self.units if u.trainable]
+        self.roots = [u for u in self.units if u.name == ROOT]
         for unit in self.units:
             self._reshard(unit)
         self.master = ShardedMaster(
-            [u.segment for u in self.units],
-            [u.shard for u in self.units],
-            [u.grad_chunk for u in self.units],
+            [u.segment for u in self.trained],
+            [u.shard for u in self.trained],
+            [u.grad_chunk for u in self.trained],
             comm=comm,
             group=group,
             mesh=mesh,
             offload=config.offload,
         )
         self._forward_order: list[Unit] = list(self.units)
-        self._last_forward_module = _last_module(self._forward_order, self.root)
+        self._last_forward_module = _last_module(self._forward_order, self.roots)
         self._recording: list[Unit] = []
         self._in_flight: list[PendingReduction] = []
         self._first_microbatch = True
@@ -286,11 +301,18 @@ class FullyShardedRuntime(ParallelRuntime):
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward)
         for unit in self.units:
-            if unit is not self.root:
+            if unit not in self.roots:
                 unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
                 unit.module.register_forward_hook(partial(self._post_forward, unit))
+        for unit in self.trained:
             for slot in unit.segment.slots:
                 slot.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, unit))
+
+    @property
+    def root(self) -> Unit | None:
+        """The first unit of the parameters outside the blocks (the trainable ones when there
+        are both); `roots` holds every such unit."""
+        return next(iter(self.roots), None)
 
     # -- gathering and freeing ---------------------------------------------------------------
 
@@ -356,8 +378,8 @@ class FullyShardedRuntime(ParallelRuntime):
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         del module, args
         self._recording = []
-        if self.root is not None:
-            self._pre_forward(self.root, None, None)
+        for root in self.roots:
+            self._pre_forward(root, None, None)
 
     def _pre_forward(self, unit: Unit, module: nn.Module | None, args: Any) -> None:
         del module, args
@@ -380,13 +402,12 @@ class FullyShardedRuntime(ParallelRuntime):
         del module, args
         if self._recording:
             self._forward_order = list(dict.fromkeys(self._recording))
-            self._last_forward_module = _last_module(self._forward_order, self.root)
-        if self.root is None:
-            return
-        if torch.is_grad_enabled():
-            self._hook_outputs(self.root, output)
-        else:
-            self._reshard(self.root)
+            self._last_forward_module = _last_module(self._forward_order, self.roots)
+        for root in self.roots:
+            if torch.is_grad_enabled():
+                self._hook_outputs(root, output)
+            else:
+                self._reshard(root)
 
     def _hook_outputs(self, unit: Unit, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -403,13 +424,23 @@ class FullyShardedRuntime(ParallelRuntime):
         if unit.backward_prepared:
             return
         unit.backward_prepared = True
+        # A frozen unit gets no gradient that would say its backward is over; the gradient of
+        # an earlier unit's outputs says so (the later units' backward produced it in full).
+        finished = [
+            u
+            for u in self.units
+            if u.backward_prepared and not u.trainable and u.gathered
+            if u.module is not unit.module and u not in self.roots
+        ]
+        for done in finished:
+            self._reshard(done)
         self._unshard(unit, backward=True)
         self._prefetch_after(unit, self._backward_order(), backward=True)
 
     def _backward_order(self) -> list[Unit]:
         # The root's outputs (the head) come first in backward, then the units in reverse.
-        rest = [u for u in reversed(self._forward_order) if u is not self.root]
-        return ([self.root] if self.root is not None else []) + rest
+        rest = [u for u in reversed(self._forward_order) if u not in self.roots]
+        return self.roots + rest
 
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
         segment = unit.segment
@@ -466,7 +497,7 @@ class FullyShardedRuntime(ParallelRuntime):
         """Reduce units whose gradients did not all arrive (unused parameters count as zero),
         in unit order so every rank agrees, wait for every reduction, free everything but
         `keep`."""
-        for unit in self.units:
+        for unit in self.trained:
             if not unit.reduced:
                 self._reduce(unit)
         for pending in self._in_flight:
@@ -483,7 +514,7 @@ class FullyShardedRuntime(ParallelRuntime):
         return [
             u
             for u in self.units
-            if u.gathered and (u is self.root or u.module is self._last_forward_module)
+            if u.gathered and (u in self.roots or u.module is self._last_forward_module)
         ]
 
     # -- ParallelRuntime -----------------------------------------------------------------------
@@ -515,7 +546,7 @@ class FullyShardedRuntime(ParallelRuntime):
 
     def _average_across_replicas(self) -> None:
         # HSDP: once per step, the micro-batches already summed into the chunks.
-        average_across_replicas(self.comm, self.replicas, [u.grad_chunk for u in self.units])
+        average_across_replicas(self.comm, self.replicas, [u.grad_chunk for u in self.trained])
 
     def build_optimizer(
         self, module: nn.Module, factory: OptimizerFactory
@@ -535,7 +566,7 @@ class FullyShardedRuntime(ParallelRuntime):
             self.master.files.wait()  # count what is really resident, not what is in flight
         gathered = [u.full for u in self.units if u.gathered]
         report = model_state_report(
-            parameters=storage_bytes([*(u.shard for u in self.units), *gathered, *self.frozen])
+            parameters=storage_bytes([*(u.shard for u in self.units), *gathered])
             + self.master.master_bytes(),
             gradients_at_step=self._gradient_bytes_at_step,
             resident_gradients=self.master.gradient_bytes()
@@ -544,7 +575,7 @@ class FullyShardedRuntime(ParallelRuntime):
         )
         report["peak_gathered_parameters"] = self.peak_gathered_bytes
         report["largest_unit_parameters"] = max(u.full_bytes for u in self.units)
-        report["frozen_parameters"] = storage_bytes(self.frozen)
+        report["frozen_parameters"] = storage_bytes(u.shard for u in self.units if not u.trainable)
         if self.master.files is not None:
             report["offloaded_optimizer_state"] = self.master.files.offloaded_bytes
         return report
@@ -567,7 +598,9 @@ class FullyShardedRuntime(ParallelRuntime):
 
     def state_layout(self, previous: StateLayout) -> StateLayout:
         publish = partial(regather_units, self.units, self.comm)
-        return sharded_master_layout(previous, self.master, publish=publish)
+        axes, replicas = self.master.shard_axes, self.master.replica_axes
+        frozen = frozen_shard_layout(previous, self.units, axes, replicas)
+        return sharded_master_layout(frozen, self.master, publish=publish)
 
     def state_dict(self) -> dict[str, Any]:
         return self.master.state_dict()
@@ -576,9 +609,10 @@ class FullyShardedRuntime(ParallelRuntime):
         self.master.load_state_dict(state)
 
 
-def _last_module(order: Sequence[Unit], root: Unit | None) -> nn.Module | None:
-    """The module of the last unit other than the root in `order` (its experts' unit shares it)."""
-    return next((u.module for u in reversed(order) if u is not root), None)
+def _last_module(order: Sequence[Unit], roots: Sequence[Unit]) -> nn.Module | None:
+    """The module of the last unit other than the roots in `order` (its experts' unit and its
+    frozen unit share it)."""
+    return next((u.module for u in reversed(order) if u not in roots), None)
 
 
 def _group(unit: Unit) -> Group:

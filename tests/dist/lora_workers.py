@@ -121,25 +121,35 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         losses.append(engine.train_step(mine))
     module = engine.module
     trainable = [p for p in module.parameters() if p.requires_grad]
-    # The frozen base, by its transformers name (peft inserts `base_layer` into adapted ones).
-    frozen_same = all(
-        torch.equal(p.detach(), base[_base_name(n)])
-        for n, p in module.named_parameters()
-        if not p.requires_grad
-    )
-    layout = describe_state(engine.module, engine.optimizer, engine.runtimes, engine.mesh)
-    pieces = {}
+    # What checkpoints hold: with the transform, the adapters alone (the base is hashed).
+    saved = describe_state(engine.module, engine.optimizer, engine.runtimes, engine.mesh)
+    saved_frozen = sum(not entry.param.requires_grad for entry in saved.parameters)
+    # How the data-parallel runtime holds the base: every runtime but the adapter's.
+    runtimes = [r for r in engine.runtimes if r.name != "lora"]
+    layout = describe_state(engine.module, engine.optimizer, runtimes, engine.mesh)
+    pieces: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
+    frozen_same, frozen_held = True, 0
     for entry in layout.parameters:
-        if not entry.param.requires_grad:
-            continue
         for piece in entry.value.pieces:
             region = piece.region
             flat = region.flat or (0, region.numel)
-            pieces.setdefault(entry.name, []).append((flat, piece.read().detach().reshape(-1)))
+            values = piece.read().detach().reshape(-1)
+            if entry.param.requires_grad:
+                pieces.setdefault(entry.name, []).append((flat, values))
+                continue
+            # The frozen base (whole, or this rank's ZeRO-3 range of it) is still as built, by
+            # its transformers name (peft inserts `base_layer` into the adapted layers' names).
+            expected = base[_base_name(entry.name)].reshape(-1)[flat[0] : flat[1]]
+            frozen_same = frozen_same and torch.equal(values, expected)
+            frozen_held += values.numel()
+    memory = engine.memory_report()
     return {
         "losses": losses,
         "gradient_bytes_last_step": dict(recorder.bytes),
-        "optimizer_state_bytes": engine.memory_report()["optimizer_state"],
+        "optimizer_state_bytes": memory["optimizer_state"],
+        "frozen_bytes": memory.get("frozen_parameters"),
+        "frozen_held": frozen_held,
+        "frozen_in_checkpoints": saved_frozen,
         "adapter_numel": sum(p.numel() for p in trainable),
         "frozen_numel": sum(p.numel() for p in module.parameters() if not p.requires_grad),
         "base_numel": sum(t.numel() for t in base.values()),

@@ -32,6 +32,10 @@ CASES = {
         "users_model": True,
         "config": {"parallel": {"dp_strategy": "zero2"}},
     },
+    "users_peft_model_zero3": {
+        "users_model": True,
+        "config": {"parallel": {"dp_strategy": "zero3"}},
+    },
 }
 
 
@@ -77,3 +81,14 @@ def test_lora_equals_one_process(name: str, reference: dict, runs: list[dict]) -
                 covered[entry_name] += end - start if sharded else 0
     if sharded:
         assert covered == {n: t.numel() for n, t in adapters.items()}
+    # Checkpoints leave the base out when the transform added the adapters (it is hashed);
+    # a user's own PeftModel is checkpointed whole.
+    assert all((r["frozen_in_checkpoints"] == 0) != name.startswith("users") for r in ranks)
+    # The frozen base: whole on every rank, but sharded by ZeRO-3 (each rank holds its half).
+    base_numel = ranks[0]["base_numel"]
+    if name.endswith("zero3"):
+        assert sum(r["frozen_held"] for r in ranks) == base_numel
+        assert all(r["frozen_held"] < base_numel for r in ranks)
+        assert all(r["frozen_bytes"] <= 4 * (base_numel // 2 + 64) for r in ranks)
+    else:
+        assert all(r["frozen_held"] == base_numel for r in ranks)

@@ -1,0 +1,90 @@
+"""What a LoRA job's checkpoint holds: the adapters and their optimizer state, not the base.
+
+The frozen base is the model the job started from (a pretrained checkpoint, loaded before
+`plait.initialize`): writing it again at every save would cost its whole size for nothing.
+The adapter transform's runtime leaves it out of the state layout that checkpoints are written
+from and read into, and the checkpoint names the base instead, with a content hash:
+
+    plugins.rank<r>   {"lora": {"peft": {...[peft]...}, "base": {"name": ..., "sha256": ...}}}
+
+At resume the hash of the base the job holds now must equal the saved one, or the adapters
+would be put on another model; the `[peft]` section is what `plait ckpt export --format peft`
+writes as peft's `adapter_config.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.core.errors import CheckpointError
+from plait.core.hookspecs import hookimpl
+from plait.core.sharding import ParallelRuntime
+from plait.core.state_layout import ParameterLayout, StateLayout
+from plait.plugins.lora.config import PeftSection
+
+KEY = "lora"
+
+
+def base_hash(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of the frozen parameters' names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        value = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+def base_name(model: nn.Module) -> str:
+    """The name a transformers model was loaded under (`name_or_path`), else its class."""
+    config = getattr(model, "config", None)
+    return str(getattr(config, "name_or_path", "") or type(model).__name__)
+
+
+class AdapterState(ParallelRuntime):
+    """The `lora` transform's runtime: the base left out of checkpoints, named and hashed in
+    them, and checked when one is loaded. Registered as a plugin of its engine, for the
+    checkpoint-state hooks."""
+
+    name = "lora"
+
+    def __init__(
+        self, adapted: nn.Module, section: PeftSection, *, name: str, task_type: str | None
+    ) -> None:
+        frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
+        self._frozen = {id(p) for _, p in frozen}
+        self.record = {
+            "peft": section.model_dump(mode="json"),
+            "task_type": task_type,
+            "base": {"name": name, "sha256": base_hash(frozen), "parameters": len(frozen)},
+        }
+
+    def state_layout(self, previous: StateLayout) -> StateLayout:
+        def keep(entry: ParameterLayout) -> ParameterLayout | None:
+            return None if id(entry.param) in self._frozen else entry
+
+        return previous.map(keep)
+
+    @hookimpl
+    def plait_checkpoint_state(self, rank: int) -> dict[str, Any] | None:
+        del rank
+        return {KEY: self.record}
+
+    @hookimpl
+    def plait_load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        saved = state.get(KEY)
+        if saved is None:
+            return
+        theirs, ours = saved["base"], self.record["base"]
+        if theirs["sha256"] != ours["sha256"]:
+            raise CheckpointError(
+                f"the checkpoint's adapters were trained on base {theirs['name']!r} "
+                f"(sha256 {theirs['sha256'][:12]}…, {theirs['parameters']} frozen tensors); this "
+                f"job's base is {ours['name']!r} (sha256 {ours['sha256'][:12]}…, "
+                f"{ours['parameters']}): load the same base model before plait.initialize"
+            )

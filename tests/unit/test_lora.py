@@ -1,0 +1,110 @@
+"""The `lora` transform's section, its checks and how it adds adapters (one process, no ranks).
+
+Equality with one process under DDP and ZeRO is `tests/dist/test_lora.py`'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from plait.core.config import load_config
+from plait.core.errors import ConfigError
+from plait.plugins.lora import PeftSection, apply_lora, lora_config, plait_configure
+
+peft = pytest.importorskip("peft")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(16, 16)
+        self.wo = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(torch.relu(self.wq(x)))
+
+
+class Tiny(nn.Module):
+    """Not a transformers model: peft wraps it in a plain `PeftModel`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_section_keys_become_peft_lora_config() -> None:
+    section = PeftSection(r=4, alpha=32, dropout=0.1, target_modules=["wq"], bias="lora_only")
+    config = lora_config(section, task_type=None)
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (4, 32, 0.1)
+    assert set(config.target_modules) == {"wq"} and config.bias == "lora_only"
+    assert config.init_lora_weights is True and config.task_type is None
+
+
+def test_adapters_train_and_the_base_is_frozen() -> None:
+    section = PeftSection(r=4, target_modules=["wq", "wo"])
+    adapted = apply_lora(Tiny(), section, seed=3)
+    assert isinstance(adapted, peft.PeftModel)
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    # 2 blocks × 2 layers × (A: 4 × 16 + B: 16 × 4)
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == 2 * 2 * 128
+    frozen = [p for p in adapted.parameters() if not p.requires_grad]
+    assert sum(p.numel() for p in frozen) == sum(p.numel() for p in Tiny().parameters())
+
+
+def test_adapters_come_from_the_seed_alone() -> None:
+    section = PeftSection(r=4, target_modules=["wq"])
+    bases = [Tiny(), Tiny(), Tiny()]
+    torch.manual_seed(123)
+    first = apply_lora(bases[0], section, seed=5)
+    # The job's own random stream is left where it was.
+    drawn_after = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(4), drawn_after)
+    # Another random state before: the same adapters; another seed: others.
+    second = apply_lora(bases[1], section, seed=5)
+    third = apply_lora(bases[2], section, seed=6)
+
+    def a_matrices(model: nn.Module) -> list[torch.Tensor]:
+        return [p for n, p in model.named_parameters() if "lora_A" in n]
+
+    pairs = zip(a_matrices(first), a_matrices(second), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert not torch.equal(a_matrices(first)[0], a_matrices(third)[0])
+
+
+def test_a_peft_model_is_not_adapted_twice() -> None:
+    section = PeftSection(target_modules=["wq"])
+    adapted = apply_lora(Tiny(), section, seed=0)
+    with pytest.raises(ConfigError, match="already a PeftModel"):
+        apply_lora(adapted, section, seed=0)
+
+
+def test_targets_that_match_nothing_are_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"\[peft\]"):
+        apply_lora(Tiny(), PeftSection(target_modules=["q_proj"]), seed=0)
+
+
+def test_peft_section_without_the_transform_is_refused() -> None:
+    config = load_config({"peft": {"r": 4}})
+    with pytest.raises(ConfigError, match="no adapter is applied"):
+        plait_configure(config=config)
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp"])
+def test_pipeline_and_tensor_parallel_are_refused(axis: str) -> None:
+    config = load_config({"parallel": {axis: 2, "transforms": {"adapter": "lora"}}})
+    with pytest.raises(ConfigError, match=f"parallel.{axis} = 2"):
+        plait_configure(config=config)
+
+
+def test_the_transform_alone_is_accepted() -> None:
+    plait_configure(config=load_config({"parallel": {"transforms": {"adapter": "lora"}}}))
