@@ -23,6 +23,7 @@ READING_ORDER = (
     "parallelisms.md",
     "zero-plus-plus.md",
     "your-own-model.md",
+    "fine-tuning.md",
     "how-a-step-runs.md",
     "planning.md",
     "plugins.md",
