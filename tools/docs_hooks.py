@@ -22,6 +22,7 @@ READING_ORDER = (
     "chat-data.md",
     "parallelisms.md",
     "zero-plus-plus.md",
+    "offload.md",
     "your-own-model.md",
     "fine-tuning.md",
     "how-a-step-runs.md",
