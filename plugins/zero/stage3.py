@@ -23,6 +23,11 @@ what the user built while holding no memory.
   dp ranks of its node, and backward all-gathers the unit from those inside the node, so only
   forward's gather crosses nodes (forward always gathers from the primary shards). The
   secondary shards are dropped when backward gathers from them and at the end of the step.
+- Frozen parameters (`requires_grad=False`, e.g. a LoRA base) are sharded too, in units of
+  their own beside the trainable ones of the same module, gathered and freed with them in
+  forward and gathered again for backward (input gradients need them); they take no gradient
+  bucket, reduction or optimizer state, and are freed once the unit before them starts its
+  backward.
 - HSDP (`parallel.dp_shard`): the units are sharded over the shard group, and the other
   replicas hold the same shards; the summed chunks are averaged across the replica group once,
   at the gradient-sync boundary, so the slow cross-node link carries `B / dp_shard` per step

@@ -106,6 +106,21 @@ def test_export_loads_with_peft_onto_the_base(checkpoint: tuple, tmp_path: Path)
         app, ["export", str(path), "--format", "peft", "-o", str(tmp_path / "adapter")]
     )
     assert out.exit_code == 0, out.output
+    # The files are those peft itself writes for the same adapters: tensor names, config.
+    from safetensors import safe_open
+
+    own = peft.get_peft_model(
+        build(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    own.save_pretrained(tmp_path / "peft_own")
+    names = {}
+    for folder in ("adapter", "peft_own"):
+        with safe_open(tmp_path / folder / "adapter_model.safetensors", "pt") as f:
+            names[folder] = set(f.keys())
+    assert names["adapter"] == names["peft_own"]
+    config = peft.PeftConfig.from_pretrained(tmp_path / "adapter")
+    assert (config.r, config.lora_alpha) == (4, 8)
+    assert set(config.target_modules) == {"q_proj", "v_proj"}
     loaded = peft.PeftModel.from_pretrained(build(), tmp_path / "adapter")
     assert loaded.peft_config["default"].r == 4
     assert sum(p.numel() for n, p in loaded.named_parameters() if ".lora_" in n) == adapters
