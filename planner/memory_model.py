@@ -26,7 +26,8 @@ own master) and uploads one for each gather. The device then holds no master wei
 optimizer state and, under stage 3, no parameter shards (the gathered units are its buffers);
 the host terms say what the host holds instead, at the step's peak. With "nvme" the optimizer
 state lives in files between steps and is read back into host memory for each step, so the
-host's peak is the same and the drive holds the state (`disk_optimizer_state`).
+host's peak is the same and the drive holds the state (`disk_optimizer_state`). On a device
+that is its own host (`DeviceSpec.host_memory_bytes = None`, a CPU) nothing moves.
 """
 
 from __future__ import annotations
@@ -222,6 +223,11 @@ def _stage_memory(job: Job, layout: Layout, stage: int) -> MemoryEstimate:
     )
     if not layout.offloaded:
         return on_device
+    if job.device.host_memory_bytes is None:
+        # A CPU is its own host: the state stays where it is (nvme still keeps it in files
+        # between steps, and reads it back for the step).
+        files = optim_count * precision.optimizer_bytes if layout.offload == "nvme" else 0.0
+        return replace(on_device, offload=layout.offload, disk_optimizer_state=files)
     return offloaded(on_device, layout, job, shard_count=optim_count)
 
 

@@ -100,14 +100,12 @@ def estimate(config: PlaitConfig, *, world_size: int, per_node: int, model: Any)
 
     data = config.model_dump(mode="json")
     # The job's device prices time only; memory is the same on any, so a nominal one is given.
-    job = job_for_config(
-        data, world=world_size, per_node=per_node, device=next(iter(DEVICES.values()))
-    )
+    # Except that a CPU is its own host, which ZeRO's offload then leaves where it is.
+    device = next(iter(DEVICES.values()))
+    if _trains_on_cpu(config):
+        device = replace(device, host_memory_bytes=None)
+    job = job_for_config(data, world=world_size, per_node=per_node, device=device)
     layout = layout_from_config(data, world=world_size)
-    if layout.offloaded and _trains_on_cpu(config):
-        # On a CPU run host and device are one memory: the offloaded state stays in it at the
-        # step (nvme reads it back for the step), so the rank's peak is the unoffloaded one.
-        layout = replace(layout, offload="none")
     memory = estimate_memory(job, layout)
     counts = stage_parameter_counts(model, job.model.n_layers, layout.pp)
     return RankEstimate(
@@ -160,15 +158,10 @@ def compiled_blocks_line(config: PlaitConfig, model: Any) -> str | None:
     )
 
 
-def _configured_offload(config: PlaitConfig) -> tuple[str, str]:
-    """(`zero.offload.device`, `zero.offload.path`) when the dp strategy is ZeRO (the only one
-    that reads them), else ("none", "")."""
+def _offload_path(config: PlaitConfig) -> str:
     from plait.plugins.zero.config import ZeroConfig
 
-    if not config.parallel.dp_strategy.startswith("zero"):
-        return "none", ""
-    offload = config.section("zero", ZeroConfig).offload
-    return str(offload.device), str(offload.path)
+    return str(config.section("zero", ZeroConfig).offload.path)
 
 
 def _trains_on_cpu(config: PlaitConfig) -> bool:
@@ -178,16 +171,17 @@ def _trains_on_cpu(config: PlaitConfig) -> bool:
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
-def offload_line(memory: MemoryEstimate, *, device: str, path: str) -> str | None:
-    """What `[zero.offload]` (configured to `device`) keeps off the device and where, or
+def offload_line(memory: MemoryEstimate, *, path: str) -> str | None:
+    """What `[zero.offload]` keeps off the device and where (its files under `path`), or
     `None` without it."""
+    device = memory.offload
     if device == "none":
         return None
     files = f"in files under {path or '(zero.offload.path unset)'} between steps"
-    if memory.offload == "none":  # a CPU run: the state is in host memory already
+    if not memory.host_total:  # a CPU run: the state is in host memory already
         line = f"offload (zero.offload.device = {device}): training on the CPU, the optimizer "
         if device == "nvme":
-            state = memory.optimizer_state / 2**20
+            state = memory.disk_optimizer_state / 2**20
             return line + f"state ({state:,.1f} MiB per rank) is {files}; the step reads it back"
         return line + "state is in host memory already: nothing moves"
     parts = {
@@ -280,8 +274,7 @@ def print_dry_run(
         table.add_column(column, justify="right")
     table.add_row(*(v if isinstance(v, str) else f"{v / 2**20:,.1f}" for v in columns.values()))
     console.print(table)
-    device, path = _configured_offload(config)
-    offload = offload_line(m, device=device, path=path)
+    offload = offload_line(m, path=_offload_path(config))
     if offload:
         console.print(offload, highlight=False, soft_wrap=True, markup=False)
     console.print(

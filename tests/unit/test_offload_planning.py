@@ -122,6 +122,11 @@ def test_offload_prices_the_host_link_and_the_cpu_optimizer_step() -> None:
     cpu_job = _job(device=dataclasses.replace(device, host_memory_bytes=None))
     on_cpu = estimate_step_time(cpu_job, Layout(dp=4, zero=1, micro_batch=4, offload="cpu"))
     assert on_cpu == estimate_step_time(cpu_job, Layout(dp=4, zero=1, micro_batch=4))
+    kept = estimate_memory(cpu_job, Layout(dp=4, zero=1, micro_batch=4, offload="cpu"))
+    assert kept.total == estimate_memory(cpu_job, Layout(dp=4, zero=1, micro_batch=4)).total
+    assert kept.host_total == 0 and kept.optimizer_state > 0
+    files = estimate_memory(cpu_job, Layout(dp=4, zero=1, micro_batch=4, offload="nvme"))
+    assert files.disk_optimizer_state == kept.optimizer_state and files.total == kept.total
 
 
 # ------------------------------------------------------------------------------------ search
@@ -218,6 +223,9 @@ def test_the_dry_run_shows_the_device_without_the_state_and_the_host_with_it() -
     assert f"optimizer state {8 * params / 2**20:,.1f}" in line, line
     nvme = _dry_run(*gpu, "zero.offload.device=nvme", "zero.offload.path=/tmp/plait-offload")
     assert f"{8 * params / 2**20:,.1f} MiB per rank in files under /tmp/plait-offload" in nvme
-    on_cpu = _dry_run("parallel.dp_strategy=zero1", "train.device=cpu", "zero.offload.device=cpu")
+    cpu = ("parallel.dp_strategy=zero1", "train.device=cpu", "model.overrides.dim=512")
+    on_cpu = _dry_run(*cpu, "zero.offload.device=cpu")
     assert "training on the CPU" in on_cpu and "nothing moves" in on_cpu
-    assert _optimizer_column(on_cpu) > 0  # the state is counted where it stays
+    assert _optimizer_column(on_cpu) == _optimizer_column(plain) > 0  # counted where it stays
+    files = _dry_run(*cpu, "zero.offload.device=nvme", "zero.offload.path=/tmp/plait-offload")
+    assert f"state ({8 * params / 2**20:,.1f} MiB per rank) is in files under" in files
