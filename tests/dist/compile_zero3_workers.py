@@ -3,6 +3,7 @@ import them): losses, full parameters, and what Dynamo compiled, broke and recom
 
 from __future__ import annotations
 
+import faulthandler
 from typing import Any
 
 import torch
@@ -18,6 +19,13 @@ from tests.dist.compile_workers import (
     make_engine,
 )
 from tests.dist.precision_workers import global_batches, local_share
+
+HANG_SECONDS = 240
+
+
+def _dump_stacks_if_hung() -> None:
+    # A hung rank prints every thread's stack before the test's timeout kills it.
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=False)
 
 
 def _dynamo_counts() -> dict[str, Any]:
@@ -43,6 +51,7 @@ def train(
     from torch._dynamo.utils import counters, guard_failures
 
     _register_counting_backend()
+    _dump_stacks_if_hung()
     results: dict[str, Any] = {}
     for name, run in runs.items():
         torch._dynamo.reset()
@@ -74,6 +83,7 @@ def train(
             **_dynamo_counts(),
         }
         engine.close()
+    faulthandler.cancel_dump_traceback_later()
     return results
 
 
@@ -87,6 +97,7 @@ def train_hf_zero3(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     import plait
 
     _register_counting_backend()
+    _dump_stacks_if_hung()
     tokens = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
     share = tokens.shape[0] // world_size
     mine = tokens[rank * share : (rank + 1) * share]
@@ -123,4 +134,5 @@ def train_hf_zero3(rank: int, world_size: int, steps: int) -> dict[str, Any]:
             **_dynamo_counts(),
         }
         engine.close()
+    faulthandler.cancel_dump_traceback_later()
     return results

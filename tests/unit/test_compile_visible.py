@@ -4,13 +4,20 @@ watch's lines count graphs, graph breaks with Dynamo's reasons, and recompilatio
 from __future__ import annotations
 
 import io
+import logging
 from collections import Counter
+from typing import Any
 
 from rich.console import Console
 
 from plait.core.config import load_config
 from plait.core.plugins import Plugins
-from plait.plugins.compile.watch import CompileCounts, first_step_summary, recompile_summary
+from plait.plugins.compile.watch import (
+    CompileCounts,
+    CompileWatch,
+    first_step_summary,
+    recompile_summary,
+)
 from plait.tools.dry_run import print_dry_run
 
 TINY = {"model": {"name": "llama", "size": "tiny"}, "telemetry": {"enabled": False}}
@@ -80,3 +87,20 @@ def test_a_recompilation_is_named_with_its_guard_failure() -> None:
         "compiled blocks recompiled in step 7: 0/1: tensor 'x' size mismatch at index 1. "
         "expected 16, actual 8"
     )
+
+
+def test_rank_0_logs_the_summary_once_and_other_ranks_stay_quiet(caplog: Any) -> None:
+    import torch
+
+    torch._dynamo.reset()
+    watches = [CompileWatch(blocks=1, rank=rank) for rank in (0, 1)]
+    layer = torch.nn.Linear(4, 4)
+    layer.forward = torch.compile(layer.forward, backend="eager")
+    with caplog.at_level(logging.WARNING, logger="plait.compile"):
+        for _ in range(3):  # three steps of one shape: compiled once, logged once
+            layer(torch.randn(2, 4))
+            for watch in watches:
+                watch.plait_step_end(None)  # type: ignore[arg-type]
+    logged = [r.getMessage() for r in caplog.records if r.name == "plait.compile"]
+    assert logged == watches[0].summaries == watches[1].summaries
+    assert len(logged) == 1 and logged[0].startswith("compiled blocks: 1 graph for 1 block,")
