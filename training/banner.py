@@ -9,6 +9,7 @@ from plait.core.comm_algorithms import chosen_algorithm
 from plait.core.peak_flops import PeakFlops
 
 if TYPE_CHECKING:
+    from plait.core.config import CheckpointIOSection
     from plait.core.engine import Engine
     from plait.core.state_layout import StateLayout
     from plait.plugins.data import TokenBatches
@@ -53,7 +54,21 @@ def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> li
         from plait.core.peak_flops import calibration_path
 
         lines.append(f"CPU peak cached in {calibration_path()}")
+    if cfg.checkpoint_io.dir:
+        lines.append(checkpoint_line(cfg.checkpoint_io))
     return lines
+
+
+def checkpoint_line(settings: CheckpointIOSection) -> str:
+    """Where checkpoints go, how often, and whether the step waits for their writes."""
+    when = f"every {settings.every} steps" if settings.every else "at the end"
+    how = (
+        "asynchronous (the step waits for a host copy of the state; the write runs beside training)"
+        if settings.async_save
+        else "synchronous (the step waits for the write)"
+    )
+    keep = f"keep {settings.keep}" if settings.keep else "keep all"
+    return f"checkpoints: {when} to {settings.dir} · {how} · {keep}"
 
 
 def parameters_text(layout: StateLayout, *, pp: int = 1) -> str:

@@ -83,6 +83,7 @@ def run_training(config: PlaitConfig, *, console: Console | None = None) -> Trai
     if records is not None:
         records.close()
     checkpointer.close()
+    summary.saves = list(checkpointer.timings)
     earlier = records.earlier if records is not None else EarlierSteps()
     summary.finish(engine, elapsed=progress.elapsed, peak=progress.peak, earlier=earlier)
     progress.summary(summary)

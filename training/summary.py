@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from plait.core.engine import Engine
+    from plait.plugins.checkpoint.background import SaveTiming
     from plait.training.run_records import EarlierSteps
     from plait.training.steps import RanStep
 
@@ -38,6 +39,8 @@ class TrainingSummary:
     # validation, no saves).
     tokens: int = 0
     step_seconds: float = 0.0
+    # The checkpoints this attempt published, with what each cost.
+    saves: list[SaveTiming] = field(default_factory=list)
 
     def record(self, ran: RanStep, val_loss: float | None) -> None:
         self.losses.append(ran.loss)
@@ -78,6 +81,18 @@ def mean_loss_line(summary: TrainingSummary) -> str:
     )
 
 
+def saves_line(saves: list[SaveTiming]) -> str:
+    """`N saved · steps blocked X s in all · written in Y s (in the background)`."""
+    blocked = sum(s.blocked_s for s in saves)
+    written = sum(s.write_s for s in saves)
+    background = sum(s.asynchronous for s in saves)
+    where = f", {background} in the background" if background else ""
+    return (
+        f"{len(saves)} saved (last at step {saves[-1].step}) · the steps waited {blocked:.2f} s "
+        f"in all · written in {written:.2f} s{where}"
+    )
+
+
 def print_summary(console: Console, summary: TrainingSummary) -> None:
     line = f"[bold]done[/bold]: {mean_loss_line(summary)}"
     if summary.val_losses:
@@ -95,6 +110,8 @@ def print_summary(console: Console, summary: TrainingSummary) -> None:
             f"over {clock(summary.run_seconds)} of step time"
         )
     console.print(f"throughput: {attempt}", highlight=False, soft_wrap=True)
+    if summary.saves:
+        console.print(f"checkpoints: {saves_line(summary.saves)}", highlight=False, soft_wrap=True)
     mem = summary.memory
     console.print(
         "memory (rank 0): "
