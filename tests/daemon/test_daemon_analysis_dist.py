@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 import pytest
 
-from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.testing.distributed import run_distributed
 from tests.daemon.analysis_workers import (
     HANG_JOB_ID,
     SLOW_JOB_ID,

@@ -15,9 +15,9 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.testing.distributed import run_distributed
 from plait.tools.cli import app
 from tests.daemon.profile_workers import JOB_ID, train_on_two_daemons
 

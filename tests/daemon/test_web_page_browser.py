@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
+from plait.testing.distributed import run_distributed
 from plait.tools.cli import app
 from tests.daemon.analysis_workers import HANG_JOB_ID, stall_before_all_reduce
 from tests.daemon.web_workers import WEB_JOB_ID, train_paced

@@ -27,8 +27,8 @@ from plait.core.comm import Comm, world_group
 from plait.core.comm_algorithms import GRAD_BUCKET
 from plait.core.config import load_config
 from plait.core.plugins import Plugins
-from plait.testing.distributed import run_distributed
 from plait.plugins.collectives.metering import TrafficMeter
+from plait.testing.distributed import run_distributed
 
 # name -> the [comm] section that selects it (options in [comm.<algorithm>])
 ALGORITHMS: dict[str, dict[str, object]] = {

@@ -46,8 +46,8 @@ from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
+from plait.testing.distributed import run_distributed
 
 KINDS = ("plain", "plain again", "torch hook", "observed", "no daemon")
 STEP_KINDS = ("observed", "idle hooks", "plain")

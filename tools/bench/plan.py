@@ -56,13 +56,13 @@ from typing import Any
 
 import torch
 
-from plait.testing.distributed import run_distributed
 from plait.planner.comm_model import CommSample, fit_links
 from plait.planner.devices import DeviceSpec, Link, efficiency_from_gemm_rates
 from plait.planner.layouts import PRECISIONS, Job, Layout
 from plait.planner.memory_model import activation_ratios, formula_saved_bytes
 from plait.planner.search import price
 from plait.planner.time_model import estimate_step_time
+from plait.testing.distributed import run_distributed
 
 WORLD = 4
 LAYOUTS: dict[str, Layout] = {

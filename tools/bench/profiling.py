@@ -34,9 +34,9 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.core.plugins import Plugins
-from plait.testing.distributed import run_distributed
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import control_pb2, control_pb2_grpc
+from plait.testing.distributed import run_distributed
 
 VOCAB_SEQ = 16
 JOB = "bench-profile"

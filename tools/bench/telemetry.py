@@ -46,7 +46,6 @@ from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 from plait.core.telemetry_resource import resource_attributes
-from plait.testing.distributed import run_distributed
 from plait.daemon.otlp import TraceReceiver
 from plait.daemon.otlp_requests import TraceRequest, trace_request_parser
 from plait.daemon.server import DaemonServer
@@ -54,6 +53,7 @@ from plait.daemon.store import TelemetryStore
 from plait.plugins.telemetry import make_plugin
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.plugin import comm_attributes
+from plait.testing.distributed import run_distributed
 
 VOCAB_SEQ = 16
 BENCH_JOB = JobInfo(

@@ -92,8 +92,8 @@ def run_layout(
 ) -> dict[str, float]:
     from plait.core.engine import Engine
     from plait.core.plugins import Plugins
-    from plait.testing.distributed import merged_config
     from plait.plugins.collectives.slow_link import SlowCrossNodeLink
+    from plait.testing.distributed import merged_config
 
     del world
     _as_two_nodes(rank)
