@@ -13,7 +13,6 @@ from plait.plugins.models.init import normalised_name
 from plait.training.banner import transform_names
 from plait.training.run_records import resolved_config
 from tests.dist.compile_workers import (
-    COUNTING_BACKEND,
     GraphCalls,
     _register_counting_backend,
     make_engine,
@@ -80,57 +79,6 @@ def train(
             "watch": _watch_summaries(engine),
             "banner": " · ".join(transform_names(engine, resolved_config(engine))),
             "replicas": runtime.replicas.size if runtime.replicas is not None else 1,
-            **_dynamo_counts(),
-        }
-        engine.close()
-    faulthandler.cancel_dump_traceback_later()
-    return results
-
-
-def train_hf_zero3(rank: int, world_size: int, steps: int) -> dict[str, Any]:
-    """A `transformers` Llama from a tiny config through `plait.initialize` under ZeRO-3, eager
-    and with its decoder layers compiled: losses and what Dynamo compiled, broke and
-    recompiled."""
-    from torch._dynamo.utils import counters, guard_failures
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import plait
-
-    _register_counting_backend()
-    _dump_stacks_if_hung()
-    tokens = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
-    share = tokens.shape[0] // world_size
-    mine = tokens[rank * share : (rank + 1) * share]
-    results: dict[str, Any] = {}
-    for name, transforms in (("eager", {}), ("compiled", {"compile": compile.NAME})):
-        torch._dynamo.reset()
-        counters.clear()
-        guard_failures.clear()
-        GraphCalls.calls = GraphCalls.graphs = 0
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(
-            LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-        )  # fmt: skip
-        engine = plait.initialize(
-            model,
-            config={
-                "parallel": {"transforms": transforms, "dp_strategy": "zero3"},
-                "compile": {"backend": COUNTING_BACKEND},
-                "telemetry": {"enabled": False},
-                "train": {"device": "cpu"},
-            },
-            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
-        )
-        losses, graphs_after_step = [], []
-        for _ in range(steps):
-            losses.append(engine.train_step({"input_ids": mine, "labels": mine}))
-            graphs_after_step.append(GraphCalls.graphs)
-        results[name] = {
-            "losses": losses,
-            "graph_calls": GraphCalls.calls,
-            "graphs_after_step": graphs_after_step,
-            "watch": _watch_summaries(engine),
             **_dynamo_counts(),
         }
         engine.close()

@@ -120,23 +120,3 @@ def test_layouts_with_collectives_inside_a_block_are_refused_saying_why(
     )
     with pytest.raises(ConfigError, match=rf"parallel\.{axis} = 2 \(.*{why}.*not supported"):
         compile._refuse_untested_layouts(config)
-
-
-@pytest.mark.timeout(600)
-def test_a_transformers_llama_compiles_under_zero3() -> None:
-    torch.manual_seed(0)
-    results = run_distributed(compile_zero3_workers.train_hf_zero3, 2, STEPS, timeout=540)
-    for rank, result in enumerate(results):
-        eager, compiled = result["eager"], result["compiled"]
-        torch.testing.assert_close(
-            torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-4, atol=1e-4
-        )
-        assert compiled["graph_breaks"] == {}, f"rank {rank}: {list(compiled['graph_breaks'])}"
-        assert compiled["recompile_reasons"] == [], compiled["recompile_reasons"]
-        # Its first step runs eagerly (FLOPs counted), the others compiled: no compile after
-        # the step that compiled first.
-        graphs = compiled["graphs_after_step"]
-        assert graphs[0] == 0 and graphs[1] >= 1 and graphs[-1] == graphs[1], graphs
-        assert compiled["graph_calls"] == BLOCKS * (STEPS - 1), compiled["graph_calls"]
-        (summary,) = compiled["watch"]
-        assert "0 graph breaks" in summary and "by step 2" in summary, summary
