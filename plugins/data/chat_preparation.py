@@ -21,7 +21,6 @@ output is the same for any number of workers.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -36,11 +35,11 @@ from plait.plugins.data.chat_template import (
     RenderedConversation,
     TrainOn,
 )
-from plait.plugins.data.corpus_preparation import LISTED_BAD_ROWS, PrepareReport, Progress
+from plait.plugins.data.corpus_preparation import PreparationTally, PrepareReport, Progress
 from plait.plugins.data.corpus_readers import BadRow, ReadBatch, input_size
 from plait.plugins.data.errors import DataError
 from plait.plugins.data.ordered_pool import map_in_order
-from plait.plugins.data.token_files import SourceFile, TokenDirectoryWriter, check_ids
+from plait.plugins.data.token_files import TokenDirectoryWriter, check_ids
 from plait.plugins.data.tokenizer import document_eos, token_dtype
 
 TooLong = Literal["drop", "truncate"]
@@ -80,9 +79,7 @@ def prepare_conversations(
     dtype = token_dtype(eos.vocab_size)
     sizes = [input_size(path) for path in paths]
     total_size = sum(sizes)
-    listed: list[BadRow] = []
-    skipped: Counter[str] = Counter()
-    per_source = [Counter[str]() for _ in paths]
+    tally = PreparationTally(paths, sizes)
     fit = _Fit(eos_id=eos.eos_id, train_eos=train_on == "all", limit=max_tokens, cut=too_long)
     with TokenDirectoryWriter(output_dir, dtype=dtype, documents=True, loss_mask=True) as writer:
         rendered = map_in_order(
@@ -102,10 +99,7 @@ def prepare_conversations(
                 if isinstance(outcome, RenderedConversation):
                     outcome = fit(outcome, record)
                 if isinstance(outcome, BadRow):
-                    skipped[outcome.reason] += 1
-                    per_source[index]["skipped"] += 1
-                    if len(listed) < LISTED_BAD_ROWS:
-                        listed.append(outcome)
+                    tally.bad(index, outcome)
                     continue
                 check_ids(outcome.ids, tokenizer.vocab_size, tokenizer.name, record.source)
                 documents.append(outcome)
@@ -116,39 +110,17 @@ def prepare_conversations(
                     document_starts=np.cumsum(lengths) - lengths,
                     loss_mask=np.concatenate([d.trained for d in documents]),
                 )
-                per_source[index]["tokens"] += int(lengths.sum())
-                per_source[index]["documents"] += len(documents)
+                tally.wrote(index, tokens=int(lengths.sum()), documents=len(documents))
             if progress is not None:
                 progress(sum(sizes[:index]) + min(batch.progress, sizes[index]), total_size)
-        if writer.document_count == 0:
-            reasons = ", ".join(f"{n} {r}" for r, n in sorted(skipped.items())) or "no rows"
-            raise DataError(
-                f"inputs {[str(p) for p in paths]} hold no conversation to train on ({reasons}); "
-                "check --messages-field"
-            )
-        meta = writer.commit(
-            vocab_size=eos.vocab_size,
+        meta = tally.commit(
+            writer,
+            eos=eos,
             tokenizer=tokenizer.name,
-            eos_id=eos.eos_id,
-            skipped_rows=dict(sorted(skipped.items())),
-            sources=tuple(
-                SourceFile(
-                    path=str(path.resolve()),
-                    bytes=size,
-                    tokens=counts["tokens"],
-                    documents=counts["documents"],
-                    skipped_rows=counts["skipped"],
-                )
-                for path, size, counts in zip(paths, sizes, per_source, strict=True)
-            ),
+            nothing="inputs {inputs} hold no conversation to train on ({reasons}); "
+            "check --messages-field",
         )
-    return PrepareReport(
-        directory=Path(output_dir),
-        meta=meta,
-        eos=eos,
-        bad_rows=tuple(listed),
-        skipped=dict(sorted(skipped.items())),
-    )
+    return tally.report(output_dir, meta, eos)
 
 
 class _Fit:

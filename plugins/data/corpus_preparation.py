@@ -66,6 +66,64 @@ class PrepareReport:
         return sum(self.skipped.values())
 
 
+class PreparationTally:
+    """What a preparation counts while it writes a directory — bad rows by reason (the first
+    `LISTED_BAD_ROWS` named), tokens and documents per input — and the `meta.json` and report
+    made of it. Shared by `prepare_documents` and `prepare_conversations`."""
+
+    def __init__(self, paths: Sequence[Path], sizes: Sequence[int]) -> None:
+        self.paths, self.sizes = list(paths), list(sizes)
+        self.listed: list[BadRow] = []
+        self.skipped: Counter[str] = Counter()
+        self.per_source = [Counter[str]() for _ in self.paths]
+
+    def bad(self, index: int, row: BadRow) -> None:
+        self.skipped[row.reason] += 1
+        self.per_source[index]["skipped"] += 1
+        if len(self.listed) < LISTED_BAD_ROWS:
+            self.listed.append(row)
+
+    def wrote(self, index: int, *, tokens: int, documents: int) -> None:
+        self.per_source[index]["tokens"] += tokens
+        self.per_source[index]["documents"] += documents
+
+    def commit(
+        self, writer: TokenDirectoryWriter, *, eos: DocumentEos, tokenizer: str, nothing: str
+    ) -> TokenFileMeta:
+        """`meta.json` for what `writer` holds; a `DataError` (`nothing`, with the reasons the
+        rows were skipped) when it holds no document."""
+        if writer.document_count == 0:
+            reasons = ", ".join(f"{n} {r}" for r, n in sorted(self.skipped.items())) or "no rows"
+            raise DataError(nothing.format(inputs=[str(p) for p in self.paths], reasons=reasons))
+        return writer.commit(
+            vocab_size=eos.vocab_size,
+            tokenizer=tokenizer,
+            eos_id=eos.eos_id,
+            skipped_rows=dict(sorted(self.skipped.items())),
+            sources=tuple(
+                SourceFile(
+                    path=str(path.resolve()),
+                    bytes=size,
+                    tokens=counts["tokens"],
+                    documents=counts["documents"],
+                    skipped_rows=counts["skipped"],
+                )
+                for path, size, counts in zip(self.paths, self.sizes, self.per_source, strict=True)
+            ),
+        )
+
+    def report(
+        self, output_dir: Path | str, meta: TokenFileMeta, eos: DocumentEos
+    ) -> PrepareReport:
+        return PrepareReport(
+            directory=Path(output_dir),
+            meta=meta,
+            eos=eos,
+            bad_rows=tuple(self.listed),
+            skipped=dict(sorted(self.skipped.items())),
+        )
+
+
 def default_workers() -> int:
     """min(4, the CPUs this process may run on)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -98,57 +156,30 @@ def prepare_documents(
     dtype = token_dtype(eos.vocab_size)
     sizes = [input_size(path) for path in paths]
     total_size = sum(sizes)
-    listed: list[BadRow] = []
-    skipped: Counter[str] = Counter()
-    per_source = [Counter[str]() for _ in paths]
+    tally = PreparationTally(paths, sizes)
     with TokenDirectoryWriter(output_dir, dtype=dtype, documents=True) as writer:
         read = _read_all(paths, text_field=text_field, separator=separator, split=split)
         in_document = False  # the last record written continues into the next
         for index, batch, ids, lengths in _tokenized(read, tokenizer, dtype, workers):
             texts = [r for r in batch.records if isinstance(r, TextRecord)]
             for bad in (r for r in batch.records if isinstance(r, BadRow)):
-                skipped[bad.reason] += 1
-                per_source[index]["skipped"] += 1
-                if len(listed) < LISTED_BAD_ROWS:
-                    listed.append(bad)
+                tally.bad(index, bad)
             if texts:
                 ends = np.fromiter((r.ends_document for r in texts), dtype=bool, count=len(texts))
                 tokens, starts = _with_eos(ids, lengths, ends, eos.eos_id, continues=in_document)
                 writer.write(tokens, document_starts=starts)
                 in_document = not bool(ends[-1])
-                per_source[index]["tokens"] += len(tokens)
-                per_source[index]["documents"] += int(ends.sum())
+                tally.wrote(index, tokens=len(tokens), documents=int(ends.sum()))
             if progress is not None:
                 progress(sum(sizes[:index]) + min(batch.progress, sizes[index]), total_size)
-        if writer.document_count == 0:
-            reasons = ", ".join(f"{n} {r}" for r, n in sorted(skipped.items())) or "no rows"
-            raise DataError(
-                f"inputs {[str(p) for p in paths]} hold no document ({reasons}); "
-                "check --text-field and --separator"
-            )
-        meta = writer.commit(
-            vocab_size=eos.vocab_size,
+        meta = tally.commit(
+            writer,
+            eos=eos,
             tokenizer=tokenizer.name,
-            eos_id=eos.eos_id,
-            skipped_rows=dict(sorted(skipped.items())),
-            sources=tuple(
-                SourceFile(
-                    path=str(path.resolve()),
-                    bytes=size,
-                    tokens=counts["tokens"],
-                    documents=counts["documents"],
-                    skipped_rows=counts["skipped"],
-                )
-                for path, size, counts in zip(paths, sizes, per_source, strict=True)
-            ),
+            nothing="inputs {inputs} hold no document ({reasons}); "
+            "check --text-field and --separator",
         )
-    return PrepareReport(
-        directory=Path(output_dir),
-        meta=meta,
-        eos=eos,
-        bad_rows=tuple(listed),
-        skipped=dict(sorted(skipped.items())),
-    )
+    return tally.report(output_dir, meta, eos)
 
 
 def _read_all(
