@@ -193,12 +193,16 @@ class ParallelSection(Section):
         return strategies
 
     @model_validator(mode="after")
-    def _dp_positive_or_auto(self) -> ParallelSection:
+    def _ep_named_once(self) -> ParallelSection:
         if "ep" in self.transforms:
             raise ValueError(
                 "transforms.ep is parallel.ep_strategy now (a config file's transforms.ep is "
                 "moved there when it loads)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _dp_positive_or_auto(self) -> ParallelSection:
         if self.dp == 0 or self.dp < -1:
             raise ValueError(f"dp must be -1 (auto) or a positive degree, got {self.dp}")
         if isinstance(self.dp_shard, int) and self.dp_shard < 1:

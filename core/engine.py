@@ -206,13 +206,14 @@ class Engine:
 
     def _refuse_an_unused_shard_split(self) -> None:
         """`parallel.dp_shard` declared, but the dp strategy never asked for its groups."""
-        par = self.config.parallel
-        if par.dp_shard is not None and not self.mesh.data_parallel_split:
+        dims = self.mesh.dims
+        assert dims is not None, "the engine's mesh is built from its declared degrees"
+        if dims.dp_shard_requested is not None and not self.mesh.data_parallel_split:
             raise ConfigError(
-                f"parallel.dp_shard = {par.dp_shard!r} splits data parallelism into "
-                f"shard and replica groups, but dp strategy {par.dp_strategy!r} does "
-                "not shard: it would be ignored. Use zero1, zero2 or zero3, or leave dp_shard "
-                "unset"
+                f"parallel.dp_shard = {dims.dp_shard_requested!r} splits data parallelism into "
+                f"shard and replica groups, but dp strategy {self.config.parallel.dp_strategy!r} "
+                "does not shard: it would be ignored. Use zero1, zero2 or zero3, or leave "
+                "dp_shard unset"
             )
 
     def _build_builtin_model(self) -> nn.Module:
