@@ -329,7 +329,7 @@ class Engine:
             num_params=num_params,
             flops_per_token=self.flops_per_token,
             tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
-            replica_group=cfg.fault_tolerance.replica_group,
+            replica_group=self.plugins.replica_group(cfg),
             memory_report=self.memory_report,
         )
 

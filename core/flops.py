@@ -24,7 +24,7 @@ the same accounting as torchtitan and Megatron-LM):
   Grouped-query attention does not change this term: the work scales with query heads.
 
 MFU itself (achieved model FLOPs per second ÷ the devices' peak FLOPs per second) lives in
-`plait.core.mfu`, the one module the ranks, the daemon, the CLI and the trainer use;
+`plait.daemon.mfu`, the one module the ranks, the daemon, the CLI and the trainer use;
 recomputation from activation checkpointing is not model FLOPs and is not counted.
 """
 

@@ -307,6 +307,22 @@ def plait_kernel(name: str, device: str, dtype: str, provider: str | None) -> An
 # --------------------------------------------------------------------------------------------
 
 
+@hookspec(firstresult=True)
+def plait_replica_group(config: PlaitConfig) -> int | None:
+    """The replica group this rank's job is when it is one of several groups kept as one job
+    (`JobInfo.replica_group`, which telemetry and the daemon key the rank by from its start);
+    None: not this plugin's to say. Asked by the engine when it builds its `JobInfo`; no answer
+    means -1, a job of its own.
+
+    Example::
+
+        @hookimpl
+        def plait_replica_group(config):
+            section = config.section("my_groups", MyGroupsConfig)
+            return section.group if section.enabled else None
+    """
+
+
 @hookspec
 def plait_job_start(info: JobInfo) -> None:
     """Called on every rank once the mesh, model and optimizer are built, before the first step.

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plait.core.atomic_files import write_json_atomically
-from plait.core.peak_flops import cache_dir, cpu_model
+from plait.core.host import cache_dir, cpu_model
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins

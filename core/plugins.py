@@ -339,6 +339,11 @@ class Plugins:
     ) -> Callable[..., Any] | None:
         return self._call("plait_kernel", name=name, device=device, dtype=dtype, provider=provider)
 
+    def replica_group(self, config: PlaitConfig) -> int:
+        """The rank's replica group a plugin names (`plait_replica_group`), else -1."""
+        group = self._call("plait_replica_group", config=config)
+        return -1 if group is None else int(group)
+
     def job_start(self, info: JobInfo) -> None:
         self._call("plait_job_start", info=info)
 

@@ -37,8 +37,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from plait.core import mfu
-from plait.core import telemetry_schema as schema
+from plait.daemon import mfu
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.bottleneck import (
     RankBreakdown,
     RankContext,

@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 
 Interval = tuple[int, int]
 

@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from plait.core import telemetry_schema as names
+from plait.daemon import telemetry_schema as names
 from plait.daemon.store import RankIdentity, SpanRecord
 
 STEP_TID = 0

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from plait.daemon.lighthouse import LighthouseSettings
     from plait.daemon.security import SecurityConfig
 
-DEFAULT_DAEMON_ADDRESS = "127.0.0.1:7461"  # as plait.core.daemon_address.DEFAULT_DAEMON_ADDRESS
+DEFAULT_DAEMON_ADDRESS = "127.0.0.1:7461"  # as plait.daemon.address.DEFAULT_DAEMON_ADDRESS
 DEFAULT_WINDOW_STEPS = 512
 DEFAULT_WINDOW_SPANS = 50_000
 DEFAULT_INGEST_CAPACITY = 200_000

@@ -25,7 +25,6 @@ import itertools
 import threading
 from collections.abc import Callable, Collection, Sequence
 
-from plait.core.telemetry_schema import NO_REPLICA_GROUP
 from plait.daemon.control_records import (
     CANCEL,
     CAPTURE_KINDS,
@@ -58,6 +57,7 @@ from plait.daemon.control_records import (
     first_common_step,
     rank_label,
 )
+from plait.daemon.telemetry_schema import NO_REPLICA_GROUP
 
 # A rank silent this long is forgotten (asked for, it is then an unknown job or rank).
 FORGET_AFTER_SECONDS = 3600.0

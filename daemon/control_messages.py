@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from plait.core.telemetry_schema import NO_REPLICA_GROUP
 from plait.daemon import trace_analysis
 from plait.daemon.control_records import (
     CANCEL,
@@ -30,6 +29,7 @@ from plait.daemon.control_records import (
 )
 from plait.daemon.deliveries import RankStacksRecord
 from plait.daemon.job_directory import JobNode, WorldReport
+from plait.daemon.telemetry_schema import NO_REPLICA_GROUP
 from plait.proto.plait.v1 import control_pb2
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from plait.core.telemetry_schema import NO_REPLICA_GROUP
+from plait.daemon.telemetry_schema import NO_REPLICA_GROUP
 
 DEFAULT_MAX_RANK_BYTES = 64 * 2**20
 DEFAULT_MAX_CAPTURES = 2

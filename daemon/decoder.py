@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -335,7 +335,7 @@ class ExpertLoadFigures:
 @dataclass(frozen=True, slots=True)
 class QuorumFigures:
     """What a quorum-event span reports: one change of the job's quorum as the sending replica
-    group saw it (`plait.core.telemetry_schema.QUORUM_EVENTS`)."""
+    group saw it (`plait.daemon.telemetry_schema.QUORUM_EVENTS`)."""
 
     event: str
     quorum_id: int

@@ -39,7 +39,7 @@ from opentelemetry.util.re import parse_env_headers
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.forwarding import Forwarder, ForwarderStats, RetryPolicy, outgoing
 from plait.daemon.hangs import Hang
 

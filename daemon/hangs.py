@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from plait.core import telemetry_schema as names
+from plait.daemon import telemetry_schema as names
 from plait.daemon.config import DEFAULT_HANG_TIMEOUT_SECONDS
 
 if TYPE_CHECKING:  # the daemon's decoder: the CLI merges hangs without it

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from plait.core.daemon_auth import DaemonClientAuth
+from plait.daemon.client_auth import DaemonClientAuth
 from plait.daemon.job_directory import JobDirectory, seen_from
 from plait.daemon.local_calls import LocalCallError, LocalContext
 from plait.proto.plait.v1 import control_pb2, daemon_pb2, daemon_pb2_grpc

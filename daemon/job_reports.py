@@ -2,7 +2,7 @@
 
 A job's ranks report to several daemons, one per node; `plait top / status / bottleneck /
 profile --json` and the daemon's web page combine those answers into one report the same way:
-job figures add achieved and peak FLOP/s across daemons (`plait.core.mfu`), only the daemons on
+job figures add achieved and peak FLOP/s across daemons (`plait.daemon.mfu`), only the daemons on
 the job's newest world count (`plait.daemon.worlds`), stragglers are scored against the medians
 of every rank (`plait.daemon.report_messages.rescore_stragglers`), and each report becomes the
 JSON document `--json` prints. The CLI draws these reports as tables (`plait.tools.daemon_views`
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from plait.core.mfu import mfu
 from plait.daemon import json_documents
+from plait.daemon.mfu import mfu
 from plait.daemon.report_messages import rescore_stragglers
 from plait.daemon.worlds import (
     JobAnswers,
@@ -147,7 +147,7 @@ class JobSummary:
 
 
 def aggregate_jobs(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[JobSummary]:
-    """Combine the per-daemon job figures of several hosts (see `plait.core.mfu`)."""
+    """Combine the per-daemon job figures of several hosts (see `plait.daemon.mfu`)."""
     by_job: dict[str, list[metrics_pb2.JobMetrics]] = {}
     for response in responses:
         for job in response.jobs:

@@ -34,7 +34,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 
-from plait.core import telemetry_schema as names
+from plait.daemon import telemetry_schema as names
 from plait.daemon.decoder import (
     GaugePoint,
     Rejected,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plait.core import mfu
-from plait.core import telemetry_schema as schema
+from plait.daemon import mfu
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.analysis import DEFAULT_METRICS_WINDOW_STEPS, RANK_ENDED, RANK_LIVE
 from plait.daemon.bottleneck import CLASSES
 from plait.daemon.exporters import DaemonPoint

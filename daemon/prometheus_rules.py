@@ -5,7 +5,7 @@ their achieved and peak FLOP/s, each rank's step time. One Prometheus scraping e
 the job (`plait prometheus-targets`) adds them up the way `plait top --host … --host …` does:
 
 * `plait:job_tokens_per_second` — the daemons' tokens/s, summed;
-* `plait:job_mfu:ratio` — summed achieved FLOP/s over summed peak FLOP/s (`plait.core.mfu`);
+* `plait:job_mfu:ratio` — summed achieved FLOP/s over summed peak FLOP/s (`plait.daemon.mfu`);
 * `plait:rank_straggler_score:ratio` — each rank's step time over the median step time of
   every rank of the job, minus one (0.3: 30 % slower than the job's median rank).
 
@@ -14,7 +14,7 @@ the job (`plait prometheus-targets`) adds them up the way `plait top --host … 
 
 from __future__ import annotations
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.exporters import KNOWN_POINTS, prometheus_name
 
 __all__ = ["RECORDED", "recording_rules"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.analysis import (
     JOB_FAILED,
     JOB_FINISHED,

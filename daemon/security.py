@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from plait.core.daemon_auth import TOKEN_ENV, DaemonClientAuth
+from plait.daemon.client_auth import TOKEN_ENV, DaemonClientAuth
 
 AUTHORIZATION = "authorization"
 # The transport accepts this many times `max_request_bytes`, so the guard (not gRPC) answers for

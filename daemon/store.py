@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from plait.core.mfu import StepSample
 from plait.daemon.bottleneck import StepBreakdown, StepSpan, step_breakdown
 from plait.daemon.decoder import (
     ExpertLoadFigures,
@@ -42,6 +41,7 @@ from plait.daemon.decoder import (
     SpanRecord,
 )
 from plait.daemon.hangs import Heartbeat
+from plait.daemon.mfu import StepSample
 from plait.daemon.quorum_log import QuorumEventRecord, QuorumLog
 
 DEFAULT_WINDOW_STEPS = 512

@@ -334,7 +334,7 @@ def detect_device(per_node: int) -> DeviceSpec:
         )
     import os
 
-    from plait.core.peak_flops import host_cpu_calibration
+    from plait.daemon.peak_flops import host_cpu_calibration
 
     calibration, _ = host_cpu_calibration()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

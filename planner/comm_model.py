@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from plait.core.peak_flops import cache_dir
+from plait.core.host import cache_dir
 from plait.planner.devices import DeviceSpec, Link, OpLink
 
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from plait.core import telemetry_schema as names
+from plait.daemon import telemetry_schema as names
 from plait.planner.comm_model import P2P_OPS, RING_OPS, CommSample
 
 RPC_TIMEOUT_SECONDS = 30.0
@@ -22,7 +22,7 @@ _PROCESS_NAME = re.compile(r"rank (\d+) \((.*), job (.*)\)")
 
 
 def _stub(host: str) -> tuple[Any, Any]:
-    from plait.core.daemon_auth import DaemonClientAuth
+    from plait.daemon.client_auth import DaemonClientAuth
     from plait.proto.plait.v1 import daemon_pb2_grpc
 
     channel = DaemonClientAuth.from_env().channel(host)

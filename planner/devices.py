@@ -1,6 +1,6 @@
 """Devices the planner prices: peak rate, memory, memory bandwidth, links, GEMM efficiency.
 
-Peaks come from `plait.core.peak_flops` (the table MFU uses). The rest are datasheet figures,
+Peaks come from `plait.daemon.peak_flops` (the table MFU uses). The rest are datasheet figures,
 with the efficiency curve and link speeds replaced by measurements where plait has them:
 `plait plan calibrate` fits the links from the daemon's comm spans, and on CPU the bench
 measures GEMM rates at several sizes (`efficiency_from_gemm_rates`).
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from plait.core.errors import ConfigError
-from plait.core.peak_flops import DEVICE_PEAK_TFLOPS
+from plait.daemon.peak_flops import DEVICE_PEAK_TFLOPS
 
 GIB = 2**30
 # Of the host memory per device, what offloaded state may take: the OS, data-loader workers and

@@ -1,6 +1,6 @@
 """`plait calibrate`: measure this host's CPU peak FLOP/s once and cache it for every rank.
 
-Ranks on CPU divide model FLOP/s by this figure (`plait.core.peak_flops`). Run it on an idle
+Ranks on CPU divide model FLOP/s by this figure (`plait.daemon.peak_flops`). Run it on an idle
 host; ranks that find no cached figure measure it themselves (the first rank of the host, under
 a file lock, while the others wait), and `plait daemon` measures it at start.
 """
@@ -15,14 +15,14 @@ from rich.console import Console
 from plait.training.output import make_console
 
 if TYPE_CHECKING:
-    from plait.core.peak_flops import CpuCalibration
+    from plait.daemon.peak_flops import CpuCalibration
 
 app = typer.Typer()
 
 
 def report_calibration(console: Console, *, force: bool = False) -> None:
     """Load or measure this host's calibration and print the figure and where it lives."""
-    from plait.core.peak_flops import host_cpu_calibration, ranks_on_this_host
+    from plait.daemon.peak_flops import host_cpu_calibration, ranks_on_this_host
 
     calibration, path = host_cpu_calibration(force=force)
     probes = ", ".join(f"{k} {v / 1e9:,.1f}" for k, v in calibration.probe_flops.items())

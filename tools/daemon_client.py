@@ -9,8 +9,8 @@ from typing import Annotated, Any, TypeVar
 import grpc
 import typer
 
-from plait.core.daemon_address import resolve_daemon_address
-from plait.core.daemon_auth import DaemonClientAuth
+from plait.daemon.address import resolve_daemon_address
+from plait.daemon.client_auth import DaemonClientAuth
 from plait.daemon.job_reports import error_text
 from plait.proto.plait.v1 import daemon_pb2_grpc
 

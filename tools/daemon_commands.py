@@ -27,8 +27,8 @@ import typer
 from rich.markup import escape
 from rich.text import Text
 
-from plait.core.daemon_address import DEFAULT_DAEMON_ADDRESS
 from plait.daemon import json_documents as daemon_json
+from plait.daemon.address import DEFAULT_DAEMON_ADDRESS
 from plait.daemon.config import (
     DEFAULT_HANG_TIMEOUT_SECONDS,
     DEFAULT_INGEST_CAPACITY,

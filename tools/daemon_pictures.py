@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plait.core.mfu import format_mfu
 from plait.daemon.bottleneck import CLASS_LABELS
+from plait.daemon.mfu import format_mfu
 from plait.proto.plait.v1 import metrics_pb2
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ import grpc
 import typer
 from google.protobuf.message import DecodeError, Message
 
-from plait.core.daemon_address import resolve_daemon_address
+from plait.daemon.address import resolve_daemon_address
 from plait.proto.plait.v1 import control_pb2_grpc, daemon_pb2, daemon_pb2_grpc
 from plait.tools.daemon_client import RPC_TIMEOUT_SECONDS, call_each, open_stub
 
@@ -156,8 +156,8 @@ def slurm_hosts(spec: str) -> list[str]:
     """`slurm[:PORT]`: the daemons of the nodes of the Slurm job this command runs in."""
     import os
 
-    from plait.core.daemon_address import DEFAULT_DAEMON_ADDRESS
     from plait.core.errors import ConfigError
+    from plait.daemon.address import DEFAULT_DAEMON_ADDRESS
     from plait.tools.slurm import expand_hostlist
 
     _, _, port = spec.partition(":")

@@ -16,7 +16,6 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from plait.core.mfu import CALIBRATION_ADVICE, format_mfu, is_calibration_error
 from plait.daemon.hangs import Hang, merge_hangs
 from plait.daemon.job_reports import (
     BottleneckReport,
@@ -26,6 +25,7 @@ from plait.daemon.job_reports import (
     JobSummary,
     TopReport,
 )
+from plait.daemon.mfu import CALIBRATION_ADVICE, format_mfu, is_calibration_error
 from plait.proto.plait.v1 import control_pb2, daemon_pb2, metrics_pb2
 from plait.tools.control_views import render_hang_stacks
 from plait.tools.daemon_jobs import expert_columns, world_columns

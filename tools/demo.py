@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 from rich.console import Console
 
-from plait.core.mfu import format_mfu
+from plait.daemon.mfu import format_mfu
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.tools.starter_configs import starter_path

@@ -226,7 +226,7 @@ def calibrate(
     ] = None,
 ) -> None:
     """Fit α and β of the intra- and inter-node links to the daemon's recorded comm spans."""
-    from plait.core.daemon_address import resolve_daemon_address
+    from plait.daemon.address import resolve_daemon_address
     from plait.planner.comm_model import default_calibration_path, fit_links
     from plait.planner.daemon_client import capture_trace, samples_from_trace
 
@@ -283,7 +283,7 @@ def explain(
 ) -> None:
     """Compare the prediction for CONFIG's layout with the daemon's measured step breakdown."""
     from plait.core.config import read_toml
-    from plait.core.daemon_address import resolve_daemon_address
+    from plait.daemon.address import resolve_daemon_address
     from plait.planner.auto import job_for_config, layout_from_config
     from plait.planner.daemon_client import measured_breakdowns
     from plait.planner.explain import explain as compare

@@ -429,8 +429,8 @@ def memory(
     results, _ = targets.ask([("Control/Memory", request)], timeout=wait + 2 * EXTRA_RPC_SECONDS)
     answered, errors = _split(results)
     answered = {host: response for host, (response,) in answered.items()}
-    from plait.core.telemetry_schema import NO_REPLICA_GROUP
     from plait.daemon.control_records import rank_file_prefix
+    from plait.daemon.telemetry_schema import NO_REPLICA_GROUP
 
     output.mkdir(parents=True, exist_ok=True)
     written, reports = [], []

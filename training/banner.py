@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from plait.core.comm_algorithms import chosen_algorithm
-from plait.core.peak_flops import PeakFlops
+from plait.daemon.peak_flops import PeakFlops
 
 if TYPE_CHECKING:
     from plait.core.config import CheckpointIOSection
@@ -51,7 +51,7 @@ def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> li
         f"{rank_peak.flops / 1e9:,.1f} per rank ({rank_peak.source})"
     )
     if engine.device.type == "cpu":
-        from plait.core.peak_flops import calibration_path
+        from plait.daemon.peak_flops import calibration_path
 
         lines.append(f"CPU peak cached in {calibration_path()}")
     if cfg.checkpoint_io.dir:

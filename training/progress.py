@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from plait.core.mfu import format_mfu, mfu
-from plait.core.peak_flops import PeakFlops
 from plait.core.step import StepReport
+from plait.daemon.mfu import format_mfu, mfu
+from plait.daemon.peak_flops import PeakFlops
 from plait.training.summary import TrainingSummary, clock, print_summary
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def rank_peak(engine: Engine) -> PeakFlops:
     """This rank's peak for the job's compute dtype: the same figure the daemon divides by."""
-    from plait.core.telemetry_resource import peak_flops_for_job
+    from plait.daemon.telemetry_resource import peak_flops_for_job
 
     return peak_flops_for_job(engine.job_info())
 

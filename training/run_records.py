@@ -28,8 +28,8 @@ from typing import IO, Any
 
 from plait.core.config import dump_toml
 from plait.core.engine import Engine
-from plait.core.mfu import mfu
 from plait.core.step import StepReport
+from plait.daemon.mfu import mfu
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -7,7 +7,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from plait.core.mfu import format_mfu, mfu
+from plait.daemon.mfu import format_mfu, mfu
 
 if TYPE_CHECKING:
     from rich.console import Console

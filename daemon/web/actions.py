@@ -19,7 +19,6 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from plait.core.telemetry_schema import NO_REPLICA_GROUP
 from plait.daemon import json_documents as daemon_json
 from plait.daemon.control_messages import replica_group_of
 from plait.daemon.control_records import rank_file_prefix
@@ -27,6 +26,7 @@ from plait.daemon.control_service import ControlService
 from plait.daemon.job_questions import JobQuestions
 from plait.daemon.job_reports import profile_document
 from plait.daemon.local_calls import LocalCallError, LocalContext
+from plait.daemon.telemetry_schema import NO_REPLICA_GROUP
 from plait.proto.plait.v1 import control_pb2, daemon_pb2
 
 KEPT_CAPTURES = 8  # the oldest capture's files go when a ninth arrives

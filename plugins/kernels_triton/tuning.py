@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from plait.core.atomic_files import write_json_atomically
-from plait.core.peak_flops import cache_dir
+from plait.core.host import cache_dir
 from plait.plugins.kernels_triton.launch import interpreting
 
 AUTOTUNE_ENV = "PLAIT_TRITON_AUTOTUNE"

@@ -29,11 +29,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from plait.core import telemetry_schema as names
 from plait.core.expert_load import ExpertLoad, PublishedExpertLoad
 from plait.core.phase_timing import DEVICE_TIMING, DeviceInterval, device_interval
 from plait.core.quorum_events import PublishedQuorumEvent
 from plait.core.step import PhaseSpan, StepReport
+from plait.daemon import telemetry_schema as names
 from plait.plugins.telemetry import otlp_spans, otlp_wire
 from plait.plugins.telemetry.comm_records import CommRecord
 

@@ -19,7 +19,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 
 HEARTBEAT_INTERVAL_MS = 1000
 HEARTBEAT_ENV = "PLAIT_HEARTBEAT_INTERVAL_MS"

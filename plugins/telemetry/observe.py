@@ -44,12 +44,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from plait.core import telemetry_schema as schema
 from plait.core.batches import loss_from_output
-from plait.core.daemon_address import resolve_daemon_address
 from plait.core.errors import PlaitError
 from plait.core.memory import memory_report
 from plait.core.step import PhaseSpan, StepReport
+from plait.daemon import telemetry_schema as schema
+from plait.daemon.address import resolve_daemon_address
 from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CudaAnchor
 from plait.plugins.telemetry.control_client import ControlClient

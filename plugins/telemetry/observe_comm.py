@@ -44,7 +44,7 @@ from torch import nn
 
 from plait.core.comm_algorithms import GRAD_BUCKET, PARAM_GATHER
 from plait.core.errors import PlaitError
-from plait.core.telemetry_schema import COMM_ALGORITHM_BACKEND
+from plait.daemon.telemetry_schema import COMM_ALGORITHM_BACKEND
 from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor
 

@@ -21,9 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.core.errors import PlaitError
-from plait.core.host import host_name
+from plait.core.host import cpu_model, host_name
 from plait.core.host_map import HostMap
-from plait.core.peak_flops import cpu_model
 from plait.core.step import JobInfo
 
 LOCAL_JOB_ID = "local"

@@ -1,5 +1,5 @@
 """The attributes of step, phase, comm, expert-load, quorum-event and end-of-run spans
-(`plait.core.telemetry_schema` names), and ids.
+(`plait.daemon.telemetry_schema` names), and ids.
 
 The exporter thread calls these and writes the spans with `plait.plugins.telemetry.otlp_wire`;
 the training thread never does.
@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from plait.core import telemetry_schema as names
 from plait.core.expert_load import LayerLoad
 from plait.core.quorum_events import PublishedQuorumEvent
 from plait.core.step import PhaseSpan, StepReport
+from plait.daemon import telemetry_schema as names
 from plait.plugins.telemetry.comm_records import CommRecord
 
 

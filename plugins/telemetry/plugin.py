@@ -34,11 +34,11 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from plait.core.comm import CompletedWork
-from plait.core.daemon_address import resolve_daemon_address
 from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.hookspecs import hookimpl
 from plait.core.host_map import known_host_map
 from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
+from plait.daemon.address import resolve_daemon_address
 from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor, track_async_completion
 from plait.plugins.telemetry.exporter import SpanExporter

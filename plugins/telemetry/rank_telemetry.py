@@ -6,7 +6,7 @@ it polls the daemon from the exporter thread, and `step_started` / `step_finishe
 profile or memory capture begin and end on step boundaries.
 
 Each rank gets its own `MeterProvider` (never the global one, so several engines in one process
-stay apart) with a resource that says who the rank is (`plait.core.telemetry_resource`). Every
+stay apart) with a resource that says who the rank is (`plait.daemon.telemetry_resource`). Every
 span — step, phase, comm, expert load, end of run — is built and sent by the plugin's exporter
 thread (`plait.plugins.telemetry.exporter`) through `send_spans`; metrics go through a periodic
 reader. The training thread only queues records.
@@ -28,10 +28,10 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
-from plait.core import telemetry_schema as schema
-from plait.core.daemon_address import DAEMON_ENV
-from plait.core.daemon_auth import DaemonClientAuth, daemon_reachable
-from plait.core.telemetry_resource import peak_flops_for_job, resource_attributes
+from plait.daemon import telemetry_schema as schema
+from plait.daemon.address import DAEMON_ENV
+from plait.daemon.client_auth import DaemonClientAuth, daemon_reachable
+from plait.daemon.telemetry_resource import peak_flops_for_job, resource_attributes
 from plait.plugins.telemetry.control_client import ControlClient
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.plugins.telemetry.heartbeat import HeartbeatSource, InflightComm, start_heartbeat
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
     from plait.core.expert_load import ExpertLoad, PublishedExpertLoad
-    from plait.core.peak_flops import PeakFlops
     from plait.core.step import JobInfo, StepReport
+    from plait.daemon.peak_flops import PeakFlops
 
 INSTRUMENTATION_NAME = "plait.telemetry"
 TRACE_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"

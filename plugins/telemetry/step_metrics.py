@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 
 if TYPE_CHECKING:
     from plait.core.step import StepReport

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core import telemetry_schema as names
+from plait.daemon import telemetry_schema as names
 from plait.daemon.hangs import Heartbeat, InflightOp
 from plait.daemon.server import DaemonServer
 from plait.tools import daemon_commands

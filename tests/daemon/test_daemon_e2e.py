@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from plait.core import telemetry_schema as names
+from plait.daemon import telemetry_schema as names
 from plait.proto.plait.v1 import daemon_pb2
 from plait.testing.distributed import run_distributed
 from tests.daemon.daemon_workers import JOB_ID, train_with_telemetry

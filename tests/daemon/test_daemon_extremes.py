@@ -39,7 +39,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.server import DaemonServer
 from plait.tools import daemon_commands
 from tests.daemon.otlp_inputs import (

@@ -25,7 +25,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.server import DaemonServer
 from tests.daemon.otlp_inputs import (
     key_values,

@@ -20,9 +20,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core import telemetry_schema as schema
 from plait.core.expert_load import ExpertLoadBoard
 from plait.core.step import PhaseSpan, StepReport
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.decoder import Rejected, StaticsCache
 from plait.daemon.ingest import DecodedResource, decode_resources, decode_wire, encode_resources
 from plait.daemon.otlp_requests import trace_request_parser

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.bottleneck import RankBreakdown, RankContext, advice
 from plait.daemon.decoder import Rejected, decode_span
 

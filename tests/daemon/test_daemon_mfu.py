@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core.mfu import CALIBRATION_ERROR, StepSample, job_throughput, rank_throughput
-from plait.core.peak_flops import lookup_device_peak_flops
+from plait.daemon.mfu import CALIBRATION_ERROR, StepSample, job_throughput, rank_throughput
+from plait.daemon.peak_flops import lookup_device_peak_flops
 from plait.daemon.store import union_seconds
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from plait.core import telemetry_schema
+from plait.daemon import telemetry_schema
 from plait.daemon.nvml import NvmlCollector, metric_points
 from plait.daemon.server import DaemonServer
 from plait.daemon.service import daemon_points

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from plait.core import telemetry_schema as names
 from plait.core.config import load_config
-from plait.core.daemon_auth import CONNECT_TIMEOUT_SECONDS, daemon_reachable
+from plait.daemon import telemetry_schema as names
+from plait.daemon.client_auth import CONNECT_TIMEOUT_SECONDS, daemon_reachable
 from plait.daemon.server import DaemonServer
 from plait.plugins.telemetry import make_plugin, rank_telemetry
 from plait.plugins.telemetry.rank_telemetry import RankTelemetry

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.server import DaemonServer
 from plait.tools import daemon_commands
 from plait.tools.daemon_commands import app

@@ -24,15 +24,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core import telemetry_schema as schema
-from plait.core.peak_flops import PeakFlops
 from plait.core.quorum_events import PublishedQuorumEvent, QuorumEvent
 from plait.core.step import StepReport
-from plait.core.telemetry_resource import resource_attributes
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.config import DaemonConfig
 from plait.daemon.lighthouse import LighthouseSettings
+from plait.daemon.peak_flops import PeakFlops
 from plait.daemon.server import DaemonServer
 from plait.daemon.service import daemon_points
+from plait.daemon.telemetry_resource import resource_attributes
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.tools import daemon_commands

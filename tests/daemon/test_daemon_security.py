@@ -16,9 +16,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-from plait.core import daemon_auth
-from plait.core import telemetry_schema as names
-from plait.core.daemon_auth import DaemonClientAuth
+from plait.daemon import client_auth as daemon_auth
+from plait.daemon import telemetry_schema as names
+from plait.daemon.client_auth import DaemonClientAuth
 from plait.daemon.security import SecurityConfig, SecurityError, is_loopback
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc

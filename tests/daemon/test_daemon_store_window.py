@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.core import telemetry_schema as names
+from plait.daemon import telemetry_schema as names
 from plait.daemon.bottleneck import StepSpan, step_breakdown
 from plait.daemon.decoder import RankIdentity, SpanRecord, decode_span
 from plait.daemon.store import RankWindow, union_seconds

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from plait.core import telemetry_schema as names
 from plait.daemon import service as service_module
+from plait.daemon import telemetry_schema as names
 from plait.daemon.chrome_trace import merge_traces
 from plait.plugins.telemetry.rank_telemetry import RankTelemetry
 from plait.proto.plait.v1 import daemon_pb2

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core import mfu
+from plait.daemon import mfu
 from plait.daemon.config import DaemonConfig
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
@@ -213,7 +213,7 @@ def send(server: DaemonServer, resource: dict[str, Any], spans: list[Any]) -> No
 
 
 def end_span(outcome: str, step: int) -> Any:
-    from plait.core import telemetry_schema as schema
+    from plait.daemon import telemetry_schema as schema
     from tests.daemon.otlp_inputs import SpanSpec
 
     now = time.time_ns()

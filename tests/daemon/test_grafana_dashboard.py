@@ -18,8 +18,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from plait.core import telemetry_schema as schema
 from plait.core.host import host_name
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.grafana import SCHEMA_VERSION, dashboard
 from plait.daemon.nvml import NvmlCollector
 from plait.daemon.server import DaemonServer

@@ -3,7 +3,7 @@ utilizations as ratios of the node, byte counters per direction, one series per 
 
 from __future__ import annotations
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.exporters import prometheus_name
 from plait.daemon.host import HostSample, ProcessSample
 from plait.daemon.points import host_points

@@ -25,8 +25,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from plait.core import telemetry_schema as names
 from plait.core.step import PhaseSpan, StepReport
+from plait.daemon import telemetry_schema as names
 from plait.daemon.decoder import Rejected, StaticsCache, decode_span
 from plait.daemon.otlp_requests import TraceRequest
 from plait.daemon.otlp_wire import TraceRequestReader, WireSpan

@@ -14,15 +14,16 @@ from typing import Any
 
 import pytest
 
-from plait.core import peak_flops
-from plait.core.peak_flops import (
+from plait.core.host import CACHE_ENV
+from plait.core.step import JobInfo
+from plait.daemon import peak_flops
+from plait.daemon.peak_flops import (
     DEVICE_NAME_ALIASES,
     DEVICE_PEAK_TFLOPS,
     lookup_device_peak_flops,
     peak_flops_for,
 )
-from plait.core.step import JobInfo
-from plait.core.telemetry_resource import peak_flops_for_job
+from plait.daemon.telemetry_resource import peak_flops_for_job
 
 TINY_MEASUREMENT = {
     "size": 64,
@@ -118,7 +119,7 @@ def test_amp_bf16_engine_on_a_faked_h100_uses_the_bf16_dense_peak() -> None:
 def test_cpu_peak_is_measured_once_and_read_from_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     first, path = peak_flops.host_cpu_calibration(measure_kwargs=TINY_MEASUREMENT)
     assert path.parent == tmp_path and path.name.startswith("cpu-peak-")
     assert first.flops > 0 and first.cores == peak_flops.host_cores()
@@ -137,7 +138,7 @@ def test_cpu_peak_is_measured_once_and_read_from_the_cache(
 
 
 def test_a_corrupt_cache_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     peak_flops.calibration_path().write_text("{not json")
     calibration, path = peak_flops.host_cpu_calibration(measure_kwargs=TINY_MEASUREMENT)
     assert calibration.flops > 0
@@ -147,7 +148,7 @@ def test_a_corrupt_cache_is_measured_again(tmp_path: Path, monkeypatch: pytest.M
 RANK = textwrap.dedent(
     """
     import json, sys
-    from plait.core import peak_flops
+    from plait.daemon import peak_flops
     calibration, _ = peak_flops.host_cpu_calibration(measure_kwargs=json.loads(sys.argv[1]))
     print(json.dumps({"flops": calibration.flops, "by": calibration.measured_by}))
     """
@@ -155,7 +156,7 @@ RANK = textwrap.dedent(
 
 
 def test_two_ranks_of_one_host_share_one_measurement(tmp_path: Path) -> None:
-    env = dict(os.environ, **{peak_flops.CACHE_ENV: str(tmp_path)})
+    env = dict(os.environ, **{CACHE_ENV: str(tmp_path)})
     measurement = json.dumps(dict(TINY_MEASUREMENT, trial_seconds=0.3))
     ranks = [
         subprocess.Popen(
@@ -181,7 +182,7 @@ def calibration(flops: float, *, share: float | None, age: float) -> peak_flops.
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Write a cached calibration; measurements return the next figure of `measured`."""
-    monkeypatch.setenv(peak_flops.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     measured: list[peak_flops.CpuCalibration] = []
     monkeypatch.setattr(peak_flops, "measure_cpu_peak", lambda **_: measured.pop(0))
 

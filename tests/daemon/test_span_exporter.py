@@ -10,11 +10,11 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from plait.core import telemetry_schema as names
 from plait.core.executor import Executor
 from plait.core.phase_timing import DEVICE_TIMING, PhaseTimer
 from plait.core.schedule import Backward, Forward, OptimizerStep
 from plait.core.step import PhaseSpan, StepReport
+from plait.daemon import telemetry_schema as names
 from plait.daemon.decoder import decode_span
 from plait.daemon.otlp_requests import attributes
 from plait.plugins.telemetry import exporter as exporter_module

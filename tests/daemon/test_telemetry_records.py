@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from plait.core import telemetry_schema as names
 from plait.core.expert_load import ExpertLoadBoard
 from plait.core.records import CommRequest
+from plait.daemon import telemetry_schema as names
 from plait.daemon.decoder import decode_span
 from plait.daemon.otlp_requests import attributes
 from plait.plugins.telemetry.comm_records import CommRecord

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.exporters import KNOWN_POINTS, prometheus_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_the_emitter_uses_the_schema_names() -> None:
     emitters = sorted(
         p.relative_to(ROOT).as_posix() for p in (ROOT / "plugins/telemetry").glob("*.py")
     )
-    for path in ("core/telemetry_resource.py", *emitters, "daemon/decoder.py"):
+    for path in ("daemon/telemetry_resource.py", *emitters, "daemon/decoder.py"):
         literals = {
             node.value
             for node in ast.walk(ast.parse((ROOT / path).read_text()))

@@ -13,7 +13,7 @@ from plait.core.comm import Comm, world_group
 from plait.core.config import load_config
 from plait.core.host_map import learn_host_map
 from plait.core.plugins import Plugins
-from plait.core.telemetry_schema import SPAN_COMM_BYTES_INTER_NODE, SPAN_COMM_BYTES_INTRA_NODE
+from plait.daemon.telemetry_schema import SPAN_COMM_BYTES_INTER_NODE, SPAN_COMM_BYTES_INTRA_NODE
 from plait.plugins.collectives import CollectivesPlugin
 
 BACKEND_ONLY = (("torch_comm", "plait.plugins.torch_comm"),)

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from plait.core import telemetry_schema as names
 from plait.core.link_bytes import sharded_step_inter_node
-from plait.testing.distributed import run_distributed
+from plait.daemon import telemetry_schema as names
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.testing.distributed import run_distributed
 from tests.dist import hsdp_workers
 from tests.dist.hsdp_workers import STEPS
 

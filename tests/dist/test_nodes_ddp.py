@@ -12,10 +12,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from plait.core import telemetry_schema as names
-from plait.testing.distributed import run_distributed
+from plait.daemon import telemetry_schema as names
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.testing.distributed import run_distributed
 from plait.tools.daemon_commands import app
 from tests.dist import nodes_workers
 from tests.dist.nodes_workers import STEPS

@@ -21,7 +21,8 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from plait.core.peak_flops import CpuCalibration, calibration_path, cpu_model, host_cores
+from plait.core.host import cpu_model, host_cores
+from plait.daemon.peak_flops import CpuCalibration, calibration_path
 from plait.daemon.server import DaemonServer
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from tests.doc_blocks import write_files

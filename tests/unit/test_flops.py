@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from plait.core.flops import attention_flops_per_token, transformer_flops_per_token
 from plait.core.kernels import Kernels
-from plait.core.mfu import CALIBRATION_ERROR, format_mfu, mfu
+from plait.daemon.mfu import CALIBRATION_ERROR, format_mfu, mfu
 from plait.plugins.kernels_torch import ops
 from plait.plugins.models import resolve_model_config
 

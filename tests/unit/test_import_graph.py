@@ -346,8 +346,8 @@ import importlib, json, pkgutil, sys
 import plait.daemon
 for module in pkgutil.walk_packages(plait.daemon.__path__, "plait.daemon."):
     importlib.import_module(module.name)
-for name in ("plait.tools.daemon_commands", "plait.tools.daemon_client", "plait.core.daemon_auth",
-             "plait.core.daemon_address", "plait.core.telemetry_resource"):
+for name in ("plait.tools.daemon_commands", "plait.tools.daemon_client", "plait.daemon.client_auth",
+             "plait.daemon.address", "plait.daemon.telemetry_resource"):
     importlib.import_module(name)
 from typer.testing import CliRunner
 from plait.daemon.server import DaemonServer

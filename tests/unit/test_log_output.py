@@ -20,7 +20,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-from plait.core import telemetry_schema as schema
+from plait.daemon import telemetry_schema as schema
 from plait.daemon.server import DaemonServer
 from plait.tools.daemon_jobs import world_columns
 from plait.tools.daemon_views import job_columns, rank_metric_columns

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from plait.core.telemetry_schema import COMM_ALGORITHM_BACKEND
+from plait.daemon.telemetry_schema import COMM_ALGORITHM_BACKEND
 from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.observe_comm import CommLedger
 from plait.plugins.telemetry.observe_identity import launch_host_map

@@ -110,8 +110,8 @@ def encoded_rank_requests(
     rank: int, world_size: int, steps: int = 200, comm_per_step: int = 11
 ) -> list[tuple[bytes, int]]:
     """A rank's spans for `steps` steps as plait's exporter writes them: (request, spans)."""
-    from plait.core.peak_flops import PeakFlops
-    from plait.core.telemetry_resource import resource_attributes
+    from plait.daemon.peak_flops import PeakFlops
+    from plait.daemon.telemetry_resource import resource_attributes
     from plait.plugins.telemetry.comm_records import CommRecord
     from plait.plugins.telemetry.exporter import SpanExporter
 

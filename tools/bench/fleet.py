@@ -60,7 +60,7 @@ def steps_request(
     from opentelemetry.proto.common.v1 import common_pb2
     from opentelemetry.proto.trace.v1 import trace_pb2
 
-    from plait.core import telemetry_schema as schema
+    from plait.daemon import telemetry_schema as schema
 
     def kv(key: str, value: object) -> common_pb2.KeyValue:
         if isinstance(value, str):

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 from plait.core.engine import Engine
 from plait.core.kernels import Kernels
-from plait.core.peak_flops import peak_flops_for
 from plait.core.plugins import Plugins
+from plait.daemon.peak_flops import peak_flops_for
 from plait.plugins.models import resolve_model_config
 from plait.plugins.models.common import flops_per_token as flops_per_token_of
 from plait.plugins.models.llama import build_llama

@@ -41,15 +41,15 @@ from rich.table import Table
 from plait.core.comm import Comm, CompletedWork, Group
 from plait.core.config import load_config
 from plait.core.hookspecs import hookimpl
-from plait.core.peak_flops import PeakFlops
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
 from plait.core.step import JobInfo, PhaseSpan, StepReport
-from plait.core.telemetry_resource import resource_attributes
 from plait.daemon.otlp import TraceReceiver
 from plait.daemon.otlp_requests import TraceRequest, trace_request_parser
+from plait.daemon.peak_flops import PeakFlops
 from plait.daemon.server import DaemonServer
 from plait.daemon.store import TelemetryStore
+from plait.daemon.telemetry_resource import resource_attributes
 from plait.plugins.telemetry import make_plugin
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.plugin import comm_attributes

@@ -1,7 +1,7 @@
 """Peak FLOP/s of a rank's device: a datasheet table for accelerators, a cached GEMM on CPU.
 
 MFU divides by this figure, so it has to be the same for every rank of one kind of device and
-it has to be a real ceiling (an MFU above 100 % means the peak is wrong, see `plait.core.mfu`).
+it has to be a real ceiling (an MFU above 100 % means the peak is wrong, see `plait.daemon.mfu`).
 
 Accelerators: `DEVICE_PEAK_TFLOPS` holds dense (no structured sparsity) figures per dtype. A
 device is found by its **exact** name as torch / NVML report it, through `DEVICE_NAME_ALIASES`;
@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from plait.core.atomic_files import write_json_atomically
+from plait.core.host import cache_dir, cpu_model, host_cores
 
 # Dense peak TFLOP/s per device and dtype, from the vendors' datasheets (sparsity figures
 # halved):
@@ -96,7 +97,6 @@ DEVICE_NAME_ALIASES: dict[str, str] = {
     "AMD Instinct MI300X": "MI300X",
 }
 
-CACHE_ENV = "PLAIT_CACHE_DIR"
 CPU_SOURCE = "cpu-calibration"
 CALIBRATION_DTYPES = ("float32", "bfloat16", "float16")
 GEMM_SIZE = 1024
@@ -161,7 +161,7 @@ def accelerator_peak_flops(device_name: str, dtype: str, *, allow_tf32: bool) ->
         return found
     warnings.warn(
         f"no peak FLOP/s known for {device_name!r} in {dtype}; MFU is reported as 0 for this "
-        "rank (add its exact name to plait.core.peak_flops.DEVICE_NAME_ALIASES)",
+        "rank (add its exact name to plait.daemon.peak_flops.DEVICE_NAME_ALIASES)",
         stacklevel=2,
     )
     return PeakFlops(flops=0.0, source="unknown")
@@ -207,34 +207,6 @@ class CpuCalibration:
             source=f"{CPU_SOURCE}: {self.dtype} GEMM on {self.cores} cores / {ranks} ranks, "
             f"measured {day}",
         )
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def host_cores() -> int:
-    """Cores this process may run on (a container's or `taskset`'s limit, not the machine's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def cache_dir() -> Path:
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "plait"
 
 
 def calibration_path(model: str | None = None, cores: int | None = None) -> Path:

@@ -1,8 +1,8 @@
-"""Who a rank is, as the resource attributes it sends the daemon (`plait.core.telemetry_schema`
+"""Who a rank is, as the resource attributes it sends the daemon (`plait.daemon.telemetry_schema`
 names), and the peak FLOP/s its MFU is divided by.
 
 The daemon's MFU divides model FLOP/s by the peak put in the resource, from
-`plait.core.peak_flops`: the dense datasheet figure for the job's compute dtype on a known
+`plait.daemon.peak_flops`: the dense datasheet figure for the job's compute dtype on a known
 accelerator (exact device name), the host's cached GEMM calibration on CPU. No OpenTelemetry
 import: any producer (the telemetry plugin, a benchmark, a test) builds the same resource.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from plait.core import telemetry_schema as schema
-from plait.core.peak_flops import PeakFlops, peak_flops_for
+from plait.daemon import telemetry_schema as schema
+from plait.daemon.peak_flops import PeakFlops, peak_flops_for
 
 if TYPE_CHECKING:
     from plait.core.step import JobInfo

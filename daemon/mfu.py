@@ -3,7 +3,7 @@
     MFU = achieved model FLOP/s ÷ peak FLOP/s of the same devices
 
 Achieved FLOP/s counts model FLOPs only (`plait.core.flops`: 6·N + attention per token;
-recomputation is not model work). The peak comes from `plait.core.peak_flops`.
+recomputation is not model work). The peak comes from `plait.daemon.peak_flops`.
 
 Two outcomes are not figures:
 
