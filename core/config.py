@@ -1,7 +1,9 @@
 """Configuration: TOML files validated into pydantic models, with `a.b=c` overrides.
 
 Core sections are typed here. A plugin's own section (`[ddp]`, `[zero]`, `[tp]`, …) is validated
-by the `config_cls` of the record it registered, so an unknown section or field is an error that
+by the `config_cls` of the record it registered, a feature's (`[checkpoint_io]`,
+`[fault_tolerance]`, `[resilience]`, …) by the class its owner declared
+(`plait_register_config_sections`), so an unknown section or field is an error that
 names what is allowed. Errors always name the field, the bad value and the allowed values.
 """
 
@@ -272,21 +274,6 @@ class TelemetrySection(Section):
     job_id: str = ""
 
 
-class CheckpointIOSection(Section):
-    """`[checkpoint_io]` section."""
-
-    dir: str = Field("", description="checkpoint root directory; '' disables checkpoints")
-    every: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
-    keep: int = Field(3, ge=0, description="keep the newest K checkpoints; 0 keeps all")
-    async_save: bool = Field(True, description="write in a background thread after a host copy")
-    resume: bool = Field(True, description="resume from the latest complete checkpoint in dir")
-    save_final: bool = Field(True, description="save after the last step")
-    init_from: str = Field(
-        "", description="checkpoint whose model weights start a fresh run (e.g. an HF import)"
-    )
-    verify_checksums: bool = Field(True, description="check CRC-32s (not only sizes) on resume")
-
-
 class CommSection(Section):
     """`[comm]`: the communication algorithm that takes traffic over, and its options.
 
@@ -329,81 +316,6 @@ class CommSection(Section):
             ) from None
 
 
-class FaultToleranceSection(Section):
-    """`[fault_tolerance]`: this job is one of several replica groups kept by torchft's quorum.
-
-    Each group is one `plait train` (its own torchrun world, any inner layout); a lighthouse
-    (`plait daemon --lighthouse HOST:PORT`) forms a quorum of the live groups every step; a step
-    commits only where every rank of the group succeeded, and a group that joins late heals from
-    a live peer. See docs/fault-tolerance.md.
-    """
-
-    replica_group: int = Field(
-        -1, ge=-1, description="this group's index, 0 .. replica_groups-1; -1 = fault tolerance off"
-    )
-    replica_groups: int = Field(
-        1, gt=0, description="groups the job is made of; each reads its share of the global batch"
-    )
-    lighthouse: str = Field(
-        "",
-        description="HOST:PORT of the lighthouse that forms the quorum (plait daemon --lighthouse)",
-    )
-    min_replica_groups: int = Field(
-        1, gt=0, description="fewest live groups a step may commit with"
-    )
-    quorum_timeout_seconds: float = Field(
-        60.0, gt=0, description="how long a step waits for the lighthouse's quorum"
-    )
-    step_timeout_seconds: float = Field(
-        60.0,
-        gt=0,
-        description="a cross-group all-reduce, commit vote or heal transfer that takes longer "
-        "fails the step (not committed, retried without the group that stopped answering)",
-    )
-    connect_timeout_seconds: float = Field(
-        10.0, gt=0, description="how long to wait to reach the lighthouse and peer managers"
-    )
-    keep_global_batch: bool = Field(
-        False,
-        description="a step without some groups still trains on the whole global batch: the "
-        "live groups also read the missing groups' shares (as extra micro-batches) and the "
-        "cross-group average weighs each group by its tokens; false = the step averages over "
-        "the live groups' shares only (the global batch shrinks while groups are missing)",
-    )
-
-    @property
-    def enabled(self) -> bool:
-        return self.replica_group >= 0
-
-    @model_validator(mode="after")
-    def _group_and_lighthouse(self) -> FaultToleranceSection:
-        if not self.enabled:
-            if self.keep_global_batch:
-                raise ValueError(
-                    "keep_global_batch = true only acts across replica groups, but "
-                    "replica_group = -1 (fault tolerance off); set replica_group, or leave "
-                    "keep_global_batch unset"
-                )
-            return self
-        if self.replica_group >= self.replica_groups:
-            raise ValueError(
-                f"replica_group = {self.replica_group} is not one of the job's "
-                f"replica_groups = {self.replica_groups}; allowed: 0 .. {self.replica_groups - 1}"
-            )
-        if self.min_replica_groups > self.replica_groups:
-            raise ValueError(
-                f"min_replica_groups = {self.min_replica_groups} exceeds replica_groups = "
-                f"{self.replica_groups}; allowed: 1 .. {self.replica_groups}"
-            )
-        host, sep, port = self.lighthouse.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"lighthouse = {self.lighthouse!r} must be HOST:PORT (the address given to "
-                "plait daemon --lighthouse), e.g. '127.0.0.1:29510', when replica_group is set"
-            )
-        return self
-
-
 class PluginsSection(Section):
     disable: list[str] = Field(default_factory=list, description="plugin names to block")
     inert_selection: Literal["error", "warn"] = Field(
@@ -428,9 +340,7 @@ class PlaitConfig(BaseModel):
     kernels: KernelsSection = Field(default_factory=KernelsSection)
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     plugins: PluginsSection = Field(default_factory=PluginsSection)
-    checkpoint_io: CheckpointIOSection = Field(default_factory=CheckpointIOSection)
     comm: CommSection = Field(default_factory=CommSection)
-    fault_tolerance: FaultToleranceSection = Field(default_factory=FaultToleranceSection)
 
     @model_validator(mode="after")
     def _schedule_named(self) -> PlaitConfig:

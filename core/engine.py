@@ -306,7 +306,8 @@ class Engine:
 
     def job_info(self) -> JobInfo:
         """Who this rank is in its job (what `plait_job_start` is given): job id, rank, world,
-        device, model and its FLOPs per token, tokens per step."""
+        device, model and its FLOPs per token, tokens per step, and the replica group a plugin
+        names (`plait_replica_group`: fault tolerance's)."""
         device = self.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
         num_params = sum(p.numel() for p in self.module.parameters())

@@ -5,7 +5,8 @@ Hooks are grouped in lifecycle order, the way pytest's `hookspec.py` is:
 1. configuration (`plait_configure`, historic),
 2. registration: plain records of what a plugin provides,
 3. the four decision hooks of the microkernel: shard, communicate, schedule, kernel,
-4. step lifecycle: `plait_step_start` / `plait_step_end`, checkpoint state.
+4. job and step lifecycle: the rank's replica group (`plait_replica_group`), `plait_job_start`,
+   `plait_step_start` / `plait_step_end`, checkpoint state.
 
 Hooks are always *called* with keyword arguments (pluggy enforces it) and implementations take
 only the arguments they need, by name. Implementations must not mark them keyword-only with `*`:

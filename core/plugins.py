@@ -68,6 +68,11 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     # `[resilience]`: the NaN/Inf guard's and fault injection's section (the training loop
     # attaches both; this registers only the section).
     ("resilience", "plait.plugins.resilience.config"),
+    # `[checkpoint_io]`: where and how often the training loop's `Checkpointer` saves.
+    ("checkpoint", "plait.plugins.checkpoint.config"),
+    # `[fault_tolerance]` and the rank's replica group (`plait_replica_group`); the training
+    # loop attaches the replica-group steps themselves.
+    ("fault_tolerance", "plait.plugins.fault_tolerance.config"),
     # Spans and metrics of steps and comm ops; the engine unregisters it when
     # `telemetry.enabled` is false, so a run without telemetry pays nothing per op.
     ("telemetry", "plait.plugins.telemetry"),

@@ -197,6 +197,7 @@ def train(
     from plait.core.config import load_config
     from plait.core.engine import check_config
     from plait.core.plugins import Plugins
+    from plait.plugins.checkpoint.config import checkpoint_io_config
     from plait.tools.slurm import slurm_launch
 
     overrides = overrides or []
@@ -280,7 +281,7 @@ def train(
         # (each printed where); the launcher only reports and exits as the signal asks.
         console.print(
             f"stopped by {exc.sigval.name}: the ranks finished their step"
-            + (" and saved a checkpoint" if cfg.checkpoint_io.dir else ""),
+            + (" and saved a checkpoint" if checkpoint_io_config(cfg).dir else ""),
             highlight=False,
         )
         raise typer.Exit(128 + int(exc.sigval)) from None

@@ -9,9 +9,9 @@ from plait.core.comm_algorithms import chosen_algorithm
 from plait.daemon.peak_flops import PeakFlops
 
 if TYPE_CHECKING:
-    from plait.core.config import CheckpointIOSection
     from plait.core.engine import Engine
     from plait.core.state_layout import StateLayout
+    from plait.plugins.checkpoint.config import CheckpointIOConfig
     from plait.plugins.data import TokenBatches
 
 
@@ -54,12 +54,15 @@ def run_lines(engine: Engine, rank_peak: PeakFlops, batches: TokenBatches) -> li
         from plait.daemon.peak_flops import calibration_path
 
         lines.append(f"CPU peak cached in {calibration_path()}")
-    if cfg.checkpoint_io.dir:
-        lines.append(checkpoint_line(cfg.checkpoint_io))
+    from plait.plugins.checkpoint.config import checkpoint_io_config
+
+    checkpoints = checkpoint_io_config(cfg)
+    if checkpoints.dir:
+        lines.append(checkpoint_line(checkpoints))
     return lines
 
 
-def checkpoint_line(settings: CheckpointIOSection) -> str:
+def checkpoint_line(settings: CheckpointIOConfig) -> str:
     """Where checkpoints go, how often, and whether the step waits for their writes."""
     when = f"every {settings.every} steps" if settings.every else "at the end"
     how = (

@@ -24,6 +24,7 @@ class TrainingData:
     def build(cls, engine: Engine, config: PlaitConfig) -> TrainingData:
         from plait.core.preflight import validation_data_problems
         from plait.plugins.data import build_batches
+        from plait.plugins.fault_tolerance.config import fault_tolerance_config
         from plait.plugins.fault_tolerance.data_share import replica_data_coordinates
         from plait.training.validation import check_validation_layout
 
@@ -38,7 +39,9 @@ class TrainingData:
         holdout = train.eval_fraction if train.eval_every and not own_validation else 0.0
         mesh = engine.mesh
         data_rank, data_size = replica_data_coordinates(
-            dp_rank=mesh.coordinate("dp"), dp_size=mesh.size("dp"), settings=config.fault_tolerance
+            dp_rank=mesh.coordinate("dp"),
+            dp_size=mesh.size("dp"),
+            settings=fault_tolerance_config(config),
         )
 
         def batches(data: DataSection, split: str) -> TokenBatches:

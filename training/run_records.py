@@ -4,7 +4,8 @@ With `train.run_dir` set, rank 0 writes there:
 
 - `config.toml` — the fully resolved config: every core field, the degrees as the mesh resolved
   them (`parallel.dp = -1` becomes the actual degree), and the section of every plugin the run
-  selected with its defaults filled in;
+  selected and every section a feature declares (`[checkpoint_io]`, `[resilience]`, …) with
+  their defaults filled in;
 - `metrics.jsonl` — one JSON object per optimizer step: step (1-based, as the progress line
   counts), loss, lr, grad_norm, tokens, tokens_per_second, mfu, step_seconds, skipped,
   memory_bytes (parameters + gradients + optimizer state on rank 0) and val_loss (the held-out
@@ -49,6 +50,10 @@ def resolved_config(engine: Engine) -> dict[str, Any]:
         if name in selected and record.config_cls is not None:
             section = record.config_section or name
             data[section] = config.section(section, record.config_cls).model_dump(mode="json")
+    # The sections features declare (`[checkpoint_io]`, `[fault_tolerance]`, …), defaults
+    # filled in, as `plait config show` prints them.
+    for name, (_, record) in plugins.config_sections().items():
+        data[name] = config.section(name, record.config_cls).model_dump(mode="json")
     return data
 
 

@@ -102,11 +102,14 @@ def step_source(
     """Replica-group steps when `[fault_tolerance]` names a group, else the engine's. Joining
     comes before the NaN/Inf guard is attached, so the guard judges the gradients averaged
     across the groups and every group skips (or takes) a step alike."""
-    if not config.fault_tolerance.enabled:
+    from plait.plugins.fault_tolerance.config import fault_tolerance_config
+
+    settings = fault_tolerance_config(config)
+    if not settings.enabled:
         return EngineSteps(engine, batches)
     from plait.plugins.fault_tolerance import FaultTolerantSteps
 
-    steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance)
+    steps = FaultTolerantSteps.attach(engine, batches, settings)
     return ReplicaGroupSteps(steps, leader=engine.mesh.rank == 0, console=console)
 
 

@@ -11,7 +11,7 @@
   layout — a third-party strategy's included — loads any other (DCP planners:
   `plait.core.dcp_planner`).
 - `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
-- `checkpointer`: the training-loop policy and the `[checkpoint_io]` section.
+- `checkpointer`: the training-loop policy; `config`: the `[checkpoint_io]` section it reads.
 - `offline`: whole-tensor reads and writes in one process, for `plait ckpt`.
 
 Elsewhere: Hugging Face weights in `plait.plugins.huggingface`; the NaN/Inf guard, fault
@@ -25,18 +25,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from plait.plugins.checkpoint.checkpointer import (
-        Checkpointer,
-        CheckpointIOConfig,
-        checkpoint_io_config,
-    )
+    from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.checkpoint.config import CheckpointIOConfig, checkpoint_io_config
     from plait.plugins.checkpoint.storage import CheckpointError
 
 # Resolved on first use: importing the package (e.g. for `plait ckpt`) stays cheap.
 _EXPORTS = {
     "Checkpointer": "checkpointer",
-    "CheckpointIOConfig": "checkpointer",
-    "checkpoint_io_config": "checkpointer",
+    "CheckpointIOConfig": "config",
+    "checkpoint_io_config": "config",
     "CheckpointError": "storage",
 }
 __all__ = ["CheckpointError", "CheckpointIOConfig", "Checkpointer", "checkpoint_io_config"]

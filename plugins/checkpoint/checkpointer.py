@@ -7,9 +7,9 @@
         checkpointer.maybe_save(step + 1)
     checkpointer.close()                          # waits for an asynchronous save
 
-Configured by the `[checkpoint_io]` section (`[checkpoint]` is activation checkpointing). The
-section's NaN/Inf guard and fault injection are not the checkpointer's: the training loop
-attaches them beside it (`plait.plugins.resilience.attach_resilience`).
+Configured by the `[checkpoint_io]` section (`config.py`; `[checkpoint]` is activation
+checkpointing). The section's NaN/Inf guard and fault injection are not the checkpointer's: the
+training loop attaches them beside it (`plait.plugins.resilience.attach_resilience`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any
 import torch.distributed as dist
 
 from plait.core.comm import Group
-from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.config import PlaitConfig
 from plait.plugins.checkpoint.background import (
     BackgroundWrite,
@@ -33,6 +32,7 @@ from plait.plugins.checkpoint.background import (
     SaveTiming,
     describe_error,
 )
+from plait.plugins.checkpoint.config import CheckpointIOConfig, checkpoint_io_config
 from plait.plugins.checkpoint.staging import HostStaging
 from plait.plugins.checkpoint.state import (
     LoadReport,
@@ -54,12 +54,6 @@ from plait.plugins.checkpoint.storage import (
 )
 
 log = logging.getLogger(__name__)
-SECTION = "checkpoint_io"
-
-
-def checkpoint_io_config(config: PlaitConfig) -> CheckpointIOConfig:
-    """The `[checkpoint_io]` section of a job's config."""
-    return config.checkpoint_io
 
 
 class Checkpointer:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from plait.core.config import FaultToleranceSection
+from plait.plugins.fault_tolerance.config import FaultToleranceConfig
 
 
 def replica_data_coordinates(
-    *, dp_rank: int, dp_size: int, settings: FaultToleranceSection
+    *, dp_rank: int, dp_size: int, settings: FaultToleranceConfig
 ) -> tuple[int, int]:
     """`(rank, size)` for the data sampler: the groups split the global batch like one big
     data-parallel axis, group-major, so group g's rank r reads what rank g·dp + r of a single job

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.core.config import FaultToleranceSection
 from plait.core.errors import ConfigError
+from plait.plugins.fault_tolerance.config import FaultToleranceConfig
 
 
 def require_torchft() -> Any:
@@ -48,7 +48,7 @@ def lighthouse_url(address: str) -> str:
 
 def open_manager(
     *,
-    settings: FaultToleranceSection,
+    settings: FaultToleranceConfig,
     job_id: str,
     device: torch.device,
     state_dict: Callable[[], dict[str, Any]],

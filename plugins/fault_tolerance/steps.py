@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from plait.core.comm import world_group
 from plait.core.comm_algorithms import GENERIC
-from plait.core.config import FaultToleranceSection
 from plait.core.errors import PlaitError
 from plait.plugins.fault_tolerance.batch_share import GlobalBatchKeeper
 from plait.plugins.fault_tolerance.commit import ReplicaGroupCommit
+from plait.plugins.fault_tolerance.config import FaultToleranceConfig
 from plait.plugins.fault_tolerance.gradient_split import GradientSplit
 from plait.plugins.fault_tolerance.group_loss import GroupLossExit
 from plait.plugins.fault_tolerance.healing import heal_state, load_heal_state
@@ -117,7 +117,7 @@ class FaultTolerantSteps:
 
     @classmethod
     def attach(
-        cls, engine: Any, batches: Any, settings: FaultToleranceSection, *, job_id: str = ""
+        cls, engine: Any, batches: Any, settings: FaultToleranceConfig, *, job_id: str = ""
     ) -> FaultTolerantSteps:
         """Join the replica groups `settings` names (collective over the group's ranks)."""
         holder: list[FaultTolerantSteps] = []
@@ -153,7 +153,7 @@ class FaultTolerantSteps:
         steps.resume_from(engine.global_step)
         return steps
 
-    def keep_global_batch(self, settings: FaultToleranceSection) -> None:
+    def keep_global_batch(self, settings: FaultToleranceConfig) -> None:
         """From now on every committed step trains on the whole global batch (`batch_share`)."""
         engine = self.engine
         self.shares = GlobalBatchKeeper(

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
-from plait.core.config import CheckpointIOSection
 from plait.core.engine import Engine
 from plait.plugins.checkpoint import background, checkpointer, staging
+from plait.plugins.checkpoint.config import CheckpointIOConfig
 from plait.plugins.checkpoint.storage import list_checkpoints, temp_dir_name
 from tests.dist.checkpoint_workers import engine_batches, engine_config
 
@@ -83,10 +83,10 @@ def async_equals_sync(rank: int, world_size: int, root: str) -> dict[str, Any]:
     engine = Engine(config=engine_config())
     batches = engine_batches(engine)
     sync = checkpointer.Checkpointer(
-        engine, batches, CheckpointIOSection(dir=f"{root}/sync", async_save=False, keep=0)
+        engine, batches, CheckpointIOConfig(dir=f"{root}/sync", async_save=False, keep=0)
     )
     later = checkpointer.Checkpointer(
-        engine, batches, CheckpointIOSection(dir=f"{root}/async", async_save=True, keep=0)
+        engine, batches, CheckpointIOConfig(dir=f"{root}/async", async_save=True, keep=0)
     )
     running_during_training = []
     for step in range(5):
@@ -125,7 +125,7 @@ def full_disk_mid_write(rank: int, world_size: int, root: str) -> dict[str, Any]
         dcp_filesystem._write_item = write_item  # type: ignore[assignment]
     engine = Engine(config=engine_config())
     batches = engine_batches(engine)
-    settings = CheckpointIOSection(dir=root, every=2, keep=0)
+    settings = CheckpointIOConfig(dir=root, every=2, keep=0)
     saver = checkpointer.Checkpointer(engine, batches, settings)
     assert saver.config.async_save, "asynchronous saves are the default"
     reported_by_step: dict[int, list[str]] = {}

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
+from plait.plugins.checkpoint.config import CheckpointIOConfig
 from plait.plugins.data import TokenBatches, build_batches
 from plait.plugins.resilience import ResilienceConfig, attach_resilience
 

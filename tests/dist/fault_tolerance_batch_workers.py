@@ -22,14 +22,18 @@ import torch
 
 from plait.core.config import load_config
 from plait.core.engine import Engine
-from plait.testing.distributed import merged_config
 from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.data import build_batches
 from plait.plugins.data.documents_file import starts_from_lengths
 from plait.plugins.data.token_files import TokenDirectoryWriter
 from plait.plugins.data.tokenizer import token_dtype
-from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
+from plait.plugins.fault_tolerance import (
+    FaultTolerantSteps,
+    fault_tolerance_config,
+    replica_data_coordinates,
+)
 from plait.plugins.fault_tolerance.batch_share import concatenate_rows
+from plait.testing.distributed import merged_config
 
 STEPS = 4
 DEATH_STEP = 2  # C dies in its forward; A and B retry it without C
@@ -107,7 +111,7 @@ def replica_group_rank(
     dp_rank, dp_size = replica_data_coordinates(
         dp_rank=engine.mesh.coordinate("dp"),
         dp_size=engine.mesh.size("dp"),
-        settings=config.fault_tolerance,
+        settings=fault_tolerance_config(config),
     )
     batches = build_batches(
         config.data,
@@ -117,7 +121,9 @@ def replica_group_rank(
         dp_size=dp_size,
         seed=config.train.seed,
     )
-    steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id="ftb-job")
+    steps = FaultTolerantSteps.attach(
+        engine, batches, fault_tolerance_config(config), job_id="ftb-job"
+    )
     write_marker(marker_dir / f"manager-{group}", steps.replica_id)
     # Every group's manager heartbeats before any asks for the first quorum: step 0 has all.
     wait_for(

@@ -22,11 +22,16 @@ import torch
 from plait.core.config import load_config
 from plait.core.engine import Engine
 from plait.core.state_chunks import layout_for, tensor_pieces
-from plait.testing.distributed import merged_config
 from plait.daemon.lighthouse import read_lighthouse
+from plait.plugins.checkpoint import checkpoint_io_config
 from plait.plugins.checkpoint.checkpointer import Checkpointer
 from plait.plugins.data import build_batches
-from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
+from plait.plugins.fault_tolerance import (
+    FaultTolerantSteps,
+    fault_tolerance_config,
+    replica_data_coordinates,
+)
+from plait.testing.distributed import merged_config
 from tests.dist.fault_tolerance_workers import replay_schedule, wait_for, write_marker
 
 HEAL_STEPS = 4
@@ -78,7 +83,7 @@ def _group(config_dict: dict[str, Any]) -> tuple[Any, Engine, Any, FaultTolerant
     dp_rank, dp_size = replica_data_coordinates(
         dp_rank=engine.mesh.coordinate("dp"),
         dp_size=engine.mesh.size("dp"),
-        settings=config.fault_tolerance,
+        settings=fault_tolerance_config(config),
     )
     batches = build_batches(
         config.data,
@@ -88,7 +93,9 @@ def _group(config_dict: dict[str, Any]) -> tuple[Any, Engine, Any, FaultTolerant
         dp_size=dp_size,
         seed=config.train.seed,
     )
-    steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id="ft-heal")
+    steps = FaultTolerantSteps.attach(
+        engine, batches, fault_tolerance_config(config), job_id="ft-heal"
+    )
     return config, engine, batches, steps
 
 
@@ -181,7 +188,7 @@ def checkpoint_group_rank(
             checkpoints=checkpoints,
         )
     )
-    checkpointer = Checkpointer(engine, batches, config.checkpoint_io)
+    checkpointer = Checkpointer(engine, batches, checkpoint_io_config(config))
     start = checkpointer.maybe_resume()
     steps.resume_from(start)
     write_marker(marker_dir / f"manager-{role}-{rank}", steps.replica_id)

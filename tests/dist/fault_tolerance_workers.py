@@ -20,11 +20,15 @@ import torch
 from plait.core.config import load_config
 from plait.core.engine import Engine
 from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
-from plait.testing.distributed import merged_config
 from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.data import build_batches
-from plait.plugins.fault_tolerance import FaultTolerantSteps, replica_data_coordinates
+from plait.plugins.fault_tolerance import (
+    FaultTolerantSteps,
+    fault_tolerance_config,
+    replica_data_coordinates,
+)
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
+from plait.testing.distributed import merged_config
 
 STEPS = 6
 KILL_STEP = 2  # k: B dies inside it; A retries it alone
@@ -120,7 +124,7 @@ def replica_group_rank(
     dp_rank, dp_size = replica_data_coordinates(
         dp_rank=engine.mesh.coordinate("dp"),
         dp_size=engine.mesh.size("dp"),
-        settings=config.fault_tolerance,
+        settings=fault_tolerance_config(config),
     )
     batches = build_batches(
         config.data,
@@ -130,7 +134,9 @@ def replica_group_rank(
         dp_size=dp_size,
         seed=config.train.seed,
     )
-    steps = FaultTolerantSteps.attach(engine, batches, config.fault_tolerance, job_id=JOB_ID)
+    steps = FaultTolerantSteps.attach(
+        engine, batches, fault_tolerance_config(config), job_id=JOB_ID
+    )
     if "daemon" in layout:
         wait_until_listed(layout["daemon"], GROUP_OF[role], rank)
     write_marker(marker_dir / f"manager-{role}-{rank}", steps.replica_id)
@@ -214,8 +220,7 @@ def replay_schedule(
     each group's gradient the mean of its `ranks` ranks' (one addition, then the division),
     each step the mean of the participating groups' gradients the same way, as the group's
     reduction and the quorum's all-reduce compute them. Returns the weights at the end."""
-    config = load_config(config_dict)
-    config.fault_tolerance.replica_group = -1
+    config = load_config(config_dict, ["fault_tolerance.replica_group=-1"])
     engine = Engine(config=config)
     params = [p for p in engine.module.parameters() if p.requires_grad]
     rank_batches = [

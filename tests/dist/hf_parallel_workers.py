@@ -290,11 +290,11 @@ MIXTRAL_EP2 = {"family": "mixtral", "config": {"parallel": {"ep": 2}}}
 
 
 def _save_at_ep2_resume_at_ep1(ckpt_dir: Path) -> dict[str, Any]:
-    from plait.core.config import CheckpointIOSection
     from plait.plugins.checkpoint import Checkpointer
+    from plait.plugins.checkpoint.config import CheckpointIOConfig
 
     reference = plain_loop(MIXTRAL_EP2)
-    settings = CheckpointIOSection(dir=str(ckpt_dir), resume=True, keep=0)
+    settings = CheckpointIOConfig(dir=str(ckpt_dir), resume=True, keep=0)
     engine, first, _, _ = train_case(MIXTRAL_EP2, steps=range(3))
     checkpointer = Checkpointer(engine, None, settings)
     checkpointer.save(3)

@@ -156,8 +156,8 @@ def resume_with_master_weights(
 ) -> dict[str, dict[str, Any]]:
     """For each (saving strategy, resuming strategy): 4 steps straight, and 2 steps saved then
     resumed for 2 more, with bf16 parameters over fp32 master weights (or `param_dtype`)."""
-    from plait.core.config import CheckpointIOSection
     from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.checkpoint.config import CheckpointIOConfig
 
     del world_size
     batches = global_batches(4)
@@ -165,7 +165,7 @@ def resume_with_master_weights(
     def run(strategy: str, stop: int, save_at: int | None, directory: str) -> list[float]:
         amp = {"dtype": "bf16", "param_dtype": param_dtype}
         engine = make_engine(amp, None, 2, 4, dp_strategy=strategy)
-        checkpointer = Checkpointer(engine, None, CheckpointIOSection(dir=directory, keep=0))
+        checkpointer = Checkpointer(engine, None, CheckpointIOConfig(dir=directory, keep=0))
         start = checkpointer.maybe_resume()
         losses = []
         for step in range(start, stop):

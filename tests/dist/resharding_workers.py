@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from plait.core.config import CheckpointIOSection
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
+from plait.plugins.checkpoint.config import CheckpointIOConfig
 from tests.dist.checkpoint_workers import engine_batches, engine_config
 
 # Layouts by name: the `parallel` and `schedule` sections that select them.
@@ -44,7 +44,7 @@ def train_with_checkpoints(
     engine = Engine(config=config)
     batches = engine_batches(engine)
     checkpointer = Checkpointer(
-        engine, batches, CheckpointIOSection(dir=ckpt_dir, resume=resume, keep=0)
+        engine, batches, CheckpointIOConfig(dir=ckpt_dir, resume=resume, keep=0)
     )
     start = checkpointer.maybe_resume()
     saves = set(save_at)

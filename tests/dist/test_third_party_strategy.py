@@ -19,7 +19,6 @@ import pytest
 import torch
 from torch import nn
 
-from plait.core.config import CheckpointIOSection
 from plait.core.engine import Engine
 from plait.core.plugins import Plugins
 from plait.core.sharding import OptimizerFactory, ParallelRuntime, ShardContext, Sharded
@@ -33,6 +32,7 @@ from plait.core.state_layout import (
     set_step_count,
 )
 from plait.core.strategy import Strategies
+from plait.plugins.checkpoint.config import CheckpointIOConfig
 from plait.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -190,7 +190,7 @@ def _train(
     )
     resume = any(ckpt_dir.glob("step-*"))
     checkpointer = Checkpointer(
-        engine, batches, CheckpointIOSection(dir=str(ckpt_dir), resume=resume, keep=0)
+        engine, batches, CheckpointIOConfig(dir=str(ckpt_dir), resume=resume, keep=0)
     )
     start = checkpointer.maybe_resume()
     loaded = {name: p.detach().clone() for name, p in engine.module.named_parameters()}

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait.core.config import CheckpointIOSection
 from plait.core.engine import Engine
 from plait.core.plugins import BUILTIN_PLUGINS
 from plait.core.process_groups import gloo_worker_threads
 from plait.plugins.checkpoint.checkpointer import Checkpointer
+from plait.plugins.checkpoint.config import CheckpointIOConfig
 from tests.dist.checkpoint_workers import engine_batches, engine_config
 from tests.free_ports import refused_port
 
@@ -70,7 +70,7 @@ def rank_script(run: int, rank: int, port: int, no_daemon_port: int, root: Path)
     checkpointer = Checkpointer(
         engine,
         batches,
-        CheckpointIOSection(dir=str(root / f"run-{run}"), every=EVERY, async_save=run % 4 >= 2),
+        CheckpointIOConfig(dir=str(root / f"run-{run}"), every=EVERY, async_save=run % 4 >= 2),
     )
     for step in range(checkpointer.maybe_resume(), STEPS):
         engine.train_step(batches.next_batch())

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from plait.core.config import CheckpointIOSection as CheckpointIOConfig
 from plait.core.engine import Engine
 from plait.plugins.checkpoint.checkpointer import Checkpointer
+from plait.plugins.checkpoint.config import CheckpointIOConfig
 from plait.plugins.resilience import ResilienceConfig, attach_resilience
 from plait.plugins.resilience.config import FaultInjectionConfig
 from tests.dist.checkpoint_workers import engine_batches, engine_config

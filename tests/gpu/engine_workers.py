@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from plait.core.config import CheckpointIOSection
 from plait.core.engine import Engine
 from plait.core.phase_timing import device_interval
 from plait.plugins.checkpoint.checkpointer import Checkpointer
+from plait.plugins.checkpoint.config import CheckpointIOConfig
 from plait.plugins.data import build_batches
 
 
@@ -68,7 +68,7 @@ def resume_bit_exact(rank: int, world_size: int, ckpt_dir: str, dp_strategy: str
     def run(stop: int, save_at: int | None, directory: str) -> tuple[int, list[float]]:
         engine = Engine(config=config(**copy.deepcopy(sections)))
         batches = _batches(engine)
-        checkpointer = Checkpointer(engine, batches, CheckpointIOSection(dir=directory, keep=0))
+        checkpointer = Checkpointer(engine, batches, CheckpointIOConfig(dir=directory, keep=0))
         start = checkpointer.maybe_resume()
         losses = []
         for step in range(start, stop):

@@ -133,14 +133,14 @@ TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(
 def test_cli_exports_a_trained_gpt2_checkpoint_that_transformers_loads(tmp_path: Path) -> None:
     """`plait ckpt export --format hf` on what the engine's checkpointer wrote after training;
     `plait ckpt import` of that folder gives the same weights back."""
-    from plait.core.config import CheckpointIOSection
     from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.checkpoint.config import CheckpointIOConfig
     from plait.plugins.data import build_batches
 
     engine = _engine(GPT2_MODEL)
     batches = build_batches(engine.config.data, seq_len=16, global_batch_size=4, dp_rank=0,
                             dp_size=1, seed=7)  # fmt: skip
-    checkpointer = Checkpointer(engine, batches, CheckpointIOSection(dir=str(tmp_path / "ckpt")))
+    checkpointer = Checkpointer(engine, batches, CheckpointIOConfig(dir=str(tmp_path / "ckpt")))
     for _ in range(2):
         engine.train_step(batches.next_batch())
     checkpointer.save(2)

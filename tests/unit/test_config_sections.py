@@ -1,6 +1,8 @@
 """Sections a feature declares (`plait_register_config_sections`): `[resilience]` is the
 resilience plugin's, its keys written under `[checkpoint_io]` (where they used to live) still
-load, and `plait config show` prints it with its defaults beside the core's sections."""
+load, and `plait config show` prints it with its defaults beside the core's sections;
+`[checkpoint_io]` is the checkpoint plugin's and `[fault_tolerance]` the fault-tolerance
+plugin's, shown and refused as the core's sections were."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from plait.core.checks import check_config
 from plait.core.config import load_config, read_toml
 from plait.core.errors import ConfigError
 from plait.core.plugins import Plugins
+from plait.plugins.checkpoint.config import CheckpointIOConfig, checkpoint_io_config
+from plait.plugins.fault_tolerance.config import FaultToleranceConfig, fault_tolerance_config
 from plait.plugins.resilience import ResilienceConfig, resilience_config
 from plait.tools.cli import app
 
@@ -24,6 +28,54 @@ def test_the_resilience_section_is_declared_by_its_plugin() -> None:
     assert "section:resilience" in next(
         info.provides for info in Plugins.create().info() if info.name == owner
     )
+
+
+@pytest.mark.parametrize(
+    ("section", "owner", "config_cls"),
+    [
+        ("checkpoint_io", "checkpoint", CheckpointIOConfig),
+        ("fault_tolerance", "fault_tolerance", FaultToleranceConfig),
+    ],
+)
+def test_checkpoint_io_and_fault_tolerance_are_declared_by_their_plugins(
+    section: str, owner: str, config_cls: type
+) -> None:
+    plugins = Plugins.create()
+    declared_by, record = plugins.config_sections()[section]
+    assert declared_by == owner and record.config_cls is config_cls
+    assert f"section:{section}" in next(i.provides for i in plugins.info() if i.name == owner)
+    shown = CliRunner().invoke(app, ["plugins"], env={"COLUMNS": "300"})
+    assert shown.exit_code == 0 and f"section:{section}" in shown.output, shown.output
+
+
+def test_config_show_prints_checkpoint_io_and_fault_tolerance_and_loads_again(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text('[checkpoint_io]\ndir = "/tmp/ckpt"\n')
+    shown = CliRunner().invoke(
+        app,
+        [
+            "config",
+            "show",
+            str(path),
+            "--set",
+            "checkpoint_io.every=2",
+            "--set",
+            "fault_tolerance.replica_groups=2",
+        ],
+    )
+    assert shown.exit_code == 0, shown.output
+    again = tmp_path / "shown.toml"
+    again.write_text(shown.output)
+    data = read_toml(again)
+    assert data["checkpoint_io"] == CheckpointIOConfig(dir="/tmp/ckpt", every=2).model_dump()
+    assert data["fault_tolerance"] == FaultToleranceConfig(replica_groups=2).model_dump()
+    config = load_config(again)
+    assert checkpoint_io_config(config) == CheckpointIOConfig(dir="/tmp/ckpt", every=2)
+    assert fault_tolerance_config(config).replica_groups == 2
+    with pytest.raises(ConfigError, match=r"checkpoint_io\.evry.*did you mean 'every'"):
+        check_config(load_config({"checkpoint_io": {"evry": 2}}), Plugins.create())
 
 
 def test_a_misspelt_key_in_a_declared_section_is_named() -> None:
@@ -47,7 +99,7 @@ def test_the_old_keys_under_checkpoint_io_still_load_at_their_new_place(
     assert section.max_consecutive_nonfinite == 7
     assert section.fault_injection.kill_after_step == 4
     assert section.fault_injection.scope == "node"
-    assert config.checkpoint_io.dir == "/tmp/x"
+    assert checkpoint_io_config(config).dir == "/tmp/x"
     assert "checkpoint_io.max_consecutive_nonfinite is now resilience" in caplog.text
     check_config(config, Plugins.create())
 

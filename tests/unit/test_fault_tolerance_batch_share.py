@@ -12,7 +12,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from plait.core.config import FaultToleranceSection
 from plait.core.errors import ConfigError, PlaitError
 from plait.plugins.data import DataError, PackedBatches, TokenBatches
 from plait.plugins.data.documents_file import starts_from_lengths
@@ -23,6 +22,7 @@ from plait.plugins.fault_tolerance.batch_share import (
     assign_missing_shares,
     concatenate_rows,
 )
+from plait.plugins.fault_tolerance.config import FaultToleranceConfig
 
 
 def _live_sets(groups: int) -> list[tuple[int, ...]]:
@@ -130,14 +130,14 @@ def test_joining_shares_of_different_kinds_is_an_error() -> None:
 
 def test_keep_global_batch_needs_fault_tolerance_on() -> None:
     with pytest.raises(ValidationError, match="keep_global_batch = true only acts across"):
-        FaultToleranceSection(keep_global_batch=True)
-    on = FaultToleranceSection(
+        FaultToleranceConfig(keep_global_batch=True)
+    on = FaultToleranceConfig(
         replica_group=1, replica_groups=2, lighthouse="127.0.0.1:29510", keep_global_batch=True
     )
     assert on.keep_global_batch
-    assert not FaultToleranceSection().keep_global_batch
+    assert not FaultToleranceConfig().keep_global_batch
     with pytest.raises(ValidationError, match="keep_global_batch"):
-        FaultToleranceSection(
+        FaultToleranceConfig(
             replica_group=0, replica_groups=2, lighthouse="127.0.0.1:1", keep_global_batch="maybe"
         )
 

@@ -1,12 +1,17 @@
 """`[fault_tolerance]`: what a replica group's settings accept, what they refuse and how they
-split the data; the quorum events a group's steps report."""
+split the data; the quorum events a group's steps report; the replica group the engine's job
+starts with."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 from plait.core.config import load_config
 from plait.core.errors import ConfigError
+from plait.core.hookspecs import hookimpl
+from plait.core.plugins import Plugins
 from plait.daemon.lighthouse import (
     HostedLighthouse,
     LighthouseSettings,
@@ -14,6 +19,7 @@ from plait.daemon.lighthouse import (
     read_lighthouse,
 )
 from plait.daemon.security import SecurityError
+from plait.plugins.fault_tolerance.config import fault_tolerance_config
 from plait.plugins.fault_tolerance.data_share import replica_data_coordinates
 from plait.plugins.fault_tolerance.quorum_events import QuorumWatch
 
@@ -25,8 +31,8 @@ GROUP_1_OF_2 = [
 
 
 def test_off_by_default_and_on_with_a_group_and_a_lighthouse() -> None:
-    assert not load_config().fault_tolerance.enabled
-    settings = load_config(overrides=GROUP_1_OF_2).fault_tolerance
+    assert not fault_tolerance_config(load_config()).enabled
+    settings = fault_tolerance_config(load_config(overrides=GROUP_1_OF_2))
     assert settings.enabled and settings.lighthouse == "127.0.0.1:29510"
 
 
@@ -44,15 +50,17 @@ def test_off_by_default_and_on_with_a_group_and_a_lighthouse() -> None:
 )
 def test_a_bad_value_names_the_field_and_what_is_allowed(overrides: list[str], named: str) -> None:
     with pytest.raises(ConfigError, match="fault_tolerance") as error:
-        load_config(overrides=["fault_tolerance.lighthouse=127.0.0.1:1", *overrides])
+        fault_tolerance_config(
+            load_config(overrides=["fault_tolerance.lighthouse=127.0.0.1:1", *overrides])
+        )
     assert named in str(error.value)
 
 
 def test_groups_split_the_global_batch_group_major() -> None:
-    settings = load_config(overrides=GROUP_1_OF_2).fault_tolerance
+    settings = fault_tolerance_config(load_config(overrides=GROUP_1_OF_2))
     # Group 1's dp rank 0 of 2 reads what rank 2 of a 4-rank job would.
     assert replica_data_coordinates(dp_rank=0, dp_size=2, settings=settings) == (2, 4)
-    off = load_config().fault_tolerance
+    off = fault_tolerance_config(load_config())
     assert replica_data_coordinates(dp_rank=1, dp_size=2, settings=off) == (1, 2)
 
 
@@ -163,3 +171,40 @@ def test_a_jobs_progress_is_its_furthest_group_in_the_last_quorum(
     found = job_progress_at("127.0.0.1:1", "J")
     assert found is not None and (found.step, found.replica_id.split(":")[0]) == (18, "J-group1")
     assert job_progress_at("127.0.0.1:1", "nobody") is None
+
+
+class _JobStarts:
+    """Keeps the `JobInfo` every `plait_job_start` is given (what telemetry builds from)."""
+
+    def __init__(self) -> None:
+        self.infos: list[Any] = []
+
+    @hookimpl
+    def plait_job_start(self, info: Any) -> None:
+        self.infos.append(info)
+
+
+@pytest.mark.parametrize(("overrides", "group"), [(GROUP_1_OF_2, 1), ([], -1)])
+def test_the_engine_starts_the_job_with_the_replica_group_the_section_names(
+    overrides: list[str], group: int
+) -> None:
+    """From construction on, before any fault-tolerant step is attached: telemetry's resource
+    and the daemon key the rank by its group from `plait_job_start`."""
+    from plait.core.engine import Engine
+
+    starts = _JobStarts()
+    config = load_config(
+        {
+            "model": {"name": "llama", "size": "tiny"},
+            "data": {"seq_len": 16},
+            "train": {"steps": 1, "global_batch_size": 2, "device": "cpu"},
+            "telemetry": {"enabled": False},
+        },
+        overrides,
+    )
+    engine = Engine(config=config, plugins=Plugins.create(extra=[("job_starts", starts)]))
+    try:
+        assert [info.replica_group for info in starts.infos] == [group]
+        assert engine.job_info().replica_group == group
+    finally:
+        engine.close()

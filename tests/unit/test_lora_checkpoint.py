@@ -51,11 +51,11 @@ def logits(model: nn.Module) -> torch.Tensor:
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> tuple[Path, torch.Tensor, int]:
     """A checkpoint after 3 steps; the logits then, and the number of adapter parameters."""
-    from plait.core.config import CheckpointIOSection
     from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.checkpoint.config import CheckpointIOConfig
 
     engine = engine_for(build())
-    checkpointer = Checkpointer(engine, None, CheckpointIOSection(dir=str(tmp_path / "ckpt")))
+    checkpointer = Checkpointer(engine, None, CheckpointIOConfig(dir=str(tmp_path / "ckpt")))
     for step in range(3):
         tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(step))
         engine.train_step({"input_ids": tokens, "labels": tokens})
@@ -81,20 +81,20 @@ def test_checkpoint_holds_adapters_and_their_state_only(checkpoint: tuple) -> No
 
 
 def test_resume_restores_the_adapters_on_the_same_base(checkpoint: tuple) -> None:
-    from plait.core.config import CheckpointIOSection
     from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.checkpoint.config import CheckpointIOConfig
     from plait.plugins.checkpoint.storage import resolve_checkpoint
 
     root, trained, _ = checkpoint
     path = resolve_checkpoint(root)
     engine = engine_for(build())
-    Checkpointer(engine, None, CheckpointIOSection(dir=str(root))).load(path)
+    Checkpointer(engine, None, CheckpointIOConfig(dir=str(root))).load(path)
     torch.testing.assert_close(logits(engine.module), trained, atol=1e-5, rtol=0)
     engine.close()
 
     other = engine_for(build(seed=1))  # another base: the adapters would not fit it
     with pytest.raises(CheckpointError, match="trained on base"):
-        Checkpointer(other, None, CheckpointIOSection(dir=str(root))).load(path)
+        Checkpointer(other, None, CheckpointIOConfig(dir=str(root))).load(path)
     other.close()
 
 

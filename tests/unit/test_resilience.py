@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from plait.core.config import CheckpointIOSection
 from plait.plugins.checkpoint.checkpointer import Checkpointer
+from plait.plugins.checkpoint.config import CheckpointIOConfig
 from plait.plugins.resilience import ResilienceConfig, attach_resilience
 from plait.plugins.resilience.config import FaultInjectionConfig
 from plait.plugins.resilience.fault_injection import FaultInjector
@@ -35,7 +35,7 @@ def engine() -> Iterator[Any]:
 
 def test_a_checkpointer_alone_attaches_nothing(engine: Any) -> None:
     runtimes = list(engine.runtimes)
-    Checkpointer(engine, None, CheckpointIOSection(every=3))
+    Checkpointer(engine, None, CheckpointIOConfig(every=3))
     assert engine.runtimes == runtimes
     assert engine.plugins.manager.get_plugin("fault_injection") is None
 

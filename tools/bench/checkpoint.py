@@ -80,15 +80,15 @@ def _batches(args: argparse.Namespace, rank: int, world: int) -> list[tuple[torc
 
 def run_job(rank: int, world: int, args: argparse.Namespace, mode: str, where: str) -> Any:
     """Train `--steps` steps (after warm-up), saving every `--every` unless `mode` is none."""
-    from plait.core.config import CheckpointIOSection
     from plait.core.engine import Engine
     from plait.core.plugins import Plugins
     from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.checkpoint.config import CheckpointIOConfig
     from plait.plugins.checkpoint.staging import HostStaging
     from plait.plugins.checkpoint.state import engine_state_dict
 
     engine = Engine(config=_config(args), plugins=Plugins.create(autoload=False))
-    settings = CheckpointIOSection(
+    settings = CheckpointIOConfig(
         dir=where if mode != "none" else "", async_save=mode == "async", keep=2, resume=False
     )
     checkpointer = Checkpointer(engine, None, settings)
