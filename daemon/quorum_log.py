@@ -1,7 +1,7 @@
 """What a fault-tolerant job's replica groups reported of their quorum: a bounded event list.
 
 Each replica group's rank 0 sends one `plait.ft.quorum` span per join, leave, heal or failed
-commit it saw (`plait.core.quorum_events`). The store keeps, per job, the last
+commit it saw (`plait.plugins.fault_tolerance.quorum_events`). The store keeps, per job, the last
 `MAX_QUORUM_EVENTS` of them in the order they started, and per group the last one it sent
 (its replica id at the lighthouse, the quorum id and participants it last saw). Which groups
 participate is decided by the analysis (`plait.daemon.replica_groups`), from the groups' ranks.

@@ -83,9 +83,9 @@ class ReplicaGroupSteps:
         del step  # torchft counts the steps: a healed group continues at its peer's
         outcome = self.steps.step_until_committed(data_start_ns=time.time_ns())
         if self.leader and outcome.events:
-            from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
+            from plait.plugins.fault_tolerance.quorum_events import publish_quorum_events
 
-            QUORUM_EVENT_BOARD.publish(outcome.events, replica_id=self.steps.replica_id)
+            publish_quorum_events(outcome.events, replica_id=self.steps.replica_id)
             for event in outcome.events:
                 # A failed commit carries the peer's error, Gloo's `[/path/pair.cc:553]`
                 # included: plain text, never markup.

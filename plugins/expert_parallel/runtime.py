@@ -29,7 +29,6 @@ from torch import nn
 
 from plait.core.comm import Comm, Group, world_group
 from plait.core.comm_algorithms import GRAD_NORM, METRICS
-from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.grad_norm import clip_grads_, sharded_axes
 from plait.core.mesh import Mesh
 from plait.core.names import normalised_name
@@ -37,6 +36,7 @@ from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import ParallelRuntime
 from plait.core.state_layout import ParameterLayout, StateLayout, TensorLayout
 from plait.core.transforms import ExpertParallelism
+from plait.plugins.expert_parallel.expert_load import publish_expert_load
 
 
 class MoELayerLike(Protocol):
@@ -124,7 +124,7 @@ class ExpertParallelRuntime(ParallelRuntime):
             if isinstance(getattr(layer, "dropped_tokens", None), torch.Tensor):
                 layer.dropped_tokens.zero_()
         self.last_load = loads
-        EXPERT_LOAD_BOARD.publish(self._layer_names(), loads, dropped)
+        publish_expert_load(self._layer_names(), loads, dropped)
 
     def _layer_names(self) -> list[str]:
         """Module names of the MoE layers (what reports call them), found once."""

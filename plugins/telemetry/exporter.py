@@ -3,9 +3,10 @@
 What the training thread pays per step is two `deque.append`s of tuples holding records that
 are already immutable: `(STEP, report)` — the engine's frozen `StepReport` with its phase spans
 — and `(COMM, records)` — the step's finished comm records, which nothing mutates once done.
-A MoE model's expert load (`(EXPERT_LOAD, …)`, its counts possibly still on the device) and the
-end of the run (`(JOB_END, …)`) are queued the same way, with the time they were queued; a
-fault-tolerant group's quorum events (`(QUORUM, …)`) carry their own times.
+What other features published (`(PUBLISHED, …)`: `plait.core.span_board` sources, a MoE model's
+expert load with its counts possibly still on the device, a fault-tolerant group's quorum events)
+is asked for its spans on the exporter thread; the end of the run (`(JOB_END, …)`) is queued with
+the time it was queued.
 Everything else happens on the exporter thread: span ids, attributes, OTLP protobuf bytes
 (`plait.plugins.telemetry.otlp_wire`), batching (up to `max_batch` spans per request, at least
 every `batch_delay` seconds), sending, the step metrics (`on_step`), and waiting for phases
@@ -29,15 +30,14 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from plait.core.expert_load import ExpertLoad, PublishedExpertLoad
 from plait.core.phase_timing import DEVICE_TIMING, DeviceInterval, device_interval
-from plait.core.quorum_events import PublishedQuorumEvent
+from plait.core.span_board import PublishedSpan, SpanSource
 from plait.core.step import PhaseSpan, StepReport
 from plait.daemon import telemetry_schema as names
 from plait.plugins.telemetry import otlp_spans, otlp_wire
 from plait.plugins.telemetry.comm_records import CommRecord
 
-STEP, COMM, EXPERT_LOAD, JOB_END, QUORUM = 0, 1, 2, 3, 4
+STEP, COMM, PUBLISHED, JOB_END = 0, 1, 2, 3
 # An exporter still running at interpreter exit (its engine never closed) sends what is queued
 # and stops first: on a GPU its thread reads device events in torch's C++ with the GIL
 # released, and a daemon thread caught there when Python finalizes aborts the process.
@@ -105,22 +105,19 @@ class SpanExporter:
             return
         self._queue.append((COMM, records))
 
-    def put_expert_load(self, step: int, load: ExpertLoad | PublishedExpertLoad) -> None:
-        """One span per MoE layer; counts still on the device are read on the exporter thread."""
-        if len(self._queue) >= self.max_queue:
+    def put_published(self, source: SpanSource, step: int) -> None:
+        """A feature's published spans, resolved on the exporter thread (`step`: the step the
+        telemetry was at when it took them). Dropped when the queue is full unless the source
+        is `always_sent`."""
+        if not source.always_sent and len(self._queue) >= self.max_queue:
             self.dropped += 1
             return
-        self._queue.append((EXPERT_LOAD, (step, load, time.time_ns())))
+        self._queue.append((PUBLISHED, (source, step)))
 
     def put_job_end(self, outcome: str, last_step: int = -1) -> None:
         """The end-of-run span, sent after every span queued before it. Never dropped: it is
         what tells the daemon the run finished."""
         self._queue.append((JOB_END, (outcome, last_step, time.time_ns())))
-
-    def put_quorum_event(self, published: PublishedQuorumEvent) -> None:
-        """A replica group's join, leave, heal or failed commit, as a span over its own time.
-        Never dropped: rare, and what an operator reads a group's story from."""
-        self._queue.append((QUORUM, published))
 
     # -- any thread ------------------------------------------------------------------------------
 
@@ -183,10 +180,9 @@ class SpanExporter:
                     self._on_step(payload)
             elif kind == COMM:
                 spans.extend(self._comm_span(record) for record in payload)
-            elif kind == EXPERT_LOAD:
-                spans.extend(self._expert_load_spans(*payload))
-            elif kind == QUORUM:
-                spans.append(self._quorum_span(payload))
+            elif kind == PUBLISHED:
+                source, step = payload
+                spans.extend(self._published_span(span) for span in source.spans(step))
             else:
                 ends.append(self._job_end_span(*payload))
             if len(spans) >= self.max_batch:
@@ -291,34 +287,20 @@ class SpanExporter:
             error=record.error,
         )
 
-    def _expert_load_spans(
-        self, step: int, load: ExpertLoad | PublishedExpertLoad, time_ns: int
-    ) -> list[bytes]:
-        if isinstance(load, PublishedExpertLoad):
-            load = load.resolve()
-        return [
-            self._instant_span(
-                names.EXPERT_LOAD_SPAN_NAME,
-                time_ns,
-                otlp_spans.expert_load_attributes(step, layer),
-            )
-            for layer in load.layers
-        ]
-
     def _job_end_span(self, outcome: str, last_step: int, time_ns: int) -> bytes:
         return self._instant_span(
             names.JOB_END_SPAN_NAME, time_ns, otlp_spans.job_end_attributes(outcome, last_step)
         )
 
-    def _quorum_span(self, published: PublishedQuorumEvent) -> bytes:
-        event = published.event
+    def _published_span(self, span: PublishedSpan) -> bytes:
+        """A feature's span, in a trace of its own."""
         return self._encoder.span(
-            names.QUORUM_EVENT_SPAN_NAME,
+            span.name,
             trace_id=otlp_spans.new_trace_id(),
             span_id=otlp_spans.new_span_id(),
-            start_ns=event.start_ns,
-            end_ns=max(event.end_ns, event.start_ns),
-            attributes=otlp_spans.quorum_event_attributes(published),
+            start_ns=span.start_ns,
+            end_ns=max(span.end_ns, span.start_ns),
+            attributes=dict(span.attributes),
         )
 
     def _instant_span(self, name: str, time_ns: int, attributes: dict[str, Any]) -> bytes:

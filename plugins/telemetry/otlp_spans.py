@@ -1,4 +1,4 @@
-"""The attributes of step, phase, comm, expert-load, quorum-event and end-of-run spans
+"""The attributes of step, phase, comm and end-of-run spans
 (`plait.daemon.telemetry_schema` names), and ids.
 
 The exporter thread calls these and writes the spans with `plait.plugins.telemetry.otlp_wire`;
@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from plait.core.expert_load import LayerLoad
-from plait.core.quorum_events import PublishedQuorumEvent
 from plait.core.step import PhaseSpan, StepReport
 from plait.daemon import telemetry_schema as names
 from plait.plugins.telemetry.comm_records import CommRecord
@@ -89,31 +87,6 @@ def phase_attributes(
     for key, value in phase.attributes.items():
         if key != skip:
             attributes[names.SPAN_PHASE_ATTRIBUTE_PREFIX + key] = value
-    return attributes
-
-
-def expert_load_attributes(step: int, layer: LayerLoad) -> dict[str, Any]:
-    return {
-        names.SPAN_STEP: step,
-        names.SPAN_MOE_LAYER: layer.layer,
-        names.SPAN_MOE_TOKENS_PER_EXPERT: list(layer.tokens_per_expert),
-        names.SPAN_MOE_DROPPED: layer.dropped,
-    }
-
-
-def quorum_event_attributes(published: PublishedQuorumEvent) -> dict[str, Any]:
-    event = published.event
-    attributes: dict[str, Any] = {
-        names.SPAN_STEP: event.step,
-        names.SPAN_QUORUM_EVENT: event.kind,
-        names.SPAN_QUORUM_ID: event.quorum_id,
-        names.SPAN_QUORUM_PARTICIPANTS: event.participants,
-        names.SPAN_QUORUM_PREVIOUS: event.previous,
-    }
-    if event.detail:
-        attributes[names.SPAN_QUORUM_DETAIL] = event.detail
-    if published.replica_id:
-        attributes[names.SPAN_REPLICA_ID] = published.replica_id
     return attributes
 
 

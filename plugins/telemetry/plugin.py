@@ -13,10 +13,12 @@ Hooks:
 * `plait_step_end` queues the step's report (its phase spans inside) and its finished comm
   records to the exporter (`plait.plugins.telemetry.exporter`), which builds the step span, the
   phase spans and the comm spans as its children, sends them and records the step metrics,
-  all off the training thread. A MoE model's expert load of the step is queued the same way,
-  its counts still as published (read back on the exporter thread).
-* At every step start (and at the end) the quorum events a fault-tolerant group published
-  (`plait.core.quorum_events.BOARD`: joins, leaves, heals, failed commits) are queued as spans.
+  all off the training thread.
+* At every step boundary (and at the end) what other features published on the core's span
+  board (`plait.core.span_board`) is queued the same way: a MoE model's expert load (its
+  counts still as published, read back on the exporter thread), a fault-tolerant group's
+  joins, leaves, heals and failed commits. The features name their spans; this plugin only
+  sends them.
 * `plait_job_end` queues what is left and the end-of-run span, then shuts the exporters down.
 
 The step hooks also tell the control channel where step boundaries are, so a profile
@@ -34,10 +36,9 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from plait.core.comm import CompletedWork
-from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.hookspecs import hookimpl
 from plait.core.host_map import known_host_map
-from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
+from plait.core.span_board import BOARD as SPAN_BOARD
 from plait.daemon.address import resolve_daemon_address
 from plait.plugins.telemetry.comm_links import CommLinks
 from plait.plugins.telemetry.comm_records import CommRecord, CudaAnchor, track_async_completion
@@ -118,10 +119,10 @@ class TelemetryPlugin:
         telemetry = self.telemetry
         if telemetry is None:
             return
-        # Published after the last step ended (the fault-tolerant step returns them then).
+        # Published after the last step ended (a fault-tolerant step's quorum events).
         # NOTE: inline, as the training thread's per-op budget counts this file's calls.
-        for published in QUORUM_EVENT_BOARD.take():
-            telemetry.spans.put_quorum_event(published)
+        for source in SPAN_BOARD.take():
+            telemetry.spans.put_published(source, step)
         if self._uses_cuda:
             self._cuda_anchor = CudaAnchor.now()
         control = telemetry.control
@@ -141,10 +142,9 @@ class TelemetryPlugin:
         if telemetry is not None and telemetry.control.armed:
             telemetry.control.step_finished(report.step)  # after the step's spans are queued
         self.last_step = report.step
-        # A MoE model's router counts, published by whoever counted them this step.
-        load = EXPERT_LOAD_BOARD.take_published()
-        if load is not None and self.telemetry is not None:
-            self.telemetry.record_expert_load(report.step, load)
+        # What features published during the step (a MoE model's expert load).
+        for source in SPAN_BOARD.take():
+            exporter.put_published(source, report.step)
 
     @hookimpl
     def plait_job_end(self) -> None:
@@ -158,8 +158,8 @@ class TelemetryPlugin:
             # Once, at shutdown: lets the last step's CUDA events be read.
             torch.cuda.synchronize()
         exporter.put_comm(self._finished_comm_records(final=True))
-        for published in QUORUM_EVENT_BOARD.take():  # the last step's, after its end
-            exporter.put_quorum_event(published)
+        for source in SPAN_BOARD.take():  # the last step's, after its end
+            exporter.put_published(source, self.last_step)
         telemetry.end_job(last_step=self.last_step)  # the daemon shows the job finished
         telemetry.shutdown()  # sends everything queued, the end of the run last
 

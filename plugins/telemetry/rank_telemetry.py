@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Tracer
 
-    from plait.core.expert_load import ExpertLoad, PublishedExpertLoad
     from plait.core.step import JobInfo, StepReport
     from plait.daemon.peak_flops import PeakFlops
 
@@ -216,11 +215,6 @@ class RankTelemetry:
     def record_step(self, report: StepReport) -> None:
         """The step metrics (called off the training thread by the span exporter)."""
         self.metrics.record(report)
-
-    def record_expert_load(self, step: int, load: ExpertLoad | PublishedExpertLoad) -> None:
-        """Queue one span per MoE layer with the step's tokens per expert and dropped tokens
-        (counts still on the device are read by the exporter thread)."""
-        self.spans.put_expert_load(step, load)
 
     def end_job(self, outcome: str = schema.JOB_OUTCOME_FINISHED, last_step: int = -1) -> None:
         """Queue the end-of-run span (sent after everything queued before it)."""

@@ -20,13 +20,14 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core.expert_load import ExpertLoadBoard
+from plait.core.span_board import SpanBoard
 from plait.core.step import PhaseSpan, StepReport
 from plait.daemon import telemetry_schema as schema
 from plait.daemon.decoder import Rejected, StaticsCache
 from plait.daemon.ingest import DecodedResource, decode_resources, decode_wire, encode_resources
 from plait.daemon.otlp_requests import trace_request_parser
 from plait.daemon.server import DaemonServer
+from plait.plugins.expert_parallel.expert_load import publish_expert_load
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
@@ -50,7 +51,7 @@ def plait_requests(rank: int, steps: int, base_ns: int) -> list[bytes]:
         batch_delay=3600.0,
         max_batch=64,
     )
-    board = ExpertLoadBoard()
+    board = SpanBoard()
     for step in range(steps):
         start = base_ns + step * STEP_NS
         middle, end = start + STEP_NS // 2, start + STEP_NS
@@ -84,10 +85,11 @@ def plait_requests(rank: int, steps: int, base_ns: int) -> list[bytes]:
                 for i in range(4)
             ]
         )
-        board.publish(["moe.0"], torch.tensor([[3.0 + step, 1.0]]), torch.tensor([1.0]))
-        published = board.take_published()
-        assert published is not None
-        exporter.put_expert_load(step, published)
+        publish_expert_load(
+            ["moe.0"], torch.tensor([[3.0 + step, 1.0]]), torch.tensor([1.0]), board=board
+        )
+        (published,) = board.take()
+        exporter.put_published(published, step)
     exporter.put_job_end(schema.JOB_OUTCOME_FINISHED, last_step=steps - 1)
     exporter.shutdown(30)
     return sent

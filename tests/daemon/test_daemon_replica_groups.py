@@ -3,7 +3,8 @@
 Two replica groups of one job, two ranks each (each group its own world, ranks 0 and 1), export
 through plait's `SpanExporter` with the resource `telemetry_resource` builds, into a real
 `DaemonServer` that hosts torchft's lighthouse. The groups' rank 0s send their quorum events the
-way the trainer does (`plait.core.quorum_events.BOARD`, taken by the telemetry plugin's hook).
+way the trainer does (`publish_quorum_events` on `plait.core.span_board.BOARD`, taken by the
+telemetry plugin's hook).
 Group 1 then falls silent (a lost group): it leaves the job's MFU, the lighthouse still shows its
 last heartbeat ageing, and `plait status --json` lists join, leave, failed commit, then the
 rejoin and heal in the order they happened.
@@ -24,7 +25,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plait.core.quorum_events import PublishedQuorumEvent, QuorumEvent
 from plait.core.step import StepReport
 from plait.daemon import telemetry_schema as schema
 from plait.daemon.config import DaemonConfig
@@ -33,6 +33,7 @@ from plait.daemon.peak_flops import PeakFlops
 from plait.daemon.server import DaemonServer
 from plait.daemon.service import daemon_points
 from plait.daemon.telemetry_resource import resource_attributes
+from plait.plugins.fault_tolerance.quorum_events import PublishedQuorumEvent, QuorumEvent
 from plait.plugins.telemetry.exporter import SpanExporter
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.tools import daemon_commands
@@ -121,7 +122,8 @@ class Group:
             end_ns=now,
             **more,
         )
-        self.exporters[0].put_quorum_event(PublishedQuorumEvent(event, REPLICA_IDS[self.index]))
+        published = PublishedQuorumEvent(event, REPLICA_IDS[self.index])
+        self.exporters[0].put_published(published, event.step)
         self.flush()
 
     def flush(self) -> None:
@@ -293,7 +295,8 @@ def test_the_telemetry_plugin_sends_what_the_group_published(server: DaemonServe
     sent by the telemetry plugin at the next step boundary, under the rank's replica group."""
     from plait.core.config import load_config
     from plait.core.plugins import Plugins
-    from plait.core.quorum_events import BOARD
+    from plait.core.span_board import BOARD
+    from plait.plugins.fault_tolerance.quorum_events import publish_quorum_events
     from plait.plugins.telemetry import make_plugin
 
     plugins = Plugins.create(autoload=False, builtins=())
@@ -305,7 +308,7 @@ def test_the_telemetry_plugin_sends_what_the_group_published(server: DaemonServe
         kind="heal", step=7, quorum_id=5, participants=2, previous=1,
         start_ns=now - 10**8, end_ns=now, detail="from a live peer",
     )  # fmt: skip
-    BOARD.publish([heal], replica_id=f"{JOB}-group3:cccc")
+    publish_quorum_events([heal], replica_id=f"{JOB}-group3:cccc")
     plugins.step_start(7)
     assert BOARD.take() == []  # taken at the step's start, queued on the exporter
     plugins.step_end(

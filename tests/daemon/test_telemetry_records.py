@@ -15,11 +15,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from plait.core.expert_load import ExpertLoadBoard
 from plait.core.records import CommRequest
+from plait.core.span_board import SpanBoard
 from plait.daemon import telemetry_schema as names
 from plait.daemon.decoder import decode_span
 from plait.daemon.otlp_requests import attributes
+from plait.plugins.expert_parallel.expert_load import publish_expert_load
 from plait.plugins.telemetry.comm_records import CommRecord
 from plait.plugins.telemetry.exporter import SpanExporter
 
@@ -65,16 +66,16 @@ def sent_spans(requests: list[bytes]) -> list[Span]:
 
 
 def test_expert_load_and_the_end_of_run_go_out_as_the_sdk_wrote_them_and_last() -> None:
-    board = ExpertLoadBoard()
-    board.publish(["moe.0", "moe.1"], torch.tensor([[3.0, 1.0], [0.0, 4.0]]),
-                  torch.tensor([2.0, 0.0]))  # fmt: skip
-    published = board.take_published()
-    assert published is not None and board.take_published() is None
+    board = SpanBoard()
+    publish_expert_load(["moe.0", "moe.1"], torch.tensor([[3.0, 1.0], [0.0, 4.0]]),
+                        torch.tensor([2.0, 0.0]), board=board)  # fmt: skip
+    (published,) = board.take()
+    assert board.take() == []
     sent: list[bytes] = []
     exporter = SpanExporter(send=sent.append, resource={names.RESOURCE_JOB_ID: "j"},
                             scope=("t", "0"), batch_delay=3600.0)  # fmt: skip
     exporter.put_job_end(names.JOB_OUTCOME_FINISHED, last_step=7)  # queued first, sent last
-    exporter.put_expert_load(7, published)
+    exporter.put_published(published, 7)
     now = time.time_ns()
     exporter.put_comm([CommRecord("all_reduce", 8, torch.float32, "dp", (0, 1), 1, "metrics",
                                   None, False, 7, now, now + 5)])  # fmt: skip

@@ -23,12 +23,12 @@ import torch
 
 from plait.core.comm import Comm, Group
 from plait.core.config import load_config
-from plait.core.expert_load import BOARD as EXPERT_LOAD_BOARD
 from plait.core.hookspecs import hookimpl
 from plait.core.plugins import Plugins
 from plait.core.records import CommRequest
 from plait.core.step import JobInfo, PhaseSpan, StepReport
 from plait.daemon.server import DaemonServer
+from plait.plugins.expert_parallel.expert_load import publish_expert_load
 from plait.plugins.telemetry import TelemetryPlugin, make_plugin
 
 JOB = JobInfo(
@@ -242,8 +242,8 @@ def test_expert_load_and_the_end_of_run_are_queued_never_built_as_sdk_spans(
         plugins.configure(load_config({"telemetry": {"daemon": server.address}}))
         plugins.job_start(job)
         one_step(plugins, 0)
-        EXPERT_LOAD_BOARD.publish(["moe.0", "moe.1"], torch.tensor([[3.0, 1.0], [0.0, 4.0]]),
-                                  torch.tensor([2.0, 0.0]))  # fmt: skip
+        publish_expert_load(["moe.0", "moe.1"], torch.tensor([[3.0, 1.0], [0.0, 4.0]]),
+                            torch.tensor([2.0, 0.0]))  # fmt: skip
         with CallRecorder() as recorder:
             one_step(plugins, 1)
         touched = {path for path, _ in recorder.calls}

@@ -19,7 +19,6 @@ import torch
 
 from plait.core.config import load_config
 from plait.core.engine import Engine
-from plait.core.quorum_events import BOARD as QUORUM_EVENT_BOARD
 from plait.daemon.lighthouse import read_lighthouse
 from plait.plugins.data import build_batches
 from plait.plugins.fault_tolerance import (
@@ -27,6 +26,7 @@ from plait.plugins.fault_tolerance import (
     fault_tolerance_config,
     replica_data_coordinates,
 )
+from plait.plugins.fault_tolerance.quorum_events import publish_quorum_events
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.testing.distributed import merged_config
 
@@ -173,7 +173,7 @@ def replica_group_rank(
                 time.sleep(0.02)
         outcome = steps.step()
         if rank == 0:  # as the trainer does: the group's leader reports its quorum events
-            QUORUM_EVENT_BOARD.publish(outcome.events, replica_id=steps.replica_id)
+            publish_quorum_events(outcome.events, replica_id=steps.replica_id)
         tries.append(
             {
                 "step": outcome.step,

@@ -247,7 +247,8 @@ def compare(case: dict[str, Any], reference: dict[str, Any], run: tuple) -> dict
 
 def run_cases(rank: int, world_size: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each case against its plain loop (computed here: every rank builds the same model)."""
-    from plait.core.expert_load import BOARD
+    from plait.core.span_board import BOARD
+    from plait.plugins.expert_parallel.expert_load import PublishedExpertLoad
 
     del rank, world_size
     references: dict[tuple, dict[str, Any]] = {}
@@ -259,7 +260,9 @@ def run_cases(rank: int, world_size: int, cases: dict[str, dict[str, Any]]) -> d
         BOARD.take()
         run = train_case(case)
         engine = run[0]
-        load = BOARD.take()  # the last step's, summed over the data-parallel ranks
+        # The last step's counts, summed over the data-parallel ranks.
+        published = [s for s in BOARD.take() if isinstance(s, PublishedExpertLoad)]
+        load = published[-1].resolve() if published else None
         results[name] = {
             **compare(case, references[key], run),
             "comm": {f"{op}/{purpose}": n for (op, purpose), n in engine.purposes.items()},

@@ -9,11 +9,12 @@ import threading
 
 import torch
 
-from plait.core.expert_load import ExpertLoad, ExpertLoadBoard
+from plait.core.span_board import SpanBoard
+from plait.plugins.expert_parallel.expert_load import ExpertLoad, publish_expert_load
 
 
 def test_expert_counts_cross_to_the_host_behind_an_event() -> None:
-    board = ExpertLoadBoard()
+    board = SpanBoard()
     device = torch.device("cuda")
     # Queue a few hundred milliseconds of work the counts depend on, so the copy lands late.
     work = torch.randn(4096, 4096, device=device)
@@ -23,9 +24,9 @@ def test_expert_counts_cross_to_the_host_behind_an_event() -> None:
     tokens = torch.tensor([[3.0, 1.0], [0.0, 4.0]], device=device) + depends
     dropped = torch.tensor([2.0, 0.0], device=device) + depends
 
-    board.publish(["moe.0", "moe.1"], tokens, dropped)
-    published = board.take_published()
-    assert published is not None and published.copied is not None
+    publish_expert_load(["moe.0", "moe.1"], tokens, dropped, board=board)
+    (published,) = board.take()
+    assert published.copied is not None
     assert published.tokens.device.type == "cpu" and published.tokens.is_pinned()
 
     resolved: list[ExpertLoad] = []
@@ -38,4 +39,4 @@ def test_expert_counts_cross_to_the_host_behind_an_event() -> None:
         ("moe.0", (3, 1), 2),
         ("moe.1", (0, 4), 0),
     ]
-    assert board.take_published() is None  # taken once
+    assert board.take() == []  # taken once
