@@ -497,13 +497,11 @@ class Engine:
         # Σ nᵢ² over the step's documents, when any micro-batch holds packed rows.
         packed = any(is_packed for _, is_packed in squares)
         attention_squares = sum(square for square, _ in squares) if packed else None
-        if self.context.context_parallel is not None:
-            # Context parallelism: this rank keeps its positions of every sequence, inputs and
-            # targets alike (`ContextParallelism.shard_microbatch`); `tokens` counts them all.
-            cp = self.context.context_parallel
+        for cut in self.context.microbatch_cuts:
+            # A transform holding part of every sequence (context parallelism) keeps this rank's
+            # positions of inputs and targets alike; `tokens` counted them all.
             pieces = [
-                cp.shard_microbatch(x, y, input_tokens(x).shape[1])
-                for x, y in zip(inputs, targets, strict=True)
+                cut(x, y, input_tokens(x).shape[1]) for x, y in zip(inputs, targets, strict=True)
             ]
             inputs, targets = [x for x, _ in pieces], [y for _, y in pieces]
         weights = self._token_weights(inputs, targets)

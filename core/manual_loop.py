@@ -34,7 +34,7 @@ class ManualLoop:
                 "pipeline parallelism the schedule runs every micro-batch: use "
                 "engine.train_step(batch)"
             )
-        if engine.context.context_parallel is not None:
+        if engine.context.microbatch_cuts:
             raise PlaitError(
                 "engine(batch) / engine.backward(loss) / engine.step() take whole sequences; "
                 "with context parallelism (parallel.cp > 1) the engine shards each sequence: "

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     )
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# How a transform that holds part of every sequence (context parallelism) cuts a micro-batch
+# the engine split: (inputs, targets, sequence length) -> this rank's (inputs, targets).
+MicrobatchCut = Callable[[Any, Any, int], tuple[Any, Any]]
 
 
 @dataclass(kw_only=True)
@@ -57,6 +60,8 @@ class ShardContext:
     activation_checkpointing: ActivationCheckpointing | None = None
     context_parallel: ContextParallelism | None = None
     expert_parallel: ExpertParallelism | None = None
+    # What the engine applies to every micro-batch after splitting the batch, in order.
+    microbatch_cuts: list[MicrobatchCut] = field(default_factory=list)
 
 
 class ParallelRuntime:

@@ -19,8 +19,9 @@ Strategies, selected by `parallel.cp_strategy`:
     load_balance = true     # false: one contiguous chunk per ring position (for comparison)
 
 What the strategy does: writes `context.context_parallel` (`plait.core.transforms.
-ContextParallelism`, the sequence layout), by which the engine hands every rank its positions
-of each batch (tokens and targets alike); installs the attention above as each attention
+ContextParallelism`, the sequence layout) and adds its cut to `context.microbatch_cuts`, by
+which the engine hands every rank its positions of each batch (tokens and targets alike);
+installs the attention above as each attention
 module's `attend` and a pre-hook passing the rank's global positions to the model's forward
 (RoPE, learned positions). A `transformers` model takes part through its own attention
 interface instead (`hf_attention`): the attention above becomes its `attn_implementation`,
@@ -195,6 +196,7 @@ def apply_context_parallel(
     else:
         install(model, attend, layout)
     context.context_parallel = layout
+    context.microbatch_cuts.append(layout.shard_microbatch)
     return Sharded(module=model)
 
 
