@@ -30,7 +30,7 @@ from plait.core.batches import (
 from plait.core.checks import check_config
 from plait.core.comm import Comm
 from plait.core.config import PlaitConfig, load_config
-from plait.core.document_inputs import DocumentInputs, attention_square
+from plait.core.document_inputs import DocumentInputs, ModelInputs, attention_square
 from plait.core.errors import ConfigError, InertSelection, PlaitError, ScheduleError
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
@@ -200,7 +200,8 @@ class Engine:
     def _read_model_inputs(self, model: nn.Module) -> LossCounting:
         """What the model's forward takes (read before the shard transforms: context
         parallelism installs its own attention) and which tokens its own loss is a mean over."""
-        self.document_inputs = DocumentInputs.of(model)
+        answered = self.plugins.model_inputs(model)  # a plugin that knows this kind of model
+        self.document_inputs: ModelInputs = answered or DocumentInputs.of(model)
         prepare_for_training(model)
         return self.document_inputs.loss_counting(model)
 

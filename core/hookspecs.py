@@ -4,7 +4,8 @@ Hooks are grouped in lifecycle order, the way pytest's `hookspec.py` is:
 
 1. configuration (`plait_configure`, historic),
 2. registration: plain records of what a plugin provides,
-3. the four decision hooks of the microkernel: shard, communicate, schedule, kernel,
+3. the four decision hooks of the microkernel: shard, communicate, schedule, kernel, and
+   what a kind of model is given (`plait_model_inputs`),
 4. job and step lifecycle: the rank's replica group (`plait_replica_group`), `plait_job_start`,
    `plait_step_start` / `plait_step_end`, checkpoint state.
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
     from plait.core.comm import Work
     from plait.core.config import PlaitConfig
+    from plait.core.document_inputs import ModelInputs
     from plait.core.records import (
         CommAlgorithmRecord,
         CommRequest,
@@ -299,6 +301,29 @@ def plait_kernel(name: str, device: str, dtype: str, provider: str | None) -> An
         def plait_kernel(name, device, dtype, provider):
             if provider in (None, "mykernels") and name == "rms_norm" and device == "cuda":
                 return my_fused_rms_norm
+            return None
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# what a kind of model is given
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def plait_model_inputs(model: nn.Module) -> ModelInputs | None:
+    """How `model` takes packed rows and which tokens its own loss is a mean over, for a kind
+    of model this plugin knows (the huggingface plugin answers for `transformers` models);
+    None: not this plugin's kind. Asked once, before the model is sharded. No answer: a model
+    whose forward takes `documents=` gets them, any other is refused packed rows by name
+    (`plait.core.document_inputs`).
+
+    Example::
+
+        @hookimpl
+        def plait_model_inputs(model):
+            if isinstance(model, MyModel):
+                return MyModelInputs()  # .prepare(inputs), .loss_counting(model)
             return None
     """
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from plait.core.comm import Work
     from plait.core.config import PlaitConfig
+    from plait.core.document_inputs import ModelInputs
     from plait.core.records import CommRequest
     from plait.core.schedule import Action, ScheduleRequest
     from plait.core.sharding import ShardContext, Sharded
@@ -60,6 +61,9 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("expert_parallel", "plait.plugins.expert_parallel"),
     ("precision", "plait.plugins.precision"),
     ("lora", "plait.plugins.lora"),  # the `adapter` transform and its `[peft]` section
+    # How `transformers` models take packed rows (`plait_model_inputs`); the weights' import
+    # and export are `plait.plugins.huggingface`'s functions, called by the CLI.
+    ("huggingface", "plait.plugins.huggingface.packed_rows"),
     # Activation recomputation, registered under the name `PLAIT_DISABLE_PLUGINS` has always
     # known it by (the saving and loading of checkpoints is `plait.plugins.checkpoint`).
     ("checkpointing", "plait.plugins.activation_checkpointing"),
@@ -343,6 +347,10 @@ class Plugins:
         self, *, name: str, device: str, dtype: str, provider: str | None = None
     ) -> Callable[..., Any] | None:
         return self._call("plait_kernel", name=name, device=device, dtype=dtype, provider=provider)
+
+    def model_inputs(self, model: nn.Module) -> ModelInputs | None:
+        """How a plugin says `model` takes packed rows (`plait_model_inputs`), or None."""
+        return self._call("plait_model_inputs", model=model)
 
     def replica_group(self, config: PlaitConfig) -> int:
         """The rank's replica group a plugin names (`plait_replica_group`), else -1."""
