@@ -21,7 +21,7 @@ What one optimizer step sends (`dp_transfers`), as plait's strategies issue it:
     hpZ (ZeRO-3)   backward's all-gather over the node group (the dp ranks of one node, from
                    the secondary shards) instead of the gradient group
     qwZ / qgZ      the hierarchical all-gather / reduce-scatter with its cross-node hop encoded
-                   (`link_bytes.encoded_hierarchical_bytes`: `(m−1)·encoded_bytes(⌈N/n⌉)`
+                   (`step_bytes.encoded_hierarchical_bytes`: `(m−1)·encoded_bytes(⌈N/n⌉)`
                    across per rank), the encode and decode priced at memory bandwidth
     pp             per micro-batch and chunk boundary: the activation to the next stage's
                    rank at the same place, its gradient back (`pipeline_cross_node`)
@@ -49,12 +49,12 @@ from plait.core.link_bytes import (
     FLAT,
     HIERARCHICAL,
     LinkBytes,
-    encoded_hierarchical_bytes,
     flat_bytes,
     hierarchical_bytes,
     point_to_point,
 )
 from plait.planner.comm_model import op_family, steps_and_volume
+from plait.plugins.collectives.step_bytes import encoded_hierarchical_bytes
 
 if TYPE_CHECKING:  # layouts asks this module which dp variants to offer: no import back
     from plait.planner.layouts import Job, Layout

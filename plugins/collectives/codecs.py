@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from plait.core import link_bytes
+from plait.plugins.collectives import step_bytes
 
 __all__ = ["CODECS", "Codec", "codec_named", "encoded_bytes"]
 
@@ -96,5 +96,5 @@ def codec_named(name: str, block: int = 256) -> Codec:
 
 def encoded_bytes(numel: int, codec: Codec) -> int:
     """Bytes that encode `numel` values: the integer payload and the fp32 scales
-    (`plait.core.link_bytes.encoded_bytes`)."""
-    return link_bytes.encoded_bytes(numel, bits=8 // codec.per_byte, block=codec.block)
+    (`plait.plugins.collectives.step_bytes.encoded_bytes`)."""
+    return step_bytes.encoded_bytes(numel, bits=8 // codec.per_byte, block=codec.block)

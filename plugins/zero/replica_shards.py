@@ -15,9 +15,9 @@ master and Adam moments hold `P/(k·m)` elements instead of `P/k`. Once per opti
 
 The replica reduce-scatter plus all-gather send exactly the bytes of the all-reduce it
 replaces (`(m−1)·⌈c/m⌉` elements each against `2·(m−1)·⌈c/m⌉` for a ring all-reduce;
-`plait.core.link_bytes.replica_step_bytes`), so the cross-node bytes per step stay `2·(m−1)·B`
-while the optimizer state per rank drops from `8·P/k` to `8·P/(k·m)` bytes (fp32 AdamW).
-Buckets are padded to a multiple of `k·m` so every sub-chunk has the same length.
+`plait.plugins.collectives.step_bytes.replica_step_bytes`), so the cross-node bytes per step
+stay `2·(m−1)·B` while the optimizer state per rank drops from `8·P/k` to `8·P/(k·m)` bytes
+(fp32 AdamW). Buckets are padded to a multiple of `k·m` so every sub-chunk has the same length.
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ import torch
 from plait.core.comm import QUANTIZE, QUANTIZE_BLOCK
 from plait.core.engine import Engine
 from plait.core.errors import ConfigError
-from plait.core.link_bytes import encoded_bytes
 from plait.core.plugins import Plugins
-from plait.testing.distributed import merged_config
 from plait.plugins.collectives import CollectivesPlugin
 from plait.plugins.collectives.codecs import codec_named
+from plait.plugins.collectives.step_bytes import encoded_bytes
 from plait.plugins.zero.stage3 import FullyShardedRuntime
+from plait.testing.distributed import merged_config
 from tests.dist.host_workers import as_nodes
 from tests.dist.hsdp_workers import GLOBAL_BATCH, STEPS, _tokens
 

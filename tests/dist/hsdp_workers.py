@@ -10,11 +10,11 @@ import torch
 
 from plait.core.engine import Engine
 from plait.core.errors import PlaitError
-from plait.core.link_bytes import replica_step_bytes, sharded_step_bytes
 from plait.core.plugins import Plugins
-from plait.testing.distributed import VOCAB_SIZE, merged_config
+from plait.plugins.collectives.step_bytes import replica_step_bytes, sharded_step_bytes
 from plait.plugins.zero.stage3 import FullyShardedRuntime
 from plait.plugins.zero.stage12 import ShardedOptimizerRuntime
+from plait.testing.distributed import VOCAB_SIZE, merged_config
 from tests.dist.host_workers import as_nodes
 
 STEPS = 3
@@ -77,8 +77,8 @@ def train_jobs(
 
 
 def _expected_bytes(engine: Engine, runtime: FullyShardedRuntime, microbatches: int) -> dict:
-    """This rank's bytes per step by `plait.core.link_bytes.sharded_step_bytes`: forward
-    gathers every unit, backward every unit but the root and the last block (kept gathered)."""
+    """This rank's bytes per step by `plait.plugins.collectives.step_bytes.sharded_step_bytes`:
+    forward gathers every unit, backward every unit but the root and the last block (kept gathered)."""
     units = runtime.units
     kept = {id(units[0]), id(units[-1])} if runtime.root is not None else {id(units[-1])}
     padded = [u.segment.padded_numel for u in units]

@@ -1,7 +1,7 @@
 """HSDP (`parallel.dp_shard`) on 2 nodes x 2 ranks: ZeRO-3 (and ZeRO-1/2) sharded inside each
 node and replicated across trains as one process does; the bytes each rank sends inside and across
-nodes are `plait.core.link_bytes.sharded_step_bytes`' in the spans; the replica all-reduce runs
-once per step, not per micro-batch; a shard group that spans nodes is refused by name."""
+nodes are `plait.plugins.collectives.step_bytes.sharded_step_bytes`' in the spans; the replica
+all-reduce runs once per step, not per micro-batch; a shard group that spans nodes is refused by name."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from plait.core.link_bytes import sharded_step_inter_node
 from plait.daemon import telemetry_schema as names
 from plait.daemon.server import DaemonServer
+from plait.plugins.collectives.step_bytes import sharded_step_inter_node
 from plait.proto.plait.v1 import daemon_pb2, daemon_pb2_grpc
 from plait.testing.distributed import run_distributed
 from tests.dist import hsdp_workers

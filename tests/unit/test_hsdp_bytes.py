@@ -8,7 +8,7 @@ import pytest
 
 from plait.core.config import load_config
 from plait.core.host_map import HostMap, RankPlace
-from plait.core.link_bytes import sharded_step_bytes, sharded_step_inter_node
+from plait.plugins.collectives.step_bytes import sharded_step_bytes, sharded_step_inter_node
 
 TWO_BY_TWO = HostMap.from_places([RankPlace(node, "hostA") for node in (0, 0, 1, 1)])
 UNITS = (4096, 1024, 8192)  # numels of the units, each divisible by 4: whole chunks

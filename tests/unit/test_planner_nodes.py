@@ -11,12 +11,7 @@ from typer.testing import CliRunner
 
 from plait.core.config import load_config
 from plait.core.host_map import HostMap
-from plait.core.link_bytes import (
-    op_link_bytes,
-    point_to_point,
-    sharded_step_bytes,
-    sharded_step_inter_node,
-)
+from plait.core.link_bytes import op_link_bytes, point_to_point
 from plait.planner.auto import (
     auto_config,
     layout_config,
@@ -30,6 +25,7 @@ from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace, enumerat
 from plait.planner.memory_model import estimate_memory
 from plait.planner.published import resolve_shape
 from plait.planner.search import plan, price
+from plait.plugins.collectives.step_bytes import sharded_step_bytes, sharded_step_inter_node
 
 # 4 layers of width 64: 204,288 parameters, divisible by every group size below
 TINY = {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256}

@@ -14,13 +14,13 @@ from typer.testing import CliRunner
 
 from plait.core.config import load_config
 from plait.core.host_map import HostMap
-from plait.core.link_bytes import encoded_bytes, encoded_hierarchical_bytes
 from plait.planner.auto import auto_config, layout_config, layout_from_config, merge_sections
 from plait.planner.devices import DEVICES, Link
 from plait.planner.layouts import PRECISIONS, Job, Layout, SearchSpace, enumerate_layouts
 from plait.planner.memory_model import estimate_memory, stage_parameters
 from plait.planner.published import resolve_shape
 from plait.planner.search import QUANTIZED_MIN_GAIN, plan, price, why_slower
+from plait.plugins.collectives.step_bytes import encoded_bytes, encoded_hierarchical_bytes
 from plait.tools.plan_commands import quantized_notes
 
 # 4 layers of width 64: 204,288 parameters (fp32), divisible by 4 ranks but not by 4·256, so

@@ -10,8 +10,8 @@ import torch
 
 from plait.core.engine import Engine
 from plait.core.errors import ConfigError
-from plait.core.link_bytes import encoded_bytes
 from plait.plugins.collectives.codecs import codec_named
+from plait.plugins.collectives.step_bytes import encoded_bytes
 
 CONFIG = {
     "telemetry": {"enabled": False},
