@@ -111,6 +111,23 @@ def export(
             "qwen2 with qkv_bias, else llama); gpt2 for a plait gpt2",
         ),
     ] = None,
+    merged: Annotated[
+        bool,
+        typer.Option(
+            "--merged",
+            help="with --format hf: a LoRA job's adapters merged into its base weights "
+            "(W + alpha/r · B·A), the whole model, for AutoModelForCausalLM.from_pretrained",
+        ),
+    ] = False,
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            "--base",
+            help="with --merged: the base model the LoRA job started from, checked against the "
+            "hash the checkpoint recorded: an HF model folder, or a plait checkpoint for a "
+            "built-in model (default: the folder the checkpoint names, if it is one here)",
+        ),
+    ] = None,
 ) -> None:
     """Write a checkpoint's weights as Hugging Face safetensors plus config.json, or a LoRA
     job's adapters as peft's adapter_config.json plus adapter_model.safetensors."""
@@ -118,6 +135,13 @@ def export(
     from plait.plugins.huggingface.weights import export_hf, model_fields
     from plait.plugins.models import resolve_model_config
 
+    if merged and format != "hf":
+        _fail(PlaitError(f"--merged writes a whole model (--format hf), not --format {format}"))
+    if base is not None and not merged:
+        _fail(PlaitError("--base names the base a LoRA job's adapters merge into: add --merged"))
+    if merged:
+        _export_merged(checkpoint, output, base=base, family=family)
+        return
     if format == "peft":
         _export_peft(checkpoint, output)
         return
@@ -125,6 +149,11 @@ def export(
         _fail(PlaitError(f"--format {format!r} is not supported; allowed: hf, peft"))
     try:
         weights, meta = model_weights(checkpoint)
+        if any(".lora_" in name for name in weights):
+            raise PlaitError(
+                "the checkpoint holds a LoRA job's adapters, not a whole model: add --merged "
+                "(the adapters merged into their base) or use --format peft (the adapters alone)"
+            )
         model = meta.get("model") or {}
         name = model.get("name")
         if name not in ("llama", "gpt2"):
@@ -160,6 +189,111 @@ def _export_peft(checkpoint: Path, output: Path) -> None:
         highlight=False,
         markup=False,
     )
+
+
+# A LoRA record's base name (`base_name`: the class of a model with no `name_or_path`) for each
+# built-in model that exports to HF.
+BUILTIN_BASES = {"Llama": "llama", "GPT2": "gpt2"}
+
+
+def _export_merged(
+    checkpoint: Path, output: Path, *, base: Path | None, family: str | None
+) -> None:
+    from plait.plugins.checkpoint.offline import model_weights, read_checkpoint
+    from plait.plugins.huggingface.weights import export_hf, model_fields
+    from plait.plugins.lora.export import saved_adapter
+    from plait.plugins.lora.merge import merged_transformers_model, merged_weights
+    from plait.plugins.models import resolve_model_config
+
+    try:
+        adapters, meta = model_weights(checkpoint)
+        plugin_state = read_checkpoint(checkpoint, prefix="plugins.rank0").get("plugins.rank0")
+        record = saved_adapter(plugin_state)
+        builtin = _builtin_model(record, meta)
+        if builtin is None:
+            if family is not None:
+                raise PlaitError(
+                    f"--family {family} is for plait's built-in models; a transformers model is "
+                    "written as itself"
+                )
+            folder = _transformers_base(base, record)
+            model = merged_transformers_model(folder, adapters, record)
+            model.save_pretrained(output)
+            written = f"a {type(model).__name__}"
+        else:
+            weights, source = _builtin_base(base, record, builtin)
+            merged = merged_weights(weights, adapters, record, source=source)
+            overrides = meta["model"].get("overrides", {})
+            config = resolve_model_config(builtin, meta["model"]["size"], overrides)
+            fields = model_fields(config)
+            chosen = export_hf(merged, output, model=builtin, fields=fields, family=family)
+            written = f"an HF {chosen.model_type} ({chosen.architecture})"
+    except PlaitError as exc:
+        _fail(exc)
+    console.print(
+        f"wrote {written} with the LoRA adapters (r = {record['peft']['r']}) merged into base "
+        f"{record['base']['name']!r} to {output}",
+        highlight=False,
+        markup=False,
+    )
+
+
+def _builtin_model(record: dict[str, Any], meta: dict[str, Any]) -> str | None:
+    """The built-in model a LoRA record's base is, or None for a transformers causal LM."""
+    name = record["base"]["name"]
+    if record.get("task_type") == "CAUSAL_LM":
+        return None
+    builtin = BUILTIN_BASES.get(name)
+    if builtin is not None and (meta.get("model") or {}).get("name") == builtin:
+        return builtin
+    raise PlaitError(
+        f"only LoRA fine-tunes of a transformers causal LM or of plait's built-in llama and gpt2 "
+        f"merge into a whole model; this checkpoint's base is {name!r}: export the adapters "
+        "with --format peft"
+    )
+
+
+def _missing_base(record: dict[str, Any], what: str) -> PlaitError:
+    saved = record["base"]
+    return PlaitError(
+        f"--merged needs the base weights, which a LoRA checkpoint does not hold: it names base "
+        f"{saved['name']!r} (sha256 {saved['sha256'][:12]}…, {saved['parameters']} frozen "
+        f"tensors); pass {what} with --base"
+    )
+
+
+def _transformers_base(base: Path | None, record: dict[str, Any]) -> Path:
+    """The folder of a transformers base: --base, else the path the job loaded it from."""
+    if base is None:
+        named = Path(record["base"]["name"]).expanduser()
+        if not (named / "config.json").is_file():
+            raise _missing_base(
+                record, "the folder it was loaded from (what save_pretrained wrote)"
+            )
+        return named
+    if not (base / "config.json").is_file():
+        raise PlaitError(f"--base {base}: no config.json there; pass the base model's folder")
+    return base
+
+
+def _builtin_base(
+    base: Path | None, record: dict[str, Any], builtin: str
+) -> tuple[dict[str, Any], str]:
+    """A built-in base's weights by plait name, from an HF folder or a plait checkpoint."""
+    from plait.plugins.checkpoint.offline import model_weights
+    from plait.plugins.huggingface.weights import import_hf
+
+    if base is None:
+        raise _missing_base(
+            record, f"its weights (a plait checkpoint of the {builtin}, or an HF folder)"
+        )
+    if (base / "config.json").is_file():
+        imported = import_hf(base)
+        if imported.model != builtin:
+            raise PlaitError(f"--base {base} holds a {imported.model}, the adapters a {builtin}")
+        return imported.weights, str(base)
+    weights, _ = model_weights(base)
+    return weights, str(base)
 
 
 def _check_weights(model: str, overrides: dict[str, Any], weights: dict[str, Any]) -> None:

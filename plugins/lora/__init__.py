@@ -14,7 +14,8 @@ frozen weights are treated the same way.
 
 Checkpoints of a job with the transform hold the adapters and their optimizer state; the base
 is named and hashed in them and checked at resume (`state.py`); `plait ckpt export --format
-peft` writes them as a folder peft loads (`export.py`).
+peft` writes them as a folder peft loads (`export.py`), `--merged` the whole model with them
+merged into the base the user names (`merge.py`).
 
 Pipeline and tensor parallelism are refused with it: they cut or shard the linear layers the
 adapters wrap, and adapters on their pieces are not tested yet.
