@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from plait.core.errors import ConfigError
+from plait.planner.checkpoint_model import checkpoint_plan
 from plait.planner.devices import DeviceSpec
 from plait.planner.layouts import (
     CODEC_LEVELS,
@@ -182,6 +183,7 @@ def job_for_config(
         per_node=per_node,
         device=device,
         precision=PRECISIONS[precision],
+        checkpoint=checkpoint_plan(config),
     )
 
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from plait.core.errors import ConfigError
+from plait.planner.checkpoint_model import CheckpointPlan
 from plait.planner.devices import DeviceSpec
 from plait.planner.model_shape import ModelShape
 
@@ -191,6 +192,8 @@ class Job:
     # one forward with and without tp, `memory_model.activation_ratios`).
     activation_ratio: float = 1.0
     hidden_activation_ratio: float | None = None
+    # How often it saves checkpoints (`checkpoint_model`); None: it saves none.
+    checkpoint: CheckpointPlan | None = None
 
     @property
     def hidden_ratio(self) -> float:

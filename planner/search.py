@@ -35,6 +35,7 @@ TERM_LABELS = {
     "optimizer": "optimizer step",
     "host_overhead": "host overhead",
     "offload": "offload transfers",
+    "checkpoint": "checkpoint saves",
 }
 
 

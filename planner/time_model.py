@@ -38,6 +38,9 @@ Communication (α–β, `comm_model`), with the overlap each strategy has in pla
 The optimizer step is memory bound: every byte of parameters, gradients and AdamW state it
 reads and writes, at memory bandwidth.
 
+Checkpoint saves (`checkpoint_model`): what a save makes its step wait — the copy off the device,
+and the write when synchronous or when it outlasts the save interval — divided by the interval.
+
 ZeRO's offload (`[zero.offload]`) moves the step to the host: it reads and writes fp32 masters,
 fp32 gradient copies and AdamW state at the host's memory bandwidth (`optimizer`), and
 `offload` prices the host link (`DeviceSpec.host_link`, α–β like the other links): stages 1
@@ -52,8 +55,9 @@ costs nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
+from plait.planner.checkpoint_model import checkpoint_cost
 from plait.planner.comm_model import collective_seconds, link_for
 from plait.planner.layouts import Job, Layout
 from plait.planner.link_traffic import (
@@ -65,6 +69,7 @@ from plait.planner.link_traffic import (
 from plait.planner.memory_model import (
     DDP_BUCKET_BYTES,
     FP32_BYTES,
+    estimate_memory,
     layers_on_stage,
     stage_parameters,
 )
@@ -92,6 +97,7 @@ class StepTimeEstimate:
     optimizer: float
     host_overhead: float  # fixed host costs: tp dispatch, ZeRO-3 hooks, per micro-batch
     offload: float = 0.0  # exposed host-link (and drive) transfers of `[zero.offload]`
+    checkpoint: float = 0.0  # what checkpoint saves make a step wait, amortised per step
     model_flops: float  # per step, whole job (6·N + attention per token)
     hardware_flops: float  # per step, whole job, recomputation included
     world: int
@@ -115,6 +121,7 @@ class StepTimeEstimate:
             + self.optimizer
             + self.host_overhead
             + self.offload
+            + self.checkpoint
         )
 
     @property
@@ -346,7 +353,7 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         attention = model.model_flops_per_token(job.seq_len) - 6.0 * model.dense_active_params
         per_token = 2.0 * model.n_layers * model.active_params_per_layer + attention / 3
         recompute_flops = per_token * tokens_per_step
-    return StepTimeEstimate(
+    estimate = StepTimeEstimate(
         compute=microbatches * (cost.forward + cost.backward),
         recompute=microbatches * cost.recompute,
         tp_comm=microbatches * (cost.tp_forward + cost.tp_backward),
@@ -364,6 +371,10 @@ def estimate_step_time(job: Job, layout: Layout) -> StepTimeEstimate:
         cross_node_bytes=traffic.inter_node + pipeline_bytes,
         cross_node_seconds=traffic.inter_node_seconds + pipeline_seconds,
     )
+    if job.checkpoint is None:
+        return estimate
+    saves = checkpoint_cost(job, layout, estimate_memory(job, layout), estimate.total)
+    return estimate if saves is None else replace(estimate, checkpoint=saves.per_step_seconds)
 
 
 def _offload_seconds(

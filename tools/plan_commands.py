@@ -135,8 +135,21 @@ def search(
             "fewer bytes, weights and gradients perturbed within their bounds",
         ),
     ] = False,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(help="price a checkpoint saved every N steps into each step (0: none)", min=0),
+    ] = 0,
+    sync_checkpoints: Annotated[
+        bool,
+        typer.Option(
+            "--sync-checkpoints",
+            help="the saves are synchronous (checkpoint_io.async_save = false): the step "
+            "waits for the write too",
+        ),
+    ] = False,
 ) -> None:
     """Rank the valid layouts of MODEL on WORLD devices by predicted step time."""
+    from plait.planner.checkpoint_model import CheckpointPlan
     from plait.planner.layouts import PRECISIONS, Job, SearchSpace
     from plait.planner.published import resolve_shape
     from plait.planner.search import plan
@@ -152,6 +165,9 @@ def search(
             per_node=per_node,
             device=_device(device, links),
             precision=PRECISIONS[precision],
+            checkpoint=CheckpointPlan(every=checkpoint_every, asynchronous=not sync_checkpoints)
+            if checkpoint_every
+            else None,
         )
         space = SearchSpace(
             zero_stages=_int_list(zero, "--zero"),
@@ -184,6 +200,14 @@ def search(
     console.print(render_plan(result, top=top))
     for note in quantized_notes(result, top=top, allowed=allow_quantized_comm):
         console.print(note, highlight=False, markup=False)
+    if job.checkpoint is not None:
+        from plait.planner.checkpoint_model import checkpoint_cost
+
+        best = result.ranked[0]
+        step = best.time.total - best.time.checkpoint
+        saves = checkpoint_cost(job, best.layout, best.memory, step)
+        assert saves is not None
+        console.print(f"#1 {saves.describe()}", highlight=False, markup=False)
 
 
 def quantized_notes(result: Any, *, top: int, allowed: bool) -> list[str]:
