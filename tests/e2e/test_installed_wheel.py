@@ -1,10 +1,14 @@
 """plait as a pip user gets it: the built wheel in a fresh virtualenv, run from an empty folder.
 
-One venv serves every check (building it is the slow part): torch==2.13.0 first (the CPU build
-on disk), then the wheel, whose dependencies pip resolves from the index like any user's
-install. Commands run from an empty folder with nothing of the checkout on the path, so a
-missing dependency, a config read from the repository or a module left out of the wheel fails
-here as it would for a user.
+One venv serves every check (building it is the slow part). torch is the CPU build this
+checkout's venv already holds, seen by the fresh venv through a `.pth` file naming a folder
+outside it that holds torch's package and metadata only (links, not a copy of 900 MB): pip
+counts it as installed, still resolves torch's own requirements, and, as the folder is outside
+the environment, can never uninstall or overwrite it. Everything else the wheel declares pip
+resolves from the index like any user's install (the newest pip, run from its wheel). Commands
+run from an empty folder with nothing of the checkout on the path, so a missing dependency, a
+config read from the repository or a module left out of the wheel fails here as it would for a
+user.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -27,7 +32,7 @@ import pytest
 from tests.wheel_build import build_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCH = "torch==2.13.0"  # the build on disk; any other would be downloaded
+TORCH = "torch==2.13.0"  # the CPU build this checkout's venv holds (linked, not copied)
 
 HAND_WRITTEN = """\
 [model]
@@ -72,11 +77,11 @@ class Installed:
         return result
 
 
-def _pip(python: Path, *args: str, cwd: Path) -> None:
-    # pip's own cache serves the dependencies' wheels after the first run (about 45 s for torch
-    # and 60 s for the rest on an idle 2-core machine); the index is still asked to resolve.
+def _pip(python: Path, pip: Path, *args: str, cwd: Path) -> None:
+    # Without byte-compiling (what a command imports is compiled as it is first imported):
+    # about 25 s of the install on an idle 2-core machine, and nothing the checks read.
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", *args],
+        [str(python), str(pip / "pip"), "install", "--quiet", "--no-compile", *args],
         check=True, cwd=cwd, timeout=600, env=_clean_env(),
     )  # fmt: skip
 
@@ -89,31 +94,75 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+def _newest_pip(folder: Path) -> Path:
+    """pip's newest wheel from the index (runnable as it is: `python pip.whl/pip`): it resolves
+    plait's requirements faster than the pip `venv` bundles (23.2 here: 44 s against 24 to
+    34 s on a 2-core machine, both without byte-compiling)."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary",
+         ":all:", "-d", str(folder), "pip"],
+        check=True, timeout=300, env=_clean_env(),
+    )  # fmt: skip
+    (wheel,) = folder.glob("pip-*.whl")
+    return wheel
+
+
+def _torch_beside(venv_site: Path, folder: Path) -> Path:
+    """This venv's torch (`TORCH`) made visible to the fresh venv, read in place: `folder`,
+    outside that venv, holds links to torch's top-level folders and its `.dist-info` only,
+    and a `.pth` file in the fresh venv's site-packages names it. torch's requirements
+    (sympy, jinja2, …) are not linked: pip installs them as torch's metadata asks."""
+    torch = metadata.distribution("torch")
+    assert torch.version.split("+")[0] == TORCH.split("==")[1], torch.version
+    here = Path(torch.locate_file("")).resolve()
+    tops = {file.parts[0] for file in torch.files or ()} - {".."}
+    assert {"torch", f"torch-{torch.version}.dist-info"} <= tops, tops
+    folder.mkdir()
+    for name in sorted(tops):
+        (folder / name).symlink_to(here / name)
+    (venv_site / "torch-on-disk.pth").write_text(f"{folder}\n")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def installed() -> Iterator[Installed]:
     with tempfile.TemporaryDirectory(prefix="plait-wheel-") as folder:
         base = Path(folder)
         wheel = build_wheel(base)
         venv = base / "venv"
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        # No pip of its own (ensurepip takes 6 s): the newest pip runs from its wheel instead.
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+        )
         python = venv / "bin" / "python"
-        _pip(python, TORCH, cwd=base)
+        site = _purelib(python)
+        linked = _torch_beside(site, base / "torch-on-disk")
+        pip = _newest_pip(base / "pip")
         # The rest from the index, as a user's `pip install plait` resolves it.
-        _pip(python, str(wheel), cwd=base)
+        _pip(python, pip, str(wheel), cwd=base)
+        # pip kept the linked torch (an install of its own would land in the venv instead).
+        assert not (site / "torch").exists(), "pip installed a torch of its own"
         work = base / "empty"
         work.mkdir()
         env = _clean_env()
         env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         env["HOME"] = str(base / "home")  # caches (the CPU calibration) of this user only
+        torch_at = subprocess.run(
+            [str(python), "-c", "import torch; print(torch.__file__)"],
+            capture_output=True, text=True, check=True, cwd=work, env=env, timeout=120,
+        ).stdout.strip()  # fmt: skip
+        assert Path(torch_at).parent.parent == linked, torch_at
         yield Installed(venv, work, env)
 
 
-def _site_packages(installed: Installed) -> Path:
+def _purelib(python: Path) -> Path:
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    out = subprocess.run(
-        [str(installed.python), "-c", code], capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
     return Path(out.stdout.strip())
+
+
+def _site_packages(installed: Installed) -> Path:
+    return _purelib(installed.python)
 
 
 @pytest.mark.slow

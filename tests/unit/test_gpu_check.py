@@ -142,6 +142,10 @@ def test_the_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     assert training["live_top_ranks"][0]["step"] >= gpu_check_training.LIVE_WINDOW
     assert training["top_ranks"][0]["step"] >= training["live_top_ranks"][0]["step"]
     assert training["bottleneck_ranks"][0]["dominant"]
+    # The three views after the run (asked at once) each answered.
+    assert training["errors"] == {}, training["errors"]
+    job = gpu_check_training.JOB_ID
+    assert [(r["job_id"], r["rank"]) for r in training["status_view"]["ranks"]] == [(job, 0)]
     profile = stages["profile"]
     assert profile["status"] == "passed" and profile["trace_bytes"] > 0, profile
     cpu = stages["cpu"]
