@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from plait.core.phase_timing import DEVICE_TIMING, DeviceInterval, device_interval
-from plait.core.span_board import PublishedSpan, SpanSource
+from plait.core.span_board import SpanSource
 from plait.core.step import PhaseSpan, StepReport
 from plait.daemon import telemetry_schema as names
 from plait.plugins.telemetry import otlp_spans, otlp_wire
@@ -84,6 +84,7 @@ class SpanExporter:
         self._flush_requested = self._flush_done = 0
         self._stopping = False
         self.dropped = 0
+        self.failed_sources = 0  # published sources whose spans could not be built
         self.spans_sent = 0
         self._thread = threading.Thread(target=self._run, name="plait-span-export", daemon=True)
         self._thread.start()
@@ -181,8 +182,7 @@ class SpanExporter:
             elif kind == COMM:
                 spans.extend(self._comm_span(record) for record in payload)
             elif kind == PUBLISHED:
-                source, step = payload
-                spans.extend(self._published_span(span) for span in source.spans(step))
+                spans.extend(self._published_spans(*payload))
             else:
                 ends.append(self._job_end_span(*payload))
             if len(spans) >= self.max_batch:
@@ -292,16 +292,31 @@ class SpanExporter:
             names.JOB_END_SPAN_NAME, time_ns, otlp_spans.job_end_attributes(outcome, last_step)
         )
 
-    def _published_span(self, span: PublishedSpan) -> bytes:
-        """A feature's span, in a trace of its own."""
-        return self._encoder.span(
-            span.name,
-            trace_id=otlp_spans.new_trace_id(),
-            span_id=otlp_spans.new_span_id(),
-            start_ns=span.start_ns,
-            end_ns=max(span.end_ns, span.start_ns),
-            attributes=dict(span.attributes),
-        )
+    def _published_spans(self, source: SpanSource, step: int) -> list[bytes]:
+        """A feature's spans, each in a trace of its own. A source that fails to describe or
+        encode its spans is counted and dropped (logged once): never the exporter, nor the
+        records queued after it."""
+        try:
+            return [
+                self._encoder.span(
+                    span.name,
+                    trace_id=otlp_spans.new_trace_id(),
+                    span_id=otlp_spans.new_span_id(),
+                    start_ns=span.start_ns,
+                    end_ns=max(span.end_ns, span.start_ns),
+                    attributes=dict(span.attributes),
+                )
+                for span in source.spans(step)
+            ]
+        except Exception:
+            self.failed_sources += 1
+            if self.failed_sources == 1:
+                logger.warning(
+                    "telemetry: a published span source (%s) failed; its spans are dropped",
+                    type(source).__name__,
+                    exc_info=True,
+                )
+            return []
 
     def _instant_span(self, name: str, time_ns: int, attributes: dict[str, Any]) -> bytes:
         """A record with no duration, in a trace of its own."""

@@ -3,8 +3,9 @@ quorum events) reaches the daemon through the telemetry plugin, which knows neit
 
 The board hands each source over once, oldest first, and forgets the oldest when nobody takes
 them; the exporter sends a source's spans as the source described them, drops a step's worth of
-records when it lags but never a source that must always be sent; and the plugin takes sources
-at both step boundaries, so counts published inside step N are step N's."""
+records when it lags but never a source that must always be sent, and drops a source that fails
+alone; and the plugin takes sources at both step boundaries, so counts published inside step N
+are step N's."""
 
 from __future__ import annotations
 
@@ -82,6 +83,29 @@ def test_the_exporter_sends_what_the_source_describes_and_drops_only_what_may_be
         ("test.marker", 1_000, 1_000, {"label": "queued", names.SPAN_STEP: 3}),
         ("test.marker", 1_000, 1_000, {"label": "kept", names.SPAN_STEP: 4}),
     ]
+
+
+class Broken:
+    """A source whose spans cannot be built (a bug in some feature's code)."""
+
+    always_sent = True
+
+    def spans(self, step: int) -> Sequence[PublishedSpan]:
+        raise RuntimeError("no spans today")
+
+
+def test_a_source_that_fails_is_dropped_alone() -> None:
+    requests: list[bytes] = []
+    exporter = SpanExporter(send=requests.append, resource={names.RESOURCE_JOB_ID: "j"},
+                            scope=("t", "0"), batch_delay=3600.0)  # fmt: skip
+    exporter.put_published(Broken(), 1)
+    exporter.put_published(Marker("after"), 2)
+    exporter.put_job_end(names.JOB_OUTCOME_FINISHED, last_step=2)
+    exporter.shutdown(30)
+    assert exporter.failed_sources == 1
+    found = sent(requests)
+    assert found[0] == ("test.marker", 1_000, 1_000, {"label": "after", names.SPAN_STEP: 2})
+    assert found[-1][0] == names.JOB_END_SPAN_NAME
 
 
 def report(step: int) -> StepReport:
