@@ -112,7 +112,7 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
             for p in model.parameters():
                 p.add_(1.0)
     engine = plait.initialize(model, config=config, optimizer=optimizer, plugins=plugins)
-    share = GLOBAL_BATCH // world_size
+    share = GLOBAL_BATCH // engine.mesh.size("dp")  # cp ranks share their dp rank's rows
     dp_rank = engine.mesh.coordinate("dp")
     losses = []
     for batch in batches():
@@ -156,6 +156,7 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         "frozen_unchanged": frozen_same,
         "adapter_pieces": pieces,
         "module_class": type(module).__name__,
+        "cp": engine.mesh.size("cp"),
     }
 
 

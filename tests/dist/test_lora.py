@@ -1,5 +1,5 @@
-"""LoRA adapters (peft) under DDP and ZeRO-1/2/3 on 2 Gloo ranks equal one process; the frozen
-base takes no gradient bucket, no reduction and no optimizer state.
+"""LoRA adapters (peft) under DDP, ZeRO-1/2/3 and context parallelism on 2 Gloo ranks equal one
+process; the frozen base takes no gradient bucket, no reduction and no optimizer state.
 
 Adapters come from plait's `lora` transform (`[peft]`) or from the user's own `PeftModel`.
 Figures checked: optimizer state = 8 bytes (fp32 Adam's two moments) per adapter parameter,
@@ -27,6 +27,8 @@ CASES = {
         name: {"config": {**LORA, "parallel": {**LORA["parallel"], "dp_strategy": name}}}
         for name in SHARDED
     },
+    # Context parallelism: each rank holds half of every sequence, the adapters whole.
+    "cp2": {"config": {**LORA, "parallel": {**LORA["parallel"], "cp": 2}}},
     "users_peft_model_ddp": {"users_model": True, "config": {"parallel": {"dp_strategy": "ddp"}}},
     "users_peft_model_zero2": {
         "users_model": True,
@@ -54,6 +56,7 @@ def runs() -> list[dict]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_lora_equals_one_process(name: str, reference: dict, runs: list[dict]) -> None:
     ranks = [run[name] for run in runs]
+    assert all(r["cp"] == (2 if name == "cp2" else 1) for r in ranks)
     adapters = reference["adapters"]
     adapter_numel = sum(t.numel() for t in adapters.values())
     for result in ranks:
