@@ -20,11 +20,16 @@ Blocks, not the whole model: the blocks share one forward, so one compiled graph
 and the pipeline split put them. It runs after activation checkpointing (a checkpointed block
 recomputes compiled code) and before data parallelism.
 
-Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages, AMP
-and activation checkpointing. Tensor, context and expert parallelism are refused by name: their
-collectives run inside a block's forward (the row-parallel all-reduce, the ring's
-send/receive, the experts' all-to-all), where the compiler would trace plait's communication
-calls or break its graph around every one of them.
+Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages, AMP,
+activation checkpointing, and tensor parallelism with and without sequence parallelism. Tensor
+parallelism's collectives run inside a block's forward: its operators are `torch.compiler.
+disable`d (`plait.plugins.tensor_parallel.tp_communications`), so a block compiles to the pieces
+between them and the graph breaks at each (counted in the summary below) instead of the compiler
+tracing plait's communicator and recompiling as its counters move. Hence tensor parallelism is
+refused with `fullgraph = true` (every break would be an error) and with activation
+checkpointing (a break inside a checkpointed block leaves the whole block eager: nothing would
+compile). Context and expert parallelism are refused by name: their collectives (the ring's
+send/receive, the experts' all-to-all) run inside a block's forward too, untested compiled.
 
 After the first step that compiled, rank 0 logs the graphs, graph breaks (with Dynamo's
 reasons) and compile time once, and any recompilation after step 2 with its cause
@@ -49,8 +54,6 @@ NAME = "compile"
 COMPILED_DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # Why each axis is still refused compiled: its collectives run inside a block's forward.
 REFUSED_AXES = {
-    "tp": "the row-parallel all-reduce (and sequence parallelism's gathers) run inside the "
-    "block's forward",
     "cp": "the ring attention's send/receive runs inside the block's forward",
     "ep": "the experts' all-to-all runs inside the block's forward",
 }
@@ -115,11 +118,24 @@ def _refuse_untested_layouts(config: PlaitConfig) -> None:
     ]
     if parallel.dp_strategy not in COMPILED_DP_STRATEGIES:
         spread.append(f"parallel.dp_strategy = {parallel.dp_strategy!r}")
+    if parallel.tp > 1 and config.section(NAME, CompileConfig).fullgraph:
+        spread.append(
+            f"parallel.tp = {parallel.tp} with compile.fullgraph = true (the tensor-parallel "
+            "collectives run eagerly between a block's compiled pieces, a graph break at each, "
+            "which fullgraph makes an error)"
+        )
+    if parallel.tp > 1 and "ac" in parallel.transforms:
+        spread.append(
+            f"parallel.tp = {parallel.tp} with activation checkpointing (the tensor-parallel "
+            "collectives break the graph inside the checkpointed block, which then runs "
+            "eagerly: nothing would compile)"
+        )
     if spread:
         raise ConfigError(
             f"parallel.transforms.compile: {', '.join(spread)} is not supported compiled; the "
             f"compile transform runs with dp_strategy one of {list(COMPILED_DP_STRATEGIES)} "
-            "and tp = cp = ep = 1 (drop transforms.compile for this layout)"
+            "and cp = ep = 1, tp only without activation checkpointing (drop "
+            "transforms.compile for this layout)"
         )
 
 

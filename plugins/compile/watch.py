@@ -15,6 +15,7 @@ after step 1), a compile after that is a recompilation worth a line with its cau
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -70,6 +71,10 @@ class CompileCounts:
         )
 
 
+# Dynamo's explanation of a break at a function it skipped names it as `<function NAME at …>`.
+_FUNCTION_NAMED = re.compile(r"<function ([\w.<>]+) at 0x")
+
+
 def first_step_summary(counts: CompileCounts, *, blocks: int, step: int = 1) -> str:
     """One line: graphs, graph breaks (with Dynamo's reasons) and compile time up to the first
     step that compiled."""
@@ -84,7 +89,7 @@ def first_step_summary(counts: CompileCounts, *, blocks: int, step: int = 1) -> 
     )
     if breaks:
         reasons = "; ".join(
-            f"{n}× {_first_line(reason)}" for reason, n in counts.graph_breaks.most_common()
+            f"{n}× {_break_cause(reason)}" for reason, n in counts.graph_breaks.most_common()
         )
         line += f" (breaks: {reasons})"
     return line
@@ -100,6 +105,14 @@ def recompile_summary(counts: CompileCounts, *, step: int) -> str:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _break_cause(reason: str) -> str:
+    """Dynamo's reason's first line, and the function it names when it names one (a break at
+    a `torch.compiler.disable`d function says which: the tensor-parallel operators are)."""
+    named = _FUNCTION_NAMED.search(reason)
+    first = _first_line(reason)
+    return f"{first} ({named.group(1)})" if named else first
 
 
 @dataclass

@@ -25,6 +25,7 @@ from plait.core.grad_norm import mark_sharded
 from plait.plugins.tensor_parallel.tp_communications import (
     TensorParallelGroup,
     copy_to_tensor_region,
+    eager_under_compile,
     gather_from_sequence_region,
     gather_from_tensor_region,
     reduce_from_tensor_region,
@@ -162,6 +163,13 @@ class _LinearSavingSequenceShard(torch.autograd.Function):
         return grad_x, None, grad_weight, grad_bias, None
 
 
+@eager_under_compile  # counts the layers that will regather the shard: state Dynamo cannot keep
+def _linear_saving_sequence_shard(
+    x: torch.Tensor, source: SequenceShard, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return _LinearSavingSequenceShard.apply(x, source.use(), weight, bias, source)
+
+
 def gather_sequence_shard(x: torch.Tensor, tp: TensorParallelGroup) -> tuple[torch.Tensor, Any]:
     """All-gather sequence shards (autograd-aware) and the `SequenceShard` that remembers them."""
     gathered = gather_from_sequence_region(x, tp, SEQUENCE_DIM)
@@ -231,7 +239,7 @@ class ColumnParallelLinear(nn.Module):
         elif self.input_mode == "gather_sequence":
             x, source = gather_sequence_shard(x, self.tp)
         if source is not None and source.holds(x) and torch.is_grad_enabled():
-            return _LinearSavingSequenceShard.apply(x, source.use(), weight, bias, source)
+            return _linear_saving_sequence_shard(x, source, weight, bias)
         return F.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,7 @@ from plait.plugins.tensor_parallel.layers import (
 from plait.plugins.tensor_parallel.tp_communications import (
     TensorParallelGroup,
     copy_to_tensor_region,
+    eager_under_compile,
     gather_from_tensor_region,
     scatter_to_sequence_region,
 )
@@ -229,6 +230,7 @@ class RegionEntry:
                 return table[:full_seq]
         return value
 
+    @eager_under_compile  # gathers, and points the region's layers at the shard it saves
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -30,6 +30,10 @@ import torch
 from plait.core.comm import Comm, Group
 
 PURPOSE = "tp_activation"
+# The operators run eagerly under `torch.compile`: a compiled block breaks its graph at each of
+# them (Dynamo counts the breaks) instead of tracing the communicator, whose per-group sequence
+# numbers would be guarded on and recompile the block at every step.
+eager_under_compile = torch.compiler.disable
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,16 +175,19 @@ class _GatherFromTensorRegion(torch.autograd.Function):
         return ctx.tp.split(grad, ctx.dim), None, None
 
 
+@eager_under_compile
 def copy_to_tensor_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
     """f (Megatron-LM, Shoeybi et al. 2019): identity forward, all-reduce backward."""
     return _CopyToTensorRegion.apply(x, tp) if tp.size > 1 else x
 
 
+@eager_under_compile
 def reduce_from_tensor_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
     """g (Megatron-LM, Shoeybi et al. 2019): all-reduce forward, identity backward."""
     return _ReduceFromTensorRegion.apply(x, tp) if tp.size > 1 else x
 
 
+@eager_under_compile
 def gather_from_sequence_region(
     x: torch.Tensor, tp: TensorParallelGroup, dim: int = 1
 ) -> torch.Tensor:
@@ -189,6 +196,7 @@ def gather_from_sequence_region(
     return _GatherFromSequenceRegion.apply(x, tp, dim) if tp.size > 1 else x
 
 
+@eager_under_compile
 def reduce_scatter_to_sequence_region(
     x: torch.Tensor, tp: TensorParallelGroup, dim: int = 1
 ) -> torch.Tensor:
@@ -197,6 +205,7 @@ def reduce_scatter_to_sequence_region(
     return _ReduceScatterToSequenceRegion.apply(x, tp, dim) if tp.size > 1 else x
 
 
+@eager_under_compile
 def scatter_to_sequence_region(
     x: torch.Tensor, tp: TensorParallelGroup, dim: int = 1
 ) -> torch.Tensor:
@@ -205,6 +214,7 @@ def scatter_to_sequence_region(
     return _ScatterToSequenceRegion.apply(x, tp, dim) if tp.size > 1 else x
 
 
+@eager_under_compile
 def gather_from_tensor_region(
     x: torch.Tensor, tp: TensorParallelGroup, dim: int = -1
 ) -> torch.Tensor:

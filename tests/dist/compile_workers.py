@@ -70,6 +70,8 @@ def make_engine(run: dict[str, Any], micro_batch: int, steps: int) -> Engine:
     }
     if "schedule" in run:
         config["schedule"] = run["schedule"]
+    if "tp" in run:
+        config["tp"] = run["tp"]
     plugins = Plugins.create(
         autoload=False,
         extra=[("precision", precision), ("checkpointing", activation_checkpointing),

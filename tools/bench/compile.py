@@ -1,8 +1,9 @@
-"""Benchmark: compiled blocks vs eager blocks, under ZeRO-3 and (as a reference) DDP, same run.
+"""Benchmark: compiled blocks vs eager blocks, under ZeRO-3, tensor parallelism with sequence
+parallelism (every rank one tp shard), and (as a reference) DDP, same run.
 
     python tools/bench/compile.py [--rounds 2] [--steps 5] [--warmup 3] [--backend inductor]
                                   [--dim 384] [--layers 6] [--vocab 4096] [--seq-len 128]
-                                  [--global-batch 8] [--only zero3,ddp]
+                                  [--global-batch 8] [--only zero3,tp+sp,ddp]
 
 Every contender trains the same built-in Llama (plait kernels, name-keyed init) on synthetic
 tokens on Gloo ranks spawned by this script, each in fresh processes, with and without
@@ -32,7 +33,8 @@ import torch
 
 from plait.testing.distributed import run_distributed
 
-LAYOUTS = ("zero3", "ddp")
+LAYOUTS = ("zero3", "tp+sp", "ddp")
+TENSOR_PARALLEL = "tp+sp"
 # Profiler op names by class, first match wins; self time, so no op is counted twice.
 OP_CLASSES = (
     ("compiled graph", ("CompiledF", "Torch-Compiled Region", "cpp_fused", "inductor")),
@@ -61,15 +63,23 @@ def _config(args: argparse.Namespace, layout: str, compiled: bool) -> dict[str, 
             },
         },
         "data": {"seq_len": args.seq_len},
-        "train": {"micro_batch_size": args.global_batch // args.world_size, "seed": 0},
+        "train": {"micro_batch_size": args.global_batch // _dp(args, layout), "seed": 0},
         "optimizer": {"weight_decay": 0.0},
         "parallel": {"dp_strategy": layout, "transforms": {}},
         "telemetry": {"enabled": False},
     }
+    if layout == TENSOR_PARALLEL:
+        config["parallel"].update(dp_strategy="ddp", tp=args.world_size)
+        config["tp"] = {"sequence_parallel": True}
     if compiled:
         config["parallel"]["transforms"]["compile"] = "compile"
         config["compile"] = {"backend": args.backend}
     return config
+
+
+def _dp(args: argparse.Namespace, layout: str) -> int:
+    """Data-parallel ranks: every rank under ZeRO-3 and DDP, one under tensor parallelism."""
+    return 1 if layout == TENSOR_PARALLEL else args.world_size
 
 
 def op_class(name: str) -> str:
@@ -106,11 +116,12 @@ def run(
                                                     ("zero", zero)])  # fmt: skip
     engine = Engine(config=_config(args, layout, compiled), plugins=plugins)
     gen = torch.Generator().manual_seed(0)
-    local = args.global_batch // world
+    dp_rank = engine.mesh.coordinate("dp")
+    local = args.global_batch // engine.mesh.size("dp")
     batches = []
     for _ in range(args.warmup + args.steps + 1):
         tokens = torch.randint(0, args.vocab, (args.global_batch, args.seq_len + 1), generator=gen)
-        mine = tokens[rank * local : (rank + 1) * local]
+        mine = tokens[dp_rank * local : (dp_rank + 1) * local]
         batches.append((mine[:, :-1], mine[:, 1:]))
     start = time.perf_counter()
     engine.train_step(batches[0])
@@ -142,7 +153,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--only", default="", help="comma-separated layouts: zero3,ddp")
+    parser.add_argument("--only", default="", help="comma-separated layouts: zero3,tp+sp,ddp")
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=4096)
