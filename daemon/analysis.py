@@ -47,6 +47,7 @@ from plait.daemon.bottleneck import (
     job_dominant,
 )
 from plait.daemon.bottleneck import rank_breakdown as summarise_steps
+from plait.daemon.checkpoint_log import CheckpointLog, JobCheckpointFigures, checkpoint_figures
 from plait.daemon.config import (
     DEFAULT_METRICS_WINDOW_STEPS,
     DEFAULT_STALE_CEILING_SECONDS,
@@ -444,6 +445,8 @@ class JobFigures:
     # Bytes the reporting ranks sent per step inside their nodes and across nodes (sums).
     comm_bytes_intra_node: int = 0
     comm_bytes_inter_node: int = 0
+    # The save being written and the last one (`plait.daemon.checkpoint_log`); None: none sent.
+    checkpoints: JobCheckpointFigures | None = None
 
 
 def group_throughputs(windows: Sequence[RankWindow], window_steps: int) -> list[mfu.Throughput]:
@@ -481,7 +484,12 @@ def joined_throughput(rates: Sequence[mfu.Throughput]) -> mfu.Throughput:
     )
 
 
-def job_figures(job: JobState, window_steps: int) -> JobFigures:
+def job_figures(
+    job: JobState,
+    window_steps: int,
+    checkpoint_log: CheckpointLog | None = None,
+    now_ns: int = 0,
+) -> JobFigures:
     windows = [r.window for r in job.counted]
     rate = joined_throughput(group_throughputs(windows, window_steps))
     last = [w.last_steps(1)[0].step for w in windows if w.steps]
@@ -502,6 +510,9 @@ def job_figures(job: JobState, window_steps: int) -> JobFigures:
         expert_load=tuple(expert_load_figures(windows, window_steps)),
         comm_bytes_intra_node=sum(links[0] for links in link_bytes),
         comm_bytes_inter_node=sum(links[1] for links in link_bytes),
+        checkpoints=checkpoint_figures(
+            checkpoint_log, now_ns=now_ns, running=job.state == JOB_RUNNING
+        ),
     )
 
 
@@ -518,15 +529,22 @@ def metrics_view(
     host: HostSample,
     gpu_utilization: Mapping[int, float],
     include_superseded: bool,
+    checkpoint_logs: Mapping[str, CheckpointLog | None] | None = None,
+    now_ns: int = 0,
 ) -> MetricsView:
-    """Rank and job figures of `jobs` (superseded ranks only when asked for)."""
+    """Rank and job figures of `jobs` (superseded ranks only when asked for); the jobs'
+    checkpoints from `checkpoint_logs` as they stand at `now_ns`."""
     ranks = [
         rank_figures(r, window_steps, process_usage(r.window, host, gpu_utilization))
         for job in jobs
         for r in job.ranks
         if include_superseded or r.status != RANK_SUPERSEDED
     ]
-    return MetricsView(ranks=ranks, jobs=[job_figures(j, window_steps) for j in jobs])
+    logs = checkpoint_logs or {}
+    return MetricsView(
+        ranks=ranks,
+        jobs=[job_figures(j, window_steps, logs.get(j.job_id), now_ns) for j in jobs],
+    )
 
 
 # --------------------------------------------------------------------------------------------

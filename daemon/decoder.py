@@ -345,6 +345,24 @@ class QuorumFigures:
     replica_id: str = ""
 
 
+# A failed save's error as the daemon keeps it: its first line, at most this long.
+MAX_CHECKPOINT_ERROR = 300
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFigures:
+    """What a checkpoint-save span reports (`plait.daemon.telemetry_schema.CHECKPOINT_OUTCOMES`):
+    a save that started (an instant), or one that ended, saved or failed, timed over its write."""
+
+    step: int  # steps done: the checkpoint's `step-N`
+    asynchronous: bool
+    outcome: str
+    blocked_seconds: float = 0.0  # what the training step waited
+    write_seconds: float = 0.0
+    nbytes: int = -1  # the files written (-1: unknown)
+    error: str = ""
+
+
 @dataclass(slots=True)  # not frozen: frozen __init__ costs ~1 µs per span at the door
 class SpanRecord:
     """One received span. `kind` is one of the `telemetry_schema.SPAN_KIND_*`."""
@@ -362,6 +380,7 @@ class SpanRecord:
     outcome: str = ""  # job_end spans: one of schema.JOB_OUTCOMES
     expert_load: ExpertLoadFigures | None = None
     quorum: QuorumFigures | None = None
+    checkpoint: CheckpointFigures | None = None
 
     @property
     def seconds(self) -> float:
@@ -392,6 +411,7 @@ class SpanStatics:
     expert_layer: str = ""
     tokens_per_expert: tuple[int, ...] = ()
     quorum: tuple[str, str, str] = ("", "", "")  # event, detail, replica id
+    checkpoint: tuple[str, bool, str] = ("", False, "")  # outcome, asynchronous, error
 
 
 def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
@@ -428,6 +448,12 @@ def span_statics(name: str, attributes: Mapping[str, Any]) -> SpanStatics:
         return SpanStatics(
             kind, quorum=(event, detail, read_str(attributes, schema.SPAN_REPLICA_ID))
         )
+    if kind == schema.SPAN_KIND_CHECKPOINT:
+        outcome = _one_of(attributes, schema.SPAN_CHECKPOINT_OUTCOME, schema.CHECKPOINT_OUTCOMES)
+        error = read_str(attributes, schema.SPAN_CHECKPOINT_ERROR)
+        first_line = error.strip().split("\n", 1)[0][:MAX_CHECKPOINT_ERROR] if error else ""
+        asynchronous = read_bool(attributes, schema.SPAN_CHECKPOINT_ASYNC)
+        return SpanStatics(kind, checkpoint=(outcome, asynchronous, first_line))
     return SpanStatics(kind)
 
 
@@ -455,7 +481,7 @@ def decode_span_fields(
         statics = span_statics(name, attributes)
     kind = statics.kind
     step = read_int(attributes, schema.SPAN_STEP, -1, high=MAX_WIRE_STEP)
-    figures = comm = expert_load = quorum = None
+    figures = comm = expert_load = quorum = checkpoint = None
     if kind == schema.SPAN_KIND_STEP:
         figures = (  # StepFigures
             read_int(attributes, schema.SPAN_STEP_TOKENS, 0),
@@ -494,6 +520,17 @@ def decode_span_fields(
             detail,
             replica_id,
         )
+    elif kind == schema.SPAN_KIND_CHECKPOINT:
+        outcome, asynchronous, error = statics.checkpoint
+        checkpoint = (  # CheckpointFigures
+            read_int(attributes, schema.SPAN_CHECKPOINT_STEP),
+            asynchronous,
+            outcome,
+            read_float(attributes, schema.SPAN_CHECKPOINT_BLOCKED),
+            read_float(attributes, schema.SPAN_CHECKPOINT_WRITE),
+            read_int(attributes, schema.SPAN_CHECKPOINT_BYTES, -1),
+            error,
+        )
     return (
         name,
         kind,
@@ -508,12 +545,13 @@ def decode_span_fields(
         statics.outcome,
         expert_load,
         quorum,
+        checkpoint,
     )
 
 
 def span_record(fields: SpanFields) -> SpanRecord:
     (name, kind, start_ns, end_ns, step, attributes, error, figures, comm, phase, outcome, load,
-     quorum) = fields  # fmt: skip
+     quorum, checkpoint) = fields  # fmt: skip
     return SpanRecord(
         name,
         kind,
@@ -528,6 +566,7 @@ def span_record(fields: SpanFields) -> SpanRecord:
         outcome,
         None if load is None else ExpertLoadFigures(*load),
         None if quorum is None else QuorumFigures(*quorum),
+        None if checkpoint is None else CheckpointFigures(*checkpoint),
     )
 
 

@@ -29,7 +29,7 @@ from plait.daemon.decoder import (
 from plait.daemon.otlp_wire import WireResource
 
 # Bumped whenever the tuples below change shape: a daemon never reads another version's bytes.
-WIRE_VERSION = 2  # 2: span fields end with the quorum figures
+WIRE_VERSION = 3  # 2: span fields end with the quorum figures; 3: then the checkpoint figures
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -140,10 +140,17 @@ class JobSummary:
     comm_bytes_per_step: dict[str, int] = field(
         default_factory=lambda: {"intra_node": 0, "inter_node": 0}
     )
+    # The job's checkpoints (`plait.v1.JobCheckpoints` as JSON: `last`, `writing`, `saves`,
+    # `failed`); None for a job that sent none.
+    checkpoints: dict[str, Any] | None = None
 
     @property
     def mfu(self) -> float:
         return mfu(self.model_flops_per_second, self.peak_flops)
+
+    def checkpoint_lines(self) -> list[str]:
+        """ "checkpoint: …" lines: the save being written, then the last one (none: no saves)."""
+        return checkpoint_lines(self.checkpoints)
 
 
 def aggregate_jobs(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[JobSummary]:
@@ -172,9 +179,76 @@ def aggregate_jobs(responses: Sequence[daemon_pb2.GetMetricsResponse]) -> list[J
                     "intra_node": sum(j.comm_bytes_per_step.intra_node for j in jobs),
                     "inter_node": sum(j.comm_bytes_per_step.inter_node for j in jobs),
                 },
+                checkpoints=job_checkpoints(answers),
             )
         )
     return summaries
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def job_checkpoints(answers: Sequence[metrics_pb2.JobMetrics]) -> dict[str, Any] | None:
+    """The job's checkpoints from the daemons that heard them (its rank 0's, usually one): the
+    last save that ended anywhere, and a save being written unless one ended after it began."""
+    reported = [j.checkpoints for j in answers if j.HasField("checkpoints")]
+    if not reported:
+        return None
+    ended = [c.last for c in reported if c.HasField("last")]
+    last = max(ended, key=lambda s: s.end_unix_nano, default=None)
+    started = [c.writing for c in reported if c.HasField("writing")]
+    writing = max(started, key=lambda s: s.start_unix_nano, default=None)
+    if writing is not None and last is not None and last.end_unix_nano >= writing.start_unix_nano:
+        writing = None
+    return {
+        "last": json_documents.message_dict(last) if last is not None else None,
+        "writing": json_documents.message_dict(writing) if writing is not None else None,
+        "saves": sum(c.saves for c in reported),
+        "failed": sum(c.failed for c in reported),
+    }
+
+
+def _seconds(value: float) -> str:
+    if value >= 1e5:
+        return f"{value:.3g} s"
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s" if value >= 1 else f"{value:.2f} s"
+
+
+def _how(save: Mapping[str, Any]) -> str:
+    return "asynchronous" if save["asynchronous"] else "synchronous"
+
+
+def checkpoint_lines(checkpoints: Mapping[str, Any] | None) -> list[str]:
+    """What `plait status` and the page say of a job's checkpoints, from `job_checkpoints`:
+
+    checkpoint: writing step 45 since 0.60 s (asynchronous)
+    checkpoint: step 40 saved in 1.8 s (asynchronous, 24.0 MB, the step waited 0.09 s), 12 s ago
+    checkpoint: step 40 failed after 0.20 s (asynchronous): OSError: no space left, 3.0 s ago
+    """
+    if not checkpoints:
+        return []
+    lines = []
+    writing, last = checkpoints.get("writing"), checkpoints.get("last")
+    if writing:
+        lines.append(
+            f"checkpoint: writing step {writing['step']} since "
+            f"{_seconds(writing['age_seconds'])} ({_how(writing)})"
+        )
+    if last:
+        ago = f"{_seconds(last['age_seconds'])} ago"
+        took = _seconds(last["write_seconds"])
+        if last["outcome"] == "failed":
+            lines.append(
+                f"checkpoint: step {last['step']} failed after {took} ({_how(last)}): "
+                f"{last['error'] or 'no error given'}, {ago}"
+            )
+        else:
+            size = f", {last['bytes'] / 1e6:.1f} MB" if last["bytes"] >= 0 else ""
+            lines.append(
+                f"checkpoint: step {last['step']} saved in {took} ({_how(last)}{size}, "
+                f"the step waited {_seconds(last['blocked_seconds'])}), {ago}"
+            )
+    return lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +292,14 @@ class TopReport:
 
 def top_document(view: TopReport) -> dict:
     return {
-        "jobs": [{**json_documents.dataclass_dict(j), "mfu": j.mfu} for j in view.jobs],
+        "jobs": [
+            {
+                **json_documents.dataclass_dict(j),
+                "mfu": j.mfu,
+                "checkpoint_lines": j.checkpoint_lines(),
+            }
+            for j in view.jobs
+        ],
         "ranks": [json_documents.message_dict(r) for r in view.ranks],
         "expert_load": [
             {"job_id": e.job_id, **json_documents.message_dict(e.load)} for e in view.experts

@@ -33,6 +33,7 @@ from plait.daemon.analysis import (
     metrics_view,
     visible,
 )
+from plait.daemon.checkpoint_log import CheckpointSaveFigures, JobCheckpointFigures
 from plait.daemon.chrome_trace import chrome_trace_json
 from plait.daemon.exporters import DaemonPoint
 from plait.daemon.fault_tolerance_messages import fault_tolerant_job_message, lighthouse_message
@@ -140,6 +141,34 @@ def expert_layer_load(f: ExpertLayerFigures) -> metrics_pb2.ExpertLayerLoad:
     )
 
 
+def checkpoint_save(f: CheckpointSaveFigures | None) -> metrics_pb2.CheckpointSave | None:
+    if f is None:
+        return None
+    return metrics_pb2.CheckpointSave(
+        step=f.step,
+        asynchronous=f.asynchronous,
+        outcome=f.outcome,
+        error=f.error,
+        start_unix_nano=f.start_unix_nano,
+        end_unix_nano=f.end_unix_nano,
+        write_seconds=f.write_seconds,
+        blocked_seconds=f.blocked_seconds,
+        bytes=f.nbytes,
+        age_seconds=f.age_seconds,
+    )
+
+
+def job_checkpoints(f: JobCheckpointFigures | None) -> metrics_pb2.JobCheckpoints | None:
+    if f is None:
+        return None
+    return metrics_pb2.JobCheckpoints(
+        last=checkpoint_save(f.last),
+        writing=checkpoint_save(f.writing),
+        saves=f.saves,
+        failed=f.failed,
+    )
+
+
 def job_metrics(j: JobFigures) -> metrics_pb2.JobMetrics:
     return metrics_pb2.JobMetrics(
         job_id=j.job_id,
@@ -163,6 +192,7 @@ def job_metrics(j: JobFigures) -> metrics_pb2.JobMetrics:
         comm_bytes_per_step=metrics_pb2.CommBytes(
             intra_node=j.comm_bytes_intra_node, inter_node=j.comm_bytes_inter_node
         ),
+        checkpoints=job_checkpoints(j.checkpoints),
     )
 
 
@@ -289,6 +319,8 @@ class DaemonService(daemon_pb2_grpc.DaemonServicer):
                 host=host,
                 gpu_utilization=utilization,
                 include_superseded=include_finished,
+                checkpoint_logs={j.job_id: self.store.checkpoint_log(j.job_id) for j in jobs},
+                now_ns=time.time_ns(),
             )
 
     def bottleneck_view(

@@ -10,7 +10,8 @@ the OTLP receivers and the query RPCs run on the gRPC server's thread pool.
 Phase and comm spans are also indexed by step (`RankWindow.step_spans`) for the bottleneck
 analysis, each rank's last comm heartbeat is kept for the hang detector, expert-load spans by
 step, and a rank's end-of-run span as its outcome. A fault-tolerant job's quorum events go to
-its `QuorumLog` (`plait.daemon.quorum_log`).
+its `QuorumLog` (`plait.daemon.quorum_log`), a job's checkpoint saves to its `CheckpointLog`
+(`plait.daemon.checkpoint_log`).
 
 **Worlds.** Each job — each replica group of a fault-tolerant job — keeps the history of its
 worlds (`JobWorlds`): a rank that appears with
@@ -32,6 +33,7 @@ from itertools import islice
 from typing import Any
 
 from plait.daemon.bottleneck import StepBreakdown, StepSpan, step_breakdown
+from plait.daemon.checkpoint_log import CheckpointLog, CheckpointSaveRecord
 from plait.daemon.decoder import (
     ExpertLoadFigures,
     RankIdentity,
@@ -336,6 +338,7 @@ class TelemetryStore:
         self._ranks: dict[RankKey, RankWindow] = {}
         self._jobs: dict[tuple[str, int], JobWorlds] = {}  # by (job id, replica group)
         self._quorum_logs: dict[str, QuorumLog] = {}
+        self._checkpoint_logs: dict[str, CheckpointLog] = {}
         self.spans_received = 0
         self.spans_ignored = 0
         self.metric_points_received = 0
@@ -363,6 +366,10 @@ class TelemetryStore:
     def quorum_log(self, job_id: str) -> QuorumLog | None:
         """The job's quorum events, if it is fault tolerant (call with `lock` held)."""
         return self._quorum_logs.get(job_id)
+
+    def checkpoint_log(self, job_id: str) -> CheckpointLog | None:
+        """The job's last checkpoint saves, if it sent any (call with `lock` held)."""
+        return self._checkpoint_logs.get(job_id)
 
     def _add_quorum_event(self, identity: RankIdentity, span: SpanRecord) -> None:
         assert span.quorum is not None
@@ -393,6 +400,9 @@ class TelemetryStore:
                 window.add_span(span)
                 if span.quorum is not None:
                     self._add_quorum_event(identity, span)
+                elif span.checkpoint is not None:
+                    log = self._checkpoint_logs.setdefault(identity.job_id, CheckpointLog())
+                    log.add(CheckpointSaveRecord(span.checkpoint, span.start_ns, span.end_ns))
             self.spans_received += len(spans)
         return len(spans)
 

@@ -103,6 +103,19 @@ QUORUM_EVENT_HEAL = "heal"  # the sending group took a live peer's state
 QUORUM_EVENT_FAILED_COMMIT = "failed_commit"  # a step was tried and not committed
 QUORUM_EVENTS = (QUORUM_EVENT_JOIN, QUORUM_EVENT_LEAVE, QUORUM_EVENT_HEAL,
                  QUORUM_EVENT_FAILED_COMMIT)  # fmt: skip
+# A checkpoint save as the job's rank 0 saw it (`plait.checkpoint.save` spans): an instant when a
+# save starts (outcome "started"), then one span over the write's own time when it ends.
+SPAN_CHECKPOINT_STEP = "plait.checkpoint.step"  # int >= 0: steps done (the `step-N` directory)
+SPAN_CHECKPOINT_ASYNC = "plait.checkpoint.async"  # bool: written beside training
+SPAN_CHECKPOINT_OUTCOME = "plait.checkpoint.outcome"  # str: one of CHECKPOINT_OUTCOMES
+SPAN_CHECKPOINT_BLOCKED = "plait.checkpoint.blocked_seconds"  # float s >= 0: the step waited
+SPAN_CHECKPOINT_WRITE = "plait.checkpoint.write_seconds"  # float s >= 0: the write itself
+SPAN_CHECKPOINT_BYTES = "plait.checkpoint.bytes"  # int By >= 0: files written (absent: unknown)
+SPAN_CHECKPOINT_ERROR = "plait.checkpoint.error"  # str: a failed save's error, its first line
+CHECKPOINT_STARTED = "started"  # the save began (an instant)
+CHECKPOINT_SAVED = "saved"  # the checkpoint was published
+CHECKPOINT_FAILED = "failed"  # it was not (the previous one is intact)
+CHECKPOINT_OUTCOMES = (CHECKPOINT_STARTED, CHECKPOINT_SAVED, CHECKPOINT_FAILED)
 
 # --------------------------------------------------------------------------------------------
 # span names and classes
@@ -112,6 +125,7 @@ STEP_SPAN_NAME = "step"
 JOB_END_SPAN_NAME = "plait.job.end"  # carries plait.job.outcome (and plait.step: the last)
 EXPERT_LOAD_SPAN_NAME = "plait.moe.load"  # carries plait.step and the plait.moe.* attributes
 QUORUM_EVENT_SPAN_NAME = "plait.ft.quorum"  # carries plait.step and the plait.ft.* attributes
+CHECKPOINT_SAVE_SPAN_NAME = "plait.checkpoint.save"  # carries the plait.checkpoint.* attributes
 # How the daemon classifies a span, first match wins (see `classify_span`).
 SPAN_KIND_COMM = "comm"  # has plait.comm.op
 SPAN_KIND_PHASE = "phase"  # has plait.phase
@@ -119,6 +133,7 @@ SPAN_KIND_STEP = "step"  # named "step" and has plait.step.model_flops
 SPAN_KIND_JOB_END = "job_end"  # named "plait.job.end"
 SPAN_KIND_EXPERT_LOAD = "expert_load"  # named "plait.moe.load"
 SPAN_KIND_QUORUM = "quorum"  # named "plait.ft.quorum"
+SPAN_KIND_CHECKPOINT = "checkpoint"  # named "plait.checkpoint.save"
 SPAN_KIND_OTHER = "other"  # anything else: stored, shown in traces, not analysed
 # Phase names the bottleneck analysis knows, by the class their time goes to.
 PHASE_FORWARD = "forward"
@@ -174,8 +189,8 @@ METRIC_UNITS: dict[str, str] = {
 
 
 def classify_span(name: str, attributes: dict[str, object] | None) -> str:
-    """The span's kind: comm, phase, step, job_end, expert_load, quorum or other (the daemon's
-    rule, in this order)."""
+    """The span's kind: comm, phase, step, job_end, expert_load, quorum, checkpoint or other (the
+    daemon's rule, in this order)."""
     attributes = attributes or {}
     if SPAN_COMM_OP in attributes:
         return SPAN_KIND_COMM
@@ -189,4 +204,6 @@ def classify_span(name: str, attributes: dict[str, object] | None) -> str:
         return SPAN_KIND_EXPERT_LOAD
     if name == QUORUM_EVENT_SPAN_NAME:
         return SPAN_KIND_QUORUM
+    if name == CHECKPOINT_SAVE_SPAN_NAME:
+        return SPAN_KIND_CHECKPOINT
     return SPAN_KIND_OTHER

@@ -53,6 +53,19 @@ def error_lines(errors: Sequence[HostError]) -> list[Text]:
     return [Text(f"{host}: {error}", style="red") for host, error in errors]
 
 
+def checkpoint_texts(jobs: Sequence[JobSummary], names: Mapping[str, str]) -> list[Text]:
+    """Each job's checkpoint lines ("job-a  checkpoint: step 40 saved in 1.8 s …"); a failed
+    save in red."""
+    return [
+        Text(
+            f"{names.get(job.job_id, job.job_id)}  {line}",
+            style="red" if " failed after " in line else "",
+        )
+        for job in jobs
+        for line in job.checkpoint_lines()
+    ]
+
+
 def _uniform(rows: Sequence[object], attribute: str) -> bool:
     return len({getattr(r, attribute) for r in rows}) <= 1
 
@@ -177,6 +190,7 @@ class StatusView:
         ]
         if self.jobs:
             parts.append(build_table("jobs", job_columns(jobs), self.jobs, width))
+            parts.extend(checkpoint_texts(self.jobs, jobs))
         if self.experts:
             parts.append(build_table("expert load", expert_columns(jobs), self.experts, width))
         parts.append(build_table("ranks", rank_info_columns(jobs), self.ranks, width))
@@ -344,6 +358,7 @@ class TopView(TopReport):
         jobs = short_job_ids([j.job_id for j in self.jobs] + [r.job_id for r in self.ranks], width)
         parts: list[RenderableType] = [
             build_table("jobs", job_columns(jobs), self.jobs, width),
+            *checkpoint_texts(self.jobs, jobs),
             build_table("ranks", rank_metric_columns(jobs, self.ranks, width), self.ranks, width),
             *(
                 [build_table("expert load", expert_columns(jobs), self.experts, width)]

@@ -12,6 +12,8 @@
   `plait.core.dcp_planner`).
 - `storage`: atomic directories, manifest, `latest`, keep-last-K, fallback to the previous one.
 - `checkpointer`: the training-loop policy; `config`: the `[checkpoint_io]` section it reads.
+- `save_events`: what rank 0 tells the daemon of each save (its start, then its outcome and
+  cost), published on the core's span board for the telemetry to send.
 - `offline`: whole-tensor reads and writes in one process, for `plait ckpt`.
 
 Elsewhere: Hugging Face weights in `plait.plugins.huggingface`; the NaN/Inf guard, fault

@@ -12,6 +12,7 @@ save or at close, by name, and goes on training (the previous checkpoint is unto
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from plait.plugins.checkpoint.storage import step_dir_name
 
 THREAD_NAME = "plait-checkpoint-write"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +74,21 @@ def describe_error(error: BaseException) -> str:
 
 
 class BackgroundWrite:
-    """Runs `write` in a thread of its own; records its duration or its failure."""
+    """Runs `write` in a thread of its own; records its duration or its failure, then calls
+    `on_end` (if given) in that thread, before any `join()` returns."""
 
-    def __init__(self, step: int, path: Path, write: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        step: int,
+        path: Path,
+        write: Callable[[], None],
+        on_end: Callable[[BackgroundWrite], None] | None = None,
+    ) -> None:
         self.step = step
         self.path = path
         self._write = write
+        self._on_end = on_end
+        self.started_ns = 0  # Unix time the write began
         self.write_s: float | None = None
         self.failure: SaveFailure | None = None
         # A daemon thread, so a rank whose peers died cannot hang its interpreter's exit;
@@ -85,6 +97,7 @@ class BackgroundWrite:
         self._thread.start()
 
     def _run(self) -> None:
+        self.started_ns = time.time_ns()
         started = time.perf_counter()
         try:
             self._write()
@@ -92,6 +105,11 @@ class BackgroundWrite:
             self.failure = SaveFailure(self.step, self.path, describe_error(exc))
         finally:
             self.write_s = time.perf_counter() - started
+        if self._on_end is not None:
+            try:
+                self._on_end(self)
+            except Exception:  # telling of the write must not lose the write's own outcome
+                log.exception("reporting checkpoint step %d failed", self.step)
 
     def join(self) -> None:
         self._thread.join()

@@ -9,7 +9,8 @@
 
 Configured by the `[checkpoint_io]` section (`config.py`; `[checkpoint]` is activation
 checkpointing). The section's NaN/Inf guard and fault injection are not the checkpointer's: the
-training loop attaches them beside it (`plait.plugins.resilience.attach_resilience`).
+training loop attaches them beside it (`plait.plugins.resilience.attach_resilience`). Rank 0
+publishes each save's start and end for the daemon (`save_events.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from plait.plugins.checkpoint.background import (
     describe_error,
 )
 from plait.plugins.checkpoint.config import CheckpointIOConfig, checkpoint_io_config
+from plait.plugins.checkpoint.save_events import CheckpointSaveSpan, publish_save
 from plait.plugins.checkpoint.staging import HostStaging
 from plait.plugins.checkpoint.state import (
     LoadReport,
@@ -73,6 +75,7 @@ class Checkpointer:
         self.timings: list[SaveTiming] = []
         self.failed_saves: list[SaveFailure] = []
         self.last_published: str | None = None
+        self._written_bytes: int | None = None  # rank 0: the files of the last save published
         # A script that never calls close() still gets its last save written before exit;
         # registered after the engine's own exit handlers, so it runs before they tear down
         # the process groups the write needs.
@@ -173,6 +176,10 @@ class Checkpointer:
         started = time.perf_counter()
         self._settle()
         waited = time.perf_counter() - started
+        begun_ns = time.time_ns()  # a synchronous save's write counts from here (SaveTiming)
+        asynchronous = self.config.async_save
+        if self.rank == 0:  # after the previous save's end was told
+            publish_save(CheckpointSaveSpan.started(step=step, asynchronous=asynchronous))
         temp = self.root / temp_dir_name(step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -181,17 +188,64 @@ class Checkpointer:
         self._barrier()
         state = engine_state_dict(self.engine, batches=self.batches)
         self.last_saved_step = step
-        if not self.config.async_save:
-            self._write(state, temp, step)
+        if not asynchronous:
+            try:
+                self._write(state, temp, step)
+            except BaseException as exc:
+                blocked = time.perf_counter() - started
+                self._tell_ended(step, False, begun_ns, blocked, blocked - waited, exc)
+                raise
             blocked = time.perf_counter() - started
             self._record(SaveTiming(step, False, blocked, waited, 0.0, blocked - waited))
+            self._tell_ended(step, False, begun_ns, blocked, blocked - waited)
             return
         copy_started = time.perf_counter()
         staged = self._staging.stage(state)
         del state  # the engine's own tensors: nothing of them may reach the thread
         copy_s = time.perf_counter() - copy_started
-        self._pending = BackgroundWrite(step, temp, lambda: self._write(staged, temp, step))
+        # Set before the thread starts: its end reads what the step waited.
         self._pending_blocked = (time.perf_counter() - started, waited, copy_s)
+        self._pending = BackgroundWrite(
+            step, temp, lambda: self._write(staged, temp, step), on_end=self._write_ended
+        )
+
+    def _write_ended(self, write: BackgroundWrite) -> None:
+        """In the write's thread, as it ends: tell the daemon how it went (rank 0)."""
+        failure = write.failure
+        self._tell_ended(
+            write.step,
+            True,
+            write.started_ns,
+            self._pending_blocked[0],
+            write.write_s or 0.0,
+            failure.error if failure is not None else None,
+        )
+
+    def _tell_ended(
+        self,
+        step: int,
+        asynchronous: bool,
+        start_ns: int,
+        blocked_s: float,
+        write_s: float,
+        error: BaseException | str | None = None,
+    ) -> None:
+        """Rank 0 publishes the end of a save's write for the telemetry (one per job)."""
+        if self.rank != 0:
+            return
+        if isinstance(error, BaseException):
+            error = describe_error(error)
+        publish_save(
+            CheckpointSaveSpan.ended(
+                step=step,
+                asynchronous=asynchronous,
+                start_ns=start_ns,
+                blocked_s=blocked_s,
+                write_s=write_s,
+                nbytes=self._written_bytes,
+                error=error or "",
+            )
+        )
 
     def _write(self, state: dict[str, Any], temp: Path, step: int) -> None:
         """Write, make durable, and publish only once every rank's files are on disk.
@@ -200,6 +254,7 @@ class Checkpointer:
         waiting in a collective for a peer that gave up.
         """
         assert self.root is not None
+        self._written_bytes = None
         try:
             # DCP fsyncs each data file and `.metadata`; a rank's failure raises on every rank.
             save_state_dict(state, temp, process_group=self.group)
@@ -238,6 +293,7 @@ class Checkpointer:
             write_manifest(temp, merged, step)
             fsync_dir(temp)  # the manifest's rename, before the directory's own
             publish(self.root, temp, step, keep=self.config.keep)
+            self._written_bytes = sum(entry["size"] for entry in merged.values())
         except Exception as exc:
             shutil.rmtree(temp, ignore_errors=True)
             return describe_error(exc)

@@ -119,6 +119,10 @@ class Probe:
         for job in jobs:  # when this daemon heard the world: two daemons hear it apart
             job.ClearField("world_started_unix_nano")
             job.ClearField("last_heard_unix_nano")
+            # How long ago a checkpoint ended, when the daemon answered: it moves.
+            for save in ("last", "writing"):
+                if job.checkpoints.HasField(save):
+                    getattr(job.checkpoints, save).ClearField("age_seconds")
         return (
             [r.SerializeToString(deterministic=True) for r in ranks],
             [j.SerializeToString(deterministic=True) for j in jobs],

@@ -80,6 +80,8 @@ SPAN_NUMBERS: dict[str, tuple[str, ...]] = {
     "quorum": (schema.SPAN_STEP, schema.SPAN_QUORUM_ID, schema.SPAN_QUORUM_PARTICIPANTS,
                schema.SPAN_QUORUM_PREVIOUS),
     "job_end": (schema.SPAN_STEP,),
+    "checkpoint": (schema.SPAN_CHECKPOINT_STEP, schema.SPAN_CHECKPOINT_BLOCKED,
+                   schema.SPAN_CHECKPOINT_WRITE, schema.SPAN_CHECKPOINT_BYTES),
 }  # fmt: skip
 SPAN_TIMES = ("start", "end")  # the span's own start and end (fixed64 on the wire)
 POINT_NUMBERS = (schema.SPAN_COMM_SEQ, schema.SPAN_COMM_GROUP_RANKS)
@@ -92,6 +94,7 @@ NOT_NUMBERS = {
     "SPAN_PHASE", "SPAN_COMM_OP", "SPAN_COMM_DTYPE", "SPAN_COMM_GROUP", "SPAN_COMM_PURPOSE",
     "SPAN_COMM_ASYNC", "SPAN_COMM_ALGORITHM", "SPAN_PHASE_ATTRIBUTE_PREFIX", "SPAN_JOB_OUTCOME",
     "SPAN_MOE_LAYER", "SPAN_QUORUM_EVENT", "SPAN_QUORUM_DETAIL", "SPAN_REPLICA_ID",
+    "SPAN_CHECKPOINT_ASYNC", "SPAN_CHECKPOINT_OUTCOME", "SPAN_CHECKPOINT_ERROR",
 }  # fmt: skip
 
 
@@ -139,6 +142,11 @@ def _spans(base_ns: int, step: int) -> dict[str, tuple[str, dict[str, Any]]]:
             schema.SPAN_QUORUM_ID: step, schema.SPAN_QUORUM_PARTICIPANTS: 2,
             schema.SPAN_QUORUM_PREVIOUS: 1, schema.SPAN_QUORUM_DETAIL: "",
             schema.SPAN_REPLICA_ID: "job-group0:1"}),
+        "checkpoint": (schema.CHECKPOINT_SAVE_SPAN_NAME, {
+            schema.SPAN_CHECKPOINT_STEP: step + 1, schema.SPAN_CHECKPOINT_ASYNC: True,
+            schema.SPAN_CHECKPOINT_OUTCOME: schema.CHECKPOINT_SAVED,
+            schema.SPAN_CHECKPOINT_BLOCKED: 0.01, schema.SPAN_CHECKPOINT_WRITE: 0.05,
+            schema.SPAN_CHECKPOINT_BYTES: 4096}),
     }  # fmt: skip
 
 
@@ -160,6 +168,8 @@ def poisoned_requests(
     for step in range(last + 1):
         start = base_ns + step * 10**8
         for kind, (name, attributes) in _spans(base_ns, step).items():
+            if kind == "checkpoint" and step != last:
+                continue  # one save per job, after its last step
             times = {"start": start, "end": start + 5 * 10**7}
             if step == last:
                 for where, key, value in poisons:

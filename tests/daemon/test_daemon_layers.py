@@ -12,7 +12,8 @@ DAEMON = Path(analysis.__file__).resolve().parent
 # Modules of the analysis layer and of the config, and what they may not reach.
 PURE = ("analysis", "config", "store", "bottleneck", "stragglers", "hangs", "decoder", "host",
         "control", "control_records", "deliveries", "trace_analysis", "profile_trace",
-        "chrome_trace", "quorum_log", "replica_groups")  # fmt: skip
+        "chrome_trace", "quorum_log", "replica_groups", "checkpoint_log", "mfu",
+        "telemetry_schema")  # fmt: skip
 FORBIDDEN = ("grpc", "google.protobuf", "plait.proto", "opentelemetry")
 
 

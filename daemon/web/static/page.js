@@ -88,6 +88,12 @@ function renderJobs(doc) {
     );
     return row;
   }));
+  // The jobs' checkpoint lines, as `plait status` prints them (job_reports.checkpoint_lines).
+  document.getElementById("checkpoints").replaceChildren(...jobs.flatMap((j) =>
+    (j.checkpoint_lines || []).map((line) => el("div", `${j.job_id}  ${line}`, {
+      "data-job": j.job_id,
+      class: line.includes(" failed after ") ? "checkpoint bad" : "checkpoint",
+    }))));
 }
 
 function actionButtons(jobId) {

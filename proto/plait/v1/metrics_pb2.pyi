@@ -165,7 +165,7 @@ class ExpertLayerLoad(_message.Message):
     def __init__(self, layer: _Optional[str] = ..., experts: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., mean_tokens: _Optional[float] = ..., imbalance: _Optional[float] = ..., dropped: _Optional[int] = ..., dropped_fraction: _Optional[float] = ..., mean_imbalance: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class JobMetrics(_message.Message):
-    __slots__ = ("job_id", "world_size", "ranks_reporting", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "state", "restarts", "world_sizes", "world_started_step", "ranks_stale", "expert_load", "world_started_unix_nano", "last_heard_unix_nano", "comm_bytes_per_step")
+    __slots__ = ("job_id", "world_size", "ranks_reporting", "step", "window_steps", "step_seconds", "tokens_per_second", "model_flops_per_second", "peak_flops", "mfu", "state", "restarts", "world_sizes", "world_started_step", "ranks_stale", "expert_load", "world_started_unix_nano", "last_heard_unix_nano", "comm_bytes_per_step", "checkpoints")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_REPORTING_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class JobMetrics(_message.Message):
     WORLD_STARTED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARD_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     COMM_BYTES_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     ranks_reporting: int
@@ -204,7 +205,44 @@ class JobMetrics(_message.Message):
     world_started_unix_nano: int
     last_heard_unix_nano: int
     comm_bytes_per_step: CommBytes
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_reporting: _Optional[int] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., world_sizes: _Optional[_Iterable[int]] = ..., world_started_step: _Optional[int] = ..., ranks_stale: _Optional[int] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLayerLoad, _Mapping]]] = ..., world_started_unix_nano: _Optional[int] = ..., last_heard_unix_nano: _Optional[int] = ..., comm_bytes_per_step: _Optional[_Union[CommBytes, _Mapping]] = ...) -> None: ...
+    checkpoints: JobCheckpoints
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks_reporting: _Optional[int] = ..., step: _Optional[int] = ..., window_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., model_flops_per_second: _Optional[float] = ..., peak_flops: _Optional[float] = ..., mfu: _Optional[float] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., world_sizes: _Optional[_Iterable[int]] = ..., world_started_step: _Optional[int] = ..., ranks_stale: _Optional[int] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLayerLoad, _Mapping]]] = ..., world_started_unix_nano: _Optional[int] = ..., last_heard_unix_nano: _Optional[int] = ..., comm_bytes_per_step: _Optional[_Union[CommBytes, _Mapping]] = ..., checkpoints: _Optional[_Union[JobCheckpoints, _Mapping]] = ...) -> None: ...
+
+class CheckpointSave(_message.Message):
+    __slots__ = ("step", "asynchronous", "outcome", "error", "start_unix_nano", "end_unix_nano", "write_seconds", "blocked_seconds", "bytes", "age_seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ASYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    asynchronous: bool
+    outcome: str
+    error: str
+    start_unix_nano: int
+    end_unix_nano: int
+    write_seconds: float
+    blocked_seconds: float
+    bytes: int
+    age_seconds: float
+    def __init__(self, step: _Optional[int] = ..., asynchronous: _Optional[bool] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ..., start_unix_nano: _Optional[int] = ..., end_unix_nano: _Optional[int] = ..., write_seconds: _Optional[float] = ..., blocked_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class JobCheckpoints(_message.Message):
+    __slots__ = ("last", "writing", "saves", "failed")
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    WRITING_FIELD_NUMBER: _ClassVar[int]
+    SAVES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    last: CheckpointSave
+    writing: CheckpointSave
+    saves: int
+    failed: int
+    def __init__(self, last: _Optional[_Union[CheckpointSave, _Mapping]] = ..., writing: _Optional[_Union[CheckpointSave, _Mapping]] = ..., saves: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
 
 class HostMetrics(_message.Message):
     __slots__ = ("hostname", "cpu_percent", "cpu_count", "memory_used_bytes", "memory_total_bytes", "net_bytes_sent", "net_bytes_recv", "net_sent_bytes_per_second", "net_recv_bytes_per_second", "sampled_unix_nano")
