@@ -71,6 +71,8 @@ def _config(args: argparse.Namespace, layout: str, compiled: bool) -> dict[str, 
     if layout == TENSOR_PARALLEL:
         config["parallel"].update(dp_strategy="ddp", tp=args.world_size)
         config["tp"] = {"sequence_parallel": True}
+        # The key/value heads split over the tp ranks (d = 384's 3 do not over 2).
+        config["model"]["overrides"]["n_kv_heads"] = args.world_size
     if compiled:
         config["parallel"]["transforms"]["compile"] = "compile"
         config["compile"] = {"backend": args.backend}
