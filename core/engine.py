@@ -35,7 +35,7 @@ from plait.core.errors import ConfigError, InertSelection, PlaitError, ScheduleE
 from plait.core.executor import Executor
 from plait.core.flops import register_cpu_attention_flops
 from plait.core.grad_norm import clip_grads_, global_grad_norm
-from plait.core.host import host_name
+from plait.core.host import cpu_model, host_name
 from plait.core.kernels import Kernels
 from plait.core.manual_loop import ManualLoop
 from plait.core.memory import memory_report
@@ -310,7 +310,7 @@ class Engine:
         device, model and its FLOPs per token, tokens per step, and the replica group a plugin
         names (`plait_replica_group`: fault tolerance's)."""
         device = self.device
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
         num_params = sum(p.numel() for p in self.module.parameters())
         cfg = self.config
         return JobInfo(
@@ -704,15 +704,3 @@ def _phase_totals(spans: Sequence[PhaseSpan]) -> dict[str, float]:
     for span in spans:
         totals[span.name] = totals.get(span.name, 0.0) + (span.end_ns - span.start_ns) / 1e9
     return totals
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"

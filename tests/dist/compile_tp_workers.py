@@ -6,28 +6,26 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from plait.plugins.models.init import normalised_name
 from tests.dist.compile_workers import GraphCalls, _register_counting_backend, make_engine
-from tests.dist.compile_zero3_workers import _dump_stacks_if_hung, _dynamo_counts, _watch_summaries
+from tests.dist.compile_zero3_workers import (
+    _dump_stacks_if_hung,
+    _dynamo_counts,
+    _watch_summaries,
+    fresh_compiler,
+)
 from tests.dist.precision_workers import global_batches
 
 
 def train(
     rank: int, world_size: int, runs: dict[str, dict[str, Any]], steps: int, micro_batch: int
 ) -> dict[str, Any]:
-    from torch._dynamo.utils import counters, guard_failures
-
     del rank, world_size
     _register_counting_backend()
     _dump_stacks_if_hung()
     results: dict[str, Any] = {}
     for name, run in runs.items():
-        torch._dynamo.reset()
-        counters.clear()
-        guard_failures.clear()
-        GraphCalls.calls = GraphCalls.graphs = 0
+        fresh_compiler()
         engine = make_engine(run, micro_batch, steps)
         losses, graphs_after_step = [], []
         for batch in global_batches(steps):

@@ -36,6 +36,17 @@ def _dynamo_counts() -> dict[str, Any]:
     }
 
 
+def fresh_compiler() -> None:
+    """Forget what Dynamo compiled and counted, and the counting backend's tallies: each run
+    starts as a new process would."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    GraphCalls.calls = GraphCalls.graphs = 0
+
+
 def _watch_summaries(engine: Any) -> list[str] | None:
     watch = engine.plugins.manager.get_plugin(f"{compile.NAME}.watch")
     return None if watch is None else list(watch.summaries)
@@ -47,16 +58,11 @@ def train(
     """Train one tiny Llama per named run on the same data; per run: losses, parameters by name
     (gathered), graphs compiled after each step, graph calls, graph breaks and recompile
     reasons."""
-    from torch._dynamo.utils import counters, guard_failures
-
     _register_counting_backend()
     _dump_stacks_if_hung()
     results: dict[str, Any] = {}
     for name, run in runs.items():
-        torch._dynamo.reset()
-        counters.clear()
-        guard_failures.clear()
-        GraphCalls.calls = GraphCalls.graphs = 0
+        fresh_compiler()
         engine = make_engine(run, micro_batch, steps)
         losses, graphs_after_step = [], []
         for step, batch in enumerate(global_batches(steps)):

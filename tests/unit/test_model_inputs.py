@@ -84,6 +84,16 @@ def packed_batch() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {"tokens": tokens, "positions": POSITIONS}, targets
 
 
+def assert_segments_handed(plugins: Plugins) -> None:
+    """A `SegmentModel` trained on the packed batch was handed its document ids by `plugins`."""
+    model = SegmentModel()
+    engine = plait.initialize(model, config=CONFIG, plugins=plugins)
+    engine.train_step(packed_batch())
+    (handed,) = model.handed
+    assert handed["segments"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8]
+    engine.close()
+
+
 def test_a_model_whose_forward_takes_documents_gets_them() -> None:
     model = DocumentModel()
     engine = plait.initialize(model, config=CONFIG)
@@ -109,12 +119,7 @@ def test_any_other_model_is_refused_packed_rows_by_name() -> None:
 def test_a_plugin_that_knows_the_model_says_what_it_is_given() -> None:
     plugins = Plugins.create()
     plugins.register(SegmentPlugin(), "segments")
-    model = SegmentModel()
-    engine = plait.initialize(model, config=CONFIG, plugins=plugins)
-    engine.train_step(packed_batch())
-    (handed,) = model.handed
-    assert handed["segments"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8]
-    engine.close()
+    assert_segments_handed(plugins)
 
 
 def test_a_transformers_model_without_the_huggingface_plugin_is_refused_at_once() -> None:
@@ -139,9 +144,4 @@ def test_the_docs_example_answers_for_its_model() -> None:
     exec(compile(block, "docs/plugins.md", "exec"), module.__dict__)
     plugins = Plugins.create()
     plugins.register(module, "segments")
-    model = SegmentModel()
-    engine = plait.initialize(model, config=CONFIG, plugins=plugins)
-    engine.train_step(packed_batch())
-    (handed,) = model.handed
-    assert handed["segments"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8]
-    engine.close()
+    assert_segments_handed(plugins)
