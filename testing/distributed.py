@@ -23,9 +23,22 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from plait.core.plugins import BUILTIN_PLUGINS
+
 DEFAULT_TIMEOUT = 180.0
-# Imported once by the server that forks the ranks (`_rank_context`).
-RANK_PRELOAD = ("torch", "torch.distributed")
+# Imported once by the server that forks the ranks (`_rank_context`): torch, the engine and every
+# built-in plugin (what each rank's `Plugins.create` imports), and transformers' Llama (what the
+# tests of users' models import). A module missing here is skipped by the server, and a rank
+# imports it itself. None of them reads the environment or starts a thread when imported, so a
+# rank forked from the server holds what a fresh import would.
+RANK_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "plait.core.engine",
+    *(module for _, module in BUILTIN_PLUGINS),
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+)
 
 
 class RankFailure(AssertionError):
@@ -83,8 +96,9 @@ def _rank_context() -> Any:
 
     NOTE: a spawned rank imports torch from scratch: 3.5 s to start two ranks and 7.4 s for four
     on a 2-core machine, against 0.1 s forked from the server (after its own start, once per
-    test process). The server imports nothing else, so every rank still imports plait and the
-    test's modules itself, as a spawned one would. A rank's working directory and `sys.path` are
+    test process); plait's engine and plugins add 1.7 s a rank and transformers' Llama 2 s,
+    also paid once by the server. Every rank still imports the test's own modules itself, as a
+    spawned one would. A rank's working directory and `sys.path` are
     the caller's (multiprocessing sends them), and `_rank_main` sets the caller's environment.
     """
     if "forkserver" not in mp.get_all_start_methods():
