@@ -1,8 +1,8 @@
 """The `lora` transform: LoRA adapters (Hu et al. 2021) added with peft, the base frozen.
 
 Selected with `parallel.transforms = { adapter = "lora" }` and configured in `[peft]`
-(`plait.plugins.lora.config`). It runs on the `adapter` axis, after tensor, context and expert
-parallelism and before precision, recomputation, compile and data parallelism
+(`plait.plugins.lora.config`). It runs on the `adapter` axis, after the pipeline split and tensor,
+context and expert parallelism and before precision, recomputation, compile and data parallelism
 (`records.SHARD_ORDER`): those see the adapted model, so the data-parallel runtime finds the
 base weights frozen and gives them no gradient bucket, no reduction and no optimizer state
 (ZeRO-3 still shards them, and gathers them for forward and backward).
@@ -17,8 +17,11 @@ is named and hashed in them and checked at resume (`state.py`); `plait ckpt expo
 peft` writes them as a folder peft loads (`export.py`), `--merged` the whole model with them
 merged into the base the user names (`merge.py`).
 
-Pipeline and tensor parallelism are refused with it: they cut or shard the linear layers the
-adapters wrap, and adapters on their pieces are not tested yet.
+With pipeline parallelism (`parallel.pp`) each stage adapts the linear layers it holds
+(`stages.py`): the stages draw the adapters one process draws, the base is hashed over all of
+them, and the adapters keep their one-process names in checkpoints; one chunk per pipeline rank
+(virtual stages are refused, untested). Tensor parallelism is refused: it shards the linear
+layers the adapters wrap, and adapters on sharded layers are not built yet.
 """
 
 from __future__ import annotations
@@ -33,17 +36,18 @@ from plait.core.hookspecs import hookimpl
 from plait.core.records import ConfigSectionRecord
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
-from plait.plugins.lora.apply import apply_lora
+from plait.plugins.lora.apply import apply_lora, task_type_of
 from plait.plugins.lora.config import SECTION, PeftSection, lora_config, peft_section
 from plait.plugins.lora.export import ADAPTER
+from plait.plugins.lora.stages import adapt_stage, stage_base
 from plait.plugins.lora.state import AdapterState, base_name
 
 __all__ = ["NAME", "AdapterState", "PeftSection", "apply_lora", "lora_config", "peft_section"]
 
 NAME = "lora"
 AXIS = "adapter"
-# Degrees whose transforms run before the adapter and cut or shard the layers it wraps.
-REFUSED_DEGREES = ("pp", "tp")
+# Degrees whose transforms run before the adapter and shard the layers it wraps, by why.
+REFUSED_DEGREES = {"tp": "adapters on tensor-parallel (sharded) linear layers are not built yet"}
 
 strategies = Strategies()
 
@@ -56,11 +60,24 @@ strategies = Strategies()
     description="LoRA adapters with peft; the base weights frozen",
 )
 def shard_lora(model: nn.Module, *, context: ShardContext, config: PeftSection) -> Sharded:
-    name = base_name(model)
-    adapted = apply_lora(model, config, seed=context.config.train.seed)
-    task_type = adapted.peft_config[ADAPTER].task_type
+    pipeline = context.pipeline
+    source = pipeline.source_model if pipeline is not None else None
+    name = base_name(model if source is None else source)
+    if pipeline is None:
+        adapted = apply_lora(model, config, seed=context.config.train.seed)
+        base = None
+    else:
+        adapted = adapt_stage(model, config, context=context)
+        base = stage_base(adapted, name=name, context=context)
+    # A stage is no causal LM: peft wraps it untyped, but the adapters are the whole model's.
+    task_type = adapted.peft_config[ADAPTER].task_type if source is None else task_type_of(source)
     state = AdapterState(
-        adapted, config, name=name, task_type=None if task_type is None else str(task_type)
+        adapted,
+        config,
+        name=name,
+        task_type=None if task_type is None else str(task_type),
+        base=base,
+        stage_names=pipeline is not None,
     )
     # Its engine's plugin, for the checkpoint-state hooks (named per engine: a process may
     # hold several).
@@ -82,7 +99,8 @@ def plait_register_config_sections() -> Sequence[ConfigSectionRecord]:
 @hookimpl
 def plait_configure(config: PlaitConfig) -> None:
     """A `[peft]` section without the transform would train the full model silently; the
-    transform with pipeline or tensor parallelism would adapt pieces of layers."""
+    transform with tensor parallelism would adapt pieces of layers, with virtual pipeline
+    stages chunks whose random draws no test follows."""
     selected = config.parallel.transforms.get(AXIS) == NAME
     if SECTION in config.extensions and not selected:
         raise ConfigError(
@@ -91,14 +109,19 @@ def plait_configure(config: PlaitConfig) -> None:
         )
     if not selected:
         return
-    for axis in REFUSED_DEGREES:
+    for axis, why in REFUSED_DEGREES.items():
         degree = getattr(config.parallel, axis)
         if degree > 1:
             raise ConfigError(
                 f"parallel.transforms.{AXIS} = {NAME!r} with parallel.{axis} = {degree} is not "
-                f"supported yet (adapters on {axis}-cut layers are untested); set "
-                f"parallel.{axis} = 1"
+                f"supported yet ({why}); set parallel.{axis} = 1"
             )
+    if config.parallel.pp > 1 and config.schedule.virtual_stages > 1:
+        raise ConfigError(
+            f"parallel.transforms.{AXIS} = {NAME!r} with schedule.virtual_stages = "
+            f"{config.schedule.virtual_stages} is not supported yet (adapters on several chunks "
+            "per pipeline rank are untested): use one chunk per rank (1f1b, gpipe, zb_h1)"
+        )
 
 
 plait_register_strategies = strategies.plait_register_strategies

@@ -2,7 +2,9 @@
 
 The adapters are initialised from `train.seed` alone, in a forked random state, so every rank
 (and a one-process run of the same config) starts from the same A matrices whatever it drew
-before, and the job's own random stream is left where it was.
+before, and the job's own random stream is left where it was. A pipeline stage continues the
+stream where the stage before it left it (`add_adapters`' `start`), so the stages together draw
+what one process draws for the whole model.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ def apply_lora(model: nn.Module, section: PeftSection, *, seed: int) -> nn.Modul
     """`model` wrapped by `peft.get_peft_model`: adapters on the targeted modules, the base
     weights frozen (`requires_grad=False`), so data parallelism reduces and optimises only the
     adapters (and `modules_to_save`)."""
+    return add_adapters(model, section, seed=seed)[0]
+
+
+def add_adapters(
+    model: nn.Module, section: PeftSection, *, seed: int, start: torch.Tensor | None = None
+) -> tuple[nn.Module, torch.Tensor]:
+    """`apply_lora`, drawing from CPU random state `start` (`torch.get_rng_state()`'s form)
+    instead of `seed` when given; also the CPU random state after the draws. peft draws every
+    adapter on the CPU, in module order, before moving it to its layer's device."""
     try:
         import peft
     except ImportError:
@@ -32,17 +43,26 @@ def apply_lora(model: nn.Module, section: PeftSection, *, seed: int) -> nn.Modul
             f"{sorted(model.peft_config)}: train it as it is and drop "
             "parallel.transforms.adapter, or pass the base model"
         )
-    config = lora_config(section, task_type="CAUSAL_LM" if _is_causal_lm(model) else None)
+    config = lora_config(section, task_type=task_type_of(model))
     devices = [d.index or 0 for d in _devices(model) if d.type == "cuda"]
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        if start is None:
+            torch.manual_seed(seed)
+        else:
+            torch.set_rng_state(start)
         try:
             adapted = peft.get_peft_model(model, config)
         except ValueError as exc:  # e.g. target modules not found in the model
             raise ConfigError(f"[peft]: {exc}") from None
+        end = torch.get_rng_state()
     if not any(p.requires_grad for p in adapted.parameters()):
         raise ConfigError("[peft]: the adapter left no trainable parameter")
-    return adapted
+    return adapted, end
+
+
+def task_type_of(model: nn.Module) -> str | None:
+    """peft's task type for `model`: "CAUSAL_LM" for a transformers causal LM, else none."""
+    return "CAUSAL_LM" if _is_causal_lm(model) else None
 
 
 def _is_causal_lm(model: nn.Module) -> bool:

@@ -29,9 +29,7 @@ import torch
 from plait.core.errors import CheckpointError, PlaitError
 from plait.plugins.lora.config import PeftSection
 from plait.plugins.lora.export import ADAPTER
-from plait.plugins.lora.state import base_hash
-
-PREFIX = "base_model.model."  # where peft puts the base model's own names
+from plait.plugins.lora.state import PREFIX, record_hash
 
 
 def lora_scale(section: PeftSection) -> float:
@@ -92,7 +90,7 @@ def check_base(
         inside = f"{module}.base_layer.{leaf}" if module in modules else name
         peft_named.append((PREFIX + inside, tensor))
     saved = record["base"]
-    ours = base_hash(peft_named)
+    ours = record_hash(peft_named, saved)
     if ours != saved["sha256"]:
         raise CheckpointError(
             f"the checkpoint's adapters were trained on base {saved['name']!r} (sha256 "

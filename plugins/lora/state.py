@@ -10,12 +10,19 @@ from and read into, and the checkpoint names the base instead, with a content ha
 At resume the hash of the base the job holds now must equal the saved one, or the adapters
 would be put on another model; the `[peft]` section is what `plait ckpt export --format peft`
 writes as peft's `adapter_config.json`.
+
+Under pipeline parallelism no rank holds the whole base: each stage hashes its own frozen
+tensors one by one, the stages exchange those digests, and the record's `sha256` is the hash of
+all of them (`"scheme": "per-tensor"`, `digests_hash`), the same on every stage and for the
+whole model read back at export. The adapters keep the names peft gives them in one process
+(`base_model.model.…`), so a pipelined job's checkpoint exports and merges as any other.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +35,9 @@ from plait.core.state_layout import ParameterLayout, StateLayout
 from plait.plugins.lora.config import PeftSection
 
 KEY = "lora"
+PREFIX = "base_model.model."  # where peft puts the base model's own names
+# `base.scheme` of a record hashed tensor by tensor (a pipelined job's); none: `base_hash`
+PER_TENSOR = "per-tensor"
 
 
 def base_hash(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -38,6 +48,30 @@ def base_hash(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
         digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
     return digest.hexdigest()
+
+
+def tensor_digests(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """One line per tensor: its name, dtype, shape and the sha256 of its bytes."""
+    lines = []
+    for name, tensor in named:
+        value = tensor.detach().to("cpu").contiguous()
+        data = value.view(torch.uint8).numpy().tobytes() if value.numel() else b""
+        lines.append(
+            f"{name}|{value.dtype}|{tuple(value.shape)}|{hashlib.sha256(data).hexdigest()}"
+        )
+    return lines
+
+
+def digests_hash(lines: Iterable[str]) -> str:
+    """sha256 of `tensor_digests` lines, in name order: whichever ranks computed them."""
+    return hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()
+
+
+def record_hash(named: Iterable[tuple[str, torch.Tensor]], base: dict[str, Any]) -> str:
+    """The hash of `named` as the record `base` was hashed (whole, or tensor by tensor)."""
+    if base.get("scheme") == PER_TENSOR:
+        return digests_hash(tensor_digests(named))
+    return base_hash(named)
 
 
 def base_name(model: nn.Module) -> str:
@@ -54,19 +88,36 @@ class AdapterState(ParallelRuntime):
     name = "lora"
 
     def __init__(
-        self, adapted: nn.Module, section: PeftSection, *, name: str, task_type: str | None
+        self,
+        adapted: nn.Module,
+        section: PeftSection,
+        *,
+        name: str,
+        task_type: str | None,
+        base: dict[str, Any] | None = None,
+        stage_names: bool = False,
     ) -> None:
+        """`base`: the record of a base no rank holds whole (a pipelined job's, from every
+        stage), else it is hashed here. `stage_names`: the layout before this runtime names the
+        parameters as the pipeline stage does (without peft's `base_model.model.`)."""
         frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
         self._frozen = {id(p) for _, p in frozen}
+        self._stage_names = stage_names
+        if base is None:
+            base = {"name": name, "sha256": base_hash(frozen), "parameters": len(frozen)}
         self.record = {
             "peft": section.model_dump(mode="json"),
             "task_type": task_type,
-            "base": {"name": name, "sha256": base_hash(frozen), "parameters": len(frozen)},
+            "base": base,
         }
 
     def state_layout(self, previous: StateLayout) -> StateLayout:
         def keep(entry: ParameterLayout) -> ParameterLayout | None:
-            return None if id(entry.param) in self._frozen else entry
+            if id(entry.param) in self._frozen:
+                return None
+            if self._stage_names and not entry.name.startswith(PREFIX):
+                return replace(entry, name=PREFIX + entry.name)
+            return entry
 
         return previous.map(keep)
 

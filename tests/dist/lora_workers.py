@@ -1,10 +1,13 @@
-"""Rank functions: a tiny transformers Llama with LoRA adapters (peft) under DDP and ZeRO-1/2/3,
-against the same adapters trained in one process by a plain loop.
+"""Rank functions: a tiny transformers Llama with LoRA adapters (peft) under DDP, ZeRO-1/2/3,
+context and pipeline parallelism, against the same adapters trained in one process by a plain
+loop; and plait's built-in Llama pipelined with the transform, against the transform in one
+process.
 
 The adapters are added either by plait's `lora` transform (`[peft]`) or by the user with peft
 before `plait.initialize`. Each run reports its losses, the bytes its gradient collectives
-carried per step, its optimizer-state bytes, its adapter parameters after training (whole, or
-this rank's ZeRO ranges of them) and whether the frozen base stayed as built.
+carried per step, its gradient and optimizer-state bytes, its adapter parameters after training
+(whole, or this rank's ZeRO ranges of them), whether the frozen base stayed as built and the
+base record its checkpoints hold.
 """
 
 from __future__ import annotations
@@ -18,11 +21,22 @@ from torch import nn
 
 import plait
 from plait.core.comm_algorithms import GRAD_BUCKET
+from plait.core.errors import ConfigError
 from plait.core.hookspecs import hookimpl
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR, SEED = 96, 16, 4, 4, 1e-2, 7
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RANK = 8
+# plait's built-in Llama, as small as the transformers one; its attention is wq, wk, wv, wo.
+BUILTIN = {
+    "model": {"name": "llama", "size": "tiny", "overrides": {
+        "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "multiple_of": 16,
+        "max_seq_len": 64, "vocab_size": VOCAB,
+    }},
+    "data": {"seq_len": SEQ},
+    "train": {"global_batch_size": GLOBAL_BATCH},
+}  # fmt: skip
+BUILTIN_TARGETS = ["wq", "wk", "wv", "wo"]
 
 
 def build() -> nn.Module:
@@ -59,6 +73,16 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def builtin_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) of the built-in model: the next token of each position."""
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=generator)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
 def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
@@ -75,7 +99,32 @@ def plain_loop() -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {"losses": losses, "adapters": trained}
+    frozen = [(n, p.detach().clone()) for n, p in users_peft_model().named_parameters()]
+    with torch.no_grad():
+        logits = model(input_ids=batches()[0]["input_ids"]).logits
+    return {
+        "losses": losses,
+        "adapters": trained,
+        "frozen": [(n, p) for n, p in frozen if ".lora_" not in n],
+        "logits": logits,
+    }
+
+
+def builtin_one_process(config: dict[str, Any]) -> dict[str, Any]:
+    """The reference of the built-in model: the transform in one process, whole batches."""
+    engine = plait.initialize(None, config=_job_config(config), optimizer=optimizer)
+    losses = [engine.train_step(batch) for batch in builtin_batches()]
+    module = engine.module
+    trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+    return {"losses": losses, "adapters": trained, "frozen": frozen}
+
+
+def _job_config(config: dict[str, Any]) -> dict[str, Any]:
+    job = copy.deepcopy(config)
+    job.update(telemetry={"enabled": False})
+    job.setdefault("train", {}).update(device="cpu", seed=SEED)
+    return job
 
 
 class GradientBytes:
@@ -92,8 +141,20 @@ class GradientBytes:
 
 
 def train_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, Any]:
-    """Every case, one after the other, on these ranks (one start-up for all of them)."""
-    return {name: train(rank, world_size, case) for name, case in cases.items()}
+    """Every case, one after the other, on these ranks (one start-up for all of them); a case
+    marked `refused` reports the configuration error it raised instead."""
+    results = {}
+    for name, case in cases.items():
+        if not case.get("refused"):
+            results[name] = train(rank, world_size, case)
+            continue
+        try:
+            train(rank, world_size, case)
+        except ConfigError as exc:
+            results[name] = {"error": str(exc)}
+        else:
+            results[name] = {"error": None}
+    return results
 
 
 def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -101,24 +162,27 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     from plait.core.plugins import Plugins
     from plait.core.state_layout import describe_state
 
-    config = copy.deepcopy(case["config"])
-    config.update(telemetry={"enabled": False}, train={"device": "cpu", "seed": SEED})
+    config = _job_config(case["config"])
     recorder = GradientBytes()
     plugins = Plugins.create(autoload=False, extra=[("gradient_bytes", recorder)])
-    model = users_peft_model() if case.get("users_model") else build()
-    base = {n: p.detach().clone() for n, p in build().named_parameters()}
-    if rank == 1:  # a replica that starts from other values (frozen ones too) gets rank 0's
+    builtin = case.get("builtin", False)
+    model = None if builtin else users_peft_model() if case.get("users_model") else build()
+    base = {} if builtin else {n: p.detach().clone() for n, p in build().named_parameters()}
+    if model is not None and rank == 1 and case.get("replicas", True):
+        # a replica that starts from other values (frozen ones too) gets rank 0's
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
     engine = plait.initialize(model, config=config, optimizer=optimizer, plugins=plugins)
     share = GLOBAL_BATCH // engine.mesh.size("dp")  # cp ranks share their dp rank's rows
-    dp_rank = engine.mesh.coordinate("dp")
+    rows = slice(engine.mesh.coordinate("dp") * share, (engine.mesh.coordinate("dp") + 1) * share)
     losses = []
-    for batch in batches():
+    for batch in builtin_batches() if builtin else batches():
         recorder.bytes.clear()
-        mine = {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch.items()}
-        losses.append(engine.train_step(mine))
+        if isinstance(batch, tuple):
+            losses.append(engine.train_step((batch[0][rows], batch[1][rows])))
+        else:
+            losses.append(engine.train_step({k: v[rows] for k, v in batch.items()}))
     module = engine.module
     trainable = [p for p in module.parameters() if p.requires_grad]
     # What checkpoints hold: with the transform, the adapters alone (the base is hashed).
@@ -127,26 +191,40 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     # How the data-parallel runtime holds the base: every runtime but the adapter's.
     runtimes = [r for r in engine.runtimes if r.name != "lora"]
     layout = describe_state(engine.module, engine.optimizer, runtimes, engine.mesh)
+    # The adapters as checkpoints name them (one process's peft names, under any layout).
     pieces: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
+    for entry in saved.parameters:
+        for piece in entry.value.pieces if entry.param.requires_grad else ():
+            flat = piece.region.flat or (0, piece.region.numel)
+            pieces.setdefault(entry.name, []).append((flat, piece.read().detach().reshape(-1)))
     frozen_same, frozen_held = True, 0
     for entry in layout.parameters:
-        for piece in entry.value.pieces:
+        for piece in entry.value.pieces if not entry.param.requires_grad else ():
             region = piece.region
             flat = region.flat or (0, region.numel)
             values = piece.read().detach().reshape(-1)
-            if entry.param.requires_grad:
-                pieces.setdefault(entry.name, []).append((flat, values))
-                continue
             # The frozen base (whole, or this rank's ZeRO-3 range of it) is still as built, by
             # its transformers name (peft inserts `base_layer` into the adapted layers' names).
-            expected = base[_base_name(entry.name)].reshape(-1)[flat[0] : flat[1]]
-            frozen_same = frozen_same and torch.equal(values, expected)
+            if base:
+                expected = base[_base_name(entry.name)].reshape(-1)[flat[0] : flat[1]]
+                frozen_same = frozen_same and torch.equal(values, expected)
             frozen_held += values.numel()
+    if case.get("checkpoint"):
+        from plait.plugins.checkpoint.checkpointer import Checkpointer
+        from plait.plugins.checkpoint.config import CheckpointIOConfig
+
+        checkpointer = Checkpointer(engine, None, CheckpointIOConfig(dir=case["checkpoint"]))
+        checkpointer.save(STEPS)
+        checkpointer.close()
     memory = engine.memory_report()
+    adapter = [r for r in engine.runtimes if r.name == "lora"]
     return {
         "losses": losses,
         "gradient_bytes_last_step": dict(recorder.bytes),
+        "gradient_bytes_held": memory["gradients"],
         "optimizer_state_bytes": memory["optimizer_state"],
+        "base_record": adapter[0].record["base"] if adapter else None,  # type: ignore[attr-defined]
+        "pp": engine.mesh.size("pp"),
         "frozen_bytes": memory.get("frozen_parameters"),
         "frozen_held": frozen_held,
         "frozen_in_checkpoints": saved_frozen,

@@ -1,15 +1,20 @@
-"""LoRA adapters (peft) under DDP, ZeRO-1/2/3 and context parallelism on 2 Gloo ranks equal one
-process; the frozen base takes no gradient bucket, no reduction and no optimizer state.
+"""LoRA adapters (peft) under DDP, ZeRO-1/2/3, context and pipeline parallelism on 2 Gloo ranks
+equal one process; the frozen base takes no gradient bucket, no reduction and no optimizer state.
 
 Adapters come from plait's `lora` transform (`[peft]`) or from the user's own `PeftModel`.
 Figures checked: optimizer state = 8 bytes (fp32 Adam's two moments) per adapter parameter,
 summed over the ranks that shard it; gradient bytes reduced per step = 4 per adapter parameter.
+With `pp = 2` each stage holds its blocks' adapters: 4 gradient bytes and 8 optimizer-state bytes
+per adapter parameter summed over the stages, and the checkpoint exports as one process's.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from plait.testing.distributed import run_distributed
 from tests.dist import lora_workers
@@ -41,15 +46,72 @@ CASES = {
 }
 
 
+# Two pipeline stages (embeddings + block 0 | block 1 + norm + head), two micro-batches each.
+PIPELINE = {"pp": 2}
+PIPELINE_RUN = {"schedule": {"name": "1f1b"}, "train": {"micro_batch_size": 2}}
+BUILTIN_LORA = {
+    "parallel": LORA["parallel"],
+    "peft": {**LORA["peft"], "target_modules": lora_workers.BUILTIN_TARGETS},
+}
+PIPELINE_CASES = {
+    # A transformers Llama: stages around the model's own modules.
+    "pp2": {
+        "replicas": False,
+        "config": {**LORA, **PIPELINE_RUN, "parallel": {**LORA["parallel"], **PIPELINE}},
+    },
+    # plait's built-in Llama: each stage a copy of the model holding its blocks.
+    "builtin_pp2": {
+        "builtin": True,
+        "replicas": False,
+        "config": {
+            **lora_workers.BUILTIN,
+            **BUILTIN_LORA,
+            "schedule": {"name": "gpipe"},
+            "train": {**lora_workers.BUILTIN["train"], "micro_batch_size": 2},
+            "parallel": {**LORA["parallel"], **PIPELINE},
+        },
+    },
+}
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return lora_workers.plain_loop()
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    """Every case on 2 ranks, in one start-up (rank 1's base starts perturbed: see the worker)."""
-    return run_distributed(lora_workers.train_cases, 2, CASES, timeout=200)
+def builtin_reference() -> dict:
+    """The built-in model with the transform in this process (no pipeline)."""
+    return lora_workers.builtin_one_process({**lora_workers.BUILTIN, **BUILTIN_LORA})
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lora_pp2") / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint_dir: Path) -> list[dict]:
+    """Every case on 2 ranks, in one start-up (rank 1's base starts perturbed: see the worker);
+    the transformers Llama's pipelined job writes a checkpoint."""
+    pipelined = {
+        **PIPELINE_CASES,
+        "pp2": {**PIPELINE_CASES["pp2"], "checkpoint": str(checkpoint_dir)},
+    }
+    # Refused, after every case that trains: the head of a transformers model's last stage is
+    # called through the whole model, where peft's adapter would be skipped.
+    refused = {
+        "pp2_head": {
+            "refused": True,
+            "replicas": False,
+            "config": {
+                **PIPELINE_CASES["pp2"]["config"],
+                "peft": {**LORA["peft"], "target_modules": ["lm_head"]},
+            },
+        }
+    }
+    cases = {**CASES, **pipelined, **refused}
+    return run_distributed(lora_workers.train_cases, 2, cases, timeout=200)
 
 
 @pytest.mark.timeout(240)
@@ -95,3 +157,84 @@ def test_lora_equals_one_process(name: str, reference: dict, runs: list[dict]) -
         assert all(r["frozen_bytes"] <= 4 * (base_numel // 2 + 64) for r in ranks)
     else:
         assert all(r["frozen_held"] == base_numel for r in ranks)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(PIPELINE_CASES))
+def test_lora_pipeline_equals_one_process(
+    name: str, reference: dict, builtin_reference: dict, runs: list[dict]
+) -> None:
+    """Each stage adapts the linears it holds, drawn as one process draws them; the frozen base
+    takes no gradient and no optimizer state; the stages' checkpoint names are one process's."""
+    from plait.plugins.lora.state import digests_hash, tensor_digests
+
+    ranks = [run[name] for run in runs]
+    expected = builtin_reference if name.startswith("builtin") else reference
+    adapters = expected["adapters"]
+    adapter_numel = sum(t.numel() for t in adapters.values())
+    base_numel = sum(t.numel() for _, t in expected["frozen"])
+    for result in ranks:
+        assert result["pp"] == 2 and result["module_class"] == "PeftModel"
+        worst = max(abs(a - b) for a, b in zip(result["losses"], expected["losses"], strict=True))
+        assert worst <= 1e-5, (result["losses"], expected["losses"])
+        assert result["frozen_unchanged"], "a frozen base weight changed"
+        assert result["frozen_in_checkpoints"] == 0
+        assert result["gradient_bytes_last_step"] == {}  # dp = 1: no gradient travels
+        # Every stage adapts its own blocks' layers.
+        assert 0 < result["adapter_numel"] < adapter_numel
+    # Each stage holds its adapters' gradients and Adam moments, and nothing for the base.
+    assert sum(r["adapter_numel"] for r in ranks) == adapter_numel
+    assert sum(r["frozen_numel"] for r in ranks) == base_numel
+    assert sum(r["frozen_held"] for r in ranks) == base_numel
+    assert sum(r["gradient_bytes_held"] for r in ranks) == 4 * adapter_numel
+    assert sum(r["optimizer_state_bytes"] for r in ranks) == 8 * adapter_numel
+    # The trained adapters, by the names one process's peft gives them, split over the stages.
+    held = [set(r["adapter_pieces"]) for r in ranks]
+    assert not held[0] & held[1] and held[0] | held[1] == set(adapters)
+    for result in ranks:
+        for entry_name, pieces in result["adapter_pieces"].items():
+            ((start, end), values), *more = pieces
+            assert not more and (start, end) == (0, adapters[entry_name].numel())
+            assert torch.allclose(values, adapters[entry_name].reshape(-1), atol=1e-5, rtol=0)
+    # The base is hashed over both stages: the hash of one process's frozen tensors.
+    records = [r["base_record"] for r in ranks]
+    assert records[0] == records[1]
+    assert records[0]["sha256"] == digests_hash(tensor_digests(expected["frozen"]))
+    assert records[0]["parameters"] == len(expected["frozen"])
+
+
+def test_lora_pipeline_refuses_adapters_the_stage_would_skip(runs: list[dict]) -> None:
+    first, last = (run["pp2_head"]["error"] for run in runs)
+    assert first is not None and "pipeline stage 0" in first and "lm_head" in first
+    assert last is not None and "['lm_head']" in last and "through the whole model" in last
+
+
+@pytest.mark.timeout(120)
+def test_lora_pipeline_checkpoint_exports_whole(
+    reference: dict, runs: list[dict], checkpoint_dir: Path, tmp_path: Path
+) -> None:
+    """The pp = 2 job's checkpoint exports as one process's: peft's adapters, and the base
+    with them merged (its hash checked over the stages' digests) giving the trained logits."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from plait.tools.ckpt_commands import app
+
+    assert runs  # the pipelined job has written its checkpoint
+    out = CliRunner().invoke(
+        app, ["export", str(checkpoint_dir), "--format", "peft", "-o", str(tmp_path / "peft")]
+    )
+    assert out.exit_code == 0, out.output
+    exported = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    expected = {n.replace(".default.", "."): t for n, t in reference["adapters"].items()}
+    assert set(exported) == set(expected)
+    for entry_name, tensor in exported.items():
+        torch.testing.assert_close(tensor, expected[entry_name], atol=1e-5, rtol=0)
+    lora_workers.build().save_pretrained(tmp_path / "base")
+    merged_args = ["--merged", "--base", str(tmp_path / "base"), "-o", str(tmp_path / "merged")]
+    out = CliRunner().invoke(app, ["export", str(checkpoint_dir), *merged_args])
+    assert out.exit_code == 0, out.output
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    with torch.no_grad():
+        logits = merged(input_ids=lora_workers.batches()[0]["input_ids"]).logits
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)

@@ -99,11 +99,18 @@ def test_peft_section_without_the_transform_is_refused() -> None:
         plait_configure(config=config)
 
 
-@pytest.mark.parametrize("axis", ["tp", "pp"])
-def test_pipeline_and_tensor_parallel_are_refused(axis: str) -> None:
-    config = load_config({"parallel": {axis: 2, "transforms": {"adapter": "lora"}}})
-    with pytest.raises(ConfigError, match=f"parallel.{axis} = 2"):
+def test_tensor_parallel_is_refused_saying_why() -> None:
+    config = load_config({"parallel": {"tp": 2, "transforms": {"adapter": "lora"}}})
+    with pytest.raises(ConfigError, match=r"parallel\.tp = 2 .*tensor-parallel"):
         plait_configure(config=config)
+
+
+def test_pipeline_is_accepted_with_one_chunk_per_rank() -> None:
+    lora = {"transforms": {"adapter": "lora"}}
+    plait_configure(config=load_config({"parallel": {"pp": 2, **lora}}))
+    virtual = {"parallel": {"pp": 2, **lora}, "schedule": {"virtual_stages": 2}}
+    with pytest.raises(ConfigError, match="virtual_stages = 2"):
+        plait_configure(config=load_config(virtual))
 
 
 def test_the_transform_alone_is_accepted() -> None:
