@@ -21,15 +21,20 @@ and the pipeline split put them. It runs after activation checkpointing (a check
 recomputes compiled code) and before data parallelism.
 
 Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages, AMP,
-activation checkpointing, and tensor parallelism with and without sequence parallelism. Tensor
-parallelism's collectives run inside a block's forward: its operators are `torch.compiler.
-disable`d (`plait.plugins.tensor_parallel.tp_communications`), so a block compiles to the pieces
-between them and the graph breaks at each (counted in the summary below) instead of the compiler
-tracing plait's communicator and recompiling as its counters move. Hence tensor parallelism is
-refused with `fullgraph = true` (every break would be an error) and with activation
-checkpointing (a break inside a checkpointed block leaves the whole block eager: nothing would
-compile). Context and expert parallelism are refused by name: their collectives (the ring's
-send/receive, the experts' all-to-all) run inside a block's forward too, untested compiled.
+activation checkpointing, tensor parallelism with and without sequence parallelism, and context
+parallelism (ring and Ulysses, plait's Llama and a `transformers` Llama). Tensor and context
+parallelism's collectives run inside a block's forward, so what holds them runs eagerly between
+the compiled pieces (`torch.compiler.disable`, a graph break at each, counted in the summary
+below) instead of the compiler tracing plait's communicator and recompiling as its counters
+move: the tensor-parallel operators (`plait.plugins.tensor_parallel.tp_communications`), and the
+whole context-parallel attention call (`plait.plugins.context_parallel.attention`: measured on
+the tiny Llama, the call costs 2 breaks and 4 graphs for ring and Ulysses alike, their exchange
+3 breaks (the ring's, whose send/receive sit inside one autograd function) or a fifth graph
+(Ulysses' all-to-alls), and the bare send/receive or all-to-all more of both and recompiles).
+Hence both are refused with `fullgraph = true` (every break would be an error) and with
+activation checkpointing (a break inside a checkpointed block leaves the whole block eager:
+nothing would compile). Expert parallelism is refused by name: the experts' all-to-all runs
+inside a block's forward too, untested compiled.
 
 After the first step that compiled, rank 0 logs the graphs, graph breaks (with Dynamo's
 reasons) and compile time once, and any recompilation after step 2 with its cause
@@ -54,8 +59,14 @@ NAME = "compile"
 COMPILED_DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # Why each axis is still refused compiled: its collectives run inside a block's forward.
 REFUSED_AXES = {
-    "cp": "the ring attention's send/receive runs inside the block's forward",
     "ep": "the experts' all-to-all runs inside the block's forward",
+}
+# Axes whose collectives run eagerly between a block's compiled pieces (`torch.compiler.
+# disable`d, a graph break at each), and what runs there.
+EAGER_BETWEEN_PIECES = {
+    "tp": "the tensor-parallel collectives",
+    "cp": "the context-parallel attention calls (the ring's send/receive or Ulysses' "
+    "all-to-all inside)",
 }
 
 __all__ = ["NAME", "CompileConfig", "CompileWatch", "compile_blocks"]
@@ -118,24 +129,27 @@ def _refuse_untested_layouts(config: PlaitConfig) -> None:
     ]
     if parallel.dp_strategy not in COMPILED_DP_STRATEGIES:
         spread.append(f"parallel.dp_strategy = {parallel.dp_strategy!r}")
-    if parallel.tp > 1 and config.section(NAME, CompileConfig).fullgraph:
-        spread.append(
-            f"parallel.tp = {parallel.tp} with compile.fullgraph = true (the tensor-parallel "
-            "collectives run eagerly between a block's compiled pieces, a graph break at each, "
-            "which fullgraph makes an error)"
-        )
-    if parallel.tp > 1 and "ac" in parallel.transforms:
-        spread.append(
-            f"parallel.tp = {parallel.tp} with activation checkpointing (the tensor-parallel "
-            "collectives break the graph inside the checkpointed block, which then runs "
-            "eagerly: nothing would compile)"
-        )
+    fullgraph = config.section(NAME, CompileConfig).fullgraph
+    for axis, eager in EAGER_BETWEEN_PIECES.items():
+        degree = getattr(parallel, axis)
+        if degree > 1 and fullgraph:
+            spread.append(
+                f"parallel.{axis} = {degree} with compile.fullgraph = true ({eager} run "
+                "eagerly between a block's compiled pieces, a graph break at each, which "
+                "fullgraph makes an error)"
+            )
+        if degree > 1 and "ac" in parallel.transforms:
+            spread.append(
+                f"parallel.{axis} = {degree} with activation checkpointing ({eager} break the "
+                "graph inside the checkpointed block, which then runs eagerly: nothing would "
+                "compile)"
+            )
     if spread:
         raise ConfigError(
             f"parallel.transforms.compile: {', '.join(spread)} is not supported compiled; the "
             f"compile transform runs with dp_strategy one of {list(COMPILED_DP_STRATEGIES)} "
-            "and cp = ep = 1, tp only without activation checkpointing (drop "
-            "transforms.compile for this layout)"
+            "and ep = 1, tp and cp only without activation checkpointing or compile.fullgraph "
+            "(drop transforms.compile for this layout)"
         )
 
 

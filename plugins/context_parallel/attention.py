@@ -32,6 +32,14 @@ from plait.plugins.context_parallel.ulysses import (
     sequence_to_heads,
 )
 
+# The whole attention call runs eagerly under `torch.compile`: a compiled block breaks its graph
+# there (Dynamo counts the break) instead of tracing the communicator, whose per-group sequence
+# numbers would be guarded on and recompile the block at every step. The call, not just its
+# exchange (measured, `plait.plugins.compile`): the ring's send/receive sit inside one autograd
+# function, eager as a whole, which breaks more often than the call does, and Ulysses'
+# all-to-alls cut the block into a graph more.
+eager_under_compile = torch.compiler.disable
+
 
 @dataclass(frozen=True, slots=True)
 class ContextParallelAttention:
@@ -45,6 +53,7 @@ class ContextParallelAttention:
     # recomputation in backward) is handed the same `Documents` object.
     _last: list[tuple[Documents, RingDocuments]] = field(default_factory=list, repr=False)
 
+    @eager_under_compile
     def __call__(
         self,
         q: torch.Tensor,

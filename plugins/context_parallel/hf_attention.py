@@ -39,7 +39,7 @@ from torch import nn
 from plait.core.errors import ConfigError, PlaitError
 from plait.core.transformers_models import model_kind, transformers_package
 from plait.core.transforms import ContextParallelism
-from plait.plugins.context_parallel.attention import ContextParallelAttention
+from plait.plugins.context_parallel.attention import ContextParallelAttention, eager_under_compile
 from plait.plugins.context_parallel.hf_batches import DOCUMENTS_KEY
 
 _names = itertools.count()
@@ -59,6 +59,9 @@ class TransformersAttention:
     # Set by `AttentionWatch` while a forward given packed rows' documents runs.
     documents_expected: bool = False
 
+    # NOTE: eager as a whole, not only the attention it runs: traced, the call counter is a
+    # value Dynamo guards on, and the block would recompile at every step.
+    @eager_under_compile
     def __call__(
         self,
         module: nn.Module,

@@ -110,7 +110,7 @@ def test_a_recompilation_after_the_warm_up_is_reported_with_its_cause() -> None:
 
 @pytest.mark.parametrize(
     ("axis", "why"),
-    [("cp", "ring attention"), ("ep", "all-to-all")],  # tp: tests/dist/test_compile_tp.py
+    [("ep", "all-to-all")],  # tp, cp: tests/dist/test_compile_tp.py, test_compile_cp.py
 )
 def test_layouts_with_collectives_inside_a_block_are_refused_saying_why(
     axis: str, why: str
