@@ -238,3 +238,35 @@ def test_lora_pipeline_checkpoint_exports_whole(
     with torch.no_grad():
         logits = merged(input_ids=lora_workers.batches()[0]["input_ids"]).logits
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_lora_pipeline_with_data_parallel_equals_one_process(reference: dict) -> None:
+    """pp = 2 × DDP 2 on 4 ranks (rank = stage · 2 + replica; replica 1 starts perturbed and
+    gets replica 0's weights): each stage's adapter gradients alone are all-reduced."""
+    case = {
+        "config": {
+            **LORA,
+            "schedule": {"name": "1f1b"},
+            "train": {"micro_batch_size": 1},
+            "parallel": {**LORA["parallel"], **PIPELINE, "dp_strategy": "ddp"},
+        }
+    }
+    ranks = [run["pp2_dp2"] for run in run_distributed(
+        lora_workers.train_cases, 4, {"pp2_dp2": case}, timeout=100
+    )]  # fmt: skip
+    adapters = reference["adapters"]
+    adapter_numel = sum(t.numel() for t in adapters.values())
+    for result in ranks:
+        worst = max(abs(a - b) for a, b in zip(result["losses"], reference["losses"], strict=True))
+        assert worst <= 1e-5, (result["losses"], reference["losses"])
+        assert result["frozen_unchanged"], "a frozen base weight changed or differs by replica"
+        # Each stage's replicas reduce that stage's adapter gradients, once per step.
+        assert result["gradient_bytes_last_step"] == {"all_reduce": 4 * result["adapter_numel"]}
+        assert result["optimizer_state_bytes"] == 8 * result["adapter_numel"]
+        for entry_name, [((start, end), values)] in result["adapter_pieces"].items():
+            assert (start, end) == (0, adapters[entry_name].numel())
+            assert torch.allclose(values, adapters[entry_name].reshape(-1), atol=1e-5, rtol=0)
+    for replica in (ranks[0::2], ranks[1::2]):  # stage 0's rank and stage 1's, per replica
+        assert sum(r["adapter_numel"] for r in replica) == adapter_numel
+        assert set().union(*(r["adapter_pieces"] for r in replica)) == set(adapters)
