@@ -16,6 +16,12 @@ row per assignment) and the count per expert. Rank p of the ep group holds exper
 
 Both all-to-alls are autograd functions whose backward is the transposed exchange of the
 gradient (the same all-to-all with input and output splits swapped).
+
+Under `torch.compile` (the `compile` transform compiles each block) the whole exchange, the
+local experts included, runs eagerly: a block's graph breaks at `run_experts`, Dynamo counts the
+break, and the pieces before and after compile once. Traced, the split sizes (this step's token
+counts, Python integers) and the communicator's counters would be guarded on, and the block
+would recompile at every step.
 """
 
 from __future__ import annotations
@@ -109,6 +115,7 @@ class ExpertDispatch:
         self.comm.all_gather(gathered, mine, group=self.group, purpose=MOE_DISPATCH)
         return gathered.view(self.size, self.num_experts).tolist()
 
+    @torch.compiler.disable
     def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         size, local, me = self.size, self.local, self.rank
         matrix = self.gather_counts(counts)

@@ -116,6 +116,9 @@ class PlaitExperts:
     def __init__(self) -> None:
         self.layers: dict[int, TransformersExpertsLayer] = {}
 
+    # Eager under `torch.compile`, the whole experts call: its dispatch is (the token counts
+    # of the step), and traced, the lookup by `id(module)` would be guarded on per layer.
+    @torch.compiler.disable
     def __call__(
         self,
         module: nn.Module,
