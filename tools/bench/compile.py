@@ -1,9 +1,10 @@
 """Benchmark: compiled blocks vs eager blocks, under ZeRO-3, tensor parallelism with sequence
-parallelism (every rank one tp shard), and (as a reference) DDP, same run.
+parallelism (every rank one tp shard), context parallelism (the ring: every rank one cut of each
+sequence), and (as a reference) DDP, same run.
 
     python tools/bench/compile.py [--rounds 2] [--steps 5] [--warmup 3] [--backend inductor]
                                   [--dim 384] [--layers 6] [--vocab 4096] [--seq-len 128]
-                                  [--global-batch 8] [--only zero3,tp+sp,ddp]
+                                  [--global-batch 8] [--only zero3,tp+sp,cp,ddp]
 
 Every contender trains the same built-in Llama (plait kernels, name-keyed init) on synthetic
 tokens on Gloo ranks spawned by this script, each in fresh processes, with and without
@@ -33,8 +34,9 @@ import torch
 
 from plait.testing.distributed import run_distributed
 
-LAYOUTS = ("zero3", "tp+sp", "ddp")
+LAYOUTS = ("zero3", "tp+sp", "cp", "ddp")
 TENSOR_PARALLEL = "tp+sp"
+CONTEXT_PARALLEL = "cp"
 # Profiler op names by class, first match wins; self time, so no op is counted twice.
 OP_CLASSES = (
     ("compiled graph", ("CompiledF", "Torch-Compiled Region", "cpp_fused", "inductor")),
@@ -73,6 +75,8 @@ def _config(args: argparse.Namespace, layout: str, compiled: bool) -> dict[str, 
         config["tp"] = {"sequence_parallel": True}
         # The key/value heads split over the tp ranks (d = 384's 3 do not over 2).
         config["model"]["overrides"]["n_kv_heads"] = args.world_size
+    if layout == CONTEXT_PARALLEL:
+        config["parallel"].update(dp_strategy="ddp", cp=args.world_size, cp_strategy="ring")
     if compiled:
         config["parallel"]["transforms"]["compile"] = "compile"
         config["compile"] = {"backend": args.backend}
@@ -80,8 +84,9 @@ def _config(args: argparse.Namespace, layout: str, compiled: bool) -> dict[str, 
 
 
 def _dp(args: argparse.Namespace, layout: str) -> int:
-    """Data-parallel ranks: every rank under ZeRO-3 and DDP, one under tensor parallelism."""
-    return 1 if layout == TENSOR_PARALLEL else args.world_size
+    """Data-parallel ranks: every rank under ZeRO-3 and DDP, one under tensor and context
+    parallelism."""
+    return 1 if layout in (TENSOR_PARALLEL, CONTEXT_PARALLEL) else args.world_size
 
 
 def op_class(name: str) -> str:
@@ -155,7 +160,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--only", default="", help="comma-separated layouts: zero3,tp+sp,ddp")
+    parser.add_argument("--only", default="", help="comma-separated layouts: zero3,tp+sp,cp,ddp")
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=4096)
