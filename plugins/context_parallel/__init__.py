@@ -26,7 +26,9 @@ module's `attend` and a pre-hook passing the rank's global positions to the mode
 (RoPE, learned positions). A `transformers` model takes part through its own attention
 interface instead (`hf_attention`): the attention above becomes its `attn_implementation`,
 and each micro-batch gets its position ids and its labels shifted over the whole sequence
-before it is cut (`hf_batches`).
+before it is cut (`hf_batches`). Under `transforms.compile` the attention call, either way,
+runs eagerly between a block's compiled pieces (a graph break there, `attention.
+eager_under_compile`), so the compiler never traces the communicator.
 
 Packed rows (several documents per row, `plait.core.documents`): the `Documents` of each
 micro-batch are computed on the whole rows before the cut (by the engine for plait's models, by
