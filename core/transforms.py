@@ -11,8 +11,8 @@ provide the same fact the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +41,14 @@ class PipelineStages:
     source_model: Any = None
 
 
+# Set by tensor parallelism on each parameter it holds a slice of: the dim the slice is cut
+# along (this rank's contiguous 1/tp of it); and on a slice of a fused projection (GPT-2's
+# `c_attn`: q | k | v along the output features) the number of equal parts, each cut across
+# the ranks, that the slice concatenates. How a later transform finds a tensor's whole shape.
+TP_DIM_ATTR = "_plait_tp_dim"
+TP_PARTS_ATTR = "_plait_tp_parts"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorParallelism:
     """Tensor (and sequence) parallelism as applied to the model."""
@@ -51,6 +59,13 @@ class TensorParallelism:
     sequence_parallel: bool = False
     # The model's output is the vocabulary shard of the logits; the loss is vocab-parallel.
     vocab_parallel_output: bool = False
+    # Every tensor-parallel linear by module name, and how it is split, for a later transform
+    # that computes beside it (LoRA adapters): "column" (output features split; the layer's
+    # `layer_input(x)` is its input after the entry collective), "row" (input features split;
+    # `layer(x, addend=partial)` adds a partial output before the reduction), or a description
+    # of a split no such transform takes (a fused q | k | v, gathered output, replicated KV heads,
+    # a `Conv1D`). Both kinds carry their group as `layer.tp` (`rank`, `size`).
+    linear_splits: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

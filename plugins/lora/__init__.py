@@ -20,8 +20,11 @@ merged into the base the user names (`merge.py`).
 With pipeline parallelism (`parallel.pp`) each stage adapts the linear layers it holds
 (`stages.py`): the stages draw the adapters one process draws, the base is hashed over all of
 them, and the adapters keep their one-process names in checkpoints; one chunk per pipeline rank
-(virtual stages are refused, untested). Tensor parallelism is refused: it shards the linear
-layers the adapters wrap, and adapters on sharded layers are not built yet.
+(virtual stages are refused, untested). With tensor parallelism (`parallel.tp`) each adapter is
+cut as its layer is (`tensor_parallel.py`): on a column-parallel linear `A` whole and `B` cut on
+its output rows, on a row-parallel one `A` cut on its input columns and `B` whole, its partial
+output joining the layer's before the reduction; the whole factor's gradient is summed over the
+tp ranks. Pipeline and tensor parallelism together are refused (untested).
 """
 
 from __future__ import annotations
@@ -36,18 +39,22 @@ from plait.core.hookspecs import hookimpl
 from plait.core.records import ConfigSectionRecord
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
-from plait.plugins.lora.apply import apply_lora, task_type_of
+from plait.plugins.lora.apply import add_adapters, apply_lora, task_type_of
 from plait.plugins.lora.config import SECTION, PeftSection, lora_config, peft_section
 from plait.plugins.lora.export import ADAPTER
 from plait.plugins.lora.stages import adapt_stage, stage_base
 from plait.plugins.lora.state import AdapterState, base_name
+from plait.plugins.lora.tensor_parallel import (
+    TensorParallelFactors,
+    check_targets,
+    parallel_layers,
+    whole_base,
+)
 
 __all__ = ["NAME", "AdapterState", "PeftSection", "apply_lora", "lora_config", "peft_section"]
 
 NAME = "lora"
 AXIS = "adapter"
-# Degrees whose transforms run before the adapter and shard the layers it wraps, by why.
-REFUSED_DEGREES = {"tp": "adapters on tensor-parallel (sharded) linear layers are not built yet"}
 
 strategies = Strategies()
 
@@ -60,15 +67,23 @@ strategies = Strategies()
     description="LoRA adapters with peft; the base weights frozen",
 )
 def shard_lora(model: nn.Module, *, context: ShardContext, config: PeftSection) -> Sharded:
-    pipeline = context.pipeline
+    pipeline, tensor_parallel = context.pipeline, context.tensor_parallel
     source = pipeline.source_model if pipeline is not None else None
     name = base_name(model if source is None else source)
-    if pipeline is None:
-        adapted = apply_lora(model, config, seed=context.config.train.seed)
-        base = None
-    else:
+    factors = None
+    if pipeline is not None:
         adapted = adapt_stage(model, config, context=context)
         base = stage_base(adapted, name=name, context=context)
+    elif tensor_parallel is not None and tensor_parallel.degree > 1:
+        check_targets(model, config, context=context)
+        layers = parallel_layers(model, context=context)
+        seed = context.config.train.seed
+        adapted = add_adapters(model, config, seed=seed, custom_layers=layers)[0]
+        factors = TensorParallelFactors(adapted, context=context)
+        base = whole_base(adapted, name=name, context=context)
+    else:
+        adapted = apply_lora(model, config, seed=context.config.train.seed)
+        base = None
     # A stage is no causal LM: peft wraps it untyped, but the adapters are the whole model's.
     task_type = adapted.peft_config[ADAPTER].task_type if source is None else task_type_of(source)
     state = AdapterState(
@@ -78,6 +93,7 @@ def shard_lora(model: nn.Module, *, context: ShardContext, config: PeftSection) 
         task_type=None if task_type is None else str(task_type),
         base=base,
         stage_names=pipeline is not None,
+        tensor_parallel=factors,
     )
     # Its engine's plugin, for the checkpoint-state hooks (named per engine: a process may
     # hold several).
@@ -99,8 +115,8 @@ def plait_register_config_sections() -> Sequence[ConfigSectionRecord]:
 @hookimpl
 def plait_configure(config: PlaitConfig) -> None:
     """A `[peft]` section without the transform would train the full model silently; the
-    transform with tensor parallelism would adapt pieces of layers, with virtual pipeline
-    stages chunks whose random draws no test follows."""
+    transform with pipeline and tensor parallelism together, or with virtual pipeline stages,
+    is untested."""
     selected = config.parallel.transforms.get(AXIS) == NAME
     if SECTION in config.extensions and not selected:
         raise ConfigError(
@@ -109,13 +125,13 @@ def plait_configure(config: PlaitConfig) -> None:
         )
     if not selected:
         return
-    for axis, why in REFUSED_DEGREES.items():
-        degree = getattr(config.parallel, axis)
-        if degree > 1:
-            raise ConfigError(
-                f"parallel.transforms.{AXIS} = {NAME!r} with parallel.{axis} = {degree} is not "
-                f"supported yet ({why}); set parallel.{axis} = 1"
-            )
+    parallel = config.parallel
+    if parallel.pp > 1 and parallel.tp > 1:
+        raise ConfigError(
+            f"parallel.transforms.{AXIS} = {NAME!r} with both parallel.pp = {parallel.pp} and "
+            f"parallel.tp = {parallel.tp} is not supported yet (adapters on tensor-parallel "
+            "layers of pipeline stages are untested): use one of the two"
+        )
     if config.parallel.pp > 1 and config.schedule.virtual_stages > 1:
         raise ConfigError(
             f"parallel.transforms.{AXIS} = {NAME!r} with schedule.virtual_stages = "

@@ -9,6 +9,8 @@ what one process draws for the whole model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -25,11 +27,17 @@ def apply_lora(model: nn.Module, section: PeftSection, *, seed: int) -> nn.Modul
 
 
 def add_adapters(
-    model: nn.Module, section: PeftSection, *, seed: int, start: torch.Tensor | None = None
+    model: nn.Module,
+    section: PeftSection,
+    *,
+    seed: int,
+    start: torch.Tensor | None = None,
+    custom_layers: Mapping[type, type] | None = None,
 ) -> tuple[nn.Module, torch.Tensor]:
     """`apply_lora`, drawing from CPU random state `start` (`torch.get_rng_state()`'s form)
     instead of `seed` when given; also the CPU random state after the draws. peft draws every
-    adapter on the CPU, in module order, before moving it to its layer's device."""
+    adapter on the CPU, in module order, before moving it to its layer's device.
+    `custom_layers`: adapter layers for layer classes peft does not know (by base class)."""
     try:
         import peft
     except ImportError:
@@ -44,6 +52,8 @@ def add_adapters(
             "parallel.transforms.adapter, or pass the base model"
         )
     config = lora_config(section, task_type=task_type_of(model))
+    if custom_layers:
+        config._register_custom_module(dict(custom_layers))
     devices = [d.index or 0 for d in _devices(model) if d.type == "cuda"]
     with torch.random.fork_rng(devices=devices):
         if start is None:

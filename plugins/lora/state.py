@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,10 @@ from plait.core.hookspecs import hookimpl
 from plait.core.sharding import ParallelRuntime
 from plait.core.state_layout import ParameterLayout, StateLayout
 from plait.plugins.lora.config import PeftSection
+
+if TYPE_CHECKING:
+    from plait.core.schedule import MicrobatchPosition
+    from plait.plugins.lora.tensor_parallel import TensorParallelFactors
 
 KEY = "lora"
 PREFIX = "base_model.model."  # where peft puts the base model's own names
@@ -96,13 +100,16 @@ class AdapterState(ParallelRuntime):
         task_type: str | None,
         base: dict[str, Any] | None = None,
         stage_names: bool = False,
+        tensor_parallel: TensorParallelFactors | None = None,
     ) -> None:
         """`base`: the record of a base no rank holds whole (a pipelined job's, from every
         stage), else it is hashed here. `stage_names`: the layout before this runtime names the
-        parameters as the pipeline stage does (without peft's `base_model.model.`)."""
+        parameters as the pipeline stage does (without peft's `base_model.model.`).
+        `tensor_parallel`: the adapters' factors on tensor-parallel layers."""
         frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
         self._frozen = {id(p) for _, p in frozen}
         self._stage_names = stage_names
+        self._tensor_parallel = tensor_parallel
         if base is None:
             base = {"name": name, "sha256": base_hash(frozen), "parameters": len(frozen)}
         self.record = {
@@ -111,10 +118,20 @@ class AdapterState(ParallelRuntime):
             "base": base,
         }
 
+    def before_backward(self, position: MicrobatchPosition) -> None:
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.before_backward(position)
+
+    def sync_gradients(self) -> None:
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.sync_gradients()
+
     def state_layout(self, previous: StateLayout) -> StateLayout:
         def keep(entry: ParameterLayout) -> ParameterLayout | None:
             if id(entry.param) in self._frozen:
                 return None
+            if self._tensor_parallel is not None:
+                entry = self._tensor_parallel.place(entry)
             if self._stage_names and not entry.name.startswith(PREFIX):
                 return replace(entry, name=PREFIX + entry.name)
             return entry

@@ -40,6 +40,7 @@ from plait.core.transforms import TensorParallelism
 from plait.plugins.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from plait.plugins.tensor_parallel.layers import (
     ColumnParallelLinear,
+    ReplicatedHeadsLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -166,8 +167,30 @@ def shard_tensor_parallel(
         degree=tp.size,
         sequence_parallel=config.sequence_parallel,
         vocab_parallel_output=layout.vocab_parallel_output,
+        linear_splits=linear_splits(model, layout),
     )
     return Sharded(module=model, runtime=TensorParallelRuntime(tp=tp, layout=layout))
+
+
+def linear_splits(model: nn.Module, layout: TensorParallelLayout) -> dict[str, str]:
+    """How each parallel linear is split (`TensorParallelism.linear_splits`): "column" and
+    "row" for plain `nn.Linear` shards, a description for the others."""
+    splits = {}
+    for name, style in layout.styles.items():
+        module = model.get_submodule(name)
+        if isinstance(module, ReplicatedHeadsLinear):
+            splits[name] = "column with replicated key/value heads"
+        elif isinstance(module, ColumnParallelLinear) and module.gather_output:
+            splits[name] = "column, gathered output"
+        elif isinstance(module, ColumnParallelLinear):
+            splits[name] = "fused q | k | v column" if style == "colwise_qkv" else "column"
+        elif isinstance(module, RowParallelLinear):
+            splits[name] = "row"
+        else:
+            continue
+        if getattr(module, "out_dim", 0) != 0:
+            splits[name] = f"{splits[name]} of a Conv1D"
+    return splits
 
 
 plait_register_strategies = strategies.plait_register_strategies

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.core.grad_norm import mark_sharded
+from plait.core.transforms import TP_DIM_ATTR, TP_PARTS_ATTR
 from plait.plugins.tensor_parallel.tp_communications import (
     TensorParallelGroup,
     copy_to_tensor_region,
@@ -32,10 +33,6 @@ from plait.plugins.tensor_parallel.tp_communications import (
     reduce_scatter_to_sequence_region,
 )
 
-TP_DIM_ATTR = "_plait_tp_dim"
-# Set on a shard of a fused projection (GPT-2's `c_attn`: q | k | v along the output features):
-# the number of equal parts, each split across ranks, that the shard concatenates.
-TP_PARTS_ATTR = "_plait_tp_parts"
 # Activations are (batch, seq, features): the sequence dim sequence parallelism splits.
 SEQUENCE_DIM = 1
 
@@ -228,6 +225,16 @@ class ColumnParallelLinear(nn.Module):
         bias = shard_parameter(bias, 0, rows, parts=parts) if bias is not None else None
         return cls(weight, bias, tp=tp, out_dim=out_dim)
 
+    def layer_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as the local product takes it, after the input mode's collective: the input of a
+        computation beside this layer's (a LoRA adapter's) whose input gradient must be summed
+        over the ranks as the layer's is. Outside a region the collective runs a second time."""
+        if self.input_mode == "copy":
+            return copy_to_tensor_region(x, self.tp)
+        if self.input_mode == "gather_sequence":
+            return gather_sequence_shard(x, self.tp)[0]
+        return x
+
     def local_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -308,8 +315,12 @@ class RowParallelLinear(nn.Module):
         bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
         return cls(weight, bias, tp=tp, out_dim=out_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """`addend`: this rank's partial output of a computation beside the layer (a LoRA
+        adapter's `B·A_i·x_i`), summed over the ranks by the same reduction."""
         partial = F.linear(x, _as_linear_weight(self.weight, self.out_dim))
+        if addend is not None:
+            partial = partial + addend
         if self.output_mode == "reduce_scatter_sequence":
             out = reduce_scatter_to_sequence_region(partial, self.tp, SEQUENCE_DIM)
         else:

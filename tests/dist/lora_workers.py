@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 import plait
-from plait.core.comm_algorithms import GRAD_BUCKET
+from plait.core.comm_algorithms import GRAD_BUCKET, TP_GRAD
 from plait.core.errors import ConfigError
 from plait.core.hookspecs import hookimpl
+from plait.core.state_layout import Region
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR, SEED = 96, 16, 4, 4, 1e-2, 7
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -30,7 +31,7 @@ RANK = 8
 # plait's built-in Llama, as small as the transformers one; its attention is wq, wk, wv, wo.
 BUILTIN = {
     "model": {"name": "llama", "size": "tiny", "overrides": {
-        "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "multiple_of": 16,
+        "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "multiple_of": 16,
         "max_seq_len": 64, "vocab_size": VOCAB,
     }},
     "data": {"seq_len": SEQ},
@@ -128,15 +129,20 @@ def _job_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class GradientBytes:
-    """A comm wrapper, as telemetry is: bytes of every gradient-bucket collective."""
+    """A comm wrapper, as telemetry is: bytes of every gradient-bucket collective, and of every
+    sum of a replicated parameter's gradient over tensor-parallel ranks."""
 
     def __init__(self) -> None:
         self.bytes: Counter[str] = Counter()
+        self.tp_bytes = 0
 
     @hookimpl(wrapper=True)
     def plait_communicate(self, request: Any) -> Any:
+        size = max((t.numel() * t.element_size() for t in request.tensors), default=0)
         if request.purpose == GRAD_BUCKET:
-            self.bytes[request.op] += max(t.numel() * t.element_size() for t in request.tensors)
+            self.bytes[request.op] += size
+        elif request.purpose == TP_GRAD:
+            self.tp_bytes += size
         return (yield)
 
 
@@ -179,6 +185,7 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     losses = []
     for batch in builtin_batches() if builtin else batches():
         recorder.bytes.clear()
+        recorder.tp_bytes = 0
         if isinstance(batch, tuple):
             losses.append(engine.train_step((batch[0][rows], batch[1][rows])))
         else:
@@ -192,21 +199,20 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     runtimes = [r for r in engine.runtimes if r.name != "lora"]
     layout = describe_state(engine.module, engine.optimizer, runtimes, engine.mesh)
     # The adapters as checkpoints name them (one process's peft names, under any layout).
-    pieces: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
+    pieces: dict[str, list[tuple[Region, torch.Tensor]]] = {}
     for entry in saved.parameters:
         for piece in entry.value.pieces if entry.param.requires_grad else ():
-            flat = piece.region.flat or (0, piece.region.numel)
-            pieces.setdefault(entry.name, []).append((flat, piece.read().detach().reshape(-1)))
+            values = piece.read().detach().reshape(-1)
+            pieces.setdefault(entry.name, []).append((piece.region, values))
     frozen_same, frozen_held = True, 0
     for entry in layout.parameters:
         for piece in entry.value.pieces if not entry.param.requires_grad else ():
-            region = piece.region
-            flat = region.flat or (0, region.numel)
             values = piece.read().detach().reshape(-1)
-            # The frozen base (whole, or this rank's ZeRO-3 range of it) is still as built, by
-            # its transformers name (peft inserts `base_layer` into the adapted layers' names).
+            # The frozen base (whole, or this rank's ZeRO-3 range or tp slice of it) is still as
+            # built, by its transformers name (peft inserts `base_layer` into the adapted layers'
+            # names).
             if base:
-                expected = base[_base_name(entry.name)].reshape(-1)[flat[0] : flat[1]]
+                expected = part(base[_base_name(entry.name)], piece.region)
                 frozen_same = frozen_same and torch.equal(values, expected)
             frozen_held += values.numel()
     if case.get("checkpoint"):
@@ -221,6 +227,8 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     return {
         "losses": losses,
         "gradient_bytes_last_step": dict(recorder.bytes),
+        "tp_gradient_bytes_last_step": recorder.tp_bytes,
+        "tp": engine.mesh.size("tp"),
         "gradient_bytes_held": memory["gradients"],
         "optimizer_state_bytes": memory["optimizer_state"],
         "base_record": adapter[0].record["base"] if adapter else None,  # type: ignore[attr-defined]
@@ -236,6 +244,13 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         "module_class": type(module).__name__,
         "cp": engine.mesh.size("cp"),
     }
+
+
+def part(whole: torch.Tensor, region: Region) -> torch.Tensor:
+    """The elements of `whole` a piece at `region` holds, flattened."""
+    block = whole[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes, strict=True))]
+    flat = block.reshape(-1)
+    return flat if region.flat is None else flat[region.flat[0] : region.flat[1]]
 
 
 def _base_name(name: str) -> str:

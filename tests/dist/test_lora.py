@@ -16,6 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from plait.core.state_layout import Region
 from plait.testing.distributed import run_distributed
 from tests.dist import lora_workers
 
@@ -26,6 +27,10 @@ LORA = {"parallel": {"transforms": {"adapter": "lora"}}, "peft": {
     "r": lora_workers.RANK, "alpha": 16, "target_modules": lora_workers.TARGETS,
 }}  # fmt: skip
 SHARDED = ("zero1", "zero2", "zero3")
+# The pipelined and tensor-parallel cases' trained adapters: AdamW turns summation-order noise
+# in tiny gradients into differences of about 1e-5 (1.5e-5 measured for the built-in Llama
+# under tp = 2); their losses stay within 1e-5.
+ADAPTER_TOL = 5e-5
 CASES = {
     "ddp": {"config": {**LORA, "parallel": {**LORA["parallel"], "dp_strategy": "ddp"}}},
     **{
@@ -73,6 +78,34 @@ PIPELINE_CASES = {
     },
 }
 
+# Megatron tensor parallelism: q, k, v (wq, wk, wv) column-parallel, o (wo) row-parallel.
+TENSOR_PARALLEL = {"tp": 2}
+ROW_PARALLEL = ("o_proj", "wo")
+TENSOR_PARALLEL_CASES = {
+    "tp2": {
+        "replicas": False,
+        "config": {**LORA, "parallel": {**LORA["parallel"], **TENSOR_PARALLEL}},
+    },
+    "tp2_sequence_parallel": {
+        "replicas": False,
+        "config": {
+            **LORA,
+            "tp": {"sequence_parallel": True},
+            "parallel": {**LORA["parallel"], **TENSOR_PARALLEL},
+        },
+    },
+    "builtin_tp2": {
+        "builtin": True,
+        "replicas": False,
+        "config": {
+            **lora_workers.BUILTIN,
+            **BUILTIN_LORA,
+            "parallel": {**LORA["parallel"], **TENSOR_PARALLEL},
+        },
+    },
+}
+CHECKPOINTED = ("pp2", "tp2")
+
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
@@ -86,31 +119,24 @@ def builtin_reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("lora_pp2") / "ckpt"
+def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: tmp_path_factory.mktemp(f"lora_{name}") / "ckpt" for name in CHECKPOINTED}
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint_dir: Path) -> list[dict]:
+def runs(checkpoint_dirs: dict[str, Path]) -> list[dict]:
     """Every case on 2 ranks, in one start-up (rank 1's base starts perturbed: see the worker);
-    the transformers Llama's pipelined job writes a checkpoint."""
-    pipelined = {
-        **PIPELINE_CASES,
-        "pp2": {**PIPELINE_CASES["pp2"], "checkpoint": str(checkpoint_dir)},
-    }
+    the transformers Llama's pipelined and tensor-parallel jobs write a checkpoint each."""
+    cases = {**CASES, **PIPELINE_CASES, **TENSOR_PARALLEL_CASES}
+    for name, folder in checkpoint_dirs.items():
+        cases[name] = {**cases[name], "checkpoint": str(folder)}
     # Refused, after every case that trains: the head of a transformers model's last stage is
-    # called through the whole model, where peft's adapter would be skipped.
-    refused = {
-        "pp2_head": {
-            "refused": True,
-            "replicas": False,
-            "config": {
-                **PIPELINE_CASES["pp2"]["config"],
-                "peft": {**LORA["peft"], "target_modules": ["lm_head"]},
-            },
-        }
-    }
-    cases = {**CASES, **pipelined, **refused}
+    # called through the whole model, where peft's adapter would be skipped; under tensor
+    # parallelism its logits are gathered, which no adapter is built for.
+    lm_head = {"peft": {**LORA["peft"], "target_modules": ["lm_head"]}}
+    for name in ("pp2", "tp2"):
+        refused = {"refused": True, "config": {**cases[name]["config"], **lm_head}}
+        cases[f"{name}_head"] = {**cases[name], **refused}
     return run_distributed(lora_workers.train_cases, 2, cases, timeout=200)
 
 
@@ -140,10 +166,10 @@ def test_lora_equals_one_process(name: str, reference: dict, runs: list[dict]) -
     covered = {n: 0 for n in adapters}
     for result in ranks:
         for entry_name, pieces in result["adapter_pieces"].items():
-            full = adapters[entry_name].reshape(-1)
-            for (start, end), values in pieces:
-                assert torch.allclose(values, full[start:end], atol=1e-5, rtol=0), entry_name
-                covered[entry_name] += end - start if sharded else 0
+            for region, values in pieces:
+                expected = lora_workers.part(adapters[entry_name], region)
+                assert torch.allclose(values, expected, atol=1e-5, rtol=0), entry_name
+                covered[entry_name] += region.numel if sharded else 0
     if sharded:
         assert covered == {n: t.numel() for n, t in adapters.items()}
     # Checkpoints leave the base out when the transform added the adapters (it is hashed);
@@ -193,9 +219,10 @@ def test_lora_pipeline_equals_one_process(
     assert not held[0] & held[1] and held[0] | held[1] == set(adapters)
     for result in ranks:
         for entry_name, pieces in result["adapter_pieces"].items():
-            ((start, end), values), *more = pieces
-            assert not more and (start, end) == (0, adapters[entry_name].numel())
-            assert torch.allclose(values, adapters[entry_name].reshape(-1), atol=1e-5, rtol=0)
+            (region, values), *more = pieces
+            assert not more and region == Region.whole(adapters[entry_name].shape)
+            trained = adapters[entry_name].reshape(-1)
+            assert torch.allclose(values, trained, atol=ADAPTER_TOL, rtol=0)
     # The base is hashed over both stages: the hash of one process's frozen tensors.
     records = [r["base_record"] for r in ranks]
     assert records[0] == records[1]
@@ -209,18 +236,82 @@ def test_lora_pipeline_refuses_adapters_the_stage_would_skip(runs: list[dict]) -
     assert last is not None and "['lm_head']" in last and "through the whole model" in last
 
 
-@pytest.mark.timeout(120)
-def test_lora_pipeline_checkpoint_exports_whole(
-    reference: dict, runs: list[dict], checkpoint_dir: Path, tmp_path: Path
+def test_lora_tensor_parallel_refuses_a_gathered_head(runs: list[dict]) -> None:
+    for run in runs:
+        error = run["tp2_head"]["error"]
+        assert error is not None and "'lm_head': 'column, gathered output'" in error
+
+
+def _cut_over_tp(name: str) -> bool:
+    """Whether an adapter factor is cut over tp: B of a column-parallel layer, A of a row one."""
+    module = name.split(".lora_")[0].rpartition(".")[2]
+    return ".lora_A." in name if module in ROW_PARALLEL else ".lora_B." in name
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(TENSOR_PARALLEL_CASES))
+def test_lora_tensor_parallel_equals_one_process(
+    name: str, reference: dict, builtin_reference: dict, runs: list[dict]
 ) -> None:
-    """The pp = 2 job's checkpoint exports as one process's: peft's adapters, and the base
-    with them merged (its hash checked over the stages' digests) giving the trained logits."""
+    """Column-parallel layers: A whole, B cut on its output rows; row-parallel: A cut on its
+    input columns, B whole; the whole factor's gradient summed over the tp ranks."""
+    from plait.plugins.lora.state import digests_hash, tensor_digests
+
+    ranks = [run[name] for run in runs]
+    expected = builtin_reference if name.startswith("builtin") else reference
+    adapters = expected["adapters"]
+    cut = {n for n in adapters if _cut_over_tp(n)}
+    held = sum(t.numel() // 2 if n in cut else t.numel() for n, t in adapters.items())
+    whole = sum(t.numel() for n, t in adapters.items() if n not in cut)
+    for result in ranks:
+        assert result["tp"] == 2
+        worst = max(abs(a - b) for a, b in zip(result["losses"], expected["losses"], strict=True))
+        assert worst <= 1e-5, (result["losses"], expected["losses"])
+        assert result["frozen_unchanged"], "a frozen base slice changed"
+        assert result["frozen_in_checkpoints"] == 0
+        # Each rank holds the whole factors and its half of the cut ones, with their gradients
+        # and Adam moments, and nothing for the base.
+        assert result["adapter_numel"] == held
+        assert result["gradient_bytes_held"] == 4 * held
+        assert result["optimizer_state_bytes"] == 8 * held
+        # The whole factors' gradients, 4 bytes each, are summed over tp once per step.
+        assert result["tp_gradient_bytes_last_step"] == 4 * whole
+        assert result["gradient_bytes_last_step"] == {}  # dp = 1
+    # Checkpoints hold each factor whole: the cut ones as the two ranks' halves.
+    covered = {n: 0 for n in adapters}
+    for result in ranks:
+        assert set(result["adapter_pieces"]) == set(adapters)
+        for entry_name, pieces in result["adapter_pieces"].items():
+            for region, values in pieces:
+                part = lora_workers.part(adapters[entry_name], region)
+                assert torch.allclose(values, part, atol=ADAPTER_TOL, rtol=0), entry_name
+                covered[entry_name] += region.numel
+    assert covered == {n: t.numel() * (1 if n in cut else 2) for n, t in adapters.items()}
+    # The base is hashed whole, its slices gathered: one process's frozen tensors' hash.
+    records = [r["base_record"] for r in ranks]
+    assert records[0] == records[1]
+    assert records[0]["sha256"] == digests_hash(tensor_digests(expected["frozen"]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_lora_checkpoint_exports_whole(
+    name: str,
+    reference: dict,
+    runs: list[dict],
+    checkpoint_dirs: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """The pp = 2 and tp = 2 jobs' checkpoints export as one process's: peft's whole adapters,
+    and the base with them merged (its hash checked over whole tensors) giving the trained
+    logits."""
     import transformers
     from safetensors.torch import load_file
 
     from plait.tools.ckpt_commands import app
 
-    assert runs  # the pipelined job has written its checkpoint
+    assert runs  # the jobs have written their checkpoints
+    checkpoint_dir = checkpoint_dirs[name]
     out = CliRunner().invoke(
         app, ["export", str(checkpoint_dir), "--format", "peft", "-o", str(tmp_path / "peft")]
     )
@@ -229,7 +320,7 @@ def test_lora_pipeline_checkpoint_exports_whole(
     expected = {n.replace(".default.", "."): t for n, t in reference["adapters"].items()}
     assert set(exported) == set(expected)
     for entry_name, tensor in exported.items():
-        torch.testing.assert_close(tensor, expected[entry_name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(tensor, expected[entry_name], atol=ADAPTER_TOL, rtol=0)
     lora_workers.build().save_pretrained(tmp_path / "base")
     merged_args = ["--merged", "--base", str(tmp_path / "base"), "-o", str(tmp_path / "merged")]
     out = CliRunner().invoke(app, ["export", str(checkpoint_dir), *merged_args])
@@ -264,9 +355,10 @@ def test_lora_pipeline_with_data_parallel_equals_one_process(reference: dict) ->
         # Each stage's replicas reduce that stage's adapter gradients, once per step.
         assert result["gradient_bytes_last_step"] == {"all_reduce": 4 * result["adapter_numel"]}
         assert result["optimizer_state_bytes"] == 8 * result["adapter_numel"]
-        for entry_name, [((start, end), values)] in result["adapter_pieces"].items():
-            assert (start, end) == (0, adapters[entry_name].numel())
-            assert torch.allclose(values, adapters[entry_name].reshape(-1), atol=1e-5, rtol=0)
+        for entry_name, [(region, values)] in result["adapter_pieces"].items():
+            assert region == Region.whole(adapters[entry_name].shape)
+            trained = adapters[entry_name].reshape(-1)
+            assert torch.allclose(values, trained, atol=ADAPTER_TOL, rtol=0)
     for replica in (ranks[0::2], ranks[1::2]):  # stage 0's rank and stage 1's, per replica
         assert sum(r["adapter_numel"] for r in replica) == adapter_numel
         assert set().union(*(r["adapter_pieces"] for r in replica)) == set(adapters)
