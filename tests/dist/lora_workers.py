@@ -37,7 +37,8 @@ BUILTIN = {
     "data": {"seq_len": SEQ},
     "train": {"global_batch_size": GLOBAL_BATCH},
 }  # fmt: skip
-BUILTIN_TARGETS = ["wq", "wk", "wv", "wo"]
+# The head too: under tensor parallelism a column-parallel linear outside every parallel region.
+BUILTIN_TARGETS = ["wq", "wk", "wv", "wo", "output"]
 
 
 def build() -> nn.Module:
