@@ -29,11 +29,11 @@ RING = {"cp": 2, "cp_strategy": "ring"}
 ULYSSES = {"cp": 2, "cp_strategy": "ulysses"}
 # What Dynamo says when it meets the context-parallel attention call (calling or inlining it).
 DISABLED = "`torch.compiler.disable()`d function"
-# The graph breaks Dynamo counts compiling the blocks (torch 2.13), all at the eager attention
-# call, whose name the summary gives: it meets the call once in the block's frame and again in
-# each frame it resumes in (the attention module's; for a `transformers` layer, the wrappers
-# around its attention's forward too). Exactly: a traced exchange or a guarded counter would
-# add breaks, graphs or both.
+# The graph breaks Dynamo counts compiling the blocks, all at the eager attention call, whose
+# name the summary gives, as measured with torch 2.13 (Dynamo counts each time its tracing
+# reaches the call, from the block's frame and from frames nested in it). Asserted exactly: an
+# exchange traced or made eager on its own (3 for the ring), or a counter Dynamo guards on,
+# changes the count.
 BREAKS = {"llama": (2, "ContextParallelAttention.__call__"),
           "transformers": (5, "TransformersAttention.__call__")}  # fmt: skip
 # eager run -> its compiled twins
