@@ -86,6 +86,15 @@ TENSOR_PARALLEL_CASES = {
         "replicas": False,
         "config": {**LORA, "parallel": {**LORA["parallel"], **TENSOR_PARALLEL}},
     },
+    # Four micro-batches: the whole factors' gradients are summed once, when final.
+    "tp2_accumulate": {
+        "replicas": False,
+        "config": {
+            **LORA,
+            "train": {"micro_batch_size": 1},
+            "parallel": {**LORA["parallel"], **TENSOR_PARALLEL},
+        },
+    },
     "tp2_sequence_parallel": {
         "replicas": False,
         "config": {
