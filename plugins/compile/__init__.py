@@ -21,20 +21,25 @@ and the pipeline split put them. It runs after activation checkpointing (a check
 recomputes compiled code) and before data parallelism.
 
 Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages, AMP,
-activation checkpointing, tensor parallelism with and without sequence parallelism, and context
-parallelism (ring and Ulysses, plait's Llama and a `transformers` Llama). Tensor and context
-parallelism's collectives run inside a block's forward, so what holds them runs eagerly between
-the compiled pieces (`torch.compiler.disable`, a graph break at each, counted in the summary
-below) instead of the compiler tracing plait's communicator and recompiling as its counters
-move: the tensor-parallel operators (`plait.plugins.tensor_parallel.tp_communications`), and the
-whole context-parallel attention call (`plait.plugins.context_parallel.attention`: measured on
-the tiny Llama, the call costs 2 breaks and 4 graphs for ring and Ulysses alike, their exchange
-3 breaks (the ring's, whose send/receive sit inside one autograd function) or a fifth graph
-(Ulysses' all-to-alls), and the bare send/receive or all-to-all more of both and recompiles).
-Hence both are refused with `fullgraph = true` (every break would be an error) and with
-activation checkpointing (a break inside a checkpointed block leaves the whole block eager:
-nothing would compile). Expert parallelism is refused by name: the experts' all-to-all runs
-inside a block's forward too, untested compiled.
+activation checkpointing, tensor parallelism with and without sequence parallelism, context
+parallelism (ring and Ulysses, plait's Llama and a `transformers` Llama) and expert parallelism
+(plait's MoE and a `transformers` Mixtral). Their collectives run inside a block's forward, so
+what holds them runs eagerly between the compiled pieces (`torch.compiler.disable`, a graph
+break at each, counted in the summary below) instead of the compiler tracing plait's
+communicator and recompiling as its counters move: the tensor-parallel operators
+(`plait.plugins.tensor_parallel.tp_communications`), the whole context-parallel attention call
+(`plait.plugins.context_parallel.attention`: measured on the tiny Llama, the call costs 2
+breaks and 4 graphs for ring and Ulysses alike, their exchange 3 breaks (the ring's, whose
+send/receive sit inside one autograd function) or a fifth graph (Ulysses' all-to-alls), and the
+bare send/receive or all-to-all more of both and recompiles), and the experts' token exchange
+with the local experts (`plait.plugins.expert_parallel.dispatch`: traced, the step's token
+counts are guarded on and the block recompiles every step). Hence those layouts are refused
+with `fullgraph = true` (every break would be an error). With activation checkpointing they
+compile the block inside its checkpoint wrapper instead of the wrapper: Dynamo traces a
+checkpoint as one higher-order op, which cannot break, so a break inside it would leave the
+whole block eager; compiled inside, the checkpoint runs eagerly around the compiled pieces and
+recomputes them in backward. Layouts without a break keep the wrapper compiled (the compiler
+then sees what the checkpoint recomputes, as torchtitan compiles it).
 
 After the first step that compiled, rank 0 logs the graphs, graph breaks (with Dynamo's
 reasons) and compile time once, and any recompilation after step 2 with its cause
@@ -56,17 +61,16 @@ from plait.core.strategy import Strategies
 from plait.plugins.compile.watch import CompileWatch
 
 NAME = "compile"
+# Where torch's `CheckpointWrapper` (activation checkpointing's) holds the block it wraps.
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 COMPILED_DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
-# Why each axis is still refused compiled: its collectives run inside a block's forward.
-REFUSED_AXES = {
-    "ep": "the experts' all-to-all runs inside the block's forward",
-}
 # Axes whose collectives run eagerly between a block's compiled pieces (`torch.compiler.
 # disable`d, a graph break at each), and what runs there.
 EAGER_BETWEEN_PIECES = {
     "tp": "the tensor-parallel collectives",
     "cp": "the context-parallel attention calls (the ring's send/receive or Ulysses' "
     "all-to-all inside)",
+    "ep": "the experts' token exchanges (their all-to-alls and the local experts between them)",
 }
 
 __all__ = ["NAME", "CompileConfig", "CompileWatch", "compile_blocks"]
@@ -102,8 +106,10 @@ def compile_blocks(
     fullgraph: bool = False,
     dynamic: bool | None = None,
     blocks: str = "",
+    inside_checkpoints: bool = False,
 ) -> list[str]:
-    """Compile each of the model's blocks in place; return their keys (in container order)."""
+    """Compile each of the model's blocks in place; return their keys (in container order).
+    `inside_checkpoints`: compile what an activation-checkpoint wrapper holds, not the wrapper."""
     _, container = find_block_container(model, blocks, field="compile.blocks")
     keys = (
         list(container.keys())
@@ -114,19 +120,22 @@ def compile_blocks(
         # NOTE: `forward`, not the module (`nn.Module.compile` compiles `_call_impl`, hooks
         # included): the hooks strategies put around a block (ZeRO-3's gather and reshard) stay
         # eager. Every block's bound `forward` shares one code object, hence one graph cache.
+        if inside_checkpoints:
+            block = getattr(block, CHECKPOINT_WRAPPED, block)
         block.forward = torch.compile(
             block.forward, backend=backend, fullgraph=fullgraph, dynamic=dynamic
         )
     return keys
 
 
+def breaks_between_pieces(config: PlaitConfig) -> bool:
+    """Whether the layout runs something eagerly inside every block (a graph break at each)."""
+    return any(getattr(config.parallel, axis) > 1 for axis in EAGER_BETWEEN_PIECES)
+
+
 def _refuse_untested_layouts(config: PlaitConfig) -> None:
     parallel = config.parallel
-    spread = [
-        f"parallel.{axis} = {getattr(parallel, axis)} ({why})"
-        for axis, why in REFUSED_AXES.items()
-        if getattr(parallel, axis) > 1
-    ]
+    spread = []
     if parallel.dp_strategy not in COMPILED_DP_STRATEGIES:
         spread.append(f"parallel.dp_strategy = {parallel.dp_strategy!r}")
     fullgraph = config.section(NAME, CompileConfig).fullgraph
@@ -138,18 +147,12 @@ def _refuse_untested_layouts(config: PlaitConfig) -> None:
                 "eagerly between a block's compiled pieces, a graph break at each, which "
                 "fullgraph makes an error)"
             )
-        if degree > 1 and "ac" in parallel.transforms:
-            spread.append(
-                f"parallel.{axis} = {degree} with activation checkpointing ({eager} break the "
-                "graph inside the checkpointed block, which then runs eagerly: nothing would "
-                "compile)"
-            )
     if spread:
         raise ConfigError(
             f"parallel.transforms.compile: {', '.join(spread)} is not supported compiled; the "
-            f"compile transform runs with dp_strategy one of {list(COMPILED_DP_STRATEGIES)} "
-            "and ep = 1, tp and cp only without activation checkpointing or compile.fullgraph "
-            "(drop transforms.compile for this layout)"
+            f"compile transform runs with dp_strategy one of {list(COMPILED_DP_STRATEGIES)}, "
+            "and with tp, cp or ep only without compile.fullgraph (drop transforms.compile "
+            "for this layout)"
         )
 
 
@@ -202,6 +205,7 @@ def compile_model(model: nn.Module, *, context: ShardContext, config: CompileCon
         fullgraph=config.fullgraph,
         dynamic=config.dynamic,
         blocks=config.blocks,
+        inside_checkpoints=breaks_between_pieces(context.config),
     )
     context.plugins.register(
         CompileWatch(blocks=len(keys), rank=context.mesh.rank), f"{NAME}.watch"

@@ -8,9 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.core.config import PlaitConfig
-from plait.core.errors import ConfigError
-from plait.plugins import compile
 from plait.testing.distributed import run_distributed
 from tests.dist import compile_workers, compile_zero3_workers
 from tests.dist.precision_workers import GLOBAL_BATCH
@@ -106,17 +103,3 @@ def test_a_recompilation_after_the_warm_up_is_reported_with_its_cause() -> None:
         assert recompiled.startswith("compiled blocks recompiled in step 4: "), recompiled
         # Dynamo's own guard failure names the dimension that changed.
         assert "size mismatch" in recompiled, recompiled
-
-
-@pytest.mark.parametrize(
-    ("axis", "why"),
-    [("ep", "all-to-all")],  # tp, cp: tests/dist/test_compile_tp.py, test_compile_cp.py
-)
-def test_layouts_with_collectives_inside_a_block_are_refused_saying_why(
-    axis: str, why: str
-) -> None:
-    config = PlaitConfig.model_validate(
-        {"parallel": {axis: 2, "dp_strategy": "zero3", "transforms": {"compile": compile.NAME}}}
-    )
-    with pytest.raises(ConfigError, match=rf"parallel\.{axis} = 2 \(.*{why}.*not supported"):
-        compile._refuse_untested_layouts(config)
