@@ -75,7 +75,7 @@ def shard_lora(model: nn.Module, *, context: ShardContext, config: PeftSection) 
         adapted = adapt_stage(model, config, context=context)
         base = stage_base(adapted, name=name, context=context)
     elif tensor_parallel is not None and tensor_parallel.degree > 1:
-        check_targets(model, config, context=context)
+        check_targets(config, context=context)
         layers = parallel_layers(model, context=context)
         seed = context.config.train.seed
         adapted = add_adapters(model, config, seed=seed, custom_layers=layers)[0]

@@ -38,7 +38,7 @@ from plait.core.schedule import MicrobatchPosition
 from plait.core.sharding import ShardContext
 from plait.core.state_layout import ParameterLayout
 from plait.core.transforms import TP_DIM_ATTR, TP_PARTS_ATTR
-from plait.plugins.lora.config import PeftSection
+from plait.plugins.lora.config import PeftSection, lora_config
 from plait.plugins.lora.state import PER_TENSOR, digests_hash, tensor_digests
 
 TP_AXIS = "tp"
@@ -48,11 +48,9 @@ COLUMN, ROW = "column", "row"
 CUT_DIM_ATTR = "_plait_lora_tp_dim"
 
 
-def check_targets(model: nn.Module, section: PeftSection, *, context: ShardContext) -> None:
+def check_targets(section: PeftSection, *, context: ShardContext) -> None:
     """Refuse, by name, targets on tensor-parallel layers no adapter is built for."""
     from peft.tuners.tuners_utils import check_target_module_exists
-
-    from plait.plugins.lora.config import lora_config
 
     assert context.tensor_parallel is not None
     if section.target_modules == "all-linear":
