@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from plait.core.state_layout import Region
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR, SEED = 96, 16, 4, 4, 1e-2, 7
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RANK = 8
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # plait's built-in Llama, as small as the transformers one; its attention is wq, wk, wv, wo.
 BUILTIN = {
     "model": {"name": "llama", "size": "tiny", "overrides": {
@@ -216,13 +218,9 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
                 expected = part(base[_base_name(entry.name)], piece.region)
                 frozen_same = frozen_same and torch.equal(values, expected)
             frozen_held += values.numel()
+    resumed_same = None
     if case.get("checkpoint"):
-        from plait.plugins.checkpoint.checkpointer import Checkpointer
-        from plait.plugins.checkpoint.config import CheckpointIOConfig
-
-        checkpointer = Checkpointer(engine, None, CheckpointIOConfig(dir=case["checkpoint"]))
-        checkpointer.save(STEPS)
-        checkpointer.close()
+        resumed_same = _save_and_resume(engine, config, case["checkpoint"])
     memory = engine.memory_report()
     adapter = [r for r in engine.runtimes if r.name == "lora"]
     return {
@@ -233,6 +231,7 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         "gradient_bytes_held": memory["gradients"],
         "optimizer_state_bytes": memory["optimizer_state"],
         "base_record": adapter[0].record["base"] if adapter else None,  # type: ignore[attr-defined]
+        "resumed_same": resumed_same,
         "pp": engine.mesh.size("pp"),
         "frozen_bytes": memory.get("frozen_parameters"),
         "frozen_held": frozen_held,
@@ -245,6 +244,31 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         "module_class": type(module).__name__,
         "cp": engine.mesh.size("cp"),
     }
+
+
+def _save_and_resume(engine: Any, config: dict[str, Any], folder: str) -> bool:
+    """Save `engine`'s checkpoint, load it into a fresh engine of the same job (on the base as
+    built: its hash is checked), and whether that engine's adapters and Adam moments are
+    `engine`'s."""
+    from plait.plugins.checkpoint.checkpointer import Checkpointer
+    from plait.plugins.checkpoint.config import CheckpointIOConfig
+    from plait.plugins.checkpoint.storage import resolve_checkpoint
+
+    checkpointer = Checkpointer(engine, None, CheckpointIOConfig(dir=folder))
+    checkpointer.save(STEPS)
+    checkpointer.close()
+    fresh = plait.initialize(build(), config=config, optimizer=optimizer)
+    Checkpointer(fresh, None, CheckpointIOConfig(dir=folder)).load(resolve_checkpoint(Path(folder)))
+    same = True
+    pairs = zip(engine.module.parameters(), fresh.module.parameters(), strict=True)
+    for trained, loaded in pairs:
+        if not trained.requires_grad:
+            continue
+        same = same and torch.equal(trained, loaded)
+        moments = engine.optimizer.state[trained], fresh.optimizer.state[loaded]
+        same = same and all(torch.equal(moments[0][k], moments[1][k]) for k in ADAM_MOMENTS)
+    fresh.close()
+    return same
 
 
 def part(whole: torch.Tensor, region: Region) -> torch.Tensor:
