@@ -287,27 +287,56 @@ class ParameterLayout:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedFrom:
+    """Where a weights-only load read the left-out entries: the source's name, and `read`,
+    which reads left-out tensors whole from it (by name, in the dtype asked)."""
+
+    source: str
+    read: Callable[[Mapping[str, torch.dtype]], dict[str, torch.Tensor]]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StateLayout:
-    """Everything this rank holds of the model and its optimizer, by global parameter name."""
+    """Everything this rank holds of the model and its optimizer, by global parameter name.
+
+    `parameters` are what checkpoints write and every load reads. `left_out` are held but left
+    out of checkpoints (a LoRA job's frozen base, named as the base's own checkpoint names it):
+    later runtimes refine them like the others (`map`), and only a weights-only load
+    (`init_from`) fills them.
+    """
 
     parameters: tuple[ParameterLayout, ...] = ()
+    left_out: tuple[ParameterLayout, ...] = ()
     # Called in order once new values were written into the pieces (e.g. a checkpoint loaded):
     # to copy master shards into the model, all-gather them, refresh gathered copies.
     after_load: tuple[Callable[[], None], ...] = ()
+    # Called after `after_load` once a weights-only load filled `left_out`: to describe what was
+    # loaded (the LoRA base's hash).
+    after_left_out_load: tuple[Callable[[LoadedFrom], None], ...] = ()
 
     def by_name(self) -> dict[str, ParameterLayout]:
-        named: dict[str, ParameterLayout] = {}
-        for entry in self.parameters:
-            if entry.name in named:
-                raise ValueError(f"two parameters of this rank are described as {entry.name!r}")
-            named[entry.name] = entry
-        return named
+        """The saved entries (`parameters`) by name."""
+        return _by_name(self.parameters)
+
+    def left_out_by_name(self) -> dict[str, ParameterLayout]:
+        return _by_name(self.left_out)
 
     def map(self, refine: Callable[[ParameterLayout], ParameterLayout | None]) -> StateLayout:
-        """Refine every entry (`None` drops it)."""
-        entries = (refine(entry) for entry in self.parameters)
-        return replace(self, parameters=tuple(e for e in entries if e is not None))
+        """Refine every entry, saved and left out (`None` drops it)."""
+        return replace(
+            self,
+            parameters=_refined(self.parameters, refine),
+            left_out=_refined(self.left_out, refine),
+        )
+
+    def leave_out(self, entries: Iterable[ParameterLayout]) -> StateLayout:
+        """The same layout with `entries` added to `left_out`."""
+        return replace(self, left_out=(*self.left_out, *entries))
+
+    def then_left_out_loaded(self, callback: Callable[[LoadedFrom], None]) -> StateLayout:
+        """The same layout with `callback` added to what runs after `left_out` was loaded."""
+        return replace(self, after_left_out_load=(*self.after_left_out_load, callback))
 
     def then(self, callback: Callable[[], None]) -> StateLayout:
         """The same layout with `callback` added to what runs after a load."""
@@ -316,6 +345,25 @@ class StateLayout:
     def finish_load(self) -> None:
         for callback in self.after_load:
             callback()
+
+    def finish_left_out_load(self, loaded: LoadedFrom) -> None:
+        for callback in self.after_left_out_load:
+            callback(loaded)
+
+
+def _by_name(entries: Iterable[ParameterLayout]) -> dict[str, ParameterLayout]:
+    named: dict[str, ParameterLayout] = {}
+    for entry in entries:
+        if entry.name in named:
+            raise ValueError(f"two parameters of this rank are described as {entry.name!r}")
+        named[entry.name] = entry
+    return named
+
+
+def _refined(
+    entries: Iterable[ParameterLayout], refine: Callable[[ParameterLayout], ParameterLayout | None]
+) -> tuple[ParameterLayout, ...]:
+    return tuple(e for e in (refine(entry) for entry in entries) if e is not None)
 
 
 # -- the starting point ---------------------------------------------------------------------------

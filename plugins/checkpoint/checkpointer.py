@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from plait.core.comm import Group
 from plait.core.config import PlaitConfig
+from plait.core.state_chunks import layout_for
 from plait.plugins.checkpoint.background import (
     BackgroundWrite,
     SaveFailure,
@@ -107,10 +108,16 @@ class Checkpointer:
     # -- resume -----------------------------------------------------------------------------------
 
     def maybe_resume(self) -> int:
-        """Load the latest complete checkpoint (or `init_from` weights); return the next step."""
+        """Load the latest complete checkpoint (or `init_from` weights); return the next step.
+
+        A job whose checkpoints leave part of its state out (`StateLayout.left_out`: a LoRA
+        job's frozen base) resumes from `init_from` first, for that part, then from its own
+        checkpoint for the rest."""
         if self.root is not None and self.config.resume:
             path = self._agree_on(self._find_resumable)
             if path is not None:
+                if self.config.init_from and layout_for(self.engine).left_out:
+                    self.load(resolve_checkpoint(Path(self.config.init_from)), model_only=True)
                 report = self.load(Path(path))
                 self.last_published = Path(path).name
                 log.warning("resumed from %s at step %d", path, report.step)

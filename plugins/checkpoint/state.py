@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,12 @@ from plait.core.dcp_planner import ChunkedValue, ChunkLoadPlanner, ChunkSavePlan
 from plait.core.errors import CheckpointError
 from plait.core.state_chunks import (
     Staging,
+    TensorPieces,
     first_replica,
     layout_for,
     tensor_pieces,
 )
-from plait.core.state_layout import StateLayout
+from plait.core.state_layout import LoadedFrom, StateLayout
 from plait.core.training_state import (
     apply_schedule,
     ensure_optimizer_state,
@@ -149,7 +152,12 @@ def load_engine_state(
     """Load a checkpoint into a (possibly differently sharded) engine, in place.
 
     With `model_only`, or when the checkpoint holds weights only (e.g. imported from Hugging
-    Face), the optimizer, scheduler, sampler and step are left as they are.
+    Face), the optimizer, scheduler, sampler and step are left as they are. Such a weights-only
+    load of a layout with entries checkpoints leave out (`StateLayout.left_out`: a LoRA job's
+    frozen base) fills those, every one required, and the saved entries the checkpoint holds (a
+    base's checkpoint holds no adapters: they keep their init); then the layout is told where the
+    left-out entries came from (`StateLayout.after_left_out_load`). Every other load fills the
+    saved entries, every one required, and never the left-out ones.
     """
     reader = dcp.FileSystemReader(directory)
     saved = reader.read_metadata().state_dict_metadata
@@ -161,14 +169,21 @@ def load_engine_state(
     rank = engine.mesh.rank
     state: dict[str, Any] = {}
     entries = layout.by_name()
-    missing = [fqn for fqn in entries if model_key(fqn) not in saved]
+    left_out = layout.left_out_by_name() if model_only else {}
+    required = left_out or entries
+    missing = [fqn for fqn in required if model_key(fqn) not in saved]
     if missing:
         raise CheckpointError(
             f"{directory} has no weights for {len(missing)} parameter(s) of this model, e.g. "
             f"{missing[:3]}; it holds {sum(k.startswith('model.') for k in saved)} parameters"
         )
+    if left_out:
+        held = {fqn: entry for fqn, entry in entries.items() if model_key(fqn) in saved}
+        weights = {**held, **left_out}
+    else:
+        weights = entries
     staging = Staging()
-    for fqn, entry in entries.items():
+    for fqn, entry in weights.items():
         state[model_key(fqn)] = ChunkedValue(tensor_pieces(entry.value, staging=staging))
     steps: dict[str, Any] = {}
     if not model_only:
@@ -193,11 +208,33 @@ def load_engine_state(
     notes: list[str] = []
     if model_only:
         layout.finish_load()
+        if left_out:
+            read = partial(_read_whole, directory, saved)
+            layout.finish_left_out_load(LoadedFrom(str(directory), read))
         return LoadReport(directory, int(engine.global_step), True)
     _set_optimizer_steps(layout, {fqn: state[optim_key(fqn, "step")] for fqn in steps})
     layout.finish_load()
     _apply_training_state(engine, state, batches=batches, rank=rank, notes=notes)
     return LoadReport(directory, int(engine.global_step), False, tuple(notes))
+
+
+def _read_whole(
+    directory: Path, saved: dict[str, Any], dtypes: Mapping[str, torch.dtype]
+) -> dict[str, torch.Tensor]:
+    """Weights of the checkpoint at `directory`, whole, by name, in the dtypes asked: read by
+    this rank alone (no collective), whichever ranks wrote them."""
+    state: dict[str, Any] = {}
+    whole: dict[str, torch.Tensor] = {}
+    for fqn, dtype in dtypes.items():
+        whole[fqn] = torch.empty(saved[model_key(fqn)].size, dtype=dtype)
+        state[model_key(fqn)] = ChunkedValue(TensorPieces.whole(whole[fqn]))
+    dcp.load(
+        state,
+        storage_reader=dcp.FileSystemReader(directory),
+        planner=ChunkLoadPlanner(),
+        no_dist=True,
+    )
+    return whole
 
 
 def _set_optimizer_steps(layout: StateLayout, steps: dict[str, Any]) -> None:

@@ -13,7 +13,9 @@ A `PeftModel` the user built and passes to `plait.initialize` needs no transform
 frozen weights are treated the same way.
 
 Checkpoints of a job with the transform hold the adapters and their optimizer state; the base
-is named and hashed in them and checked at resume (`state.py`); `plait ckpt export --format
+is named and hashed in them and checked at resume (`state.py`), and stays in the state layout as
+left out of them, so that `checkpoint_io.init_from` loads a built-in model's pretrained base
+(hashed again once loaded) and a resume loads it before the adapters; `plait ckpt export --format
 peft` writes them as a folder peft loads (`export.py`), `--merged` the whole model with them
 merged into the base the user names (`merge.py`).
 
@@ -30,6 +32,7 @@ tp ranks. Pipeline and tensor parallelism together are refused (untested).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from torch import nn
 
@@ -70,10 +73,12 @@ def shard_lora(model: nn.Module, *, context: ShardContext, config: PeftSection) 
     pipeline, tensor_parallel = context.pipeline, context.tensor_parallel
     source = pipeline.source_model if pipeline is not None else None
     name = base_name(model if source is None else source)
-    factors = None
+    factors = over_stages = None
     if pipeline is not None:
         adapted = adapt_stage(model, config, context=context)
-        base = stage_base(adapted, name=name, context=context)
+        over_stages = partial(stage_base, context=context)
+        frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
+        base = over_stages(frozen, name=name)
     elif tensor_parallel is not None and tensor_parallel.degree > 1:
         check_targets(config, context=context)
         layers = parallel_layers(model, context=context)
@@ -94,6 +99,7 @@ def shard_lora(model: nn.Module, *, context: ShardContext, config: PeftSection) 
         base=base,
         stage_names=pipeline is not None,
         tensor_parallel=factors,
+        over_stages=over_stages,
     )
     # Its engine's plugin, for the checkpoint-state hooks (named per engine: a process may
     # hold several).

@@ -18,6 +18,7 @@ Two things one process does over the whole model are redone across the stages:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -86,10 +87,12 @@ def _refuse_bypassed_adapters(adapted: nn.Module, *, context: ShardContext) -> N
         )
 
 
-def stage_base(adapted: nn.Module, *, name: str, context: ShardContext) -> dict[str, Any]:
-    """The base's record (`state.AdapterState`) hashed over every stage's frozen tensors, by
-    the names peft gives them in one process."""
-    frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
+def stage_base(
+    frozen: Sequence[tuple[str, torch.Tensor]], *, name: str, context: ShardContext
+) -> dict[str, Any]:
+    """The base's record (`state.AdapterState`) hashed over every stage's frozen tensors, this
+    stage's `frozen` among them, by the names peft gives them in one process. Collective over
+    the pipeline ranks."""
     mine = "\n".join(tensor_digests(frozen)).encode()
     group = context.mesh.group(PP_AXIS)
     device = context.device

@@ -11,6 +11,12 @@ At resume the hash of the base the job holds now must equal the saved one, or th
 would be put on another model; the `[peft]` section is what `plait ckpt export --format peft`
 writes as peft's `adapter_config.json`.
 
+The base stays in the layout as `StateLayout.left_out`, under the names the base's own
+checkpoint gives it (without `base_model.model.` and `.base_layer.`), so that a weights-only
+load (`checkpoint_io.init_from`: plait's built-in models arrive without weights) fills it. The
+record is then taken again over the base that load read, as it would have been had the base
+arrived loaded, and says where it came from (`loaded_from`).
+
 Under pipeline parallelism no rank holds the whole base: each stage hashes its own frozen
 tensors one by one, the stages exchange those digests, and the record's `sha256` is the hash of
 all of them (`"scheme": "per-tensor"`, `digests_hash`), the same on every stage and for the
@@ -21,9 +27,10 @@ whole model read back at export. The adapters keep the names peft gives them in 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -31,7 +38,7 @@ from torch import nn
 from plait.core.errors import CheckpointError
 from plait.core.hookspecs import hookimpl
 from plait.core.sharding import ParallelRuntime
-from plait.core.state_layout import ParameterLayout, StateLayout
+from plait.core.state_layout import LoadedFrom, ParameterLayout, StateLayout
 from plait.plugins.lora.config import PeftSection
 
 if TYPE_CHECKING:
@@ -40,8 +47,19 @@ if TYPE_CHECKING:
 
 KEY = "lora"
 PREFIX = "base_model.model."  # where peft puts the base model's own names
+BASE_LAYER = ".base_layer."  # where peft puts an adapted layer's own parameters
+# `base.loaded_from`: the checkpoint a weights-only load read the base from (`init_from`)
+LOADED_FROM = "loaded_from"
 # `base.scheme` of a record hashed tensor by tensor (a pipelined job's); none: `base_hash`
 PER_TENSOR = "per-tensor"
+
+
+class StagesRecord(Protocol):
+    """A pipelined job's record of `frozen`, this stage's tensors, and every other stage's."""
+
+    def __call__(
+        self, frozen: Sequence[tuple[str, torch.Tensor]], *, name: str
+    ) -> dict[str, Any]: ...
 
 
 def base_hash(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -78,6 +96,11 @@ def record_hash(named: Iterable[tuple[str, torch.Tensor]], base: dict[str, Any])
     return base_hash(named)
 
 
+def base_weight_name(name: str) -> str:
+    """A frozen parameter's name in the base's own checkpoint: without peft's additions."""
+    return name.removeprefix(PREFIX).replace(BASE_LAYER, ".")
+
+
 def base_name(model: nn.Module) -> str:
     """The name a transformers model was loaded under (`name_or_path`), else its class."""
     config = getattr(model, "config", None)
@@ -101,13 +124,18 @@ class AdapterState(ParallelRuntime):
         base: dict[str, Any] | None = None,
         stage_names: bool = False,
         tensor_parallel: TensorParallelFactors | None = None,
+        over_stages: StagesRecord | None = None,
     ) -> None:
         """`base`: the record of a base no rank holds whole (a pipelined job's, from every
         stage), else it is hashed here. `stage_names`: the layout before this runtime names the
         parameters as the pipeline stage does (without peft's `base_model.model.`).
-        `tensor_parallel`: the adapters' factors on tensor-parallel layers."""
+        `tensor_parallel`: the adapters' factors on tensor-parallel layers. `over_stages`: how a
+        pipelined job's record is taken over every stage's frozen tensors (`stages.stage_base`),
+        for a base loaded later."""
         frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
-        self._frozen = {id(p) for _, p in frozen}
+        # id -> (name as hashed, dtype as hashed): a base loaded later is hashed as built.
+        self._frozen = {id(p): (n, p.dtype) for n, p in frozen}
+        self._over_stages = over_stages
         self._stage_names = stage_names
         self._tensor_parallel = tensor_parallel
         if base is None:
@@ -127,6 +155,9 @@ class AdapterState(ParallelRuntime):
             self._tensor_parallel.sync_gradients()
 
     def state_layout(self, previous: StateLayout) -> StateLayout:
+        """The adapters kept (under peft's one-process names), the base left out under its own
+        checkpoint's names, and hashed again once a weights-only load filled it."""
+
         def keep(entry: ParameterLayout) -> ParameterLayout | None:
             if id(entry.param) in self._frozen:
                 return None
@@ -136,7 +167,28 @@ class AdapterState(ParallelRuntime):
                 return replace(entry, name=PREFIX + entry.name)
             return entry
 
-        return previous.map(keep)
+        base = [
+            replace(entry, name=base_weight_name(entry.name))
+            for entry in previous.parameters
+            if id(entry.param) in self._frozen
+        ]
+        hashed_as = {entry.name: self._frozen[id(entry.param)] for entry in base}
+        rehash = partial(self._rehash, hashed_as)
+        return previous.map(keep).leave_out(base).then_left_out_loaded(rehash)
+
+    def _rehash(self, hashed_as: dict[str, tuple[str, torch.dtype]], loaded: LoadedFrom) -> None:
+        """The record of the base a weights-only load just filled, taken as when the adapters
+        were added (whole tensors, in their dtype then, under their names then): from the
+        tensors the load read, whole, so no gather of what later runtimes shard is needed."""
+        whole = loaded.read({fqn: dtype for fqn, (_, dtype) in hashed_as.items()})
+        named = [(hashed_as[fqn][0], tensor) for fqn, tensor in whole.items()]
+        ours = self.record["base"]
+        if self._over_stages is not None:
+            base = self._over_stages(named, name=ours["name"])
+        else:
+            base = {**ours, "sha256": record_hash(named, ours)}
+        # The name stays the model's (the export finds a built-in family by it).
+        self.record["base"] = {**base, LOADED_FROM: loaded.source}
 
     @hookimpl
     def plait_checkpoint_state(self, rank: int) -> dict[str, Any] | None:
@@ -150,9 +202,12 @@ class AdapterState(ParallelRuntime):
             return
         theirs, ours = saved["base"], self.record["base"]
         if theirs["sha256"] != ours["sha256"]:
+            remedy = "load the same base model before plait.initialize"
+            if LOADED_FROM in theirs:
+                remedy = f"set checkpoint_io.init_from = {theirs[LOADED_FROM]!r}, its base"
             raise CheckpointError(
                 f"the checkpoint's adapters were trained on base {theirs['name']!r} "
                 f"(sha256 {theirs['sha256'][:12]}…, {theirs['parameters']} frozen tensors); this "
                 f"job's base is {ours['name']!r} (sha256 {ours['sha256'][:12]}…, "
-                f"{ours['parameters']}): load the same base model before plait.initialize"
+                f"{ours['parameters']}): {remedy}"
             )
