@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -228,12 +229,15 @@ def _read_whole(
     for fqn, dtype in dtypes.items():
         whole[fqn] = torch.empty(saved[model_key(fqn)].size, dtype=dtype)
         state[model_key(fqn)] = ChunkedValue(TensorPieces.whole(whole[fqn]))
-    dcp.load(
-        state,
-        storage_reader=dcp.FileSystemReader(directory),
-        planner=ChunkLoadPlanner(),
-        no_dist=True,
-    )
+    with warnings.catch_warnings():
+        # NOTE: DCP warns that it reads in one process: which it is asked to do here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(
+            state,
+            storage_reader=dcp.FileSystemReader(directory),
+            planner=ChunkLoadPlanner(),
+            no_dist=True,
+        )
     return whole
 
 

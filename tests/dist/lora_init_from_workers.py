@@ -37,10 +37,12 @@ PRETRAIN_STEPS = 3
 STOP = 2  # the interrupted job's checkpoint
 
 
-def job_config(*, dp_strategy: str = "ddp", **checkpoint_io: Any) -> dict[str, Any]:
-    """The LoRA job: the built-in Llama, `[peft]`, and `[checkpoint_io]` as given."""
+def job_config(layout: dict[str, Any] | None = None, **checkpoint_io: Any) -> dict[str, Any]:
+    """The LoRA job: the built-in Llama, `[peft]`, `layout`'s sections merged in (the parallel
+    degrees, a schedule) and `[checkpoint_io]` as given."""
     config = copy.deepcopy({**BUILTIN, **LORA})
-    config["parallel"]["dp_strategy"] = dp_strategy
+    for section, values in (layout or {}).items():
+        config.setdefault(section, {}).update(values)
     config.update(telemetry={"enabled": False}, checkpoint_io=checkpoint_io)
     config["train"].update(device="cpu", seed=SEED, steps=STEPS)
     return config
@@ -72,7 +74,7 @@ def pretrain(folder: str) -> dict[str, torch.Tensor]:
 def reference(pretrained: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The LoRA job in one process, no `init_from`: the pretrained weights written into its
     frozen base by hand before the first step."""
-    from plait.plugins.lora.state import base_hash
+    from plait.plugins.lora.state import base_hash, digests_hash, tensor_digests
 
     engine = plait.initialize(None, config=job_config(), optimizer=optimizer)
     frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
@@ -84,21 +86,27 @@ def reference(pretrained: dict[str, torch.Tensor]) -> dict[str, Any]:
         n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad
     }
     engine.close()
-    # The record a base that arrived loaded gets: `base_hash` of its frozen tensors.
-    return {"losses": losses, "adapters": adapters, "sha256": base_hash(frozen)}
+    # The record a base that arrived loaded gets: `base_hash` of its frozen tensors, or their
+    # digests' hash where pipeline or tensor parallelism took it tensor by tensor.
+    return {
+        "losses": losses,
+        "adapters": adapters,
+        "sha256": base_hash(frozen),
+        "per_tensor": digests_hash(tensor_digests(frozen)),
+    }
 
 
 def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     """The LoRA job from `case["pretrained"]` on these ranks: uninterrupted, then stopped at
     `STOP` with a checkpoint, then resumed by a fresh engine (with `init_from`, and without)."""
     del world_size
-    strategy, pretrained, folder = case["dp_strategy"], case["pretrained"], case["folder"]
+    layout, pretrained, folder = case["layout"], case["pretrained"], case["folder"]
     weights = case["weights"]
-    whole = _run(job_config(dp_strategy=strategy, init_from=pretrained), weights)
-    saving = job_config(dp_strategy=strategy, init_from=pretrained, dir=folder, every=STOP)
+    whole = _run(job_config(layout, init_from=pretrained), weights)
+    saving = job_config(layout, init_from=pretrained, dir=folder, every=STOP)
     stopped = _run(saving, weights, stop=STOP)
     resumed = _run(saving, weights)
-    without = job_config(dp_strategy=strategy, dir=folder)
+    without = job_config(layout, dir=folder)
     try:
         _run(without, weights)
         refused = None
