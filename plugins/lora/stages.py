@@ -18,7 +18,7 @@ Two things one process does over the whole model are redone across the stages:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -88,7 +88,7 @@ def _refuse_bypassed_adapters(adapted: nn.Module, *, context: ShardContext) -> N
 
 
 def stage_base(
-    frozen: Sequence[tuple[str, torch.Tensor]], *, name: str, context: ShardContext
+    frozen: Iterable[tuple[str, torch.Tensor]], *, name: str, context: ShardContext
 ) -> dict[str, Any]:
     """The base's record (`state.AdapterState`) hashed over every stage's frozen tensors, this
     stage's `frozen` among them, by the names peft gives them in one process. Collective over

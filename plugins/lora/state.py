@@ -27,7 +27,7 @@ whole model read back at export. The adapters keep the names peft gives them in 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,14 +58,15 @@ class StagesRecord(Protocol):
     """A pipelined job's record of `frozen`, this stage's tensors, and every other stage's."""
 
     def __call__(
-        self, frozen: Sequence[tuple[str, torch.Tensor]], *, name: str
+        self, frozen: Iterable[tuple[str, torch.Tensor]], *, name: str
     ) -> dict[str, Any]: ...
 
 
-def base_hash(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 of the frozen parameters' names, dtypes, shapes and bytes, in name order."""
+def base_hash(named: Iterable[tuple[str, torch.Tensor]], *, in_order: bool = False) -> str:
+    """sha256 of the frozen parameters' names, dtypes, shapes and bytes, in name order.
+    `in_order`: `named` comes in name order already, and is read one tensor at a time."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(named, key=lambda item: item[0]):
+    for name, tensor in named if in_order else sorted(named, key=lambda item: item[0]):
         value = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
         digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
@@ -89,11 +90,14 @@ def digests_hash(lines: Iterable[str]) -> str:
     return hashlib.sha256("\n".join(sorted(lines)).encode()).hexdigest()
 
 
-def record_hash(named: Iterable[tuple[str, torch.Tensor]], base: dict[str, Any]) -> str:
-    """The hash of `named` as the record `base` was hashed (whole, or tensor by tensor)."""
+def record_hash(
+    named: Iterable[tuple[str, torch.Tensor]], base: dict[str, Any], *, in_order: bool = False
+) -> str:
+    """The hash of `named` as the record `base` was hashed (whole, or tensor by tensor);
+    `in_order` as for `base_hash`."""
     if base.get("scheme") == PER_TENSOR:
         return digests_hash(tensor_digests(named))
-    return base_hash(named)
+    return base_hash(named, in_order=in_order)
 
 
 def base_weight_name(name: str) -> str:
@@ -179,14 +183,18 @@ class AdapterState(ParallelRuntime):
     def _rehash(self, hashed_as: dict[str, tuple[str, torch.dtype]], loaded: LoadedFrom) -> None:
         """The record of the base a weights-only load just filled, taken as when the adapters
         were added (whole tensors, in their dtype then, under their names then): from the
-        tensors the load read, whole, so no gather of what later runtimes shard is needed."""
-        whole = loaded.read({fqn: dtype for fqn, (_, dtype) in hashed_as.items()})
-        named = [(hashed_as[fqn][0], tensor) for fqn, tensor in whole.items()]
+        tensors the load read, read again whole, so no gather of what later runtimes shard is
+        needed; one at a time, in name order, so no rank holds more of the base than one
+        tensor beyond its own part."""
+        in_order = sorted(hashed_as, key=lambda fqn: hashed_as[fqn][0])
+        named = (
+            (hashed_as[fqn][0], loaded.read({fqn: hashed_as[fqn][1]})[fqn]) for fqn in in_order
+        )
         ours = self.record["base"]
         if self._over_stages is not None:
             base = self._over_stages(named, name=ours["name"])
         else:
-            base = {**ours, "sha256": record_hash(named, ours)}
+            base = {**ours, "sha256": record_hash(named, ours, in_order=True)}
         # The name stays the model's (the export finds a built-in family by it).
         self.record["base"] = {**base, LOADED_FROM: loaded.source}
 
