@@ -10,15 +10,8 @@ from typing import Any
 import plait
 from plait.core.engine import Engine
 from plait.plugins import compile
-from plait.plugins.models.init import normalised_name
 from tests.dist import hf_parallel_workers
-from tests.dist.compile_workers import GraphCalls, _register_counting_backend
-from tests.dist.compile_zero3_workers import (
-    _dump_stacks_if_hung,
-    _dynamo_counts,
-    _watch_summaries,
-    fresh_compiler,
-)
+from tests.dist.compile_zero3_workers import train_each
 from tests.dist.precision_workers import GLOBAL_BATCH, SEQ, global_batches, local_share
 
 
@@ -52,49 +45,28 @@ def _hf_engine(compile_section: dict[str, Any] | None) -> Any:
     return plait.initialize(model, config=config, optimizer=hf_parallel_workers.optimizer)
 
 
-def _steps(
-    engine: Any, family: str, rank: int, world_size: int, steps: int
-) -> tuple[list[float], list[int]]:
-    if family == "moe":
+def _start(
+    run: dict[str, Any], rank: int, world_size: int, steps: int, micro_batch: int
+) -> tuple[Any, list[Any]]:
+    section = run.get("compile")
+    if run["family"] == "moe":
         batches = [local_share(batch, rank, world_size) for batch in global_batches(steps)]
-    else:
-        share = hf_parallel_workers.GLOBAL_BATCH // world_size
-        batches = [
-            {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
-            for batch in hf_parallel_workers.batches(steps)
-        ]
-    losses, graphs_after_step = [], []
-    for batch in batches:
-        losses.append(engine.train_step(batch))
-        graphs_after_step.append(GraphCalls.graphs)
-    return losses, graphs_after_step
+        return _moe_engine(section, steps, micro_batch), batches
+    share = hf_parallel_workers.GLOBAL_BATCH // world_size
+    batches = [
+        {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
+        for batch in hf_parallel_workers.batches(steps)
+    ]
+    return _hf_engine(section), batches
 
 
 def train(
     rank: int, world_size: int, runs: dict[str, dict[str, Any]], steps: int, micro_batch: int
 ) -> dict[str, Any]:
     """Each run names its `family` ("moe": plait's, "mixtral": transformers') and its
-    `compile` section (None: eager)."""
-    _register_counting_backend()
-    _dump_stacks_if_hung()
-    results: dict[str, Any] = {}
-    for name, run in runs.items():
-        fresh_compiler()
-        family, section = run["family"], run.get("compile")
-        engine = (
-            _moe_engine(section, steps, micro_batch) if family == "moe" else _hf_engine(section)
-        )
-        losses, graphs_after_step = _steps(engine, family, rank, world_size, steps)
-        results[name] = {
-            "losses": losses,
-            "params": {
-                normalised_name(n): p.detach().clone() for n, p in engine.module.named_parameters()
-            },
-            "ep": engine.context.expert_parallel.degree,
-            "graph_calls": GraphCalls.calls,
-            "graphs_after_step": graphs_after_step,
-            "watch": _watch_summaries(engine),
-            **_dynamo_counts(),
-        }
-        engine.close()
-    return results
+    `compile` section (None: eager); what `train_each` records, and the ep degree."""
+    return train_each(
+        runs,
+        lambda run: _start(run, rank, world_size, steps, micro_batch),
+        ep=lambda engine: engine.context.expert_parallel.degree,
+    )

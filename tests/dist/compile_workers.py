@@ -148,3 +148,13 @@ def train_hf(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         }
         engine.close()
     return results
+
+
+def assert_same_training(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    """Two runs' losses and parameters (by name) equal within 1e-4."""
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-4, atol=1e-4, msg=what
+    )
+    assert got["params"].keys() == want["params"].keys(), what
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-4, msg=name)

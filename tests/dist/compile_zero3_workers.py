@@ -4,6 +4,7 @@ import them): losses, full parameters, and what Dynamo compiled, broke and recom
 from __future__ import annotations
 
 import faulthandler
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,6 +86,41 @@ def train(
             "watch": _watch_summaries(engine),
             "banner": " · ".join(transform_names(engine, resolved_config(engine))),
             "replicas": runtime.replicas.size if runtime.replicas is not None else 1,
+            **_dynamo_counts(),
+        }
+        engine.close()
+    faulthandler.cancel_dump_traceback_later()
+    return results
+
+
+def train_each(
+    runs: dict[str, dict[str, Any]],
+    start: Callable[[dict[str, Any]], tuple[Any, list[Any]]],
+    **facts: Callable[[Any], Any],
+) -> dict[str, Any]:
+    """Train every named run from a fresh compiler, `start(run)` giving its engine and this
+    rank's batches; per run: losses, this rank's parameters by name, the counting backend's
+    graphs after each step and calls, the compile watch's lines, Dynamo's graph breaks and
+    recompile reasons, and each of `facts` asked of the engine."""
+    _register_counting_backend()
+    _dump_stacks_if_hung()
+    results: dict[str, Any] = {}
+    for name, run in runs.items():
+        fresh_compiler()
+        engine, batches = start(run)
+        losses, graphs_after_step = [], []
+        for batch in batches:
+            losses.append(engine.train_step(batch))
+            graphs_after_step.append(GraphCalls.graphs)
+        results[name] = {
+            "losses": losses,
+            "params": {
+                normalised_name(n): p.detach().clone() for n, p in engine.module.named_parameters()
+            },
+            "graph_calls": GraphCalls.calls,
+            "graphs_after_step": graphs_after_step,
+            "watch": _watch_summaries(engine),
+            **{fact: ask(engine) for fact, ask in facts.items()},
             **_dynamo_counts(),
         }
         engine.close()

@@ -1,18 +1,13 @@
 """Compiled blocks under context parallelism, ring and Ulysses: plait's Llama and a `transformers`
 Llama train like eager blocks on two Gloo ranks (cp = 2), the graph breaks only at the
 context-parallel attention call (which runs eagerly, the breaks counted in the summary), and
-nothing compiles after step 2 — the communicator's counters are never traced. With activation
-checkpointing the blocks compile inside their checkpoint wrappers (tests/dist/test_compile_tp.py
-trains that way); with `fullgraph` context parallelism is refused, saying why."""
+nothing compiles after step 2 — the communicator's counters are never traced. Which layouts compile at
+all: tests/unit/test_compile_layouts.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from plait.core.config import PlaitConfig
-from plait.core.errors import ConfigError
-from plait.plugins import compile
 from plait.testing.distributed import run_distributed
 from tests.dist import compile_cp_workers, compile_workers
 from tests.dist.precision_workers import GLOBAL_BATCH
@@ -57,15 +52,6 @@ def _runs() -> dict[str, dict]:
     return runs
 
 
-def _assert_same_training(got: dict, want: dict, what: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-4, atol=1e-4, msg=what
-    )
-    assert got["params"].keys() == want["params"].keys(), what
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-4, msg=name)
-
-
 @pytest.mark.timeout(600)
 def test_compiled_blocks_under_context_parallelism_train_like_eager() -> None:
     results = run_distributed(compile_cp_workers.train, 2, _runs(), STEPS, MICRO_BATCH, timeout=540)
@@ -78,7 +64,7 @@ def test_compiled_blocks_under_context_parallelism_train_like_eager() -> None:
                 what = f"rank {rank} {compiled}"
                 run = result[compiled]
                 assert run["cp"] == 2, what
-                _assert_same_training(run, result[eager], what)
+                compile_workers.assert_same_training(run, result[eager], what)
                 # The graph breaks at the context-parallel attention call, and only there.
                 reasons = run["graph_breaks"]
                 assert all(DISABLED in r.splitlines()[0] for r in reasons), (what, reasons)
@@ -96,21 +82,3 @@ def test_compiled_blocks_under_context_parallelism_train_like_eager() -> None:
             graphs = run["graphs_after_step"]
             assert graphs[1] > 0 and graphs[-1] == graphs[1], (twins[0], graphs)
     assert results[0]["ring inductor"]["losses"] == results[1]["ring inductor"]["losses"]
-
-
-def _config(transforms: dict[str, str], **sections: dict) -> PlaitConfig:
-    parallel = {**RING, "transforms": {"compile": compile.NAME, **transforms}}
-    return PlaitConfig.model_validate({"parallel": parallel, **sections})
-
-
-@pytest.mark.parametrize("transforms", [{}, {"ac": "checkpoint"}], ids=["alone", "ac"])
-def test_context_parallelism_is_allowed_compiled(transforms: dict[str, str]) -> None:
-    config = _config(transforms)
-    compile._refuse_untested_layouts(config)
-    assert compile.breaks_between_pieces(config)
-
-
-def test_context_parallelism_is_refused_with_fullgraph_saying_why() -> None:
-    config = _config({}, compile={"fullgraph": True})
-    with pytest.raises(ConfigError, match=r"parallel\.cp = 2 with compile.fullgraph = true"):
-        compile._refuse_untested_layouts(config)

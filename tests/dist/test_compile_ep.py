@@ -2,17 +2,13 @@
 train like eager blocks on two Gloo ranks. The token exchange (the counts' all-gather, both
 all-to-alls and the local experts between them) runs eagerly, a counted graph break at each MoE
 layer's experts, so the step's token counts — new every step — are never guarded on: nothing
-recompiles after the first compiled step. With `fullgraph` expert parallelism is refused, saying
-why."""
+recompiles after the first compiled step. Which layouts compile at all:
+tests/unit/test_compile_layouts.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from plait.core.config import PlaitConfig
-from plait.core.errors import ConfigError
-from plait.plugins import compile
 from plait.testing.distributed import run_distributed
 from tests.dist import compile_ep_workers, compile_workers
 from tests.dist.precision_workers import GLOBAL_BATCH
@@ -28,15 +24,6 @@ COUNTING = {"backend": compile_workers.COUNTING_BACKEND}
 DISPATCH = "Skip inlining `torch.compiler.disable()`d function"
 # The MoE layers' own routing (boolean-mask selection, `bincount`): breaks with or without ep.
 ROUTING = ("Dynamic shape operator", "Data dependent operator")
-
-
-def _assert_same_training(got: dict, want: dict, what: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-4, atol=1e-4, msg=what
-    )
-    assert got["params"].keys() == want["params"].keys(), what
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-4, msg=name)
 
 
 @pytest.mark.timeout(600)
@@ -58,7 +45,7 @@ def test_compiled_blocks_under_expert_parallelism_train_like_eager() -> None:
             what = f"rank {rank} {compiled}"
             run = result[compiled]
             assert run["ep"] == 2, what
-            _assert_same_training(run, result[eager], what)
+            compile_workers.assert_same_training(run, result[eager], what)
             assert result[eager]["graph_calls"] == 0 and result[eager]["watch"] is None
             # The graph breaks at the exchange, and otherwise only at the routing's own
             # data-dependent operators.
@@ -74,21 +61,3 @@ def test_compiled_blocks_under_expert_parallelism_train_like_eager() -> None:
             assert run["recompile_reasons"] == [], what
             # Pieces of every block run compiled, every step.
             assert run["graph_calls"] >= BLOCKS * (STEPS - first_compiled_step), what
-
-
-def _config(transforms: dict[str, str], **sections: dict) -> PlaitConfig:
-    parallel = {"ep": 2, "transforms": {"compile": compile.NAME, **transforms}}
-    return PlaitConfig.model_validate({"parallel": parallel, **sections})
-
-
-@pytest.mark.parametrize("transforms", [{}, {"ac": "checkpoint"}], ids=["alone", "ac"])
-def test_expert_parallelism_is_allowed_compiled(transforms: dict[str, str]) -> None:
-    config = _config(transforms)
-    compile._refuse_untested_layouts(config)
-    assert compile.breaks_between_pieces(config)
-
-
-def test_expert_parallelism_is_refused_with_fullgraph_saying_why() -> None:
-    config = _config({}, compile={"fullgraph": True})
-    with pytest.raises(ConfigError, match=r"parallel\.ep = 2 with compile.fullgraph = true"):
-        compile._refuse_untested_layouts(config)

@@ -3,16 +3,13 @@ like eager blocks on two Gloo ranks (tp = 2), the graph breaks only at the tenso
 operators (which run eagerly, the breaks counted in the summary), and nothing recompiles after
 the first step — the communicator's counters are never traced. With activation checkpointing the
 blocks compile inside their checkpoint wrappers (a checkpoint traced whole cannot break, and
-would leave the block eager); with `fullgraph` tensor parallelism is refused, saying why."""
+would leave the block eager): every piece runs compiled in forward and again when backward
+recomputes it. Which layouts compile at all: tests/unit/test_compile_layouts.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from plait.core.config import PlaitConfig
-from plait.core.errors import ConfigError
-from plait.plugins import compile
 from plait.testing.distributed import run_distributed
 from tests.dist import compile_tp_workers, compile_workers
 from tests.dist.precision_workers import GLOBAL_BATCH
@@ -29,15 +26,6 @@ SP = {"sequence_parallel": True}
 AC = {"mode": "full"}
 # What Dynamo says when it meets a tensor-parallel operator (calling or inlining it).
 DISABLED = "`torch.compiler.disable()`d function"
-
-
-def _assert_same_training(got: dict, want: dict, what: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-4, atol=1e-4, msg=what
-    )
-    assert got["params"].keys() == want["params"].keys(), what
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-4, msg=name)
 
 
 @pytest.mark.timeout(600)
@@ -62,7 +50,7 @@ def test_compiled_blocks_under_tensor_parallelism_train_like_eager() -> None:
             what = f"rank {rank} {compiled}"
             run = result[compiled]
             assert run["tp"] == 2, what
-            _assert_same_training(run, result[eager], what)
+            compile_workers.assert_same_training(run, result[eager], what)
             assert result[eager]["graph_calls"] == 0 and result[eager]["watch"] is None
             # The graph breaks at the tensor-parallel operators, and only there.
             breaks = run["graph_breaks"]
@@ -83,21 +71,3 @@ def test_compiled_blocks_under_tensor_parallelism_train_like_eager() -> None:
             graphs = run["graphs_after_step"]
             assert graphs[0] > 0 and graphs[-1] == graphs[0], (compiled, graphs)
     assert results[0]["tp+sp compiled"]["losses"] == results[1]["tp+sp compiled"]["losses"]
-
-
-def _config(transforms: dict[str, str], **sections: dict) -> PlaitConfig:
-    parallel = {"tp": 2, "transforms": {"compile": compile.NAME, **transforms}}
-    return PlaitConfig.model_validate({"parallel": parallel, **sections})
-
-
-@pytest.mark.parametrize("transforms", [{}, {"ac": "checkpoint"}], ids=["alone", "ac"])
-def test_tensor_parallelism_is_allowed_compiled(transforms: dict[str, str]) -> None:
-    config = _config(transforms)
-    compile._refuse_untested_layouts(config)
-    assert compile.breaks_between_pieces(config)
-
-
-def test_tensor_parallelism_is_refused_with_fullgraph_saying_why() -> None:
-    config = _config({}, compile={"fullgraph": True})
-    with pytest.raises(ConfigError, match=r"parallel\.tp = 2 with compile.fullgraph = true"):
-        compile._refuse_untested_layouts(config)
