@@ -6,15 +6,12 @@ it, the random init's, is refused there)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PLAIT = [sys.executable, "-m", "plait.tools.cli"]
+from tests.e2e.test_train_cli import _run  # `plait …` from the checkout, plugins not autoloaded
+
 SMALL = ["--set", "train.steps=2", "--set", "telemetry.enabled=false"]
 LORA = [
     "--set",
@@ -22,13 +19,6 @@ LORA = [
     "--set",
     'peft.target_modules=["wq", "wv"]',
 ]
-
-
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PLAIT_DISABLE_PLUGIN_AUTOLOAD="1", COLUMNS="200")
-    return subprocess.run(
-        [*PLAIT, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
-    )
 
 
 @pytest.mark.dist
