@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from plait.core.comm import Work
     from plait.core.config import PlaitConfig
     from plait.core.document_inputs import ModelInputs
+    from plait.core.kernels import KernelChooser
+    from plait.core.plugins import Plugins
     from plait.core.records import (
         CommAlgorithmRecord,
         CommRequest,
@@ -302,6 +304,23 @@ def plait_kernel(name: str, device: str, dtype: str, provider: str | None) -> An
             if provider in (None, "mykernels") and name == "rms_norm" and device == "cuda":
                 return my_fused_rms_norm
             return None
+    """
+
+
+@hookspec(firstresult=True)
+def plait_kernel_chooser(plugins: Plugins) -> KernelChooser | None:
+    """Return the `plait.core.kernels.KernelChooser` that picks an op's provider by measurement
+    (`kernels.provider = "auto"`, the default on CUDA without `kernels.prefer`), or `None`.
+
+    Asked once per `Kernels` facade, at the first op it measures; `plugins` is the manager to
+    ask for each candidate (`plugins.kernel_records()`, `plugins.kernel(..., provider=…)`). The
+    built-in `kernels_auto` answers `trylast` with its timer and per-machine cache.
+
+    Example::
+
+        @hookimpl
+        def plait_kernel_chooser(plugins):
+            return MyChooser(plugins)  # .measured(op, device, dtype, fallback=...) -> callable
     """
 
 

@@ -5,7 +5,8 @@ caches the callable. Preference (`kernels.prefer = ["triton", "torch"]`) and per
 (`kernels.overrides = {attention = "torch"}`) choose between providers; the torch reference
 plugin answers `trylast` for everything. With `kernels.provider = "auto"` (the default on CUDA
 when `prefer` is empty) an op without an override is chosen by measurement at its first call
-instead (`plait.core.kernel_selection`); overrides and a `prefer` list win over it.
+instead, by the `KernelChooser` a plugin answers `plait_kernel_chooser` with (the built-in
+`plait.plugins.kernels_auto`); overrides and a `prefer` list win over it.
 
 Op signatures every provider implements (all autograd-correct):
 
@@ -30,12 +31,11 @@ Op signatures every provider implements (all autograd-correct):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from plait.core.errors import PluginError
-from plait.core.kernel_selection import IN_PLACE_OPS, KernelSelector, MeasuredOp
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
@@ -51,6 +51,21 @@ KERNEL_OPS: tuple[str, ...] = (
     "adamw_step",
     "grouped_mm",
 )
+# Ops that update their arguments in place: never chosen by measurement (timing them would
+# update the real optimizer state, or clone all of it); they stay on the preference order.
+IN_PLACE_OPS: frozenset[str] = frozenset({"adamw_step"})
+
+
+class KernelChooser(Protocol):
+    """Chooses an op's provider by measurement (`plait_kernel_chooser`)."""
+
+    def measured(
+        self, op: str, device: str, dtype: str, *, fallback: Callable[[], Callable[..., Any]]
+    ) -> Callable[..., Any]:
+        """`op` on a device type and dtype, its provider chosen when it is first called. The
+        callable's `plait_provider` names the choice ("auto" until then); `fallback()` is the
+        preference order's answer, for a call that cannot be measured (traced, off device)."""
+        ...
 
 
 def _device_type(device: torch.device | str) -> str:
@@ -71,7 +86,7 @@ class Kernels:
         prefer: Sequence[str] = (),
         overrides: Mapping[str, str] | None = None,
         provider: str | None = None,
-        selector: KernelSelector | None = None,
+        selector: KernelChooser | None = None,
     ) -> None:
         self.plugins = plugins
         self.prefer = tuple(prefer)
@@ -79,8 +94,10 @@ class Kernels:
         # "auto": measure on every device; "prefer": never; None: measure on CUDA only, and
         # only when no preference order is given (a `prefer` list is an explicit choice).
         self.provider = provider
-        self.selector = selector or KernelSelector(plugins)
-        self._measured: dict[tuple[str, str, str], MeasuredOp] = {}
+        # Asked of the plugins at the first op that measures (`chooser`), unless given.
+        self.selector = selector
+        self._asked_for_chooser = selector is not None
+        self._measured: dict[tuple[str, str, str], Callable[..., Any]] = {}
         self._cache: dict[tuple[str, str, str], Callable[..., Any]] = {}
         self._by_given: dict[tuple[Any, Any, Any], Callable[..., Any]] = {}
         self._chosen: dict[tuple[str, str, str], str] = {}
@@ -113,14 +130,27 @@ class Kernels:
             return device == "cuda" and not self.prefer
         return self.provider == "auto"
 
+    def chooser(self) -> KernelChooser | None:
+        """The plugins' `KernelChooser`, asked once; None when no plugin measures."""
+        if not self._asked_for_chooser:
+            self.selector = self.plugins.kernel_chooser()
+            self._asked_for_chooser = True
+        return self.selector
+
     def _resolve(self, name: str, device: str, dtype: str) -> tuple[Callable[..., Any], str]:
-        if self.measures(name, device):
-            measured = MeasuredOp(
-                self.selector, name, device, dtype,
-                fallback=lambda: self._preferred(name, device, dtype)[0],
-            )  # fmt: skip
+        chooser = self.chooser() if self.measures(name, device) else None
+        if chooser is not None:
+            measured = chooser.measured(
+                name, device, dtype, fallback=lambda: self._preferred(name, device, dtype)[0]
+            )
             self._measured[(name, device, dtype)] = measured
             return measured, "auto"
+        if self.measures(name, device) and self.provider == "auto":
+            raise PluginError(
+                f"kernels.provider = 'auto' chooses op {name!r} by measurement, but no plugin "
+                "answers plait_kernel_chooser (is the built-in 'kernels_auto' disabled?); "
+                "set kernels.provider = 'prefer' or enable it"
+            )
         return self._preferred(name, device, dtype)
 
     def _preferred(self, name: str, device: str, dtype: str) -> tuple[Callable[..., Any], str]:
@@ -151,7 +181,7 @@ class Kernels:
         ("auto" for a measured op not called yet)."""
         chosen = dict(self._chosen)
         for key, measured in self._measured.items():
-            chosen[key] = measured.plait_provider
+            chosen[key] = getattr(measured, "plait_provider", "auto")
         return chosen
 
     def providers_for(self, name: str) -> list[str]:

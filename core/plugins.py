@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from plait.core.comm import Work
     from plait.core.config import PlaitConfig
     from plait.core.document_inputs import ModelInputs
+    from plait.core.kernels import KernelChooser
     from plait.core.records import CommRequest
     from plait.core.schedule import Action, ScheduleRequest
     from plait.core.sharding import ShardContext, Sharded
@@ -52,6 +53,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("accumulate", "plait.plugins.accumulate"),
     ("kernels_torch", "plait.plugins.kernels_torch"),
     ("kernels_triton", "plait.plugins.kernels_triton"),
+    ("kernels_auto", "plait.plugins.kernels_auto"),  # `kernels.provider = "auto"`'s measuring
     ("models", "plait.plugins.models"),
     ("ddp", "plait.plugins.ddp"),
     ("zero", "plait.plugins.zero"),
@@ -347,6 +349,10 @@ class Plugins:
         self, *, name: str, device: str, dtype: str, provider: str | None = None
     ) -> Callable[..., Any] | None:
         return self._call("plait_kernel", name=name, device=device, dtype=dtype, provider=provider)
+
+    def kernel_chooser(self) -> KernelChooser | None:
+        """What picks kernel providers by measurement (`plait_kernel_chooser`), or None."""
+        return self._call("plait_kernel_chooser", plugins=self)
 
     def model_inputs(self, model: nn.Module) -> ModelInputs | None:
         """How a plugin says `model` takes packed rows (`plait_model_inputs`), or None."""

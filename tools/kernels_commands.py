@@ -23,7 +23,7 @@ from plait.core.errors import PlaitError
 from plait.training.output import make_console, print_error
 
 if TYPE_CHECKING:
-    from plait.core.kernel_selection import ChoiceStore
+    from plait.plugins.kernels_auto.selection import ChoiceStore
 
 app = typer.Typer(
     name="kernels",
@@ -138,7 +138,7 @@ def _format_seconds(seconds: float) -> str:
 def print_measured_choices(store: ChoiceStore | None = None) -> None:
     """The choices `kernels.provider = "auto"` measured on this host, one table per machine key
     (hardware, driver and library versions: a run under other versions measures again)."""
-    from plait.core.kernel_selection import default_store
+    from plait.plugins.kernels_auto.selection import default_store
 
     store = store or default_store()
     by_machine = store.choices()

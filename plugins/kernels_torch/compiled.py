@@ -3,7 +3,7 @@ the reference plugin under a second provider name.
 
 What a user gets by writing `torch.compile` around plait's reference ops, offered as a provider
 so that `kernels.provider = "auto"` weighs it against plait's Triton kernels and torch eager at
-the job's shapes (`plait.core.kernel_selection`) and keeps whichever is fastest: plait is then
+the job's shapes (`plait.plugins.kernels_auto`) and keeps whichever is fastest: plait is then
 never slower than the compiler on an op, by choice if not by kernel.
 
 Answers only when asked for by name — `"compiled"` in `kernels.prefer` or

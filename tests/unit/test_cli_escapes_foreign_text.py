@@ -201,9 +201,10 @@ def _schedule_show(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Invocatio
 
 
 def _choices_in(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
-    from plait.core.kernel_selection import ChoiceStore
+    from plait.plugins.kernels_auto.selection import ChoiceStore
 
-    monkeypatch.setattr("plait.core.kernel_selection.default_store", lambda: ChoiceStore(path))
+    store = ChoiceStore(path)
+    monkeypatch.setattr("plait.plugins.kernels_auto.selection.default_store", lambda: store)
 
 
 @case("kernels")
@@ -231,7 +232,7 @@ def _kernels_unresolved(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Invo
 
 @case("kernels-measured")
 def _kernels_measured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Invocation:
-    from plait.core.kernel_selection import Choice, ChoiceStore
+    from plait.plugins.kernels_auto.selection import Choice, ChoiceStore
 
     answer = ({"rms_norm": {"cpu": "torch", "cuda": "torch"}}, {"rms_norm": ["torch"]}, [])
     monkeypatch.setattr(kernels_commands, "resolve_providers", lambda *a, **k: answer)

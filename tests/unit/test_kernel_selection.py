@@ -13,18 +13,18 @@ import pytest
 import torch
 
 from plait.core.config import load_config
-from plait.core.errors import ConfigError
+from plait.core.errors import ConfigError, PluginError
 from plait.core.hookspecs import hookimpl
-from plait.core.kernel_selection import (
+from plait.core.kernels import Kernels
+from plait.core.plugins import Plugins
+from plait.core.records import KernelRecord
+from plait.plugins.kernels_auto.selection import (
     ChoiceStore,
     KernelSelector,
     _median_seconds,
     machine_key,
     shape_signature,
 )
-from plait.core.kernels import Kernels
-from plait.core.plugins import Plugins
-from plait.core.records import KernelRecord
 from plait.plugins.kernels_torch import ops
 
 OP = "rms_norm"
@@ -274,3 +274,58 @@ def test_the_engine_passes_kernels_provider_to_the_facade() -> None:
         "kernels": {"provider": "auto"},
     }
     assert Engine(config=config).kernels.provider == "auto"
+
+
+# -- the seam: the facade decides whether an op is measured, a plugin's chooser how ------------
+
+
+class ChooserPlugin:
+    """A third party's `plait_kernel_chooser`: the core's own `KernelSelector` with a fake
+    timer and its own store, answering before the built-in one."""
+
+    name = "my_chooser"
+
+    def __init__(self, timer: FakeTimer, store: ChoiceStore) -> None:
+        self.timer, self.store = timer, store
+
+    @hookimpl
+    def plait_kernel_chooser(self, plugins: Plugins) -> KernelSelector:
+        return KernelSelector(plugins, timer=self.timer, store=self.store)
+
+
+def test_the_built_in_chooser_is_asked_once_and_a_plugin_answers_before_it(
+    store: ChoiceStore,
+) -> None:
+    built_in = Kernels(Plugins.create(autoload=False), provider="auto")
+    assert built_in.chooser() is built_in.chooser()  # asked once per facade
+    assert type(built_in.chooser()).__module__ == "plait.plugins.kernels_auto.selection"
+
+    fast = FakeProvider("fast")
+    timer = FakeTimer({"torch": 3e-5, "fast": 1e-5})
+    plugins = _plugins(fast, ChooserPlugin(timer, store))  # type: ignore[arg-type]
+    kernels = Kernels(plugins, provider="auto")
+    x, weight = _inputs()
+    kernels.get(OP, "cpu", torch.float32)(x, weight, 1e-6)
+    assert sorted(timer.timed) == ["fast", "torch"]  # the plugin's timer measured
+    assert kernels.provider_of(OP, "cpu", torch.float32) == "fast"
+    # Saved in the plugin's store, under the real machine's key (its selector's default).
+    assert [c.provider for c in store.choices()[machine_key("cpu")]] == ["fast"]
+
+
+def test_without_a_chooser_auto_is_refused_by_name_and_the_default_prefers() -> None:
+    plugins = _plugins(FakeProvider("fast"))  # no plugin answers plait_kernel_chooser
+    with pytest.raises(PluginError, match=r"kernels\.provider = 'auto'.*kernels_auto"):
+        Kernels(plugins, provider="auto").get(OP, "cpu", torch.float32)
+    # Unset (measuring on CUDA by default): the preference order answers instead.
+    default = Kernels(plugins)
+    assert default.measures(OP, "cuda")
+    assert default.provider_of(OP, "cuda", "float32") in {"fast", "torch"}
+    assert default.chooser() is None
+
+
+def test_in_place_ops_are_never_handed_to_the_chooser(store: ChoiceStore) -> None:
+    selector = KernelSelector(_plugins(), timer=FakeTimer({}), store=store)
+    with pytest.raises(ValueError, match="in place"):
+        selector.measured("adamw_step", "cpu", "float32", fallback=lambda: ops.OPS["adamw_step"])
+    kernels = Kernels(_plugins(), provider="auto", selector=selector)
+    assert kernels.provider_of("adamw_step", "cpu", "float32") == "torch"

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from plait.core.kernel_selection import ChoiceStore, KernelSelector
 from plait.core.kernels import Kernels
 from plait.core.plugins import Plugins
+from plait.plugins.kernels_auto.selection import ChoiceStore, KernelSelector
 from plait.plugins.kernels_torch import ops
 from plait.plugins.kernels_torch.compiled import COMPILED_OPS, PROVIDER
 

@@ -1,7 +1,7 @@
 """Kernel providers chosen by measurement (`kernels.provider = "auto"`), cached per machine.
 
     selector = KernelSelector(plugins)  # real clocks, $PLAIT_CACHE_DIR/kernel-choices.json
-    op = MeasuredOp(selector, "rms_norm", "cuda", "bfloat16", fallback=reference)
+    op = selector.measured("rms_norm", "cuda", "bfloat16", fallback=reference)
     y = op(x, weight, 1e-6)   # first call: every provider of rms_norm on cuda/bfloat16 is timed
     y = op(x, weight, 1e-6)   # later calls: the fastest, with no timing
 
@@ -39,14 +39,13 @@ import torch
 
 from plait.core.atomic_files import write_json_atomically
 from plait.core.host import cache_dir, cpu_model
+from plait.core.kernels import IN_PLACE_OPS
 
 if TYPE_CHECKING:
     from plait.core.plugins import Plugins
 
 CHOICES_FILE = "kernel-choices.json"
 FORMAT_VERSION = 1
-# Ops that update their arguments in place: never timed (see the module docstring).
-IN_PLACE_OPS: frozenset[str] = frozenset({"adamw_step"})
 
 # Times one provider: (provider name, a run of the op on cloned inputs) -> seconds per run.
 # Given the provider's name so that a test can rank providers without a clock.
@@ -316,6 +315,15 @@ class KernelSelector:
         self.store = store
         self.machine = machine
         self._memory: dict[tuple[str, str], Choice] = {}
+
+    def measured(
+        self, op: str, device: str, dtype: str, *, fallback: Callable[[], Callable[..., Any]]
+    ) -> MeasuredOp:
+        """`op` on `device` / `dtype`, its provider chosen at its first call (the facade's
+        `KernelChooser` seam)."""
+        if op in IN_PLACE_OPS:
+            raise ValueError(f"{op!r} updates its arguments in place and is never measured")
+        return MeasuredOp(self, op, device, dtype, fallback=fallback)
 
     def candidates(self, op: str, device: str) -> list[str]:
         """Providers that register `op` for `device`, in a stable order."""
