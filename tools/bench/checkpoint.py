@@ -2,7 +2,7 @@
 
     python tools/bench/checkpoint.py [--world-size 1] [--steps 40] [--every 5] [--rounds 2]
                                      [--dim 256] [--layers 2] [--vocab 32768] [--seq-len 16]
-                                     [--global-batch 2] [--dir DIR]
+                                     [--global-batch 2] [--dir DIR] [--threads N]
 
 One job per contender — no checkpoints, `async_save = false`, `async_save = true` — each in
 fresh Gloo ranks spawned by this script, training the built-in Llama on synthetic tokens and
@@ -22,11 +22,16 @@ Printed, from rank 0's clock (a step ends on every rank at the same collective):
   ratios to the job without checkpoints.
 
 A write that takes longer than `--every` steps cannot be hidden: the next save waits for it.
+Nor can one on a machine whose every core trains: the write costs CPU time (the copy into the
+page cache, the serialisation, fsync) that a background thread takes from the steps beside it.
+`--threads N` gives each rank N intra-op threads (`torch.set_num_threads`), leaving the rest of
+the machine's cores free, as a GPU node's ranks leave most of theirs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -87,6 +92,8 @@ def run_job(rank: int, world: int, args: argparse.Namespace, mode: str, where: s
     from plait.plugins.checkpoint.staging import HostStaging
     from plait.plugins.checkpoint.state import engine_state_dict
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = Engine(config=_config(args), plugins=Plugins.create(autoload=False))
     settings = CheckpointIOConfig(
         dir=where if mode != "none" else "", async_save=mode == "async", keep=2, resume=False
@@ -165,6 +172,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--global-batch", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None, help="where checkpoints go (a disk)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads per rank (0: torch's default)"
+    )
     args = parser.parse_args()
 
     base = args.dir or Path(__file__).resolve().parents[2]
@@ -197,7 +207,8 @@ def _print(args: argparse.Namespace, summary: dict[str, dict[str, float]]) -> No
         f"Checkpoint benchmark: llama dim={args.dim} layers={args.layers} vocab={args.vocab} "
         f"seq={args.seq_len} global batch={args.global_batch}, {args.world_size} Gloo rank(s), "
         f"{args.steps} steps, a save every {args.every}, {args.rounds} rounds (median); "
-        f"{later['state_mib']:.1f} MiB of state per rank"
+        f"{later['state_mib']:.1f} MiB of state per rank; "
+        f"{args.threads or torch.get_num_threads()} threads per rank of {os.cpu_count()} cores"
     )
     print(
         f"plain step (no checkpoints) {plain:.4f} s; a synchronous save takes "
