@@ -26,7 +26,9 @@ them, and the adapters keep their one-process names in checkpoints; one chunk pe
 cut as its layer is (`tensor_parallel.py`): on a column-parallel linear `A` whole and `B` cut on
 its output rows, on a row-parallel one `A` cut on its input columns and `B` whole, its partial
 output joining the layer's before the reduction; the whole factor's gradient is summed over the
-tp ranks. Pipeline and tensor parallelism together are refused (untested).
+tp ranks. With both, each stage's adapters are cut as its tensor-parallel layers are, drawn
+where the stage before it stopped, and the base is hashed over every stage's whole tensors
+(each stage's slices gathered over its tp ranks, one tensor at a time).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from plait.plugins.lora.state import AdapterState, base_name
 from plait.plugins.lora.tensor_parallel import (
     TensorParallelFactors,
     check_targets,
+    gathered,
     parallel_layers,
     whole_base,
 )
@@ -73,22 +76,26 @@ def shard_lora(model: nn.Module, *, context: ShardContext, config: PeftSection) 
     pipeline, tensor_parallel = context.pipeline, context.tensor_parallel
     source = pipeline.source_model if pipeline is not None else None
     name = base_name(model if source is None else source)
-    factors = over_stages = None
-    if pipeline is not None:
-        adapted = adapt_stage(model, config, context=context)
-        over_stages = partial(stage_base, context=context)
-        frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
-        base = over_stages(frozen, name=name)
-    elif tensor_parallel is not None and tensor_parallel.degree > 1:
+    over_stages = layers = None
+    if tensor_parallel is not None and tensor_parallel.degree > 1:
         check_targets(config, context=context)
         layers = parallel_layers(model, context=context)
+    if pipeline is not None:
+        adapted = adapt_stage(model, config, context=context, custom_layers=layers)
+        over_stages = partial(stage_base, context=context)
+        frozen = ((n, p) for n, p in adapted.named_parameters() if not p.requires_grad)
+        if layers is not None:
+            # Hashed whole: the tensor-parallel slices gathered, one tensor at a time.
+            frozen = ((n, gathered(p, context=context)) for n, p in frozen)
+        base = over_stages(frozen, name=name)
+    elif layers is not None:
         seed = context.config.train.seed
         adapted = add_adapters(model, config, seed=seed, custom_layers=layers)[0]
-        factors = TensorParallelFactors(adapted, context=context)
         base = whole_base(adapted, name=name, context=context)
     else:
         adapted = apply_lora(model, config, seed=context.config.train.seed)
         base = None
+    factors = None if layers is None else TensorParallelFactors(adapted, context=context)
     # A stage is no causal LM: peft wraps it untyped, but the adapters are the whole model's.
     task_type = adapted.peft_config[ADAPTER].task_type if source is None else task_type_of(source)
     state = AdapterState(
@@ -121,8 +128,7 @@ def plait_register_config_sections() -> Sequence[ConfigSectionRecord]:
 @hookimpl
 def plait_configure(config: PlaitConfig) -> None:
     """A `[peft]` section without the transform would train the full model silently; the
-    transform with pipeline and tensor parallelism together, or with virtual pipeline stages,
-    is untested."""
+    transform with virtual pipeline stages is untested."""
     selected = config.parallel.transforms.get(AXIS) == NAME
     if SECTION in config.extensions and not selected:
         raise ConfigError(
@@ -131,13 +137,6 @@ def plait_configure(config: PlaitConfig) -> None:
         )
     if not selected:
         return
-    parallel = config.parallel
-    if parallel.pp > 1 and parallel.tp > 1:
-        raise ConfigError(
-            f"parallel.transforms.{AXIS} = {NAME!r} with both parallel.pp = {parallel.pp} and "
-            f"parallel.tp = {parallel.tp} is not supported yet (adapters on tensor-parallel "
-            "layers of pipeline stages are untested): use one of the two"
-        )
     if config.parallel.pp > 1 and config.schedule.virtual_stages > 1:
         raise ConfigError(
             f"parallel.transforms.{AXIS} = {NAME!r} with schedule.virtual_stages = "

@@ -18,7 +18,7 @@ Two things one process does over the whole model are redone across the stages:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -34,8 +34,15 @@ from plait.plugins.lora.state import PER_TENSOR, digests_hash, tensor_digests
 PP_AXIS = "pp"
 
 
-def adapt_stage(model: nn.Module, section: PeftSection, *, context: ShardContext) -> nn.Module:
-    """This pipeline rank's stage with its adapters, drawn where the stages before it stopped."""
+def adapt_stage(
+    model: nn.Module,
+    section: PeftSection,
+    *,
+    context: ShardContext,
+    custom_layers: Mapping[type, type] | None = None,
+) -> nn.Module:
+    """This pipeline rank's stage with its adapters, drawn where the stages before it stopped;
+    `custom_layers` as for `add_adapters` (the stage's tensor-parallel linears)."""
     group = context.mesh.group(PP_AXIS)
     stage = context.mesh.coordinate(PP_AXIS)
     start = None
@@ -46,7 +53,10 @@ def adapt_stage(model: nn.Module, section: PeftSection, *, context: ShardContext
         ).wait()
     end = start
     try:
-        adapted, end = add_adapters(model, section, seed=context.config.train.seed, start=start)
+        seed = context.config.train.seed
+        adapted, end = add_adapters(
+            model, section, seed=seed, start=start, custom_layers=custom_layers
+        )
     except ConfigError as exc:
         raise ConfigError(f"pipeline stage {stage}: {exc}") from None
     finally:

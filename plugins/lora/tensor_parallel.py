@@ -203,7 +203,7 @@ def whole_base(adapted: nn.Module, *, name: str, context: ShardContext) -> dict[
     """The base's record hashed over its whole tensors, the tensor-parallel slices gathered:
     the same on every rank, and what the whole base read back at export hashes to."""
     frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
-    lines = tensor_digests((n, _gathered(p, context=context)) for n, p in frozen)
+    lines = tensor_digests((n, gathered(p, context=context)) for n, p in frozen)
     return {
         "name": name,
         "sha256": digests_hash(lines),
@@ -212,7 +212,7 @@ def whole_base(adapted: nn.Module, *, name: str, context: ShardContext) -> dict[
     }
 
 
-def _gathered(param: torch.Tensor, *, context: ShardContext) -> torch.Tensor:
+def gathered(param: torch.Tensor, *, context: ShardContext) -> torch.Tensor:
     """`param` whole: its tensor-parallel slices (`TP_DIM_ATTR`) concatenated in rank order,
     part by part for a fused projection's (`TP_PARTS_ATTR`)."""
     dim = getattr(param, TP_DIM_ATTR, None)

@@ -1,7 +1,7 @@
 """Rank functions: a tiny transformers Llama with LoRA adapters (peft) under DDP, ZeRO-1/2/3,
 context and pipeline parallelism, against the same adapters trained in one process by a plain
-loop; and plait's built-in Llama pipelined with the transform, against the transform in one
-process.
+loop; and plait's built-in Llama pipelined and tensor-parallel (each alone and both together)
+with the transform, against the transform in one process.
 
 The adapters are added either by plait's `lora` transform (`[peft]`) or by the user with peft
 before `plait.initialize`. Each run reports its losses, the bytes its gradient collectives
@@ -121,7 +121,9 @@ def builtin_one_process(config: dict[str, Any]) -> dict[str, Any]:
     module = engine.module
     trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-    return {"losses": losses, "adapters": trained, "frozen": frozen}
+    with torch.no_grad():
+        logits = module(builtin_batches()[0][0])
+    return {"losses": losses, "adapters": trained, "frozen": frozen, "logits": logits}
 
 
 def _job_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +222,7 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
             frozen_held += values.numel()
     resumed_same = None
     if case.get("checkpoint"):
-        resumed_same = _save_and_resume(engine, config, case["checkpoint"])
+        resumed_same = _save_and_resume(engine, config, case["checkpoint"], builtin=builtin)
     memory = engine.memory_report()
     adapter = [r for r in engine.runtimes if r.name == "lora"]
     return {
@@ -233,6 +235,7 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         "base_record": adapter[0].record["base"] if adapter else None,  # type: ignore[attr-defined]
         "resumed_same": resumed_same,
         "pp": engine.mesh.size("pp"),
+        "stage": engine.mesh.coordinate("pp"),
         "frozen_bytes": memory.get("frozen_parameters"),
         "frozen_held": frozen_held,
         "frozen_in_checkpoints": saved_frozen,
@@ -246,7 +249,9 @@ def train(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _save_and_resume(engine: Any, config: dict[str, Any], folder: str) -> bool:
+def _save_and_resume(
+    engine: Any, config: dict[str, Any], folder: str, *, builtin: bool = False
+) -> bool:
     """Save `engine`'s checkpoint, load it into a fresh engine of the same job (on the base as
     built: its hash is checked), and whether that engine's adapters and Adam moments are
     `engine`'s."""
@@ -257,7 +262,7 @@ def _save_and_resume(engine: Any, config: dict[str, Any], folder: str) -> bool:
     checkpointer = Checkpointer(engine, None, CheckpointIOConfig(dir=folder))
     checkpointer.save(STEPS)
     checkpointer.close()
-    fresh = plait.initialize(build(), config=config, optimizer=optimizer)
+    fresh = plait.initialize(None if builtin else build(), config=config, optimizer=optimizer)
     Checkpointer(fresh, None, CheckpointIOConfig(dir=folder)).load(resolve_checkpoint(Path(folder)))
     same = True
     pairs = zip(engine.module.parameters(), fresh.module.parameters(), strict=True)

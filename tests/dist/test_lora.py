@@ -6,11 +6,14 @@ Figures checked: optimizer state = 8 bytes (fp32 Adam's two moments) per adapter
 summed over the ranks that shard it; gradient bytes reduced per step = 4 per adapter parameter.
 With `pp = 2` each stage holds its blocks' adapters: 4 gradient bytes and 8 optimizer-state bytes
 per adapter parameter summed over the stages, and the checkpoint exports as one process's.
+With `pp = 2` × `tp = 2` on 4 ranks (plait's built-in Llama) each stage's adapters are cut as its
+tensor-parallel layers are, and train, checkpoint and export as one process's.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -314,15 +317,24 @@ def test_lora_checkpoint_exports_whole(
     """The pp = 2 and tp = 2 jobs' checkpoints export as one process's: peft's whole adapters,
     and the base with them merged (its hash checked over whole tensors) giving the trained
     logits."""
+    # Each rank's fresh engine of the same job loaded the checkpoint: its adapters and Adam
+    # moments are the trained ones (and the base it was built on passed the hash check).
+    assert all(run[name]["resumed_same"] for run in runs)
+    _assert_exports_whole(checkpoint_dirs[name], reference, tmp_path)
+
+
+def _assert_exports_whole(
+    checkpoint_dir: Path, reference: dict, tmp_path: Path, *, base: Path | None = None
+) -> None:
+    """`plait ckpt export` writes peft's whole adapters, as one process trained them, and
+    `--merged` the base with them merged (its hash checked over whole tensors), giving the
+    trained logits. `base`: a built-in model's base, as a plait checkpoint; none: the
+    transformers Llama's, written here."""
     import transformers
     from safetensors.torch import load_file
 
     from plait.tools.ckpt_commands import app
 
-    # Each rank's fresh engine of the same job loaded the checkpoint: its adapters and Adam
-    # moments are the trained ones (and the base it was built on passed the hash check).
-    assert all(run[name]["resumed_same"] for run in runs)
-    checkpoint_dir = checkpoint_dirs[name]
     out = CliRunner().invoke(
         app, ["export", str(checkpoint_dir), "--format", "peft", "-o", str(tmp_path / "peft")]
     )
@@ -332,13 +344,18 @@ def test_lora_checkpoint_exports_whole(
     assert set(exported) == set(expected)
     for entry_name, tensor in exported.items():
         torch.testing.assert_close(tensor, expected[entry_name], atol=ADAPTER_TOL, rtol=0)
-    lora_workers.build().save_pretrained(tmp_path / "base")
-    merged_args = ["--merged", "--base", str(tmp_path / "base"), "-o", str(tmp_path / "merged")]
+    if base is None:
+        base = tmp_path / "base"
+        lora_workers.build().save_pretrained(base)
+        inputs = lora_workers.batches()[0]["input_ids"]
+    else:
+        inputs = lora_workers.builtin_batches()[0][0]
+    merged_args = ["--merged", "--base", str(base), "-o", str(tmp_path / "merged")]
     out = CliRunner().invoke(app, ["export", str(checkpoint_dir), *merged_args])
     assert out.exit_code == 0, out.output
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     with torch.no_grad():
-        logits = merged(input_ids=lora_workers.batches()[0]["input_ids"]).logits
+        logits = merged(input_ids=inputs).logits
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
 
 
@@ -373,3 +390,97 @@ def test_lora_pipeline_with_data_parallel_equals_one_process(reference: dict) ->
     for replica in (ranks[0::2], ranks[1::2]):  # stage 0's rank and stage 1's, per replica
         assert sum(r["adapter_numel"] for r in replica) == adapter_numel
         assert set().union(*(r["adapter_pieces"] for r in replica)) == set(adapters)
+
+
+# pp = 2 × tp = 2 on 4 ranks, plait's built-in Llama (the pipeline split takes a transformers
+# model with one of the two only): each stage's linears tensor-parallel, its adapters cut as
+# they are; two micro-batches per step.
+PIPELINE_TENSOR_PARALLEL = {
+    **lora_workers.BUILTIN,
+    **BUILTIN_LORA,
+    "schedule": {"name": "1f1b"},
+    "train": {**lora_workers.BUILTIN["train"], "micro_batch_size": 2},
+    "parallel": {**LORA["parallel"], "pp": 2, "tp": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The pp = 2 × tp = 2 job on 4 ranks; it writes a checkpoint and resumes from it."""
+    folder = tmp_path_factory.mktemp("lora_pp2_tp2") / "ckpt"
+    case = {"builtin": True, "config": PIPELINE_TENSOR_PARALLEL, "checkpoint": str(folder)}
+    runs = run_distributed(lora_workers.train_cases, 4, {"pp2_tp2": case}, timeout=150)
+    return {"ranks": [run["pp2_tp2"] for run in runs], "checkpoint": folder}
+
+
+@pytest.mark.timeout(180)
+def test_lora_pipeline_tensor_parallel_equals_one_process(
+    builtin_reference: dict, pipeline_tensor_parallel: dict[str, Any]
+) -> None:
+    """Each stage adapts the tensor-parallel linears it holds: A whole and B cut on a
+    column-parallel one, A cut and B whole on a row-parallel one, drawn as one process draws
+    them; the base hashed over every stage's whole tensors; one process's checkpoint names."""
+    from plait.plugins.lora.state import digests_hash, tensor_digests
+
+    ranks = pipeline_tensor_parallel["ranks"]
+    expected = builtin_reference
+    adapters = expected["adapters"]
+    cut = {n for n in adapters if _cut_over_tp(n)}
+    held = sum(t.numel() // 2 if n in cut else t.numel() for n, t in adapters.items())
+    whole = sum(t.numel() for n, t in adapters.items() if n not in cut)
+    for result in ranks:
+        assert (result["pp"], result["tp"]) == (2, 2)
+        worst = max(abs(a - b) for a, b in zip(result["losses"], expected["losses"], strict=True))
+        assert worst <= 1e-5, (result["losses"], expected["losses"])
+        assert result["frozen_in_checkpoints"] == 0
+        assert result["gradient_bytes_last_step"] == {}  # dp = 1
+        assert result["gradient_bytes_held"] == 4 * result["adapter_numel"]
+        assert result["optimizer_state_bytes"] == 8 * result["adapter_numel"]
+    # Over the 4 ranks: each tp pair holds its stage's whole factors twice and its cut ones
+    # once; each rank sums its whole factors' gradients (4 bytes each) over tp once a step.
+    assert sum(r["adapter_numel"] for r in ranks) == 2 * held
+    assert sum(r["tp_gradient_bytes_last_step"] for r in ranks) == 2 * 4 * whole
+    # Checkpoint names: one process's peft names, each stage's on both of its tp ranks.
+    by_stage = [[set(r["adapter_pieces"]) for r in ranks if r["stage"] == s] for s in (0, 1)]
+    assert all(len(names) == 2 and names[0] == names[1] for names in by_stage)
+    first, last = by_stage[0][0], by_stage[1][0]
+    assert first and last and not first & last and first | last == set(adapters)
+    # The trained factors, whole ones on both tp ranks of their stage, cut ones as two halves.
+    covered = {n: 0 for n in adapters}
+    for result in ranks:
+        for entry_name, pieces in result["adapter_pieces"].items():
+            for region, values in pieces:
+                part = lora_workers.part(adapters[entry_name], region)
+                assert torch.allclose(values, part, atol=ADAPTER_TOL, rtol=0), entry_name
+                covered[entry_name] += region.numel
+    assert covered == {n: t.numel() * (1 if n in cut else 2) for n, t in adapters.items()}
+    records = [r["base_record"] for r in ranks]
+    assert all(record == records[0] for record in records)
+    assert records[0]["sha256"] == digests_hash(tensor_digests(expected["frozen"]))
+    assert records[0]["parameters"] == len(expected["frozen"])
+    # A fresh engine of the same job loaded the checkpoint: the trained adapters and moments.
+    assert all(r["resumed_same"] for r in ranks)
+
+
+@pytest.mark.timeout(120)
+def test_lora_pipeline_tensor_parallel_checkpoint_exports_whole(
+    builtin_reference: dict, pipeline_tensor_parallel: dict[str, Any], tmp_path: Path
+) -> None:
+    """The pp = 2 × tp = 2 job's checkpoint exports as one process's: peft's whole adapters,
+    and merged into its base (a plait checkpoint of the built-in Llama) an HF Llama giving the
+    one-process job's trained logits."""
+    from plait.plugins.checkpoint.offline import write_checkpoint
+    from plait.plugins.checkpoint.state import FORMAT
+    from plait.plugins.lora.state import base_weight_name
+
+    base = {f"model.{base_weight_name(n)}": t for n, t in builtin_reference["frozen"]}
+    meta = {
+        "format": FORMAT,
+        "world_size": 1,
+        "degrees": {},
+        "model": lora_workers.BUILTIN["model"],
+    }
+    write_checkpoint(tmp_path / "base", 0, {**base, "meta": meta})
+    _assert_exports_whole(
+        pipeline_tensor_parallel["checkpoint"], builtin_reference, tmp_path, base=tmp_path / "base"
+    )

@@ -99,12 +99,10 @@ def test_peft_section_without_the_transform_is_refused() -> None:
         plait_configure(config=config)
 
 
-def test_tensor_parallel_is_accepted_but_not_with_pipeline_parallel() -> None:
+def test_tensor_parallel_is_accepted_alone_and_with_pipeline_parallel() -> None:
     lora = {"transforms": {"adapter": "lora"}}
     plait_configure(config=load_config({"parallel": {"tp": 2, **lora}}))
-    both = load_config({"parallel": {"tp": 2, "pp": 2, **lora}})
-    with pytest.raises(ConfigError, match=r"parallel\.pp = 2 and parallel\.tp = 2"):
-        plait_configure(config=both)
+    plait_configure(config=load_config({"parallel": {"tp": 2, "pp": 2, **lora}}))
 
 
 def test_pipeline_is_accepted_with_one_chunk_per_rank() -> None:
