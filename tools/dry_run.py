@@ -147,15 +147,26 @@ def compiled_blocks_line(config: PlaitConfig, model: Any) -> str | None:
     if name is None:
         return None
     from plait.core.blocks import find_block_container
-    from plait.plugins.compile import CompileConfig
+    from plait.plugins.compile import EAGER_BETWEEN_PIECES, CompileConfig
 
     settings = config.section(name, CompileConfig)
     path, container = find_block_container(model, settings.blocks, field="compile.blocks")
-    return (
+    line = (
         f"compiled blocks: forward of each of the {len(container)} blocks in {path} "
         f"(torch.compile backend {settings.backend}{', fullgraph' if settings.fullgraph else ''}"
         "); hooks around them (ZeRO-3's gathers) run eagerly"
     )
+    inside = [
+        f"{what} (parallel.{axis} = {getattr(config.parallel, axis)})"
+        for axis, what in EAGER_BETWEEN_PIECES.items()
+        if getattr(config.parallel, axis) > 1
+    ]
+    if inside:
+        line += (
+            f"; inside each block, {' and '.join(inside)} run eagerly between its compiled "
+            "pieces, a graph break at each"
+        )
+    return line
 
 
 def _offload_path(config: PlaitConfig) -> str:

@@ -58,7 +58,7 @@ from plait.core.errors import ConfigError, PluginError
 from plait.core.kernels import KERNEL_OPS
 from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
-from plait.plugins.compile.watch import CompileWatch
+from plait.plugins.compile.watch import CompileWatch, recording
 
 NAME = "compile"
 # Where torch's `CheckpointWrapper` (activation checkpointing's) holds the block it wraps.
@@ -111,6 +111,8 @@ def compile_blocks(
     """Compile each of the model's blocks in place; return their keys (in container order).
     `inside_checkpoints`: compile what an activation-checkpoint wrapper holds, not the wrapper."""
     _, container = find_block_container(model, blocks, field="compile.blocks")
+    # `backend` itself, counting the plait custom ops each graph keeps (the watch's summary).
+    compiling = recording(backend)
     keys = (
         list(container.keys())
         if isinstance(container, nn.ModuleDict)
@@ -123,7 +125,7 @@ def compile_blocks(
         if inside_checkpoints:
             block = getattr(block, CHECKPOINT_WRAPPED, block)
         block.forward = torch.compile(
-            block.forward, backend=backend, fullgraph=fullgraph, dynamic=dynamic
+            block.forward, backend=compiling, fullgraph=fullgraph, dynamic=dynamic
         )
     return keys
 

@@ -6,6 +6,12 @@ recompilations, read from Dynamo's own process-wide counters.
     # once: "compiled blocks: 1 graph for 6 blocks, 0 graph breaks, 24.9 s compiling by step 1"
     # later: "compiled blocks recompiled in step 4: 0/1: tensor 'x' size mismatch at index 1…"
 
+Which of plait's kernels the graphs kept as single custom ops (`torch.ops.plait.*`, the Triton
+provider's form under the compiler) is counted by the backend the blocks compile with
+(`recording`), as the graphs reach it; the first summary names them ("plait kernels as custom
+ops: rms_norm ×2, attention ×1"). A provider whose torch code the compiler traced (the reference)
+leaves none, and the line says nothing of them.
+
 Dynamo counts for the whole process, so the watch keeps the values it found when it was made
 and reports what changed since: a second engine in the same process reports its own compiles.
 Steps 1 and 2 may compile (step 1 the first graph; step 2 a backward or a shape marked dynamic
@@ -14,15 +20,19 @@ after step 1), a compile after that is a recompilation worth a line with its cau
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plait.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    import torch
+
     from plait.core.step import StepReport
 
 logger = logging.getLogger("plait.compile")
@@ -34,14 +44,50 @@ WARMUP_STEPS = 2
 _COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 
 
+# The custom-op namespace of plait's kernels (`torch.library`'s "plait::…").
+KERNEL_NAMESPACE = "plait"
+# plait's custom ops in the graphs the blocks' backend was handed, by op: process-wide, as
+# Dynamo's own counters are.
+CUSTOM_OPS: Counter[str] = Counter()
+
+
+@functools.cache
+def recording(backend: str) -> Callable[[torch.fx.GraphModule, list[Any]], Any]:
+    """The torch.compile backend named `backend` (Dynamo's registry), counting into `CUSTOM_OPS`
+    the plait custom ops of every graph before compiling it as that backend would. One object
+    per name and process: Dynamo keeps compiled code per backend, so a second engine of the same
+    process reuses the first one's graphs, as it does with the backend's name."""
+    from torch._dynamo import lookup_backend
+
+    compile_graph = lookup_backend(backend)
+
+    def record_then_compile(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        CUSTOM_OPS.update(custom_ops_in(graph))
+        return compile_graph(graph, example_inputs)
+
+    return record_then_compile
+
+
+def custom_ops_in(graph: torch.fx.GraphModule) -> Counter[str]:
+    """plait custom ops called by `graph`, by op name ("rms_norm")."""
+    found: Counter[str] = Counter()
+    for node in graph.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and getattr(target, "namespace", "") == KERNEL_NAMESPACE:
+            found[str(target).split(".")[1]] += 1
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class CompileCounts:
-    """Dynamo's counters at one moment (process-wide totals)."""
+    """Dynamo's counters at one moment (process-wide totals), and the plait custom ops the
+    graphs held (`CUSTOM_OPS`)."""
 
     graphs: int
     graph_breaks: Counter[str]
     recompile_reasons: tuple[str, ...]
     compile_seconds: float
+    custom_ops: Counter[str] = field(default_factory=Counter)
 
     @classmethod
     def now(cls) -> CompileCounts:
@@ -52,6 +98,7 @@ class CompileCounts:
             graph_breaks=Counter(counters["graph_break"]),
             recompile_reasons=tuple(r for reasons in guard_failures.values() for r in reasons),
             compile_seconds=sum(sum(compilation_time_metrics.get(t, ())) for t in _COMPILE_TIMERS),
+            custom_ops=Counter(CUSTOM_OPS),
         )
 
     def since(self, earlier: CompileCounts) -> CompileCounts:
@@ -68,6 +115,7 @@ class CompileCounts:
             graph_breaks=self.graph_breaks - earlier.graph_breaks,
             recompile_reasons=tuple(new_reasons),
             compile_seconds=self.compile_seconds - earlier.compile_seconds,
+            custom_ops=self.custom_ops - earlier.custom_ops,
         )
 
 
@@ -92,6 +140,9 @@ def first_step_summary(counts: CompileCounts, *, blocks: int, step: int = 1) -> 
             f"{n}× {_break_cause(reason)}" for reason, n in counts.graph_breaks.most_common()
         )
         line += f" (breaks: {reasons})"
+    if counts.custom_ops:
+        kept = ", ".join(f"{op} ×{n}" for op, n in sorted(counts.custom_ops.items()))
+        line += f"; plait kernels as custom ops in the graphs: {kept}"
     return line
 
 

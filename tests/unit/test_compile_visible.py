@@ -8,6 +8,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+import pytest
 from rich.console import Console
 
 from plait.core.config import load_config
@@ -19,6 +20,7 @@ from plait.plugins.compile.watch import (
     recompile_summary,
 )
 from plait.tools.dry_run import print_dry_run
+from tests.unit.triton_interpreter import interpreted_only
 
 TINY = {"model": {"name": "llama", "size": "tiny"}, "telemetry": {"enabled": False}}
 
@@ -44,6 +46,15 @@ def test_the_dry_run_says_the_blocks_are_compiled_and_how() -> None:
     assert "forward of each of the 2 blocks in layers" in line, line
     assert "backend aot_eager" in line and "run eagerly" in line, line
     assert "compiled blocks" not in _dry_run(parallel={"dp_strategy": "zero3"})
+    assert "inside each block" not in line  # nothing runs eagerly inside a ZeRO-3 block
+    tensor_parallel = _dry_run(
+        parallel={"tp": 2, "transforms": {"compile": "compile"}}, tp={"sequence_parallel": True}
+    )
+    line = next(ln for ln in tensor_parallel.splitlines() if ln.startswith("compiled blocks:"))
+    assert line.endswith(
+        "inside each block, the tensor-parallel collectives (parallel.tp = 2) run eagerly "
+        "between its compiled pieces, a graph break at each"
+    ), line
 
 
 def _counts(
@@ -104,3 +115,46 @@ def test_rank_0_logs_the_summary_once_and_other_ranks_stay_quiet(caplog: Any) ->
     logged = [r.getMessage() for r in caplog.records if r.name == "plait.compile"]
     assert logged == watches[0].summaries == watches[1].summaries
     assert len(logged) == 1 and logged[0].startswith("compiled blocks: 1 graph for 1 block,")
+
+
+def _first_summary(**sections: Any) -> str:
+    """The compile watch's first line for two steps of the tiny Llama with compiled blocks."""
+    import torch
+
+    from plait.core.engine import Engine
+
+    torch._dynamo.reset()
+    config = {
+        **TINY,
+        "model": {"name": "llama", "size": "tiny", "overrides": {"n_layers": 1}},
+        "train": {"device": "cpu", "global_batch_size": 2, "seed": 0},
+        "data": {"seq_len": 16},
+        "parallel": {"transforms": {"compile": "compile"}},
+        "compile": {"backend": "eager"},
+        **sections,
+    }
+    engine = Engine(config=config, plugins=Plugins.create(autoload=False))
+    tokens = torch.randint(
+        0, engine.model_config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)
+    )
+    for _ in range(2):
+        engine.train_step((tokens[:, :-1], tokens[:, 1:]))
+    watch = engine.plugins.manager.get_plugin("compile.watch")
+    engine.close()
+    return watch.summaries[0]
+
+
+@pytest.mark.triton
+@interpreted_only
+def test_the_summary_names_the_plait_kernels_the_graphs_kept_as_custom_ops() -> None:
+    """Triton's kernels under the compiler are `torch.ops.plait.*` nodes; the torch reference
+    is traced into aten ops, and the line says nothing of custom ops."""
+    triton = _first_summary(kernels={"prefer": ["triton", "torch"]})
+    kept = triton.partition("plait kernels as custom ops in the graphs: ")[2]
+    assert {part.split(" ×")[0] for part in kept.split(", ")} == {
+        "attention",
+        "rms_norm",
+        "rope",
+        "swiglu",
+    }, triton
+    assert "custom ops" not in _first_summary(kernels={"prefer": ["torch"]})
