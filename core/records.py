@@ -89,6 +89,9 @@ class KernelRecord:
     description: str = ""
     config_cls: type[BaseModel] | None = None  # the provider's options, `[<config_section>]`
     config_section: str = ""  # "" means `provider`
+    # How the op sits in a `torch.compile`d block: "custom op" (one opaque node the compiler
+    # fuses around), "traced" (its torch code inlined and fused), "graph break"; "" unsaid.
+    compiled_form: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

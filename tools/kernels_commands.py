@@ -82,6 +82,19 @@ def resolve_providers(
     return chosen, installed, list(config.kernels.prefer)
 
 
+def compiled_forms(blocked: list[str] | None = None) -> dict[tuple[str, str], str]:
+    """(op, provider) -> how the provider's op sits in a compiled block ("custom op", "traced",
+    "graph break"), as its `KernelRecord` says."""
+    from plait.core.plugins import Plugins
+
+    plugins = Plugins.create(blocked=blocked or [])
+    return {
+        (record.op, record.provider): record.compiled_form
+        for _, record in plugins.kernel_records()
+        if record.compiled_form
+    }
+
+
 @app.callback(invoke_without_command=True)
 def kernels_table(
     config: Annotated[
@@ -104,6 +117,7 @@ def kernels_table(
     except PlaitError as exc:
         print_error(console, exc)
         raise typer.Exit(2) from None
+    forms = compiled_forms()
     # Provider names come from plugins and `prefer` from the config: shown as they are.
     table = Table(title=f"kernel providers for {dtype} (prefer = {escape(str(prefer))})")
     table.add_column("op", style="bold", no_wrap=True)
@@ -118,12 +132,17 @@ def kernels_table(
                 errors.append(f"{op} on {device}: {provider.removeprefix('error: ')}")
                 cells.append(f"[red]unresolved ({len(errors)})[/red]")
             else:
-                cells.append(Text(provider))
+                form = forms.get((op, provider))
+                cells.append(Text(f"{provider} · {form}" if form else provider))
         table.add_row(op, *cells, Text("; ".join(installed[op]) or "(none)"))
     console.print(table)
     for number, error in enumerate(errors, start=1):
         print_error(console, error, label=f"({number})")
     print_measured_choices()
+    console.print(
+        "[dim]· how the op sits in a torch.compile'd block: a custom op is one node the compiler "
+        "fuses around, traced code is fused into the graph, a graph break runs eagerly.[/dim]"
+    )
     console.print(
         "[dim]Triton answers CPU only under TRITON_INTERPRET=1 and only when asked by name "
         "(kernels.prefer or kernels.overrides); the interpreter checks correctness, not "

@@ -30,6 +30,11 @@ if _missing:  # pragma: no cover - guards against adding an op to the core witho
     raise ImportError(f"kernels_torch has no reference implementation for {sorted(_missing)}")
 
 
+# The reference ops the compiler cannot keep in one graph: grouped_mm reads its group sizes
+# (`counts.tolist()`), so a compiled block breaks there, as it does at the routing around it.
+_COMPILED_FORMS = {"grouped_mm": "graph break"}
+
+
 @hookimpl
 def plait_register_kernels() -> Sequence[KernelRecord]:
     return [
@@ -38,6 +43,7 @@ def plait_register_kernels() -> Sequence[KernelRecord]:
             provider=PROVIDER,
             device_types=("cpu", "cuda"),
             description=f"plain PyTorch reference {op}",
+            compiled_form=_COMPILED_FORMS.get(op, "traced"),
         )
         for op in KERNEL_OPS
     ] + compiled_records()

@@ -64,6 +64,7 @@ def compiled_records() -> list[KernelRecord]:
             provider=PROVIDER,
             device_types=("cpu", "cuda"),
             description=f"torch.compile of the reference {op} (asked by name or by auto)",
+            compiled_form="traced",  # inside a compiled block, its reference is inlined
         )
         for op in COMPILED_OPS
     ]

@@ -92,7 +92,15 @@ def plait_register_kernels() -> Sequence[KernelRecord]:
     if not devices:
         return []
     return [
-        KernelRecord(op=op, provider=PROVIDER, device_types=devices, description=_DESCRIPTIONS[op])
+        KernelRecord(
+            op=op,
+            provider=PROVIDER,
+            device_types=devices,
+            description=_DESCRIPTIONS[op],
+            # The ops served through `custom_ops` are one node each; the compiler cannot trace
+            # the others' launch code (in place, data-shaped).
+            compiled_form="custom op" if _IMPLEMENTATIONS[op][0] == "custom_ops" else "graph break",
+        )
         for op in KERNEL_OPS
     ]
 

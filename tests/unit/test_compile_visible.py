@@ -20,6 +20,7 @@ from plait.plugins.compile.watch import (
     recompile_summary,
 )
 from plait.tools.dry_run import print_dry_run
+from plait.tools.kernels_commands import compiled_forms
 from tests.unit.triton_interpreter import interpreted_only
 
 TINY = {"model": {"name": "llama", "size": "tiny"}, "telemetry": {"enabled": False}}
@@ -158,3 +159,6 @@ def test_the_summary_names_the_plait_kernels_the_graphs_kept_as_custom_ops() -> 
         "swiglu",
     }, triton
     assert "custom ops" not in _first_summary(kernels={"prefer": ["torch"]})
+    # What `plait kernels` says of them ahead of any compile agrees.
+    forms = compiled_forms()
+    assert all(forms[(op, "triton")] == "custom op" for op in ("attention", "rms_norm", "rope"))

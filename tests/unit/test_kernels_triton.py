@@ -312,6 +312,14 @@ def test_kernels_command_lists_the_configured_provider_per_device() -> None:
     assert "unresolved" in result.output and "'nothing'" in result.output
     for op in KERNEL_OPS:
         assert op in result.output
+    # Each cell says how the chosen provider's op sits in a compiled block.
+    result = CliRunner().invoke(
+        app, ["--set", "kernels.prefer=['triton', 'torch']"], env={"COLUMNS": "200"}
+    )
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if "│" in line}
+    assert "triton · custom op" in rows["rms_norm"] and "triton · graph break" in rows["grouped_mm"]
+    result = CliRunner().invoke(app, ["--set", "kernels.prefer=['torch']"], env={"COLUMNS": "200"})
+    assert "torch · traced" in result.output, result.output
 
 
 # --------------------------------------------------------------------------------------------
