@@ -66,6 +66,20 @@ def test_an_asynchronous_save_waits_for_the_copy_and_a_write_that_outlasts_the_i
     assert slow.blocked_seconds == pytest.approx(slow.copy_seconds + excess)
 
 
+def test_on_a_cpu_the_write_beside_training_costs_the_job_as_much_as_a_synchronous_one() -> None:
+    """A CPU trains on every core of its host: the background write takes its time from the
+    steps. The saving step is as short as on a GPU; the job pays the write all the same."""
+    for every in (10, 1):  # the write fits in the interval, and it outlasts it
+        cpu = {"host_memory_bytes": None}
+        later = cost(CheckpointPlan(every=every, asynchronous=True), ZERO3, step=1.0, **cpu)
+        now = cost(CheckpointPlan(every=every, asynchronous=False), ZERO3, step=1.0, **cpu)
+        assert later.blocked_seconds < now.blocked_seconds
+        assert later.per_step_seconds == pytest.approx(now.per_step_seconds)
+        assert "taken from the training cores" in later.describe()
+    gpu = cost(CheckpointPlan(every=10, asynchronous=True), ZERO3, step=1.0)
+    assert gpu.contended_seconds == 0.0 and "training cores" not in gpu.describe()
+
+
 def test_saving_only_at_the_end_costs_no_step() -> None:
     assert cost(CheckpointPlan(every=0), ZERO3, step=1.0).per_step_seconds == 0.0
 
