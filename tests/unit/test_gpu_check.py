@@ -113,6 +113,19 @@ def test_kernel_rows_become_ratios_against_torch_compile() -> None:
     assert by_op["rope"] == {"op": "rope", "shape": "2", "pass": "fwd", "triton": "boom"}
 
 
+def test_the_compile_bench_gives_each_layout_a_rank_per_device() -> None:
+    from plait.tools.bench.compile import plan
+
+    layouts = ["zero3", "tp+sp", "cp", "ddp"]
+    one_gpu = plan(layouts, 2, 1)
+    assert {name: row["ranks"] for name, row in one_gpu.items()} == {
+        "zero3": 1, "tp+sp": 0, "cp": 0, "ddp": 1,
+    }  # fmt: skip
+    assert one_gpu["cp"]["skipped"].endswith("1 device here") and not one_gpu["ddp"]["skipped"]
+    assert all(row == {"ranks": 2, "skipped": None} for row in plan(layouts, 2, 8).values())
+    assert plan(layouts, 2, None) == plan(layouts, 2, 2)  # Gloo ranks: no device limit
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_rehearsal_runs_every_stage(tmp_path: Path) -> None:
@@ -125,7 +138,7 @@ def test_the_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     stages = summary["stages"]
     assert list(stages) == [s.name for s in gpu_check.STAGES]
-    for name in ("environment", "gpu_tier", "bench", "fp8", "training", "cpu"):
+    for name in ("environment", "gpu_tier", "bench", "fp8", "compile", "training", "cpu"):
         assert stages[name]["status"] == "passed", (name, stages[name])
     assert stages["environment"]["plait"] not in ("", None)
     tier = stages["gpu_tier"]
@@ -135,6 +148,19 @@ def test_the_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     fp8 = stages["fp8"]["figures"]["variants"]
     assert set(fp8) == {"bf16", "plait fp8", "torchao fp8"}
     assert all(len(row["losses"]) == 2 for row in fp8.values())
+    # The compile bench planned as on a one-GPU node: ZeRO-3 compiled vs eager on one rank,
+    # joined through the environment rendezvous as on the node; tp + sp skipped, saying why
+    # (the figures come from the bench's JSON).
+    compiled = stages["compile"]
+    assert compiled["status"] == "passed", compiled
+    zero3, tp = compiled["layouts"]["zero3"], compiled["layouts"]["tp+sp"]
+    assert (zero3["ranks"], zero3["backend"], zero3["rendezvous"]) == (1, "gloo", "environment")
+    assert tp["ranks"] == 0 and tp["skipped"] == compiled["skipped"]["tp+sp"]
+    assert set(compiled["ratios"]) == {"zero3"}
+    assert all(ratio > 0 for ratio in compiled["ratios"]["zero3"].values())
+    assert "1 device here" in compiled["skipped"]["tp+sp"]
+    assert set(compiled["medians"]) == {"zero3 eager", "zero3 compiled"}
+    assert "1 graph for 1 block" in compiled["watch"]["zero3 compiled"][0]
     training = stages["training"]
     # The stage stops the rank itself once the live views and the capture are in (SIGTERM:
     # the rank finishes its step and exits 143), whatever its pace.
