@@ -17,7 +17,9 @@ is named and hashed in them and checked at resume (`state.py`), and stays in the
 left out of them, so that `checkpoint_io.init_from` loads a built-in model's pretrained base
 (hashed again once loaded) and a resume loads it before the adapters; `plait ckpt export --format
 peft` writes them as a folder peft loads (`export.py`), `--merged` the whole model with them
-merged into the base the user names (`merge.py`).
+merged into the base the user names (`merge.py`). A module to save (`modules_to_save`) trains as
+peft's copy of it, checkpointed and exported with the adapters, its frozen original left out
+with the base (not yet under pipeline or tensor parallelism).
 
 With pipeline parallelism (`parallel.pp`) each stage adapts the linear layers it holds
 (`stages.py`): the stages draw the adapters one process draws, the base is hashed over all of
@@ -46,9 +48,8 @@ from plait.core.sharding import ShardContext, Sharded
 from plait.core.strategy import Strategies
 from plait.plugins.lora.apply import add_adapters, apply_lora, task_type_of
 from plait.plugins.lora.config import SECTION, PeftSection, lora_config, peft_section
-from plait.plugins.lora.export import ADAPTER
 from plait.plugins.lora.stages import adapt_stage, stage_base
-from plait.plugins.lora.state import AdapterState, base_name
+from plait.plugins.lora.state import ADAPTER, AdapterState, base_name
 from plait.plugins.lora.tensor_parallel import (
     TensorParallelFactors,
     check_targets,
@@ -128,7 +129,8 @@ def plait_register_config_sections() -> Sequence[ConfigSectionRecord]:
 @hookimpl
 def plait_configure(config: PlaitConfig) -> None:
     """A `[peft]` section without the transform would train the full model silently; the
-    transform with virtual pipeline stages is untested."""
+    transform with virtual pipeline stages, and modules to save under pipeline or tensor
+    parallelism, are untested."""
     selected = config.parallel.transforms.get(AXIS) == NAME
     if SECTION in config.extensions and not selected:
         raise ConfigError(
@@ -142,6 +144,16 @@ def plait_configure(config: PlaitConfig) -> None:
             f"parallel.transforms.{AXIS} = {NAME!r} with schedule.virtual_stages = "
             f"{config.schedule.virtual_stages} is not supported yet (adapters on several chunks "
             "per pipeline rank are untested): use one chunk per rank (1f1b, gpipe, zb_h1)"
+        )
+    saved = peft_section(config).modules_to_save
+    split = {f"parallel.{axis}": getattr(config.parallel, axis) for axis in ("pp", "tp")}
+    split = {key: degree for key, degree in split.items() if degree > 1}
+    if saved and split:
+        degrees = ", ".join(f"{key} = {degree}" for key, degree in split.items())
+        raise ConfigError(
+            f"[peft] modules_to_save = {saved} with {degrees} is not supported yet (a module "
+            "trained in full beside the adapters is untested on pipeline stages and "
+            "tensor-parallel ranks): train it with data or context parallelism only"
         )
 
 

@@ -4,7 +4,9 @@
 The checkpoint holds the adapters under the names the job's `PeftModel` gives them
 (`base_model.model.<module>.lora_A.default.weight`) and its `[peft]` section in the adapter
 transform's plugin state (`plait.plugins.lora.state`); peft saves the same tensors without the
-adapter's name (`….lora_A.weight`) and adds it back when it loads them.
+adapter's name (`….lora_A.weight`) and adds it back when it loads them. A module to save
+(`modules_to_save`) is the trained copy, `<module>.modules_to_save.default.weight` in the
+checkpoint, which peft saves under the module's own name (`<module>.weight`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import torch
 
 from plait.core.errors import PlaitError
 from plait.plugins.lora.config import PeftSection, lora_config
-from plait.plugins.lora.state import KEY
+from plait.plugins.lora.state import ADAPTER, KEY, TRAINED_COPY
 
-ADAPTER = "default"  # the adapter name peft gives a model's only adapter
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -37,7 +38,8 @@ def saved_adapter(plugin_state: Any) -> dict[str, Any]:
 
 
 def peft_tensors(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters under the names peft saves them with (the adapter's name dropped)."""
+    """The adapters, and the trained copies of the modules to save, under the names peft saves
+    them with (the adapter's name dropped; a copy under its module's own name)."""
     chosen = {
         name.replace(f".{ADAPTER}.", "."): tensor.contiguous()
         for name, tensor in weights.items()
@@ -45,6 +47,9 @@ def peft_tensors(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     }
     if not chosen:
         raise PlaitError("the checkpoint holds no LoRA weights (no '.lora_' in any name)")
+    for name, tensor in weights.items():
+        if TRAINED_COPY in name:
+            chosen[name.replace(TRAINED_COPY, ".")] = tensor.contiguous()
     return chosen
 
 
@@ -56,11 +61,10 @@ def export_peft(
     from safetensors.torch import save_file
 
     section = PeftSection.model_validate(record["peft"])
-    if section.bias != "none" or section.modules_to_save:
+    if section.bias != "none":
         raise PlaitError(
-            "exporting adapters with trained biases or modules_to_save to peft is not "
-            f"supported yet (bias = {section.bias!r}, modules_to_save = "
-            f"{section.modules_to_save})"
+            "exporting adapters with trained biases to peft is not supported yet "
+            f"(bias = {section.bias!r})"
         )
     tensors = peft_tensors(weights)
     config = lora_config(section, task_type=record.get("task_type"))

@@ -12,10 +12,19 @@ would be put on another model; the `[peft]` section is what `plait ckpt export -
 writes as peft's `adapter_config.json`.
 
 The base stays in the layout as `StateLayout.left_out`, under the names the base's own
-checkpoint gives it (without `base_model.model.` and `.base_layer.`), so that a weights-only
-load (`checkpoint_io.init_from`: plait's built-in models arrive without weights) fills it. The
-record is then taken again over the base that load read, as it would have been had the base
-arrived loaded, and says where it came from (`loaded_from`).
+checkpoint gives it (without `base_model.model.`, `.base_layer.` and `.original_module.`), so
+that a weights-only load (`checkpoint_io.init_from`: plait's built-in models arrive without
+weights) fills it. The record is then taken again over the base that load read, as it would
+have been had the base arrived loaded, and says where it came from (`loaded_from`).
+
+A module to save (`[peft] modules_to_save`) is held twice: its frozen original
+(`….original_module.…`, part of the base, hashed) and the copy that trains
+(`….modules_to_save.default.…`, saved with its optimizer state). peft copies the module when it
+wraps it, so the copy starts from the base's weights; a base that arrives without weights is
+loaded after that copy was made, so the left-out entry under the module's own name describes
+the trained copy: the weights-only load starts it from the base's weights, as peft would have,
+and a resume then reads it from the job's own checkpoint. The frozen original, which plait
+never runs, is then neither saved nor loaded (the record hashes the weights the load read).
 
 Under pipeline parallelism no rank holds the whole base: each stage hashes its own frozen
 tensors one by one, the stages exchange those digests, and the record's `sha256` is the hash of
@@ -46,8 +55,11 @@ if TYPE_CHECKING:
     from plait.plugins.lora.tensor_parallel import TensorParallelFactors
 
 KEY = "lora"
+ADAPTER = "default"  # the adapter name peft gives a model's only adapter
 PREFIX = "base_model.model."  # where peft puts the base model's own names
 BASE_LAYER = ".base_layer."  # where peft puts an adapted layer's own parameters
+ORIGINAL = ".original_module."  # where peft puts a module to save's frozen original
+TRAINED_COPY = f".modules_to_save.{ADAPTER}."  # and the copy of it that trains
 # `base.loaded_from`: the checkpoint a weights-only load read the base from (`init_from`)
 LOADED_FROM = "loaded_from"
 # `base.scheme` of a record hashed tensor by tensor (a pipelined job's); none: `base_hash`
@@ -101,8 +113,27 @@ def record_hash(
 
 
 def base_weight_name(name: str) -> str:
-    """A frozen parameter's name in the base's own checkpoint: without peft's additions."""
-    return name.removeprefix(PREFIX).replace(BASE_LAYER, ".")
+    """A frozen parameter's name in the base's own checkpoint, or a module to save's trained
+    copy's: without peft's additions."""
+    name = name.removeprefix(PREFIX)
+    for added in (BASE_LAYER, ORIGINAL, TRAINED_COPY):
+        name = name.replace(added, ".")
+    return name
+
+
+def trained_copies(adapted: nn.Module) -> dict[int, int]:
+    """id(a module to save's trained parameter) -> id(its frozen original), over every module
+    peft wraps to save (`modules_to_save`)."""
+    from peft.utils import ModulesToSaveWrapper
+
+    pairs = {}
+    for module in adapted.modules():
+        if not isinstance(module, ModulesToSaveWrapper) or ADAPTER not in module.modules_to_save:
+            continue
+        originals = dict(module.original_module.named_parameters())
+        for leaf, copy in module.modules_to_save[ADAPTER].named_parameters():
+            pairs[id(copy)] = id(originals[leaf])
+    return pairs
 
 
 def base_name(model: nn.Module) -> str:
@@ -139,6 +170,12 @@ class AdapterState(ParallelRuntime):
         frozen = [(n, p) for n, p in adapted.named_parameters() if not p.requires_grad]
         # id -> (name as hashed, dtype as hashed): a base loaded later is hashed as built.
         self._frozen = {id(p): (n, p.dtype) for n, p in frozen}
+        # id(trained copy) -> id(frozen original) of every module to save.
+        self._copies = trained_copies(adapted)
+        originals = set(self._copies.values())
+        # What a weights-only load fills by the base's own names: the frozen tensors, but a
+        # module to save's trained copy in its frozen original's place.
+        self._loaded_base = {i: i for i in self._frozen if i not in originals} | self._copies
         self._over_stages = over_stages
         self._stage_names = stage_names
         self._tensor_parallel = tensor_parallel
@@ -160,7 +197,8 @@ class AdapterState(ParallelRuntime):
 
     def state_layout(self, previous: StateLayout) -> StateLayout:
         """The adapters kept (under peft's one-process names), the base left out under its own
-        checkpoint's names, and hashed again once a weights-only load filled it."""
+        checkpoint's names (a module to save by its trained copy), and hashed again once a
+        weights-only load filled it."""
 
         def keep(entry: ParameterLayout) -> ParameterLayout | None:
             if id(entry.param) in self._frozen:
@@ -174,9 +212,10 @@ class AdapterState(ParallelRuntime):
         base = [
             replace(entry, name=base_weight_name(entry.name))
             for entry in previous.parameters
-            if id(entry.param) in self._frozen
+            if id(entry.param) in self._loaded_base
         ]
-        hashed_as = {entry.name: self._frozen[id(entry.param)] for entry in base}
+        # Hashed as the frozen tensor (a trained copy as its original).
+        hashed_as = {e.name: self._frozen[self._loaded_base[id(e.param)]] for e in base}
         rehash = partial(self._rehash, hashed_as)
         return previous.map(keep).leave_out(base).then_left_out_loaded(rehash)
 

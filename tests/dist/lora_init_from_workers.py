@@ -33,6 +33,8 @@ LORA = {
     "parallel": {"transforms": {"adapter": "lora"}},
     "peft": {"r": RANK, "alpha": 16, "target_modules": BUILTIN_TARGETS},
 }
+# peft's name for a module to save's trained copy (`….modules_to_save.default.weight`).
+TRAINED_COPY = ".modules_to_save.default."
 PRETRAIN_STEPS = 3
 STOP = 2  # the interrupted job's checkpoint
 
@@ -71,15 +73,18 @@ def pretrain(folder: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def reference(pretrained: dict[str, torch.Tensor]) -> dict[str, Any]:
+def reference(pretrained: dict[str, torch.Tensor], layout: dict[str, Any] | None = None) -> dict:
     """The LoRA job in one process, no `init_from`: the pretrained weights written into its
-    frozen base by hand before the first step."""
+    frozen base by hand before the first step, and into the trained copy of a module to save
+    (`layout`'s `[peft]`), which peft would have copied from the loaded module."""
     from plait.plugins.lora.state import base_hash, digests_hash, tensor_digests
 
-    engine = plait.initialize(None, config=job_config(), optimizer=optimizer)
+    peft = {"peft": layout["peft"]} if layout and "peft" in layout else None
+    engine = plait.initialize(None, config=job_config(peft), optimizer=optimizer)
     frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+    copies = [(n, p) for n, p in engine.module.named_parameters() if TRAINED_COPY in n]
     with torch.no_grad():
-        for name, param in frozen:
+        for name, param in frozen + copies:
             param.copy_(pretrained[_base_name(name)])
     losses = [engine.train_step(batch) for batch in builtin_batches()]
     adapters = {
@@ -131,11 +136,11 @@ def _run(config: dict[str, Any], weights: dict[str, torch.Tensor], stop: int = S
         checkpointer = Checkpointer.from_config(engine, None, engine.config)
         start = checkpointer.maybe_resume()
         base = layout_for(engine).left_out
-        base_same = bool(base) and all(
-            torch.equal(piece.read().detach().reshape(-1), part(weights[entry.name], piece.region))
-            for entry in base
-            for piece in entry.value.pieces
-        )
+        frozen = [entry for entry in base if not entry.param.requires_grad]
+        base_same = bool(frozen) and _holds(frozen, weights)
+        # A module to save's trained copy, left out under the base's name of the module.
+        copies = [entry for entry in base if entry.param.requires_grad]
+        copy_is_base = _holds(copies, weights) if copies else None
         losses = {}
         dp, size = engine.mesh.coordinate("dp"), engine.mesh.size("dp")
         share = len(builtin_batches()[0][0]) // size
@@ -154,6 +159,7 @@ def _run(config: dict[str, Any], weights: dict[str, torch.Tensor], stop: int = S
         return {
             "start": start,
             "base_same": base_same,
+            "copy_is_base": copy_is_base,
             "base_held": sum(entry.value.numel() for entry in base),
             "losses": losses,
             "adapters": adapters,
@@ -163,5 +169,18 @@ def _run(config: dict[str, Any], weights: dict[str, torch.Tensor], stop: int = S
         engine.close()
 
 
+def _holds(entries: list[Any], weights: dict[str, torch.Tensor]) -> bool:
+    """Whether this rank's pieces of `entries` hold `weights` (by the entries' names)."""
+    return all(
+        torch.equal(piece.read().detach().reshape(-1), part(weights[entry.name], piece.region))
+        for entry in entries
+        for piece in entry.value.pieces
+    )
+
+
 def _base_name(name: str) -> str:
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    """A base tensor's own name: peft's additions (and a trained copy's) dropped."""
+    name = name.removeprefix("base_model.model.")
+    for added in (".base_layer.", ".original_module.", TRAINED_COPY):
+        name = name.replace(added, ".")
+    return name

@@ -55,13 +55,18 @@ def build() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def users_peft_model() -> nn.Module:
+def users_peft_model(modules_to_save: list[str] | None = None) -> nn.Module:
     """What a user builds with peft alone (same adapters as `[peft]` below, same seed)."""
     import peft
 
     model = build()
     config = peft.LoraConfig(
-        r=RANK, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
+        r=RANK,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=TARGETS,
+        modules_to_save=modules_to_save,
+        task_type="CAUSAL_LM",
     )
     with torch.random.fork_rng():
         torch.manual_seed(SEED)
@@ -91,9 +96,9 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
 
-def plain_loop() -> dict[str, Any]:
+def plain_loop(modules_to_save: list[str] | None = None) -> dict[str, Any]:
     """The reference: peft's model trained by the user's loop, whole global batches."""
-    model = users_peft_model()
+    model = users_peft_model(modules_to_save)
     opt = optimizer([p for p in model.parameters() if p.requires_grad])
     losses = []
     for batch in batches():
@@ -103,15 +108,11 @@ def plain_loop() -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    frozen = [(n, p.detach().clone()) for n, p in users_peft_model().named_parameters()]
+    built = users_peft_model(modules_to_save).named_parameters()
+    frozen = [(n, p.detach().clone()) for n, p in built if not p.requires_grad]
     with torch.no_grad():
         logits = model(input_ids=batches()[0]["input_ids"]).logits
-    return {
-        "losses": losses,
-        "adapters": trained,
-        "frozen": [(n, p) for n, p in frozen if ".lora_" not in n],
-        "logits": logits,
-    }
+    return {"losses": losses, "adapters": trained, "frozen": frozen, "logits": logits}
 
 
 def builtin_one_process(config: dict[str, Any]) -> dict[str, Any]:
@@ -255,6 +256,7 @@ def _save_and_resume(
     """Save `engine`'s checkpoint, load it into a fresh engine of the same job (on the base as
     built: its hash is checked), and whether that engine's adapters and Adam moments are
     `engine`'s."""
+    from plait.core.state_chunks import layout_for
     from plait.plugins.checkpoint.checkpointer import Checkpointer
     from plait.plugins.checkpoint.config import CheckpointIOConfig
     from plait.plugins.checkpoint.storage import resolve_checkpoint
@@ -264,14 +266,22 @@ def _save_and_resume(
     checkpointer.close()
     fresh = plait.initialize(None if builtin else build(), config=config, optimizer=optimizer)
     Checkpointer(fresh, None, CheckpointIOConfig(dir=folder)).load(resolve_checkpoint(Path(folder)))
-    same = True
-    pairs = zip(engine.module.parameters(), fresh.module.parameters(), strict=True)
-    for trained, loaded in pairs:
-        if not trained.requires_grad:
-            continue
-        same = same and torch.equal(trained, loaded)
-        moments = engine.optimizer.state[trained], fresh.optimizer.state[loaded]
-        same = same and all(torch.equal(moments[0][k], moments[1][k]) for k in ADAM_MOMENTS)
+    # Compared as the state layouts hold them (ZeRO's shards and masters, tp slices): ZeRO-3
+    # frees the module's own parameters between steps.
+    trained, loaded = layout_for(engine).by_name(), layout_for(fresh).by_name()
+    same = set(trained) == set(loaded)
+    for name, entry in trained.items() if same else ():
+        states = entry.optimizer_state, loaded[name].optimizer_state
+        # Adam's moments of every piece this rank holds (a ZeRO-3 rank may hold none).
+        held = set(ADAM_MOMENTS) <= set(states[0]) or not entry.value.pieces
+        same = same and held and set(states[0]) == set(states[1])
+        tensors = [(entry.value, loaded[name].value)]
+        tensors += [(states[0][k], states[1][k]) for k in states[0] if same]
+        for ours, theirs in tensors:
+            pairs = zip(ours.pieces, theirs.pieces, strict=True)
+            same = same and all(
+                a.region == b.region and torch.equal(a.read(), b.read()) for a, b in pairs
+            )
     fresh.close()
     return same
 
@@ -285,4 +295,4 @@ def part(whole: torch.Tensor, region: Region) -> torch.Tensor:
 
 def _base_name(name: str) -> str:
     name = name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
+    return name.replace(".base_layer.", ".").replace(".original_module.", ".")

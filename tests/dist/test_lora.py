@@ -469,11 +469,164 @@ def test_lora_pipeline_tensor_parallel_checkpoint_exports_whole(
     """The pp = 2 × tp = 2 job's checkpoint exports as one process's: peft's whole adapters,
     and merged into its base (a plait checkpoint of the built-in Llama) an HF Llama giving the
     one-process job's trained logits."""
+    base = _builtin_base(builtin_reference, tmp_path)
+    _assert_exports_whole(
+        pipeline_tensor_parallel["checkpoint"], builtin_reference, tmp_path, base=base
+    )
+
+
+# A module trained in full beside the adapters (`[peft] modules_to_save`): the transformers
+# Llama's head `lm_head`, the built-in Llama's `output` (its attention adapted, not its head).
+SAVED_HEADS = {"transformers": "lm_head", "builtin": "output"}
+SAVED_STRATEGIES = ("ddp", "zero3")
+
+
+def _saved_config(model: str, strategy: str | None = None) -> dict[str, Any]:
+    head = SAVED_HEADS[model]
+    targets = lora_workers.TARGETS if model == "transformers" else ["wq", "wk", "wv", "wo"]
+    peft = {**LORA["peft"], "target_modules": targets, "modules_to_save": [head]}
+    config = {**LORA, "peft": peft}
+    if model == "builtin":
+        config = {**lora_workers.BUILTIN, **config}
+    if strategy is not None:
+        config["parallel"] = {**LORA["parallel"], "dp_strategy": strategy}
+    return config
+
+
+@pytest.fixture(scope="module")
+def saved_reference() -> dict[str, dict]:
+    """One process: peft's model by the user's loop, and the built-in model with the transform."""
+    return {
+        "transformers": lora_workers.plain_loop([SAVED_HEADS["transformers"]]),
+        "builtin": lora_workers.builtin_one_process(_saved_config("builtin")),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Both models under DDP and ZeRO-3 on 2 ranks, in one start-up; each writes a checkpoint
+    and a fresh engine of the same job resumes from it."""
+    cases, folders = {}, {}
+    for model in SAVED_HEADS:
+        for strategy in SAVED_STRATEGIES:
+            name = f"{model}_{strategy}"
+            folders[name] = tmp_path_factory.mktemp(f"lora_saved_{name}") / "ckpt"
+            cases[name] = {
+                "builtin": model == "builtin",
+                # Both ranks build the same base: its record is taken before rank 0's weights
+                # are copied to rank 1, and the checkpoint holds each rank's.
+                "replicas": False,
+                "config": _saved_config(model, strategy),
+                "checkpoint": str(folders[name]),
+            }
+    runs = run_distributed(lora_workers.train_cases, 2, cases, timeout=100)
+    return {"runs": runs, "checkpoints": folders}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("model", sorted(SAVED_HEADS))
+@pytest.mark.parametrize("strategy", SAVED_STRATEGIES)
+def test_lora_modules_to_save_equal_one_process(
+    model: str, strategy: str, saved_reference: dict[str, dict], saved_runs: dict[str, Any]
+) -> None:
+    """The head trains in full beside the adapters: its trained copy takes gradients and Adam
+    moments and is checkpointed with them; its frozen original is left out, as the base is."""
+    from plait.plugins.checkpoint.offline import model_weights, read_checkpoint
+
+    name = f"{model}_{strategy}"
+    ranks = [run[name] for run in saved_runs["runs"]]
+    expected = saved_reference[model]
+    trained = expected["adapters"]  # the adapters and the head's trained copy
+    head = f"base_model.model.{SAVED_HEADS[model]}"
+    assert f"{head}.modules_to_save.default.weight" in trained
+    assert f"{head}.original_module.weight" in dict(expected["frozen"])
+    numel = sum(t.numel() for t in trained.values())
+    for result in ranks:
+        worst = max(abs(a - b) for a, b in zip(result["losses"], expected["losses"], strict=True))
+        assert worst <= 1e-5, (result["losses"], expected["losses"])
+        assert result["adapter_numel"] == numel
+        assert result["frozen_numel"] == sum(t.numel() for _, t in expected["frozen"])
+        assert result["frozen_unchanged"], "a frozen base weight changed or differs by rank"
+        assert result["frozen_in_checkpoints"] == 0  # the frozen original neither
+        assert sum(result["gradient_bytes_last_step"].values()) == 4 * numel
+        # A fresh engine of the same job loaded the copy and its moments as they were saved.
+        assert result["resumed_same"]
+    held = [r["optimizer_state_bytes"] for r in ranks]
+    assert (sum(held) if strategy == "zero3" else held[0]) == 8 * numel
+    covered = {n: 0 for n in trained}
+    for result in ranks:
+        assert set(result["adapter_pieces"]) <= set(trained)
+        for entry_name, pieces in result["adapter_pieces"].items():
+            for region, values in pieces:
+                part = lora_workers.part(trained[entry_name], region)
+                assert torch.allclose(values, part, atol=1e-5, rtol=0), entry_name
+                covered[entry_name] += region.numel
+    copies = 1 if strategy == "zero3" else 2
+    assert covered == {n: t.numel() * copies for n, t in trained.items()}
+    # The checkpoint: the adapters and the trained copy with their Adam moments, nothing else.
+    folder = saved_runs["checkpoints"][name]
+    weights, _ = model_weights(folder)
+    assert set(weights) == set(trained)
+    for entry_name, tensor in weights.items():
+        torch.testing.assert_close(tensor, trained[entry_name], atol=1e-5, rtol=0)
+    optim = read_checkpoint(folder, prefix="optim.")
+    moments = {k for k in optim if k.endswith(lora_workers.ADAM_MOMENTS)}
+    assert moments == {f"optim.{n}.{m}" for n in trained for m in lora_workers.ADAM_MOMENTS}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("model", sorted(SAVED_HEADS))
+def test_lora_modules_to_save_export(
+    model: str, saved_reference: dict[str, dict], saved_runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """The ZeRO-3 job's checkpoint (each rank wrote half the head): `--merged` puts the trained
+    head in the base's place, giving the trained logits; the transformers model's `--format
+    peft` folder loads with peft onto its base, its files named as peft's own."""
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    from plait.tools.ckpt_commands import app
+
+    expected = saved_reference[model]
+    folder = saved_runs["checkpoints"][f"{model}_zero3"]
+    if model == "transformers":
+        base = tmp_path / "base"
+        lora_workers.build().save_pretrained(base)
+        inputs = lora_workers.batches()[0]["input_ids"]
+    else:
+        base = _builtin_base(expected, tmp_path)
+        inputs = lora_workers.builtin_batches()[0][0]
+    merged_args = ["--merged", "--base", str(base), "-o", str(tmp_path / "merged")]
+    out = CliRunner().invoke(app, ["export", str(folder), *merged_args])
+    assert out.exit_code == 0, out.output
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    with torch.no_grad():
+        logits = merged(input_ids=inputs).logits
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=0)
+    if model != "transformers":
+        return
+    out = CliRunner().invoke(
+        app, ["export", str(folder), "--format", "peft", "-o", str(tmp_path / "peft")]
+    )
+    assert out.exit_code == 0, out.output
+    own = lora_workers.users_peft_model([SAVED_HEADS[model]])
+    own.save_pretrained(tmp_path / "peft_own")
+    written = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert set(written) == set(load_file(str(tmp_path / "peft_own" / "adapter_model.safetensors")))
+    loaded = peft.PeftModel.from_pretrained(lora_workers.build(), tmp_path / "peft")
+    with torch.no_grad():
+        logits = loaded(input_ids=inputs).logits
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=0)
+
+
+def _builtin_base(reference: dict, tmp_path: Path) -> Path:
+    """The built-in Llama's base, a plait checkpoint of the frozen tensors the job started from."""
     from plait.plugins.checkpoint.offline import write_checkpoint
     from plait.plugins.checkpoint.state import FORMAT
     from plait.plugins.lora.state import base_weight_name
 
-    base = {f"model.{base_weight_name(n)}": t for n, t in builtin_reference["frozen"]}
+    base = {f"model.{base_weight_name(n)}": t for n, t in reference["frozen"]}
     meta = {
         "format": FORMAT,
         "world_size": 1,
@@ -481,6 +634,4 @@ def test_lora_pipeline_tensor_parallel_checkpoint_exports_whole(
         "model": lora_workers.BUILTIN["model"],
     }
     write_checkpoint(tmp_path / "base", 0, {**base, "meta": meta})
-    _assert_exports_whole(
-        pipeline_tensor_parallel["checkpoint"], builtin_reference, tmp_path, base=tmp_path / "base"
-    )
+    return tmp_path / "base"

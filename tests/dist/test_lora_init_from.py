@@ -3,7 +3,8 @@ on 2 Gloo ranks (DDP, ZeRO-3, pp = 2, tp = 2): the frozen base holds the pretrai
 the losses equal one process's that wrote them in by hand, the base's record is the hash of
 those weights, and a job resumed from its own adapter checkpoint (the base from `init_from`
 first) equals the uninterrupted one; resumed without `init_from`, its base fails the hash
-check."""
+check. With the head a module to save (ZeRO-3), its trained copy starts from the pretrained head
+and resumes from the job's checkpoint."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ LAYOUTS = {
     # The base's record taken over the stages' tensors, and over whole tensors of tp slices.
     "pp2": {"parallel": {"pp": 2}, "schedule": {"name": "gpipe"}, "train": {"micro_batch_size": 2}},
     "tp2": {"parallel": {"tp": 2}},
+    # The head trained in full beside the attention's adapters: its trained copy starts from the
+    # pretrained head, its frozen original is hashed as the base's.
+    "zero3_saved_head": {
+        "parallel": {"dp_strategy": "zero3"},
+        "peft": {"target_modules": ["wq", "wk", "wv", "wo"], "modules_to_save": ["output"]},
+    },
 }
 
 
@@ -34,8 +41,13 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str,
 
 
 @pytest.fixture(scope="module")
-def reference(pretrained: tuple[str, dict[str, torch.Tensor]]) -> dict:
-    return workers.reference(pretrained[1])
+def references(pretrained: tuple[str, dict[str, torch.Tensor]]) -> dict[str, dict]:
+    """One process's job for each `[peft]` of `LAYOUTS` (by layout name)."""
+    adapters = workers.reference(pretrained[1])
+    return {
+        name: workers.reference(pretrained[1], layout) if "peft" in layout else adapters
+        for name, layout in LAYOUTS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +76,16 @@ def runs(
 def test_lora_from_a_pretrained_checkpoint(
     name: str,
     pretrained: tuple[str, dict[str, torch.Tensor]],
-    reference: dict,
+    references: dict[str, dict],
     runs: dict[str, list[dict]],
 ) -> None:
-    ranks = runs[name]
+    ranks, reference = runs[name], references[name]
     for result in ranks:
         whole = result["whole"]
         assert whole["start"] == 0
         assert whole["base_same"], "the frozen base does not hold the pretrained weights"
+        # The head's trained copy starts from the pretrained head.
+        assert whole["copy_is_base"] is ("peft" in LAYOUTS[name] or None)
         losses = [whole["losses"][step] for step in sorted(whole["losses"])]
         worst = max(abs(a - b) for a, b in zip(losses, reference["losses"], strict=True))
         assert worst <= 1e-5, (losses, reference["losses"])
@@ -81,7 +95,7 @@ def test_lora_from_a_pretrained_checkpoint(
         assert whole["record"]["sha256"] == reference["per_tensor" if per_tensor else "sha256"]
         assert Path(whole["record"]["loaded_from"]).parent == Path(pretrained[0])
     base_held = [r["whole"]["base_held"] for r in ranks]
-    if name in ("zero3", "tp2", "pp2"):  # each rank holds and loaded its part of the base
+    if name in ("zero3", "tp2", "pp2", "zero3_saved_head"):  # each rank loaded its part
         assert base_held[0] < sum(base_held) and base_held[1] < sum(base_held)
     else:
         assert base_held[0] == base_held[1]
@@ -97,6 +111,8 @@ def test_a_resumed_lora_job_equals_the_uninterrupted_one(
         assert sorted(stopped["losses"]) == list(range(workers.STOP))
         assert resumed["start"] == workers.STOP
         assert resumed["base_same"], "the resumed job's base is not the pretrained one"
+        # The trained copy is the checkpoint's, not the pretrained head (compared below).
+        assert resumed["copy_is_base"] is (False if "peft" in LAYOUTS[name] else None)
         for step, loss in resumed["losses"].items():
             assert loss == pytest.approx(whole["losses"][step], abs=1e-6), step
         assert resumed["record"] == whole["record"]

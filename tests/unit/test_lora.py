@@ -115,3 +115,33 @@ def test_pipeline_is_accepted_with_one_chunk_per_rank() -> None:
 
 def test_the_transform_alone_is_accepted() -> None:
     plait_configure(config=load_config({"parallel": {"transforms": {"adapter": "lora"}}}))
+
+
+def test_modules_to_save_are_refused_under_pipeline_or_tensor_parallelism() -> None:
+    lora = {"transforms": {"adapter": "lora"}}
+    saved = {"peft": {"modules_to_save": ["output"]}}
+    plait_configure(config=load_config({"parallel": {"dp_strategy": "zero3", **lora}, **saved}))
+    for degrees, named in (({"pp": 2}, "parallel.pp = 2"), ({"tp": 2}, "parallel.tp = 2")):
+        with pytest.raises(ConfigError, match=rf"modules_to_save = \['output'\] with {named}"):
+            plait_configure(config=load_config({"parallel": {**degrees, **lora}, **saved}))
+
+
+def test_a_module_to_save_trains_as_a_copy_beside_its_frozen_original() -> None:
+    """peft's names: the frozen original `….original_module.…`, the copy that trains
+    `….modules_to_save.default.…`, starting equal; the base's checkpoint names both as the
+    module's own."""
+    from plait.plugins.lora.state import base_weight_name, trained_copies
+
+    section = PeftSection(r=2, target_modules=["wq"], modules_to_save=["layers.1.wo"])
+    adapted = apply_lora(Tiny(), section, seed=0)
+    params = dict(adapted.named_parameters())
+    original = params["base_model.model.layers.1.wo.original_module.weight"]
+    copy = params["base_model.model.layers.1.wo.modules_to_save.default.weight"]
+    assert copy.requires_grad and not original.requires_grad
+    assert torch.equal(copy, original) and copy.data_ptr() != original.data_ptr()
+    pairs = trained_copies(adapted)
+    assert pairs[id(copy)] == id(original) and len(pairs) == 2  # weight and bias
+    for name in ("original_module", "modules_to_save.default"):
+        assert (
+            base_weight_name(f"base_model.model.layers.1.wo.{name}.weight") == "layers.1.wo.weight"
+        )

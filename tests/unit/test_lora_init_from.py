@@ -96,3 +96,35 @@ def test_init_from_names_a_missing_base_tensor(tmp_path: Path) -> None:
     ):
         load_init_from(job, tmp_path / "base")
     job.close()
+
+
+def test_init_from_starts_a_module_to_saves_trained_copy_from_the_base(tmp_path: Path) -> None:
+    """`modules_to_save = ["output"]`: the base's `output.weight` is where the head's trained
+    copy starts (as peft's copy of a loaded module would); the record hashes it as the frozen
+    original's, the tensor the base had it arrived loaded."""
+    from plait.plugins.lora.state import base_hash, base_weight_name
+
+    saving = {**CONFIG, "peft": {**CONFIG["peft"], "modules_to_save": ["output"]}}
+
+    def saving_engine() -> Any:
+        return plait.initialize(
+            None, config=saving, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+        )
+
+    job = saving_engine()
+    left_out = layout_for(job).left_out_by_name()
+    copy = "base_model.model.output.modules_to_save.default.weight"
+    assert left_out["output.weight"].param is dict(job.module.named_parameters())[copy]
+    assert copy in layout_for(job).by_name()  # and saved, under peft's name
+    weights = pretrained_base(tmp_path / "base")
+    assert set(weights) == set(left_out)
+    built = job.module.base_model.model.output.modules_to_save["default"].weight.detach().clone()
+    load_init_from(job, tmp_path / "base")
+    trained = job.module.base_model.model.output.modules_to_save["default"].weight
+    assert torch.equal(trained, weights["output.weight"])
+    assert not torch.equal(built, weights["output.weight"])
+    frozen = [(n, p) for n, p in job.module.named_parameters() if not p.requires_grad]
+    assert "base_model.model.output.original_module.weight" in dict(frozen)
+    record = next(r for r in job.runtimes if r.name == "lora").record["base"]  # type: ignore[attr-defined]
+    assert record["sha256"] == base_hash([(n, weights[base_weight_name(n)]) for n, _ in frozen])
+    job.close()

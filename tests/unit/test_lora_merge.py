@@ -63,12 +63,16 @@ def export(*args: str) -> Any:
 def run(tmp_path: Path) -> dict[str, Any]:
     """A LoRA fine-tune of the base in `base/` (loaded from there, as a user does): the
     checkpoint after 3 steps and the LoRA model's logits then."""
+    return fine_tune(tmp_path, CONFIG)
+
+
+def fine_tune(tmp_path: Path, config: dict[str, Any]) -> dict[str, Any]:
     from plait.plugins.checkpoint.checkpointer import Checkpointer
     from plait.plugins.checkpoint.config import CheckpointIOConfig
 
     base = save_base(tmp_path / "base", seed=0)
     engine = plait.initialize(
-        load(base).train(), config=CONFIG, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+        load(base).train(), config=config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)
     )
     checkpointer = Checkpointer(engine, None, CheckpointIOConfig(dir=str(tmp_path / "ckpt")))
     for step in range(3):
@@ -100,6 +104,39 @@ def test_merged_model_has_the_lora_models_and_peft_merges_logits(run: dict[str, 
     torch.testing.assert_close(ours, logits(theirs), atol=TOLERANCE, rtol=0)
     # The adapters moved the model: a merge that dropped them would equal the base.
     assert (ours - logits(load(run["base"]))).abs().max() > 1e-3
+
+
+def test_a_module_to_save_exports_and_merges_as_trained(tmp_path: Path) -> None:
+    """`modules_to_save = ["lm_head"]`: the head trains in full beside the adapters; `--format
+    peft` writes its trained copy under peft's name (peft loads it onto the base with the LoRA
+    model's logits) and `--merged` puts it in the base's place, as `merge_and_unload()` does."""
+    from safetensors.torch import load_file
+
+    trained = fine_tune(tmp_path, {**CONFIG, "peft": {**PEFT, "modules_to_save": ["lm_head"]}})
+    out = export(str(trained["ckpt"]), "-o", str(tmp_path / "adapter"), "--format", "peft")
+    assert out.exit_code == 0, out.output
+    written = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert "base_model.model.lm_head.weight" in written
+    own = peft.get_peft_model(
+        load(trained["base"]),
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=PEFT["target_modules"], modules_to_save=["lm_head"]
+        ),
+    )
+    own.save_pretrained(tmp_path / "own")
+    assert set(written) == set(load_file(str(tmp_path / "own" / "adapter_model.safetensors")))
+    assert peft.PeftConfig.from_pretrained(tmp_path / "adapter").modules_to_save == ["lm_head"]
+    loaded = peft.PeftModel.from_pretrained(load(trained["base"]), tmp_path / "adapter")
+    torch.testing.assert_close(logits(loaded), trained["logits"], atol=TOLERANCE, rtol=0)
+
+    out = export(str(trained["ckpt"]), "-o", str(tmp_path / "merged"), "--merged")
+    assert out.exit_code == 0, out.output
+    merged = load(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged), trained["logits"], atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(logits(merged), logits(loaded.merge_and_unload()))
+    # The head moved: a merge that kept the base's would differ from the trained one.
+    head = load(trained["base"]).lm_head.weight
+    assert (merged.lm_head.weight - head).abs().max() > 1e-3
 
 
 def test_the_plait_command_merges_with_a_named_base(run: dict[str, Any]) -> None:
