@@ -17,7 +17,9 @@ always hit the same one, and the table shows the median over rounds.
 Printed per contender: tokens/s, CPU seconds per step (all threads of a rank, which a busy
 machine disturbs less than wall-clock time) and the first step's seconds; the compile watch's
 own line (graphs, graph breaks, compile time) for the compiled runs; the compiled / eager
-ratios per layout; and, from one profiled step on rank 0 of the last round, where the step's
+ratios per layout, with the largest difference between a compiled and an eager run's loss at any
+step (warm-up included; the same batches from the same seed) and the recompilations the watch
+saw after step 2; and, from one profiled step on rank 0 of the last round, where the step's
 CPU time went, by class of op (the compiled graph's own code, matrix products, attention,
 communication, the optimizer, autograd's accumulation, other aten ops), with the top ops — so
 a compiled run that is not faster shows what it did not speed up.
@@ -310,16 +312,16 @@ def run(
         mine = tokens[dp_rank * local : (dp_rank + 1) * local]
         batches.append((mine[:, :-1], mine[:, 1:]))
     start = time.perf_counter()
-    engine.train_step(batches[0])
+    losses = [engine.train_step(batches[0])]
     synchronize()
     first_step = time.perf_counter() - start
     for batch in batches[1 : args.warmup]:
-        engine.train_step(batch)
+        losses.append(engine.train_step(batch))
     synchronize()
     torch.distributed.barrier()
     start, cpu_start = time.perf_counter(), time.process_time()
     for batch in batches[args.warmup : -1]:
-        engine.train_step(batch)
+        losses.append(engine.train_step(batch))
     synchronize()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     profile = None
@@ -339,6 +341,9 @@ def run(
         "backend": torch.distributed.get_backend(),
         "rendezvous": "environment" if "MASTER_ADDR" in os.environ else "file store",
         "watch": list(watch.summaries) if watch is not None else [],
+        # Recompilations after the warm-up steps the watch allows (one line each).
+        "recompilations": watch.recompilations if watch is not None else 0,
+        "losses": losses,  # every step's, warm-up included: compiled against eager
         "profile": profile,
     }
     engine.close()
@@ -351,6 +356,16 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     memory = [r["peak_memory_gib"] for r in runs if r.get("peak_memory_gib") is not None]
     row["peak_memory_gib"] = max(memory) if memory else None
     return row
+
+
+def loss_difference(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> float:
+    """The largest |compiled − eager| loss of any step, over the rounds (each trains the same
+    batches from the same seed)."""
+    return max(
+        abs(c - e)
+        for e_run, c_run in zip(eager, compiled, strict=False)
+        for e, c in zip(e_run["losses"], c_run["losses"], strict=True)
+    )
 
 
 def figures(
@@ -380,6 +395,9 @@ def figures(
             ratios[layout] = {
                 "throughput": c["tokens_per_second"] / e["tokens_per_second"],
                 "cpu_per_step": c["cpu_seconds_per_step"] / e["cpu_seconds_per_step"],
+                "max_loss_difference": loss_difference(eager, compiled),
+                "steps_compared": len(compiled[0]["losses"]),
+                "recompilations": max(r["recompilations"] for r in compiled),
             }
     return {
         "device": args.device,
@@ -464,6 +482,8 @@ def main() -> None:
                     "first_step_seconds": max(r["first_step_seconds"] for r in per_rank),
                     "peak_memory_gib": per_rank[0]["peak_memory_gib"],
                     "watch": per_rank[0]["watch"],
+                    "recompilations": max(r["recompilations"] for r in per_rank),
+                    "losses": per_rank[0]["losses"],  # the same on every rank
                     "profile": per_rank[0]["profile"],
                 }
             )
@@ -504,6 +524,13 @@ def main() -> None:
             f"{layout} compiled / eager: throughput "
             f"{compiled['tokens_per_second'] / eager['tokens_per_second']:.3f}×, CPU per step "
             f"{compiled['cpu_seconds_per_step'] / eager['cpu_seconds_per_step']:.3f}×"
+        )
+        runs_compiled = results[(layout, True)]
+        difference = loss_difference(results[(layout, False)], runs_compiled)
+        print(
+            f"  loss: max |compiled − eager| {difference:.2e} over "
+            f"{len(runs_compiled[0]['losses'])} steps; recompilations after step 2: "
+            f"{max(r['recompilations'] for r in runs_compiled)}"
         )
         for line in results[(layout, True)][-1]["watch"]:
             print(f"  {line}")
