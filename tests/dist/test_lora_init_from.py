@@ -83,12 +83,12 @@ def test_lora_from_a_pretrained_checkpoint(
     for result in ranks:
         whole = result["whole"]
         assert whole["start"] == 0
-        assert whole["base_same"], "the frozen base does not hold the pretrained weights"
-        # The head's trained copy starts from the pretrained head.
-        assert whole["copy_is_base"] is ("peft" in LAYOUTS[name] or None)
         losses = [whole["losses"][step] for step in sorted(whole["losses"])]
         worst = max(abs(a - b) for a, b in zip(losses, reference["losses"], strict=True))
         assert worst <= 1e-5, (losses, reference["losses"])
+        assert whole["base_same"], "the frozen base does not hold the pretrained weights"
+        # The head's trained copy starts from the pretrained head.
+        assert whole["copy_is_base"] is ("peft" in LAYOUTS[name] or None)
         # The base's record: the hash of the weights loaded, and where they came from.
         per_tensor = whole["record"].get("scheme") == "per-tensor"
         assert per_tensor == (name in ("pp2", "tp2"))
