@@ -20,7 +20,8 @@ Blocks, not the whole model: the blocks share one forward, so one compiled graph
 and the pipeline split put them. It runs after activation checkpointing (a checkpointed block
 recomputes compiled code) and before data parallelism.
 
-Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages, AMP,
+Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages (also
+under ZeRO-3), AMP,
 activation checkpointing, tensor parallelism with and without sequence parallelism, context
 parallelism (ring and Ulysses, plait's Llama and a `transformers` Llama) and expert parallelism
 (plait's MoE and a `transformers` Mixtral). Their collectives run inside a block's forward, so

@@ -1,7 +1,7 @@
 """Compiled blocks under ZeRO-3 and HSDP: they train like eager blocks on two Gloo ranks (with
-activation checkpointing, and with inductor), ZeRO-3's gather and reshard hooks stay outside the
-graph (no graph break, no recompile), and what the compiler did is summarised once, a later
-recompilation reported with its cause."""
+activation checkpointing, and with inductor) and as pipeline stages (pp = 2 × ZeRO-3 on four),
+ZeRO-3's gather and reshard hooks stay outside the graph (no graph break, no recompile), and
+what the compiler did is summarised once, a later recompilation reported with its cause."""
 
 from __future__ import annotations
 
@@ -70,6 +70,25 @@ def test_compiled_zero3_and_hsdp_train_like_eager() -> None:
         # HSDP: each rank a replica of a one-rank shard group, averaged across the two.
         assert result["hsdp compiled"]["replicas"] == 2
     assert results[0]["zero3 compiled"]["losses"] == results[1]["zero3 compiled"]["losses"]
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_stages_under_zero3_compile_like_eager() -> None:
+    """pp = 2 × ZeRO-3 over dp = 2 (4 ranks, 1F1B): each stage's one block compiles once, with no
+    break and no recompile, and trains exactly as its eager twin."""
+    pipeline = {"dp": "zero3", "parallel": {"pp": 2}, "schedule": {"name": "1f1b"}}
+    runs = {"eager": pipeline, "compiled": {**pipeline, "compile": COUNTING}}
+    micro_batch = GLOBAL_BATCH // (4 * MICRO_BATCHES)  # 1F1B needs a micro-batch per stage
+    results = run_distributed(compile_zero3_workers.train, 4, runs, STEPS, micro_batch, timeout=240)
+    for rank, result in enumerate(results):
+        eager, compiled = result["eager"], result["compiled"]
+        _assert_same_training(compiled, eager, 1e-5, f"rank {rank}")
+        assert compiled["graph_breaks"] == {} and compiled["recompile_reasons"] == []
+        # A stage holds one of the two blocks: its graph runs once per micro-batch and step.
+        assert compiled["graph_calls"] == MICRO_BATCHES * STEPS, compiled["graph_calls"]
+        assert compiled["graphs_after_step"] == [1] * STEPS
+        assert compiled["watch"] == [compiled["watch"][0]]
+        assert "1 graph for 1 block, 0 graph breaks" in compiled["watch"][0]
 
 
 @pytest.mark.timeout(600)
