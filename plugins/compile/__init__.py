@@ -21,9 +21,8 @@ and the pipeline split put them. It runs after activation checkpointing (a check
 recomputes compiled code) and before data parallelism.
 
 Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages (also
-under ZeRO-3), AMP,
-activation checkpointing, tensor parallelism with and without sequence parallelism, context
-parallelism (ring and Ulysses, plait's Llama and a `transformers` Llama) and expert parallelism
+under ZeRO-3), AMP, activation checkpointing, tensor parallelism with and without sequence
+parallelism, context parallelism (ring and Ulysses, plait's Llama and a `transformers` Llama) and expert parallelism
 (plait's MoE and a `transformers` Mixtral). Their collectives run inside a block's forward, so
 what holds them runs eagerly between the compiled pieces (`torch.compiler.disable`, a graph
 break at each, counted in the summary below) instead of the compiler tracing plait's
