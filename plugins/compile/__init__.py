@@ -22,11 +22,12 @@ recomputes compiled code) and before data parallelism.
 
 Tested with one process, DDP, ZeRO-1/2/3 and HSDP (`parallel.dp_shard`), pipeline stages (also
 under ZeRO-3), AMP, activation checkpointing, tensor parallelism with and without sequence
-parallelism, context parallelism (ring and Ulysses, plait's Llama and a `transformers` Llama) and expert parallelism
-(plait's MoE and a `transformers` Mixtral). Their collectives run inside a block's forward, so
-what holds them runs eagerly between the compiled pieces (`torch.compiler.disable`, a graph
-break at each, counted in the summary below) instead of the compiler tracing plait's
-communicator and recompiling as its counters move: the tensor-parallel operators
+parallelism, context parallelism (ring and Ulysses, plait's Llama and a `transformers` Llama)
+and expert parallelism (plait's MoE and a `transformers` Mixtral). Their collectives run inside
+a block's forward, so what holds them runs eagerly between the compiled pieces
+(`torch.compiler.disable`, a graph break at each, counted in the summary below) instead of the
+compiler tracing plait's communicator and recompiling as its counters move: the tensor-parallel
+operators
 (`plait.plugins.tensor_parallel.tp_communications`), the whole context-parallel attention call
 (`plait.plugins.context_parallel.attention`: measured on the tiny Llama, the call costs 2
 breaks and 4 graphs for ring and Ulysses alike, their exchange 3 breaks (the ring's, whose
