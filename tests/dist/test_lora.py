@@ -330,7 +330,6 @@ def _assert_exports_whole(
     `--merged` the base with them merged (its hash checked over whole tensors), giving the
     trained logits. `base`: a built-in model's base, as a plait checkpoint; none: the
     transformers Llama's, written here."""
-    import transformers
     from safetensors.torch import load_file
 
     from plait.tools.ckpt_commands import app
@@ -344,6 +343,19 @@ def _assert_exports_whole(
     assert set(exported) == set(expected)
     for entry_name, tensor in exported.items():
         torch.testing.assert_close(tensor, expected[entry_name], atol=ADAPTER_TOL, rtol=0)
+    _assert_merged_gives(checkpoint_dir, reference["logits"], tmp_path, base=base)
+
+
+def _assert_merged_gives(
+    checkpoint_dir: Path, logits: torch.Tensor, tmp_path: Path, *, base: Path | None = None
+) -> torch.Tensor:
+    """`plait ckpt export --merged` onto `base` (a built-in model's, as a plait checkpoint;
+    none: the transformers Llama's, written here) loads with transformers and gives `logits`
+    on the first batch; returns that batch's input ids."""
+    import transformers
+
+    from plait.tools.ckpt_commands import app
+
     if base is None:
         base = tmp_path / "base"
         lora_workers.build().save_pretrained(base)
@@ -355,8 +367,9 @@ def _assert_exports_whole(
     assert out.exit_code == 0, out.output
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     with torch.no_grad():
-        logits = merged(input_ids=inputs).logits
-    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+        got = merged(input_ids=inputs).logits
+    torch.testing.assert_close(got, logits, atol=1e-4, rtol=0)
+    return inputs
 
 
 @pytest.mark.timeout(120)
@@ -583,27 +596,14 @@ def test_lora_modules_to_save_export(
     head in the base's place, giving the trained logits; the transformers model's `--format
     peft` folder loads with peft onto its base, its files named as peft's own."""
     import peft
-    import transformers
     from safetensors.torch import load_file
 
     from plait.tools.ckpt_commands import app
 
     expected = saved_reference[model]
     folder = saved_runs["checkpoints"][f"{model}_zero3"]
-    if model == "transformers":
-        base = tmp_path / "base"
-        lora_workers.build().save_pretrained(base)
-        inputs = lora_workers.batches()[0]["input_ids"]
-    else:
-        base = _builtin_base(expected, tmp_path)
-        inputs = lora_workers.builtin_batches()[0][0]
-    merged_args = ["--merged", "--base", str(base), "-o", str(tmp_path / "merged")]
-    out = CliRunner().invoke(app, ["export", str(folder), *merged_args])
-    assert out.exit_code == 0, out.output
-    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
-    with torch.no_grad():
-        logits = merged(input_ids=inputs).logits
-    torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=0)
+    base = None if model == "transformers" else _builtin_base(expected, tmp_path)
+    inputs = _assert_merged_gives(folder, expected["logits"], tmp_path, base=base)
     if model != "transformers":
         return
     out = CliRunner().invoke(
