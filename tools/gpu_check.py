@@ -382,6 +382,8 @@ def compiled_blocks(check: Check, deadline: float) -> dict[str, Any]:
         "precision": figures.get("precision"),
         "layouts": layouts,  # ranks, backend and rendezvous per layout, or why it was skipped
         "ratios": ratios,
+        # per layout: the largest compiled-vs-eager loss difference at any step, recompilations
+        "equality": figures.get("equality", {}),
         "skipped": skipped,
         "medians": {name: entry["median"] for name, entry in contenders.items()},
         "watch": {name: entry["runs"][-1].get("watch") for name, entry in contenders.items()},

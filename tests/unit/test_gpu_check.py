@@ -158,6 +158,10 @@ def test_the_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     assert tp["ranks"] == 0 and tp["skipped"] == compiled["skipped"]["tp+sp"]
     assert set(compiled["ratios"]) == {"zero3"}
     assert all(ratio > 0 for ratio in compiled["ratios"]["zero3"].values())
+    # Compiled equals eager at both steps (warm-up and timed), with no recompilation.
+    equal = compiled["equality"]["zero3"]
+    assert equal["steps_compared"] == 2 and equal["recompilations"] == 0, equal
+    assert equal["max_loss_difference"] < 1e-4, equal
     assert "1 device here" in compiled["skipped"]["tp+sp"]
     assert set(compiled["medians"]) == {"zero3 eager", "zero3 compiled"}
     assert "1 graph for 1 block" in compiled["watch"]["zero3 compiled"][0]
