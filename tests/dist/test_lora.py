@@ -290,15 +290,8 @@ def test_lora_tensor_parallel_equals_one_process(
         assert result["tp_gradient_bytes_last_step"] == 4 * whole
         assert result["gradient_bytes_last_step"] == {}  # dp = 1
     # Checkpoints hold each factor whole: the cut ones as the two ranks' halves.
-    covered = {n: 0 for n in adapters}
-    for result in ranks:
-        assert set(result["adapter_pieces"]) == set(adapters)
-        for entry_name, pieces in result["adapter_pieces"].items():
-            for region, values in pieces:
-                part = lora_workers.part(adapters[entry_name], region)
-                assert torch.allclose(values, part, atol=ADAPTER_TOL, rtol=0), entry_name
-                covered[entry_name] += region.numel
-    assert covered == {n: t.numel() * (1 if n in cut else 2) for n, t in adapters.items()}
+    assert all(set(result["adapter_pieces"]) == set(adapters) for result in ranks)
+    _assert_pieces_make_whole(ranks, adapters, cut)
     # The base is hashed whole, its slices gathered: one process's frozen tensors' hash.
     records = [r["base_record"] for r in ranks]
     assert records[0] == records[1]
@@ -321,6 +314,21 @@ def test_lora_checkpoint_exports_whole(
     # moments are the trained ones (and the base it was built on passed the hash check).
     assert all(run[name]["resumed_same"] for run in runs)
     _assert_exports_whole(checkpoint_dirs[name], reference, tmp_path)
+
+
+def _assert_pieces_make_whole(
+    ranks: list[dict], adapters: dict[str, torch.Tensor], cut: set[str]
+) -> None:
+    """Every rank's checkpointed adapter pieces equal their regions of one process's adapters,
+    and the tp pair covers each factor: a cut one once (two halves), a whole one twice."""
+    covered = {n: 0 for n in adapters}
+    for result in ranks:
+        for entry_name, pieces in result["adapter_pieces"].items():
+            for region, values in pieces:
+                part = lora_workers.part(adapters[entry_name], region)
+                assert torch.allclose(values, part, atol=ADAPTER_TOL, rtol=0), entry_name
+                covered[entry_name] += region.numel
+    assert covered == {n: t.numel() * (1 if n in cut else 2) for n, t in adapters.items()}
 
 
 def _assert_exports_whole(
@@ -459,14 +467,7 @@ def test_lora_pipeline_tensor_parallel_equals_one_process(
     first, last = by_stage[0][0], by_stage[1][0]
     assert first and last and not first & last and first | last == set(adapters)
     # The trained factors, whole ones on both tp ranks of their stage, cut ones as two halves.
-    covered = {n: 0 for n in adapters}
-    for result in ranks:
-        for entry_name, pieces in result["adapter_pieces"].items():
-            for region, values in pieces:
-                part = lora_workers.part(adapters[entry_name], region)
-                assert torch.allclose(values, part, atol=ADAPTER_TOL, rtol=0), entry_name
-                covered[entry_name] += region.numel
-    assert covered == {n: t.numel() * (1 if n in cut else 2) for n, t in adapters.items()}
+    _assert_pieces_make_whole(ranks, adapters, cut)
     records = [r["base_record"] for r in ranks]
     assert all(record == records[0] for record in records)
     assert records[0]["sha256"] == digests_hash(tensor_digests(expected["frozen"]))
